@@ -1,0 +1,8 @@
+"""graphdecode: a CUDA-graph-centric LLM decode engine (the GPU never waits for Python)."""
+
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .runtime.llm import LLM
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""Paged KV cache, attention metadata and backends (torch reference, FlashInfer)."""
+
+from .backend import AttentionBackend, ForwardContext
+from .metadata import DecodeMetadata, PrefillMetadata
+from .torch_backend import TorchAttentionBackend
+
+__all__ = ["AttentionBackend", "ForwardContext", "DecodeMetadata", "PrefillMetadata", "TorchAttentionBackend"]

@@ -1,0 +1,54 @@
+"""The AttentionBackend interface and the per-forward context the model calls.
+
+A backend owns nothing but the algorithm; the KV caches and metadata are passed
+in. The torch reference backend runs everywhere; the FlashInfer backend runs on
+CUDA. Both write K/V by slot before attending.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import DecodeMetadata, PrefillMetadata
+
+
+class AttentionBackend(ABC):
+    name = "abstract"
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int):
+        self.kv_caches = kv_caches
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def plan_prefill(self, meta: PrefillMetadata) -> None:
+        """Host-side preparation before a prefill forward (no-op by default)."""
+
+    def plan_decode(self, bucket: int, meta: DecodeMetadata) -> None:
+        """Prepare decode for a bucket once (at graph capture); no-op by default."""
+
+    @abstractmethod
+    def prefill(self, layer: int, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]; writes k/v into the cache."""
+
+    @abstractmethod
+    def decode(self, layer: int, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
+        """q [B, H, D], k/v [B, H_kv, D] -> [B, H, D]; writes k/v into the cache."""
+
+
+@dataclass
+class ForwardContext:
+    """Handed to the model's forward: which backend, prefill or decode metadata."""
+
+    backend: AttentionBackend
+    prefill: PrefillMetadata | None = None
+    decode: DecodeMetadata | None = None
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        if self.decode is not None:
+            return self.backend.decode(layer, q, k, v, self.decode)
+        return self.backend.prefill(layer, q, k, v, self.prefill)

@@ -1,0 +1,33 @@
+"""Attention metadata: what a backend reads to attend over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillMetadata:
+    """A ragged batch of G sequences whose new tokens are concatenated into T tokens."""
+
+    cu_query_lens: torch.Tensor  # [G + 1] int32, device: token offsets of each sequence
+    seq_lens: torch.Tensor  # [G] int32, device: KV length after this prefill
+    block_table: torch.Tensor  # [G, pages] int32, device
+    slot_mapping: torch.Tensor  # [T] int64, device: where each new token's K/V goes
+    query_lens_host: list[int]  # [G] host copies for backends that plan on the host
+    seq_lens_host: list[int]
+    block_table_host: torch.Tensor  # [G, pages] int32, cpu (pinned on CUDA)
+
+
+@dataclass
+class DecodeMetadata:
+    """One token per row for a bucket of B rows; views into the engine's static buffers."""
+
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [B] int64
+    kv_indptr: torch.Tensor  # [B + 1] int32 (FlashInfer CSR)
+    kv_indices: torch.Tensor  # [B * max_pages] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
+    max_kv_pages: int  # static: pages the torch reference gathers per row

@@ -1,0 +1,92 @@
+"""Building csrc/ with nvcc: shared by setup.py (install time) and the loader (first use).
+
+No torch import here: setup.py loads this file on its own, in a build environment
+that may have no torch. The library is plain CUDA with an extern "C" ABI, linked
+against the static CUDA runtime, so it loads without torch headers or libcudart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+
+LIB_NAME = "libgraphdecode_kernels.so"
+SOURCES = ("advance_step.cu",)
+DEFAULT_ARCH_FLAGS = (
+    "-gencode", "arch=compute_90,code=sm_90",
+    "-gencode", "arch=compute_90,code=compute_90",  # embedded PTX for newer GPUs
+)
+
+
+def package_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_dir() -> str | None:
+    """csrc/ of a source checkout, or the copy setup.py puts into the package."""
+    for candidate in (os.path.join(os.path.dirname(package_dir()), "csrc"), os.path.join(package_dir(), "_csrc")):
+        if all(os.path.isfile(os.path.join(candidate, s)) for s in SOURCES):
+            return candidate
+    return None
+
+
+def source_hash(src_dir: str) -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(src_dir, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = os.path.join(home, "bin", "nvcc")
+    return candidate if os.path.isfile(candidate) else None
+
+
+def arch_flags_for(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    env = os.environ.get("GRAPHDECODE_CUDA_ARCH_FLAGS")
+    if env:
+        return tuple(env.split())
+    if capability is None:
+        return DEFAULT_ARCH_FLAGS
+    cc = f"{capability[0]}{capability[1]}"
+    return ("-gencode", f"arch=compute_{cc},code=sm_{cc}", "-gencode", f"arch=compute_{cc},code=compute_{cc}")
+
+
+def build(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS, nvcc: str | None = None) -> str:
+    """Compile the sources into out_path (atomically); writes a .sha256 stamp beside it."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    tmp = f"{out_path}.{os.getpid()}.tmp"
+    cmd = [
+        nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+        *arch_flags, "-o", tmp, *(os.path.join(src_dir, s) for s in SOURCES),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")
+    os.replace(tmp, out_path)
+    with open(out_path + ".sha256", "w") as f:
+        f.write(source_hash(src_dir))
+    return out_path
+
+
+def is_current(lib_path: str, src_dir: str | None) -> bool:
+    """A built library matches the sources (or no sources are around to say otherwise)."""
+    if not os.path.isfile(lib_path):
+        return False
+    if src_dir is None:
+        return True
+    try:
+        with open(lib_path + ".sha256") as f:
+            return f.read().strip() == source_hash(src_dir)
+    except OSError:
+        return False

@@ -1,0 +1,50 @@
+"""Small building blocks shared by the model files: RMSNorm and fused linears.
+
+Fused linears (qkv, gate_up) hold several HuggingFace weights side by side; each
+knows where a named shard goes, so the loader can fill them from the unfused
+checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers' LlamaRMSNorm: normalise in float32.
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class FusedLinear(nn.Linear):
+    """A linear layer whose output rows are the concatenation of named shards."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
+        offset, size = self.shard_offsets[shard]
+        if loaded.shape[0] != size:
+            raise ValueError(f"weights: shard {shard!r} has {loaded.shape[0]} rows, expected {size}")
+        param.data[offset : offset + size].copy_(loaded)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,64 @@
+"""The decode window: k whole decode steps with no host involvement between them.
+
+`decode_window` is the one function that both the CPU (eagerly) and the CUDA graph
+runner (captured once per bucket) execute. Per step: model forward on the bucket's
+rows, sample with per-row parameters, record the token (and logprobs) in the output
+column, update the device-side done flags, then advance_step prepares the next
+step's inputs and attention metadata in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.backend import AttentionBackend, ForwardContext
+from .decode_state import DecodeState
+from .sampler import Sampler, SamplerMode, stop_check
+
+
+def sample_into(
+    state: DecodeState,
+    sampler: Sampler,
+    logits: torch.Tensor,  # [R, V] float32
+    rows,  # slice (window) or [R] int64 index (prefill)
+    column: int,
+    next_pos: torch.Tensor,  # [R] int64: index of the token being sampled
+    mode: SamplerMode,
+    num_logprobs: int,
+    done_before: torch.Tensor | None,  # [R] bool, or None when all rows are live
+) -> torch.Tensor:
+    """Sample R rows, write output column `column` and the done flags; returns tokens [R]."""
+    params = state.sampling_rows(rows)
+    tokens, logprobs = sampler(logits, params, next_pos, mode, num_logprobs)
+    if done_before is None:
+        done_before = torch.zeros_like(tokens, dtype=torch.bool)
+    else:
+        tokens = torch.where(done_before, state.input_ids[rows], tokens)  # inert rows keep their token
+    state.out_tokens[rows, column] = tokens
+    if logprobs is not None:
+        state.record_logprobs(rows, column, logprobs)
+    state.done[rows] = stop_check(tokens, params, next_pos, done_before)
+    return tokens
+
+
+def decode_window(
+    logits_fn,  # (input_ids [B], positions [B], ctx) -> logits [B, V] float32
+    sampler: Sampler,
+    backend: AttentionBackend,
+    state: DecodeState,
+    bucket: int,
+    steps: int,
+    page_size: int,
+    mode: SamplerMode,
+    num_logprobs: int,
+    max_kv_pages: int,
+) -> None:
+    rows = slice(0, bucket)
+    ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, max_kv_pages))
+    # the host may have admitted rows or grown block tables since the last window
+    state.advance(bucket, state.input_ids[rows], page_size, advance=False)
+    for step in range(steps):
+        logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
+        next_pos = state.positions[rows] + 1
+        tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, mode, num_logprobs, state.done[rows])
+        state.advance(bucket, tokens, page_size, advance=True)

@@ -1,0 +1,188 @@
+"""EngineConfig: the one frozen configuration, validated and resolved in __post_init__.
+
+The user-facing fields mirror `LLM(...)`'s arguments. `__post_init__` checks each one
+(a ValueError names the field), reads the model's config.json, and fills the
+resolved fields (device, dtype, max_model_len, num_pages, buckets, ...) that the
+rest of the engine reads, so there is exactly one place defaults are decided.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention.kv_cache import kv_bytes_per_page
+from .compiled.model_config import ModelConfig, load_model_config
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+BUCKET_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+CPU_KV_BUDGET_BYTES = 2 << 30
+GPU_MEMORY_FRACTION = 0.85
+
+
+def _pos_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _buckets(max_batch_size: int) -> tuple[int, ...]:
+    sizes = [b for b in BUCKET_SIZES if b < max_batch_size]
+    return tuple(sizes) + (max_batch_size,)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    max_batch_size: int = 256
+    num_decode_steps: int = 8
+    page_size: int = 16
+    num_pages: int | None = None
+    max_model_len: int | None = None
+    attention_backend: str | None = None
+    compile: bool | None = None
+    cuda_graphs: bool | None = None
+    seed: int = 0
+    max_num_batched_tokens: int = 8192
+    max_logprobs: int = 20
+    max_stop_ids: int = 16
+
+    # resolved in __post_init__
+    model_config: ModelConfig = field(init=False, repr=False)
+    torch_device: torch.device = field(init=False)
+    torch_dtype: torch.dtype = field(init=False)
+    buckets: tuple[int, ...] = field(init=False)
+    max_pages_per_seq: int = field(init=False)
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
+            raise ValueError(f"model must be a HuggingFace model directory, got {self.model!r}")
+        _pos_int("max_batch_size", self.max_batch_size)
+        if self.max_batch_size > 1024:
+            raise ValueError(f"max_batch_size must be <= 1024, got {self.max_batch_size}")
+        _pos_int("num_decode_steps", self.num_decode_steps)
+        _pos_int("page_size", self.page_size)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        _pos_int("num_pages", self.num_pages, allow_none=True)
+        _pos_int("max_model_len", self.max_model_len, allow_none=True)
+        _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _pos_int("max_logprobs", self.max_logprobs)
+        _pos_int("max_stop_ids", self.max_stop_ids)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("compile", "cuda_graphs"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+
+        cfg = load_model_config(str(self.model))
+        device = self._resolve_device()
+        dtype = self._resolve_dtype(cfg, device)
+        max_len = self.max_model_len or cfg.max_position_embeddings
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
+                f"({cfg.max_position_embeddings})"
+            )
+        if cfg.sliding_window is not None and cfg.sliding_window < max_len:
+            raise ValueError(
+                f"sliding_window: the model uses a {cfg.sliding_window}-token sliding window, which is not "
+                f"supported; set max_model_len <= {cfg.sliding_window}"
+            )
+        max_pages = -(-max_len // self.page_size)
+        backend = self._resolve_backend(device)
+        compile_ = self.compile if self.compile is not None else device.type == "cuda"
+        graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
+        if graphs and device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+        num_pages = self.num_pages or self._default_num_pages(cfg, dtype, device, max_pages)
+        if num_pages < max_pages + 1:
+            raise ValueError(
+                f"num_pages ({num_pages}) must hold one sequence of max_model_len ({max_len} tokens = "
+                f"{max_pages} pages) plus the scratch page"
+            )
+        resolved = {
+            "model_config": cfg,
+            "torch_device": device,
+            "torch_dtype": dtype,
+            "max_model_len": max_len,
+            "num_pages": num_pages,
+            "attention_backend": backend,
+            "compile": compile_,
+            "cuda_graphs": graphs,
+            "buckets": _buckets(self.max_batch_size),
+            "max_pages_per_seq": max_pages,
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    def _resolve_device(self) -> torch.device:
+        name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(name)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: {self.device!r} is not a torch device") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device: 'cuda' was asked for but CUDA is not available")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def _resolve_dtype(self, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            if device.type == "cpu":
+                return torch.float32
+            return cfg.dtype if cfg.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if isinstance(self.dtype, torch.dtype) and self.dtype in _DTYPE_NAMES.values():
+            return self.dtype
+        if isinstance(self.dtype, str) and self.dtype in _DTYPE_NAMES:
+            return _DTYPE_NAMES[self.dtype]
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+
+    def _resolve_backend(self, device: torch.device) -> str:
+        name = self.attention_backend
+        if name is None:
+            if device.type == "cuda":
+                from .attention.flashinfer_backend import flashinfer_available
+
+                return "flashinfer" if flashinfer_available() else "torch"
+            return "torch"
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+        if name == "flashinfer" and device.type != "cuda":
+            raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
+        return name
+
+    def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int) -> int:
+        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        wanted = self.max_batch_size * max_pages + 1
+        if device.type == "cpu":
+            return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1)
+        free, total = torch.cuda.mem_get_info(device)
+        weights = _weight_bytes(cfg, dtype)
+        budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
+        return max(min(wanted, budget // per_page), max_pages + 1)
+
+
+def _weight_bytes(cfg: ModelConfig, dtype) -> int:
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    per_layer = attn + 3 * h * i
+    count = cfg.num_layers * per_layer + v * h * (1 if cfg.tie_word_embeddings else 2)
+    return count * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,91 @@
+"""The built-in default model: a small random Llama with a real tokenizer, made offline.
+
+Created deterministically on first use (fixed corpus for the byte-level BPE
+tokenizer, fixed torch seed for the weights) and saved with transformers
+`save_pretrained` as a normal HuggingFace directory (config.json + safetensors +
+tokenizer), so `graphdecode generate` works on a machine with no network. Its text is
+gibberish: it exists to exercise the engine, not to be read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+DEFAULT_MODEL_NAME = "default-llama-v1"
+
+_CORPUS = """\
+graphdecode is a decode engine for large language models. It captures one CUDA graph per batch bucket,
+and each graph runs several decode steps back to back: the model forward, sampling, and a kernel that
+prepares the next step's inputs. The scheduler only decides admissions between graph launches.
+The capital of France is Paris. The capital of Italy is Rome. The capital of Japan is Tokyo.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+Once upon a time there was a little engine that wanted to go fast. It learned to keep the GPU busy,
+to never wait for Python, and to count every token it produced. One, two, three, four, five, six,
+seven, eight, nine, ten. Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.
+def main():\n    print("hello, world")\n    return 0\n
+"""
+
+
+def cache_root() -> str:
+    return os.environ.get("GRAPHDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphdecode"))
+
+
+def default_model_dir() -> str:
+    path = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        os.makedirs(cache_root(), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".building-")
+        try:
+            build_default_model(tmp)
+            try:
+                os.replace(tmp, path)
+            except OSError:  # another process finished first
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def build_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def build_default_model(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,1 @@
+"""Sequences, pages, scheduler, runner, pythonizer, detokenizer and the LLM front end."""

@@ -1,0 +1,169 @@
+"""Engine: the step loop. Each step is schedule -> run -> postprocess.
+
+    plan    = scheduler.schedule()        admissions, lookahead pages, bucket, variant
+    pending = runner.execute(plan)        stage rows, prefill, launch the window, copy out
+    changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
+
+Postprocessing lags one window behind the launch, so the device always has the next
+window queued while the host turns tokens into text; the pythonizer's wait is the
+only place the host waits for the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import nvtx
+import torch
+
+from .inputs import InputProcessor
+from .output_processor import OutputProcessor
+from .page_allocator import PageAllocator
+from .pythonizer import PendingCopy
+from .runner import ModelRunner
+from .scheduler import Scheduler, WindowPlan
+from .sequence import Request, Sequence
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: str):
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError("tokenizer: graphdecode needs a fast (tokenizers-backed) tokenizer")
+    return tokenizer
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0  # tokens run through prefill (prompts once per request, recomputes again)
+    prefill_batches: int = 0
+    decode_tokens: int = 0  # tokens produced by decode windows that reached a user
+    generated_tokens: int = 0  # all tokens that reached a user (prefill's first tokens included)
+    windows: int = 0  # decode windows launched
+    window_rows: int = 0  # bucket rows over all windows (padding included)
+    live_rows: int = 0  # rows holding a sequence over all windows
+    preemptions: int = 0
+    requests_finished: int = 0
+    windows_per_bucket: dict = field(default_factory=dict)
+    host_seconds_schedule: float = 0.0
+    host_seconds_launch: float = 0.0
+    host_seconds_pythonize: float = 0.0
+    seconds_blocked: float = 0.0  # inside the pythonizer's wait (device not done yet)
+    staged_rows: int = 0  # rows copied host -> device between windows
+    staging_flushes: int = 0
+    capture_seconds: float = 0.0
+    graph_memory_bytes: int = 0
+
+
+class Engine:
+    def __init__(self, config):
+        self.config = config
+        self.tokenizer = load_tokenizer(str(config.model))
+        self.runner = ModelRunner(config)
+        self.allocator = PageAllocator(config.num_pages)
+        self.scheduler = Scheduler(config, self.allocator, self.runner.staging, self.runner.windows.bucket_for)
+        self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
+        self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._inflight: tuple[WindowPlan, PendingCopy] | None = None
+        self._arrivals = itertools.count()
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------- requests
+    def prepare(self, prompt_text, prompt_ids, params, request_id=None) -> Request:
+        """Validate and build a request without adding it (raises ValueError)."""
+        arrival = next(self._arrivals)
+        request_id = str(arrival) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival)
+
+    def add_request(self, prompt, params=None, request_id=None) -> Request:
+        (text, ids), = self.inputs.tokenize_all([prompt])
+        request = self.prepare(text, ids, params, request_id)
+        self.add_prepared(request)
+        return request
+
+    def add_prepared(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(list(request.seqs))
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End every unfinished sequence of the request with finish_reason 'abort'."""
+        request = self.requests.get(str(request_id))
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._on_finish(seq)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[Sequence]:
+        """One window: returns the sequences that gained tokens or finished."""
+        stats = self._stats
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            with nvtx.annotate("graphdecode.schedule"):
+                plan = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            with nvtx.annotate("graphdecode.launch"):
+                pending = self.runner.execute(plan)
+            t2 = time.perf_counter()
+            changed: list[Sequence] = []
+            if self._inflight is not None:
+                with nvtx.annotate("graphdecode.pythonize"):
+                    changed = self._postprocess(*self._inflight)
+            t3 = time.perf_counter()
+        self._inflight = (plan, pending) if pending is not None else None
+        self._account(plan, t1 - t0, t2 - t1, t3 - t2)
+        return changed
+
+    def _postprocess(self, plan: WindowPlan, pending: PendingCopy) -> list[Sequence]:
+        result = self.runner.pythonizer.wait(pending)
+        return self.outputs.process(plan.rows, plan.steps, result, self._stats)
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        request = seq.request
+        request.num_finished += 1
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+            self._stats.requests_finished += 1
+
+    def _account(self, plan: WindowPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
+        s = self._stats
+        s.host_seconds_schedule += schedule_s
+        s.host_seconds_launch += launch_s
+        s.host_seconds_pythonize += pythonize_s
+        s.prefill_tokens += sum(len(g.token_ids) for g in plan.prefills)
+        s.prefill_batches += bool(plan.prefills)
+        if plan.steps:
+            s.windows += 1
+            s.window_rows += plan.bucket
+            s.live_rows += len(plan.rows)
+            s.windows_per_bucket[plan.bucket] = s.windows_per_bucket.get(plan.bucket, 0) + 1
+
+    def stats(self) -> dict:
+        s = self._stats
+        s.preemptions = self.scheduler.num_preemptions
+        s.seconds_blocked = self.runner.pythonizer.seconds_blocked
+        s.staged_rows = self.runner.staging.num_rows_staged
+        s.staging_flushes = self.runner.staging.num_flushes
+        s.capture_seconds = self.runner.windows.capture_seconds
+        s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
+        out = dict(vars(s))
+        out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))
+        return out

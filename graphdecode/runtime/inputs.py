@@ -1,0 +1,132 @@
+"""Prompt parsing and request validation, done before a request touches the engine.
+
+`InputProcessor.prepare()` turns (prompt, SamplingParams) into a Request with its
+Sequences, or raises ValueError naming the offending field. It has no side effects
+on the engine, so a batch can be validated whole before any of it is admitted, and
+a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+from ..sampling_params import SamplingParams
+from .detokenizer import Detokenizer
+from .sequence import Request, Sequence
+
+_M64 = (1 << 64) - 1
+
+
+def mix64(*values: int) -> int:
+    """splitmix64 over the values: derives per-request and per-child seeds."""
+    x = 0x9E3779B97F4A7C15
+    for v in values:
+        x = (x ^ (v & _M64)) & _M64
+        x = (x + 0x9E3779B97F4A7C15) & _M64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+        x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x  # fits an int64 tensor
+
+
+class InputProcessor:
+    def __init__(self, config, tokenizer, group_pages):
+        self.config = config
+        self.tokenizer = tokenizer  # transformers tokenizer or None
+        self.vocab_size = config.model_config.vocab_size
+        self.eos_ids = config.model_config.eos_token_ids
+        self.group_pages = group_pages  # (num_tokens, n, max_len) -> pages needed at admission
+        self._next_seq_id = 0
+
+    def tokenize_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
+        """Parse prompts (str or {"prompt_token_ids"} / {"prompt"} dicts); text is batch-encoded."""
+        parsed: list = []
+        texts, text_slots = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                text_slots.append(i)
+                parsed.append(None)
+            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError(f"prompt_token_ids must be a list of ints (prompt {i})")
+                parsed.append((prompt.get("prompt"), list(ids)))
+            elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+                texts.append(prompt["prompt"])
+                text_slots.append(i)
+                parsed.append(None)
+            else:
+                raise ValueError(
+                    f"prompt must be a str or a dict with 'prompt_token_ids' (prompt {i}: {type(prompt).__name__})"
+                )
+        if texts:
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer, and the model directory has none")
+            encoded = self.tokenizer(texts)["input_ids"]
+            for slot, text, ids in zip(text_slots, texts, encoded):
+                parsed[slot] = (text, list(ids))
+        return parsed
+
+    def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int) -> Request:
+        cfg = self.config
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise ValueError("prompt: the prompt is empty (no tokens)")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len "
+                f"({cfg.max_model_len})"
+            )
+        stop_token_ids = tuple(params.stop_token_ids or ())
+        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        stop_ids = tuple(dict.fromkeys(stop_token_ids + (() if params.ignore_eos else self.eos_ids)))
+        if len(stop_ids) > cfg.max_stop_ids:
+            raise ValueError(
+                f"stop_token_ids: {len(stop_ids)} stop ids (with EOS) exceed max_stop_ids ({cfg.max_stop_ids})"
+            )
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise ValueError(f"logprobs: {params.logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
+        if params.n > cfg.max_batch_size:
+            raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
+        max_len = cfg.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        if self.group_pages(len(prompt_ids), params.n, max_len) > cfg.num_pages - 1:
+            raise ValueError(f"n: {params.n} sequences of this prompt do not fit in the KV cache ({cfg.num_pages} pages)")
+
+        request = Request(request_id, prompt_text, list(prompt_ids), params, arrival)
+        base_seed = params.seed if params.seed is not None else mix64(cfg.seed, arrival)
+        for index in range(params.n):
+            request.seqs.append(
+                Sequence(
+                    seq_id=self._next_seq_id,
+                    request=request,
+                    index=index,
+                    token_ids=list(prompt_ids),
+                    num_prompt_tokens=len(prompt_ids),
+                    seed=mix64(base_seed, index),
+                    stop_ids=stop_ids,
+                    max_len=max_len,
+                    detokenizer=self._detokenizer(prompt_ids, params),
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )
+            self._next_seq_id += 1
+        return request
+
+    def _detokenizer(self, prompt_ids, params) -> Detokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return Detokenizer(
+            self.tokenizer.backend_tokenizer, prompt_ids, params.skip_special_tokens,
+            params.stop_strings, params.include_stop_str_in_output,
+        )

@@ -1,0 +1,98 @@
+"""LLM: the Python front end (vLLM-shaped): generate, stream, stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .engine import Engine
+from .output_builder import delta_outputs, final_output
+from .sequence import Request
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        dtype=None,
+        max_batch_size: int = 256,
+        num_decode_steps: int = 8,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_model_len: int | None = None,
+        attention_backend: str | None = None,
+        compile: bool | None = None,
+        cuda_graphs: bool | None = None,
+        seed: int = 0,
+        **kwargs,
+    ):
+        if model is None:
+            from ..default_model import default_model_dir
+
+            model = default_model_dir()
+        self.config = EngineConfig(
+            model=model, device=device, dtype=dtype, max_batch_size=max_batch_size,
+            num_decode_steps=num_decode_steps, page_size=page_size, num_pages=num_pages,
+            max_model_len=max_model_len, attention_backend=attention_backend, compile=compile,
+            cuda_graphs=cuda_graphs, seed=seed, **kwargs,
+        )
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order."""
+        requests = self._add(prompts, sampling_params)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [final_output(r) for r in requests]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield RequestOutput deltas as windows are pythonized (at most one per sequence per window).
+
+        Closing the iterator early aborts the requests it started.
+        """
+        requests = self._add(prompts, sampling_params)
+        mine = {r.request_id for r in requests}
+        try:
+            while self.engine.has_unfinished():
+                for out in delta_outputs(self.engine.step()):
+                    if out.request_id in mine:
+                        yield out
+        finally:
+            for r in requests:
+                if not r.finished:
+                    self.engine.abort_request(r.request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.engine.abort_request(request_id)
+        return final_output(request) if request is not None else None
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _add(self, prompts, sampling_params) -> list[Request]:
+        """Validate every prompt first; only then add them all (a bad one adds nothing)."""
+        single = isinstance(prompts, (str, dict))
+        prompt_list = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params: {len(sampling_params)} given for {len(prompt_list)} prompts"
+                )
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params if sampling_params is not None else SamplingParams()] * len(prompt_list)
+        parsed = self.engine.inputs.tokenize_all(prompt_list)
+        requests = [
+            self.engine.prepare(text, ids, params)
+            for (text, ids), params in zip(parsed, params_list)
+        ]
+        for request in requests:
+            self.engine.add_prepared(request)
+        return requests

@@ -1,0 +1,76 @@
+"""Builds RequestOutputs from sequences: whole (generate) or as stream deltas.
+
+A delta carries what a sequence gained since its last delta: new token ids, the
+new stable text (text that can no longer be taken back by a stop string) and new
+logprobs. Concatenating a sequence's deltas gives exactly its final output.
+"""
+
+from __future__ import annotations
+
+from ..outputs import CompletionOutput, RequestOutput
+from .sequence import Request, Sequence
+
+
+def final_output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[
+            CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ],
+        finished=request.finished,
+    )
+
+
+def take_delta(seq: Sequence) -> CompletionOutput | None:
+    """What the sequence gained since its last delta (advances its stream cursors)."""
+    finished = seq.is_finished
+    text = seq.output_text
+    stable = seq.detokenizer.stable_len(finished) if seq.detokenizer is not None else 0
+    new_text = text[seq.num_streamed_chars : stable] if stable > seq.num_streamed_chars else ""
+    tokens = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed_tokens :]
+    logprobs = None
+    if seq.logprobs is not None:
+        logprobs = seq.logprobs[seq.num_streamed_logprobs :]
+        seq.num_streamed_logprobs = len(seq.logprobs)
+    if not new_text and not tokens and not finished:
+        return None
+    seq.num_streamed_chars = max(seq.num_streamed_chars, stable)
+    seq.num_streamed_tokens = seq.num_output_tokens
+    return CompletionOutput(
+        index=seq.index,
+        text=new_text,
+        token_ids=tokens,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        logprobs=logprobs,
+        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+    )
+
+
+def delta_outputs(changed: list[Sequence]) -> list[RequestOutput]:
+    """One RequestOutput per request among the changed sequences, in first-seen order."""
+    by_request: dict[int, RequestOutput] = {}
+    for seq in changed:
+        delta = take_delta(seq)
+        if delta is None:
+            continue
+        request = seq.request
+        out = by_request.get(id(request))
+        if out is None:
+            out = by_request[id(request)] = RequestOutput(
+                request.request_id, request.prompt, request.prompt_token_ids, [], False
+            )
+        out.outputs.append(delta)
+        out.finished = request.finished
+    return list(by_request.values())

@@ -1,0 +1,91 @@
+"""Turns a pythonized window into sequence progress: tokens, text, stops, finishes.
+
+For each row the window held, it takes the row's new tokens and applies, on the
+host, exactly the stop rules the device applied (stop ids, max_len), plus the
+host-only stop strings. Tokens after the first stop are discarded, so tokens a row
+produced past its stop inside a window never reach the user. Work is proportional to
+the rows in the window and the tokens they produced.
+"""
+
+from __future__ import annotations
+
+from ..outputs import Logprob
+from .pythonizer import WindowResult
+from .sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, on_finish):
+        self.tokenizer = tokenizer
+        self.on_finish = on_finish  # (sequence) -> None: frees its row and pages
+
+    def process(self, rows, steps: int, result: WindowResult, stats) -> list[Sequence]:
+        """rows: the window's (row, sequence, epoch, admitted-now) list. Returns changed sequences."""
+        changed = []
+        for row, seq, epoch, is_new in rows:
+            if seq.row != row or seq.epoch != epoch:
+                continue  # finished, aborted or preempted since launch: its tokens are void
+            first = 0 if is_new else 1
+            tokens = result.tokens[row, first : steps + 1].tolist()
+            accepted = self._accept(seq, tokens)
+            if result.lp_sampled is not None and seq.logprobs is not None:
+                self._logprobs(seq, result, row, first, accepted)
+            stats.decode_tokens += accepted - (1 if is_new else 0)
+            stats.generated_tokens += accepted
+            changed.append(seq)
+        return changed
+
+    def _accept(self, seq: Sequence, tokens: list[int]) -> int:
+        """Append tokens up to the first stop; returns how many were taken."""
+        params = seq.request.params
+        taken = []
+        reason = stop_reason = None
+        for tok in tokens:
+            taken.append(tok)
+            seq.token_ids.append(tok)
+            if tok in seq.stop_ids:
+                reason = "stop"
+                stop_reason = tok if tok in (params.stop_token_ids or ()) else None
+                break
+            if seq.num_tokens >= seq.max_len:
+                reason = "length"
+                break
+        detok = seq.detokenizer
+        if detok is not None:
+            text_tokens = taken
+            if reason == "stop" and not params.include_stop_str_in_output:
+                text_tokens = taken[:-1]  # the stop token's own text is not output
+            if detok.stop:
+                # token by token, so the sequence ends at the token that completed the stop string
+                for i, tok in enumerate(text_tokens):
+                    produced = seq.num_output_tokens - len(taken) + i + 1
+                    hit = detok.add_and_match(tok) if produced > params.min_tokens else detok.add([tok])
+                    if hit is not None:
+                        del seq.token_ids[seq.num_tokens - len(taken) + i + 1 :]
+                        taken = taken[: i + 1]
+                        reason, stop_reason = "stop", hit
+                        break
+            elif text_tokens:
+                detok.add(text_tokens)
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.stop_reason = stop_reason
+            self.on_finish(seq)
+        return len(taken)
+
+    def _logprobs(self, seq: Sequence, result: WindowResult, row: int, first: int, count: int) -> None:
+        wanted = seq.request.params.logprobs
+        tokens = seq.token_ids[seq.num_tokens - count :]
+        for i, tok in enumerate(tokens):
+            col = first + i
+            lp = float(result.lp_sampled[row, col])
+            entry = {tok: Logprob(lp, int(result.lp_rank[row, col]), self._piece(tok))}
+            for rank, (tid, tlp) in enumerate(zip(result.lp_top_ids[row, col, :wanted], result.lp_top[row, col, :wanted])):
+                tid = int(tid)
+                if tid not in entry:
+                    entry[tid] = Logprob(float(tlp), rank + 1, self._piece(tid))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += lp
+
+    def _piece(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None

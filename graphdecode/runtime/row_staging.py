@@ -1,0 +1,112 @@
+"""Host-side staging of row changes for the device's DecodeState.
+
+The host records what changed (a row admitted, a row cleared, a block table grown)
+into numpy mirrors and marks the row dirty. `flush()` gathers only the dirty rows
+into one of two pinned buffers and enqueues non-blocking copies + scatters on the
+stream, after the window that is still running: the stream orders them, and the
+host never touches device memory a running window reads. A window whose batch did
+not change costs no copy at all.
+
+Double buffering: flush N uses buffer N % 2. Before flush N + 2 reuses it, the engine
+has waited (in the pythonizer) for window N's event, which was recorded after flush
+N's copies, so the copy has run and the buffer is free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..compiled.decode_state import FLOAT_COLUMNS, INT_COLUMNS, DecodeState
+
+_COL = {name: i for i, name in enumerate(INT_COLUMNS)}
+
+
+class RowStaging:
+    def __init__(self, state: DecodeState, device: torch.device):
+        rows = state.max_rows
+        self.device = device
+        self.num_stop_ids = state.stop_ids.shape[1]
+        self.ints = np.zeros((rows, len(INT_COLUMNS) + self.num_stop_ids), dtype=np.int64)
+        self.ints[:, _COL["done"]] = 1
+        self.ints[:, _COL["seq_lens"]] = 1
+        self.ints[:, len(INT_COLUMNS) :] = -1
+        self.floats = np.zeros((rows, len(FLOAT_COLUMNS)), dtype=np.float32)
+        self.block_table = np.zeros((rows, state.max_pages), dtype=np.int32)
+        pin = device.type == "cuda"
+
+        def pinned(like: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.zeros_like(like)).pin_memory() if pin else torch.from_numpy(np.zeros_like(like))
+
+        self._buffers = [
+            (
+                pinned(np.zeros(rows, dtype=np.int64)),
+                pinned(self.ints),
+                pinned(self.floats),
+                pinned(np.zeros(rows, dtype=np.int64)),
+                pinned(self.block_table),
+            )
+            for _ in range(2)
+        ]
+        self._flip = 0
+        self._dirty_rows: set[int] = set()
+        self._dirty_tables: set[int] = set()
+        self.num_flushes = 0
+        self.num_rows_staged = 0
+
+    def set_row(self, row: int, *, position: int, max_len: int, min_len: int, stop_ids, params, seed: int, pages):
+        ints = self.ints[row]
+        ints[_COL["positions"]] = position
+        ints[_COL["seq_lens"]] = position + 1
+        ints[_COL["max_len"]] = max_len
+        ints[_COL["min_len"]] = min_len
+        ints[_COL["top_k"]] = params.top_k if params.top_k > 0 else 0
+        ints[_COL["seed"]] = seed
+        ints[_COL["done"]] = 0
+        ints[len(INT_COLUMNS) :] = -1
+        ints[len(INT_COLUMNS) : len(INT_COLUMNS) + len(stop_ids)] = stop_ids
+        self.floats[row] = (params.temperature, params.top_p, params.min_p)
+        self.block_table[row] = 0
+        self.block_table[row, : len(pages)] = pages
+        self._dirty_rows.add(row)
+
+    def set_pages(self, row: int, start: int, pages) -> None:
+        """Pages pages[i] now sit at block-table column start + i."""
+        self.block_table[row, start : start + len(pages)] = pages
+        self._dirty_tables.add(row)
+
+    def clear_row(self, row: int) -> None:
+        self.ints[row, : len(INT_COLUMNS)] = 0
+        self.ints[row, _COL["done"]] = 1
+        self.ints[row, _COL["seq_lens"]] = 1  # an inert row attends to one (scratch) token, never zero
+        self.ints[row, len(INT_COLUMNS) :] = -1
+        self.floats[row] = (0.0, 1.0, 0.0)
+        self.block_table[row] = 0
+        self._dirty_rows.add(row)
+
+    def flush(self, state: DecodeState) -> int:
+        """Enqueue the dirty rows' copies; returns how many rows were sent."""
+        full = sorted(self._dirty_rows)
+        tables = sorted(self._dirty_tables.union(self._dirty_rows))
+        self._dirty_rows.clear()
+        self._dirty_tables.clear()
+        if not tables:
+            return 0
+        row_idx, ints, floats, table_idx, table_rows = self._buffers[self._flip]
+        self._flip ^= 1
+        if full:
+            n = len(full)
+            row_idx.numpy()[:n] = full
+            ints.numpy()[:n] = self.ints[full]
+            floats.numpy()[:n] = self.floats[full]
+            state.apply_rows(self._send(row_idx[:n]), self._send(ints[:n]), self._send(floats[:n]))
+        n = len(tables)
+        table_idx.numpy()[:n] = tables
+        table_rows.numpy()[:n] = self.block_table[tables]
+        state.apply_block_tables(self._send(table_idx[:n]), self._send(table_rows[:n]))
+        self.num_flushes += 1
+        self.num_rows_staged += len(tables)
+        return len(tables)
+
+    def _send(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)

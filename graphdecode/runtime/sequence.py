@@ -1,0 +1,90 @@
+"""Request and Sequence: the host's view of work, as counters with derived properties.
+
+A Request holds n Sequences (n > 1 = parallel sampling). Everything per token is
+per Sequence (sequence-native); the Request only groups outputs.
+
+Counters:
+* `num_tokens`: tokens the host has seen (prompt + pythonized outputs).
+* `num_scheduled_tokens`: an upper bound on the tokens the device will hold once all
+  launched work has run (prefill adds 1, each window adds up to k, capped at
+  max_len). Pages are reserved against it; `num_scheduled_tokens - num_tokens` are in
+  flight.
+A sequence is running while it holds a `row`, finished once it has a
+`finish_reason`, waiting otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from .detokenizer import Detokenizer
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    seqs: list["Sequence"] = field(default_factory=list)
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # child index within the request (OpenAI `index`)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int  # this child's effective seed
+    stop_ids: tuple[int, ...]  # ids that end it on the device (eos unless ignored, stop_token_ids)
+    max_len: int  # total tokens at which it ends with "length"
+    detokenizer: Detokenizer | None
+    num_scheduled_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    row: int | None = None
+    epoch: int = -1  # which admission the row belongs to; stale window rows are skipped
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    # streaming cursors: what has been handed out as deltas so far
+    num_streamed_tokens: int = 0
+    num_streamed_chars: int = 0
+    num_streamed_logprobs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_running(self) -> bool:
+        return self.row is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_draining(self) -> bool:
+        """All tokens it can still produce are already covered by launched work."""
+        return self.num_scheduled_tokens >= self.max_len
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny HuggingFace checkpoints saved with save_pretrained, and
+transformers' own greedy output for them (the oracle)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # 2 cores and a busy neighbour: more threads make small matmuls far slower
+
+_HF_CACHE: dict = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _save(path: str, cls_name: str, **config_kwargs) -> str:
+    import transformers
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, cls_name)
+    config = config_cls(**config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        model = model_cls(config)
+    model.save_pretrained(path)
+    return path
+
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+MODEL_SPECS = {
+    # GQA (4 query heads per KV head... 4:2) with llama3 rope scaling that bites inside 512 positions
+    "llama_gqa_llama3": (
+        "LlamaForCausalLM",
+        dict(
+            COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    # Qwen2: q/k/v biases, tied embeddings, 4:1 GQA
+    "qwen2_tied": (
+        "Qwen2ForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+    # explicit head_dim (32) different from hidden / heads (16), MHA
+    "llama_head_dim": (
+        "LlamaForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(model_root):
+    return {name: _save(str(model_root / name), cls, **kw) for name, (cls, kw) in MODEL_SPECS.items()}
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers generate, greedy, fp32, CPU, one prompt at a time (cached per model)."""
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _HF_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+            outs.append(gen[0, len(p) :].tolist())
+        _HF_CACHE[key] = outs
+    return _HF_CACHE[key]
+
+
+def random_prompts(count: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(count)]
+
+
+def rewrite_config(model_dir: str, edit) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    edit(raw)
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=2)
