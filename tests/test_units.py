@@ -1,0 +1,112 @@
+"""Unit tests of the pieces under the engine: advance_step, pages, config parsing, staging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.compiled.advance_step import advance_step_reference
+from graphdecode.compiled.model_config import parse_model_config
+from graphdecode.runtime.page_allocator import PageAllocator
+
+
+def _state(rows, max_pages):
+    return dict(
+        input_ids=torch.zeros(rows, dtype=torch.int64),
+        positions=torch.zeros(rows, dtype=torch.int64),
+        seq_lens=torch.ones(rows, dtype=torch.int32),
+        slot_mapping=torch.zeros(rows, dtype=torch.int64),
+        kv_indptr=torch.zeros(rows + 1, dtype=torch.int32),
+        kv_indices=torch.full((rows * max_pages,), 77, dtype=torch.int32),
+        kv_last_page_len=torch.zeros(rows, dtype=torch.int32),
+    )
+
+
+def test_advance_step_reference_semantics():
+    page = 4
+    block_table = torch.tensor([[5, 6, 7], [8, 9, 0], [0, 0, 0], [3, 0, 0]], dtype=torch.int32)
+    s = _state(4, 3)
+    s["positions"][:] = torch.tensor([3, 5, 0, 1])  # row 0 crosses into its second page on advance
+    s["seq_lens"][:] = torch.tensor([4, 6, 1, 2], dtype=torch.int32)
+    s["input_ids"][:] = torch.tensor([10, 11, 12, 13])
+    done = torch.tensor([False, False, True, True])  # row 2 padded, row 3 finished
+    sampled = torch.tensor([100, 101, 102, 103])
+    advance_step_reference(sampled, done, block_table, **s, page_size=page, advance=True)
+    assert s["input_ids"].tolist() == [100, 101, 12, 13]
+    assert s["positions"].tolist() == [4, 6, 0, 1]
+    assert s["seq_lens"].tolist() == [5, 7, 1, 2]
+    # row 0: pos 4 -> page index 1 -> page 6, offset 0; row 1: pos 6 -> page 9, offset 2; inert rows -> slot 0
+    assert s["slot_mapping"].tolist() == [6 * 4 + 0, 9 * 4 + 2, 0, 0]
+    assert s["kv_indptr"].tolist() == [0, 2, 4, 5, 6]
+    assert s["kv_indices"][:6].tolist() == [5, 6, 8, 9, 0, 0]
+    assert s["kv_indices"][6:].tolist() == [77] * 6  # past kv_indptr[B]: untouched
+    assert s["kv_last_page_len"].tolist() == [1, 3, 1, 1]
+
+    # advance=False only recomputes the metadata
+    before = {k: v.clone() for k, v in s.items()}
+    advance_step_reference(sampled, done, block_table, **s, page_size=page, advance=False)
+    for k in ("input_ids", "positions", "seq_lens", "slot_mapping", "kv_indptr", "kv_indices"):
+        assert torch.equal(s[k], before[k]), k
+
+
+def test_advance_step_custom_op_runs_reference_on_cpu():
+    block_table = torch.tensor([[1, 2]], dtype=torch.int32)
+    s = _state(1, 2)
+    s["positions"][:] = 15
+    s["seq_lens"][:] = 16
+    torch.ops.graphdecode.advance_step(
+        torch.tensor([9]), torch.tensor([False]), block_table, *s.values(), 16, True
+    )
+    assert s["positions"].item() == 16 and s["slot_mapping"].item() == 2 * 16
+    assert s["kv_indptr"].tolist() == [0, 2] and s["kv_last_page_len"].item() == 1
+
+
+def test_page_allocator_refcounts():
+    alloc = PageAllocator(6)
+    assert alloc.num_free == 5  # page 0 is the scratch page
+    a = alloc.allocate(3)
+    assert 0 not in a
+    alloc.share(a[:2])
+    alloc.free(a)
+    assert alloc.num_free == 3  # the two shared pages are still held
+    alloc.free(a[:2])
+    assert alloc.num_free == 5
+    with pytest.raises(RuntimeError):
+        alloc.allocate(6)
+    with pytest.raises(RuntimeError):
+        alloc.free([a[0]])
+
+
+def test_config_4x_and_5x_layouts_agree():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=64)
+    v5 = parse_model_config(dict(base, dtype="bfloat16", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    v4 = parse_model_config(dict(base, torch_dtype="bfloat16", rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}))
+    assert v4 == v5
+    assert v5.dtype == torch.bfloat16 and v5.rope.rope_type == "llama3" and v5.num_kv_heads == 2
+    assert v5.head_dim == 4
+    qwen = parse_model_config(dict(base, model_type="qwen2", sliding_window=4096, use_sliding_window=False))
+    assert qwen.qkv_bias and not qwen.o_proj_bias and qwen.sliding_window is None
+
+
+def test_host_writes_nothing_between_unchanged_windows(tiny_models):
+    """One long request: after admission, windows that change nothing stage no rows at all."""
+    llm = LLM(tiny_models["llama_head_dim"], num_decode_steps=2, page_size=128, max_model_len=256, max_batch_size=4)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [5]}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    flushes = []
+    while engine.has_unfinished():
+        before = engine.runner.staging.num_flushes
+        engine.step()
+        flushes.append(engine.runner.staging.num_flushes - before)
+    stats = llm.stats()
+    assert stats["windows"] >= 29
+    # one flush for the admission, none in the ~29 windows after it (clearing the finished row is
+    # staged for whatever step comes next)
+    assert flushes[0] == 1 and sum(flushes) == 1
+    assert stats["staged_rows"] == 1

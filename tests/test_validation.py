@@ -1,0 +1,136 @@
+"""Bad input raises ValueError naming the field, before any work, and never harms other requests."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import random_prompts, rewrite_config
+
+from graphdecode import LLM, SamplingParams
+
+BAD_PARAMS = [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(n=0), "n"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(seed=1.5), "seed"),
+    (dict(ignore_eos="yes"), "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_PARAMS)
+def test_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, max_model_len=128, max_batch_size=8)
+
+
+BAD_REQUESTS = [
+    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": list(range(3, 131))}, SamplingParams(), "prompt"),  # 128 tokens >= max_model_len
+    ({"prompt_token_ids": [5, 512]}, SamplingParams(), "prompt_token_ids"),  # outside the vocabulary
+    ({"prompt_token_ids": [5, "x"]}, SamplingParams(), "prompt_token_ids"),
+    ("a text prompt", SamplingParams(), "prompt"),  # this model directory has no tokenizer
+    (42, SamplingParams(), "prompt"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=list(range(3, 40))), "stop_token_ids"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=21), "logprobs"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(n=9), "n"),  # more than max_batch_size
+    ({"prompt_token_ids": [5, 6]}, "not params", "sampling_params"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,field", BAD_REQUESTS)
+def test_bad_request_raises_and_other_requests_keep_running(llm, prompt, params, field):
+    good_prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 30, 70], seed=21)]
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    expected = [o.outputs[0].token_ids for o in llm.generate(good_prompts, greedy)]
+
+    engine = llm.engine
+    running = [engine.add_request(p, greedy) for p in good_prompts]
+    engine.step()
+    engine.step()
+    before = dict(engine.requests)
+    waiting_before = len(engine.scheduler.waiting)
+    with pytest.raises(ValueError, match=field):
+        llm.generate([good_prompts[0], prompt], params)  # a bad one in a list adds nothing at all
+    assert engine.requests == before
+    assert len(engine.scheduler.waiting) == waiting_before
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.seqs[0].output_token_ids for r in running] == expected
+
+
+def test_sampling_params_list_length_must_match(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([{"prompt_token_ids": [4]}] * 2, [SamplingParams()] * 3)
+
+
+def test_duplicate_request_id(llm):
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=2), request_id="dup")
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request({"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=2), request_id="dup")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_unknown_model_type(tiny_models, tmp_path):
+    dst = tmp_path / "unknown"
+    shutil.copytree(tiny_models["llama_head_dim"], dst)
+    rewrite_config(str(dst), lambda raw: raw.update(model_type="gpt_bigcode"))
+    with pytest.raises(ValueError, match="model_type.*gpt_bigcode"):
+        LLM(str(dst))
+
+
+def test_unsupported_rope_and_sliding_window(tiny_models, tmp_path):
+    dst = tmp_path / "yarn"
+    shutil.copytree(tiny_models["llama_head_dim"], dst)
+    rewrite_config(str(dst), lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
+    with pytest.raises(ValueError, match="rope_type"):
+        LLM(str(dst))
+    dst = tmp_path / "swa"
+    shutil.copytree(tiny_models["llama_head_dim"], dst)
+    rewrite_config(str(dst), lambda raw: raw.update(model_type="mistral", sliding_window=64))
+    with pytest.raises(ValueError, match="sliding_window"):
+        LLM(str(dst))
+    assert LLM(str(dst), max_model_len=64).generate([{"prompt_token_ids": [3, 4]}])[0].finished
+
+
+BAD_CONFIG = [
+    (dict(page_size=12), "page_size"),
+    (dict(max_batch_size=0), "max_batch_size"),
+    (dict(num_decode_steps=0), "num_decode_steps"),
+    (dict(device="tpu"), "device"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(attention_backend="magic"), "attention_backend"),
+    (dict(attention_backend="flashinfer", device="cpu"), "attention_backend"),
+    (dict(cuda_graphs=True, device="cpu"), "cuda_graphs"),
+    (dict(num_pages=3, max_model_len=256), "num_pages"),
+    (dict(max_model_len=100_000), "max_model_len"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_CONFIG)
+def test_engine_config_names_the_field(tiny_models, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_models["llama_head_dim"], **kwargs)
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path / "nope"))
