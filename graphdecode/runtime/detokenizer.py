@@ -1,8 +1,12 @@
 """Incremental detokenization and stop strings, one Detokenizer per sequence.
 
-Built on tokenizers' DecodeStream (Rust), which holds back partial UTF-8 until a
-character is complete, so no delta ever carries a broken character. Work per call
-is proportional to the new tokens, never to the sequence's history.
+Text grows by decoding a short sliding window of token ids with the Rust tokenizer
+(the prefix/read-offset scheme): the new text is what `decode(window)` adds over
+`decode(window without the new ids)`. While the decoded window ends in an
+incomplete UTF-8 character the ids are held back, so no delta ever carries a broken
+character; `finish()` flushes whatever is held when the sequence ends, so the final
+text equals decoding all output tokens. Work per call is proportional to the new
+tokens and a few ids of context, never to the sequence's history.
 
 Stop strings are matched on the host as text grows, across token boundaries. The
 last `max(len(stop)) - 1` characters are held back from streaming (`stable_len`)
@@ -12,36 +16,47 @@ to be taken back.
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
-
-PROMPT_CONTEXT_TOKENS = 6  # prompt tail given to the decoder so the first word gets its space right
+PROMPT_CONTEXT_TOKENS = 6  # prompt tail kept as context so the first word decodes with its space
+REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids, skip_special_tokens: bool, stop: tuple[str, ...], include_stop: bool):
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
-        self._stream = DecodeStream(
-            ids=list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
-        )
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])  # context + ids not yet turned into text
+        self._prefix = 0  # ids[prefix:read] decode to text already emitted (context for the next ids)
+        self._read = len(self._ids)
         self.stop = stop
         self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
 
     def add(self, token_ids: list[int]) -> None:
-        """Append tokens without stop-string matching (the sequence has none)."""
-        chunk = self._stream.step(self._tokenizer, token_ids)
-        if chunk:
-            self.text += chunk
+        """Append tokens without stop-string matching."""
+        self._ids.extend(token_ids)
+        self._emit(final=False)
 
     def add_and_match(self, token_id: int) -> str | None:
         """Append one token; return the stop string it completed (text is then truncated)."""
         before = len(self.text)
-        chunk = self._stream.step(self._tokenizer, token_id)
-        if not chunk:
-            return None
-        self.text += chunk
-        return self._match(before)
+        self.add([token_id])
+        return self._match(before) if len(self.text) > before else None
+
+    def finish(self) -> None:
+        """The sequence ended: emit held-back ids even if they end in an incomplete character."""
+        self._emit(final=True)
+
+    def _emit(self, final: bool) -> None:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special)
+        new_text = decode(self._ids[self._prefix :], skip_special_tokens=self._skip_special)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
+            return
+        self.text += new_text[len(prefix_text) :]
+        # the ids just emitted become the context; older ids are no longer needed
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, len(self._ids)
 
     def _match(self, before: int) -> str | None:
         best = None

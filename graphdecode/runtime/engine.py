@@ -76,6 +76,7 @@ class Engine:
         self._inflight: tuple[WindowPlan, PendingCopy] | None = None
         self._arrivals = itertools.count()
         self._stats = EngineStats()
+        self._num_steps = 0  # engine steps (each launches at most one window)
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None) -> Request:
@@ -136,6 +137,8 @@ class Engine:
         return self.outputs.process(plan.rows, plan.steps, result, self._stats)
 
     def _on_finish(self, seq: Sequence) -> None:
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()
         self.scheduler.finish(seq)
         request = seq.request
         request.num_finished += 1
@@ -145,6 +148,7 @@ class Engine:
 
     def _account(self, plan: WindowPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
         s = self._stats
+        self._num_steps += 1
         s.host_seconds_schedule += schedule_s
         s.host_seconds_launch += launch_s
         s.host_seconds_pythonize += pythonize_s
@@ -166,4 +170,9 @@ class Engine:
         s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
         out = dict(vars(s))
         out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))
+        steps = max(self._num_steps, 1)
+        for part in ("schedule", "launch", "pythonize"):
+            out[f"host_ms_per_step_{part}"] = 1e3 * out[f"host_seconds_{part}"] / steps
+        out["blocked_ms_per_step"] = 1e3 * s.seconds_blocked / steps
+        out["padding_fraction"] = 1 - s.live_rows / s.window_rows if s.window_rows else 0.0
         return out

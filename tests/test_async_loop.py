@@ -1,0 +1,56 @@
+"""The zero-bubble loop: window w+1 is launched before window w's tokens are pythonized, and the
+pythonizer's wait is the only place the host waits on the device."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from graphdecode import LLM, SamplingParams
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "graphdecode"
+
+
+def test_window_is_launched_before_the_previous_one_is_pythonized(tiny_models):
+    llm = LLM(tiny_models["llama_head_dim"], num_decode_steps=4, max_model_len=256, max_batch_size=4)
+    engine = llm.engine
+    log = []
+    execute, wait = engine.runner.execute, engine.runner.pythonizer.wait
+
+    def logged_execute(plan):
+        pending = execute(plan)
+        if pending is not None:
+            log.append(("launch", id(pending)))
+        return pending
+
+    def logged_wait(pending):
+        log.append(("wait", id(pending)))
+        return wait(pending)
+
+    engine.runner.execute = logged_execute
+    engine.runner.pythonizer.wait = logged_wait
+    out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 30
+    launches = [i for i, (kind, _) in enumerate(log) if kind == "launch"]
+    waits = {key: i for i, (kind, key) in enumerate(log) if kind == "wait"}
+    assert len(launches) >= 7
+    for n, at in enumerate(launches[:-1]):
+        # window n is waited for only after window n + 1 has been launched
+        assert waits[log[at][1]] > launches[n + 1]
+    stats = llm.stats()
+    for key in ("host_seconds_schedule", "host_seconds_launch", "host_seconds_pythonize", "seconds_blocked"):
+        assert stats[key] >= 0.0
+    assert stats["host_seconds_launch"] > 0
+
+
+def test_only_the_pythonizer_waits_on_the_device():
+    sync = re.compile(r"\.synchronize\(|\.item\(\)|\.cpu\(\)|\.tolist\(\)|torch\.cuda\.synchronize")
+    offenders = []
+    for path in sorted((PACKAGE / "runtime").glob("*.py")) + [PACKAGE / "compiled" / "window.py",
+                                                               PACKAGE / "compiled" / "sampler.py"]:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if sync.search(line) and not line.strip().startswith("#"):
+                offenders.append(f"{path.name}:{lineno}: {line.strip()}")
+    allowed = {"pythonizer.py", "output_processor.py"}  # the wait itself; .tolist() of host numpy arrays
+    assert [o for o in offenders if o.split(":")[0] not in allowed] == []
+    assert any("pending.event.synchronize()" in o for o in offenders if o.startswith("pythonizer.py"))
