@@ -54,3 +54,27 @@ def test_only_the_pythonizer_waits_on_the_device():
     allowed = {"pythonizer.py", "output_processor.py"}  # the wait itself; .tolist() of host numpy arrays
     assert [o for o in offenders if o.split(":")[0] not in allowed] == []
     assert any("pending.event.synchronize()" in o for o in offenders if o.startswith("pythonizer.py"))
+
+
+def test_no_idle_step_at_batch_turnover(tiny_models):
+    """Rows and pages of sequences whose last tokens are already in flight go to waiting requests
+    in the very next step: no step launches nothing while requests wait."""
+    llm = LLM(tiny_models["llama_head_dim"], num_decode_steps=8, max_model_len=256, max_batch_size=4)
+    engine = llm.engine
+    idle_while_waiting = 0
+    execute = engine.runner.execute
+
+    def counting_execute(plan):
+        nonlocal idle_while_waiting
+        pending = execute(plan)
+        if pending is None and engine.scheduler.waiting:
+            idle_while_waiting += 1
+        return pending
+
+    engine.runner.execute = counting_execute
+    prompts = [{"prompt_token_ids": [3 + i, 4, 5]} for i in range(16)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert idle_while_waiting == 0
+    # 4 waves of 4: a prefill + 2 windows each, the turnover overlapped with the next wave's prefill
+    assert llm.stats()["windows"] == 8

@@ -23,7 +23,7 @@ class OutputProcessor:
         """rows: the window's (row, sequence, epoch, admitted-now) list. Returns changed sequences."""
         changed = []
         for row, seq, epoch, is_new in rows:
-            if seq.row != row or seq.epoch != epoch:
+            if seq.is_finished or seq.epoch != epoch:
                 continue  # finished, aborted or preempted since launch: its tokens are void
             first = 0 if is_new else 1
             tokens = result.tokens[row, first : steps + 1].tolist()

@@ -91,12 +91,12 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> WindowPlan:
+        self._retire_drained()
         preempted = self._reserve_lookahead()
         prefills = [] if preempted else self._admit()
         admitted = {id(s) for g in prefills for s in g.seqs}
-        live = [s for s in self.running.values() if not s.is_draining]
-        steps = self.steps if live else 0
-        for seq in live:
+        steps = self.steps if any(not s.is_draining for s in self.running.values()) else 0
+        for seq in self.running.values():
             seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + steps, seq.max_len)
         top = max((s.row for s in self.running.values()), default=-1) + 1
         mode = SamplerMode.GREEDY
@@ -114,10 +114,21 @@ class Scheduler:
             rows=[(s.row, s, s.epoch, id(s) in admitted) for s in self.running.values()],
         )
 
+    def _retire_drained(self) -> None:
+        """Release sequences whose every remaining token is already covered by launched work.
+
+        The device finishes them inside the windows in flight (done flags freeze them), so
+        their row and pages can serve the next window right away: stream order puts any
+        reuse after those windows, and their outputs were already copied out. They stay
+        unfinished on the host (epoch unchanged) until their tokens are pythonized.
+        """
+        for seq in [s for s in self.running.values() if s.is_draining]:
+            self._release(seq)
+
     def _reserve_lookahead(self) -> int:
         preempted = 0
         for seq in list(self.running.values()):
-            if not seq.is_running or seq.is_draining:
+            if not seq.is_running:
                 continue
             need = self.pages_for(min(seq.num_scheduled_tokens + self.steps, seq.max_len)) - len(seq.pages)
             if need <= 0:
@@ -197,6 +208,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
+        seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
         seq.num_scheduled_tokens = seq.num_tokens
         self.waiting.appendleft([seq])
         self.num_preemptions += 1

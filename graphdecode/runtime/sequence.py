@@ -9,8 +9,10 @@ Counters:
   launched work has run (prefill adds 1, each window adds up to k, capped at
   max_len). Pages are reserved against it; `num_scheduled_tokens - num_tokens` are in
   flight.
-A sequence is running while it holds a `row`, finished once it has a
-`finish_reason`, waiting otherwise.
+A sequence is running while it holds a `row`, and finished once it has a
+`finish_reason`. In between it is either waiting (queued) or retired: launched work
+already covers all it can produce, so its row and pages went to others, and its last
+tokens are on their way to the host.
 """
 
 from __future__ import annotations
