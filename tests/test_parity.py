@@ -116,3 +116,16 @@ def test_mistral_model_type_without_sliding_window(tiny_models, tmp_path):
     expected = hf_greedy(dst, prompts, MAX_NEW)
     llm = LLM(dst, max_model_len=256, max_batch_size=4)
     assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+
+
+@pytest.mark.parametrize("model", ["llama_gqa_llama3", "qwen2_tied"])
+def test_greedy_parity_through_stream(tiny_models, model):
+    path = tiny_models[model]
+    prompts = random_prompts(12, LENGTHS, seed=7)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(path, num_decode_steps=8, page_size=16, max_model_len=256, max_batch_size=8)
+    got: dict[str, list[int]] = {}
+    for delta in llm.stream(_ids(prompts), GREEDY):
+        (c,) = delta.outputs
+        got.setdefault(delta.request_id, []).extend(c.token_ids)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
