@@ -67,9 +67,19 @@ def build_tokenizer(vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def build_default_model(path: str) -> None:
+def save_random_model(path: str, config, seed: int = 0) -> None:
+    """A transformers model with deterministic random weights, saved with save_pretrained."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+
+
+def build_default_model(path: str) -> None:
+    from transformers import LlamaConfig
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
@@ -84,8 +94,5 @@ def build_default_model(path: str) -> None:
         eos_token_id=2,
         initializer_range=0.1,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
+    save_random_model(path, config, seed=0)
     tokenizer.save_pretrained(path)

@@ -28,13 +28,10 @@ def _save(path: str, cls_name: str, **config_kwargs) -> str:
 
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
+    from graphdecode.default_model import save_random_model
+
     config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
-    model_cls = getattr(transformers, cls_name)
-    config = config_cls(**config_kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1234)
-        model = model_cls(config)
-    model.save_pretrained(path)
+    save_random_model(path, config_cls(**config_kwargs), seed=1234)
     return path
 
 
