@@ -5,8 +5,8 @@
 //   slot_mapping   = block_table[b, pos / P] * P + pos % P   (active)   | 0 (scratch slot)
 //   pages          = ceil(seq_len / P)                         (active)   | 1 (scratch page)
 //   kv_indptr      = exclusive scan of pages over the bucket (B + 1 entries)
-//   kv_indices     = each active row's block-table prefix, or the scratch page 0; entries past
-//                    kv_indptr[B] are left as they are
+//   kv_indices     = each active row's block-table prefix (column clamped to max_pages - 1), or the
+//                    scratch page 0; entries past kv_indptr[B] or past B * max_pages are left as they are
 //   kv_last_page_len = seq_len - (pages - 1) * P               (active)   | 1
 //
 // Two kernels: one block updates the per-row scalars and scans the page counts (B <= 1024);
@@ -65,13 +65,17 @@ __global__ void advance_rows_kernel(const int64_t* __restrict__ sampled, const b
 
 __global__ void fill_indices_kernel(const bool* __restrict__ done, const int32_t* __restrict__ block_table,
                                     int64_t table_stride, const int32_t* __restrict__ kv_indptr,
-                                    int32_t* __restrict__ kv_indices) {
+                                    int32_t* __restrict__ kv_indices, int max_pages, int64_t capacity) {
   const int row = blockIdx.x;
   const int32_t begin = kv_indptr[row];
   const int32_t count = kv_indptr[row + 1] - begin;
   const bool active = !done[row];
+  const int32_t* table_row = block_table + row * table_stride;
   for (int32_t i = threadIdx.x; i < count; i += blockDim.x) {
-    kv_indices[begin + i] = active ? block_table[row * table_stride + i] : 0;
+    const int64_t dst = static_cast<int64_t>(begin) + i;
+    if (dst >= capacity) break;  // never write past the bucket's B * max_pages entries
+    const int32_t col = i < max_pages ? i : max_pages - 1;
+    kv_indices[dst] = active ? table_row[col] : 0;
   }
 }
 
@@ -82,11 +86,15 @@ extern "C" int graphdecode_advance_step(const int64_t* sampled, const bool* done
                                         int32_t* seq_lens, int64_t* slot_mapping, int32_t* kv_indptr,
                                         int32_t* kv_indices, int32_t* kv_last_page_len, int num_rows,
                                         int max_pages, int page_size, int advance, cudaStream_t stream) {
-  if (num_rows < 1 || num_rows > kMaxRows || max_pages < 1 || page_size < 1) return cudaErrorInvalidValue;
+  if (num_rows < 1 || num_rows > kMaxRows || max_pages < 1 || page_size < 1 || table_stride < max_pages) {
+    return cudaErrorInvalidValue;  // checked before any CUDA call: safe to probe without a GPU
+  }
   advance_rows_kernel<<<1, kMaxRows, 0, stream>>>(sampled, done, block_table, table_stride, input_ids, positions,
                                                    seq_lens, slot_mapping, kv_indptr, kv_last_page_len, num_rows,
                                                    max_pages, page_size, advance);
-  fill_indices_kernel<<<num_rows, 128, 0, stream>>>(done, block_table, table_stride, kv_indptr, kv_indices);
+  const int64_t capacity = static_cast<int64_t>(num_rows) * max_pages;
+  fill_indices_kernel<<<num_rows, 128, 0, stream>>>(done, block_table, table_stride, kv_indptr, kv_indices,
+                                                    max_pages, capacity);
   return static_cast<int>(cudaGetLastError());
 }
 

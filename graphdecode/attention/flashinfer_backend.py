@@ -1,11 +1,170 @@
-"""FlashInfer paged attention (CUDA). Filled in by the GPU-path work."""
+"""FlashInfer paged attention (CUDA), behind the AttentionBackend interface.
+
+flashinfer is imported lazily (only when this backend is built), so the package
+imports and runs on machines without it.
+
+Decode: one BatchDecodeWithPagedKVCacheWrapper per bucket B, built with
+use_cuda_graph=True and use_tensor_cores=True, whose fixed buffers are views of the
+DecodeState's kv_indptr[:B + 1], kv_indices[:B * max_pages] and
+kv_last_page_len[:B]. It is planned once (`plan_decode`, called by WindowGraphs
+before anything runs a bucket) with disable_split_kv=True and pinned host metadata
+for the worst case (see flashinfer_plan.py for why that plan stays valid while the
+lengths grow); it is never planned again. advance_step rewrites the device
+metadata every step and the kernel reads it at run time.
+
+Prefill: BatchPrefillWithPagedKVCacheWrapper(backend="fa2"), causal, planned per
+prefill batch from the host copies in PrefillMetadata. Two wrappers alternate:
+plan() fills a pinned buffer and enqueues its upload on the stream, so a wrapper is
+only planned again after the event recorded behind its previous upload (in the
+engine's steady state that event completed long ago).
+
+Workspaces: FlashInfer's float workspace holds split-KV partial results. Decode
+never splits, so its plans allocate nothing there; prefill may, and runs between
+windows on the same stream. One float workspace is therefore shared by every
+wrapper. The int workspace holds a plan's schedule (and its pinned mirror); each
+wrapper allocates its own, so a bucket's captured graph always reads its own plan.
+
+K/V are written into the cache by slot (kv_cache.write_kv) inside the attention
+ops (flashinfer_ops.py), before attending. KV layout NHD: [pages, 2, P, H_kv, D].
+"""
 
 from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import torch
+
+from .backend import AttentionBackend
+from .flashinfer_ops import register_backend
+from .flashinfer_plan import decode_plan_csr, prefill_csr
+from .kv_cache import write_kv
+from .metadata import DecodeMetadata, PrefillMetadata
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def flashinfer_available() -> bool:
     try:
-        import flashinfer  # noqa: F401
-    except Exception:
+        importlib.import_module("flashinfer")
+    except Exception:  # noqa: BLE001 - a broken install (missing CUDA libs, ABI) counts as absent
         return False
     return True
+
+
+def _pinned(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES):
+        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim)
+        self.flashinfer = importlib.import_module("flashinfer")
+        self.device = torch.device(device)  # CUDA (EngineConfig checks); tests dry-run it on CPU
+        self.dtype = kv_caches[0].dtype
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"attention_backend 'flashinfer' needs bfloat16 or float16, got {self.dtype}")
+        self.page_size = kv_caches[0].shape[2]
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes], shared
+        self._prefill_wrappers = [self._new_prefill_wrapper() for _ in range(2)]
+        self._prefill_uploads: list[torch.cuda.Event | None] = [None, None]
+        self._prefill_next = 0
+        self._prefill_wrapper = None  # the wrapper planned for the current prefill batch
+        self._decode_wrappers: dict[int, object] = {}  # bucket -> planned wrapper
+        self._decode_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host plan inputs, kept alive
+        self.handle = register_backend(self)
+
+    # ------------------------------------------------------------------ plans
+    def _new_prefill_wrapper(self):
+        return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+
+    def plan_prefill(self, meta: PrefillMetadata) -> None:
+        csr = prefill_csr(meta.query_lens_host, meta.seq_lens_host, meta.block_table_host.numpy(), self.page_size)
+        index = self._prefill_next
+        self._prefill_next ^= 1
+        upload = self._prefill_uploads[index]
+        if upload is not None:
+            upload.synchronize()  # this wrapper's previous upload has left its pinned buffer
+        wrapper = self._prefill_wrappers[index]
+        wrapper.plan(
+            _pinned(csr.qo_indptr),
+            _pinned(csr.kv_indptr),
+            _pinned(csr.kv_indices),
+            _pinned(csr.kv_last_page_len),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            causal=True,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+            seq_lens=_pinned(csr.seq_lens),  # host lengths: plan() reads them without a device copy
+        )
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._prefill_uploads[index] = event
+        self._prefill_wrapper = wrapper
+
+    def plan_decode(self, bucket: int, meta: DecodeMetadata) -> None:
+        """Build and plan the bucket's wrapper once; later calls for the bucket do nothing."""
+        if bucket in self._decode_wrappers:
+            return
+        max_pages = meta.block_table.shape[1]
+        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=meta.kv_indptr,  # [B + 1] view of DecodeState.kv_indptr
+            paged_kv_indices_buffer=meta.kv_indices,  # [B * max_pages] view
+            paged_kv_last_page_len_buffer=meta.kv_last_page_len,  # [B] view
+            backend="fa2",
+        )
+        plan = decode_plan_csr(bucket, max_pages, self.page_size)
+        indptr, last_page_len = _pinned(plan.kv_indptr), _pinned(plan.kv_last_page_len)
+        # plan() copies its inputs into the fixed buffers. Those hold derived metadata that the
+        # window's first advance_step rewrites before any attention reads it, so the worst case
+        # landing there is harmless. Device zeros for the indices keep that copy asynchronous.
+        indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
+        wrapper.plan(
+            indptr,
+            indices,
+            last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
+            disable_split_kv=True,
+        )
+        self._decode_wrappers[bucket] = wrapper
+        self._decode_plans[bucket] = (indptr, last_page_len)
+
+    # ------------------------------------------------------- forward (traced)
+    def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
+        return torch.ops.graphdecode.flashinfer_prefill(q, k, v, meta.slot_mapping, self.handle, layer)
+
+    def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
+        return torch.ops.graphdecode.flashinfer_decode(q, k, v, meta.slot_mapping, self.handle, layer)
+
+    # --------------------------------------------------- op bodies (opaque)
+    def run_prefill(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
+        kv = self.kv_caches[layer]  # [pages, 2, P, H_kv, D]
+        write_kv(kv, k, v, slot_mapping)
+        if self._prefill_wrapper is None:
+            raise RuntimeError("FlashInferBackend: prefill before plan_prefill")
+        return self._prefill_wrapper.run(q.contiguous(), kv, enable_pdl=False)
+
+    def run_decode(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
+        kv = self.kv_caches[layer]
+        write_kv(kv, k, v, slot_mapping)
+        wrapper = self._decode_wrappers.get(q.shape[0])
+        if wrapper is None:
+            raise RuntimeError(f"FlashInferBackend: bucket {q.shape[0]} was never planned (plan_decode)")
+        return wrapper.run(q.contiguous(), kv, enable_pdl=False)

@@ -2,14 +2,20 @@
 `graphdecode::advance_step` (whose CPU/meta implementation is the torch reference).
 
 Search order: the library setup.py built into the package (if it matches the
-sources), else one built at first use with nvcc into the cache directory, for this
-GPU's architecture.
+sources), else one built at first use with nvcc into the cache directory
+($GRAPHDECODE_CACHE, default ~/.cache/graphdecode), for this GPU's architecture.
+
+`register()` is what the runner calls on CUDA. When no library can be had (no nvcc
+and nothing prebuilt) it warns once and leaves the torch reference in place, which
+is slower but computes the same values and is just as capturable.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import warnings
 
 import torch
 
@@ -17,11 +23,22 @@ from . import kernel_build
 from .advance_step import advance_step
 
 ABI_VERSION = 1
-_lib: ctypes.CDLL | None = None
-_registered = False
+_P = ctypes.c_void_p
+_LAUNCHER_ARGTYPES = [
+    _P, _P, _P, ctypes.c_int64,  # sampled, done, block_table, table_stride
+    _P, _P, _P, _P,  # input_ids, positions, seq_lens, slot_mapping
+    _P, _P, _P,  # kv_indptr, kv_indices, kv_last_page_len
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_rows, max_pages, page_size, advance
+    _P,  # cudaStream_t
+]
+
+
+def cache_dir() -> str:
+    return os.environ.get("GRAPHDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphdecode"))
 
 
 def library_path() -> str:
+    """The packaged library if current, else a cached build for this GPU (building it if missing)."""
     src = kernel_build.source_dir()
     packaged = os.path.join(kernel_build.package_dir(), "_kernels", kernel_build.LIB_NAME)
     if kernel_build.is_current(packaged, src):
@@ -29,50 +46,75 @@ def library_path() -> str:
     if src is None:
         raise RuntimeError("graphdecode's CUDA library is missing and csrc/ sources are not available")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    cache = os.environ.get("GRAPHDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphdecode"))
-    tag = f"{kernel_build.source_hash(src)}-sm{''.join(map(str, capability)) if capability else 'default'}"
-    path = os.path.join(cache, "kernels", tag, kernel_build.LIB_NAME)
+    arch = "".join(map(str, capability)) if capability else "default"
+    path = os.path.join(cache_dir(), "kernels", f"{kernel_build.source_hash(src)}-sm{arch}", kernel_build.LIB_NAME)
     if not os.path.isfile(path):
         kernel_build.build(path, src, kernel_build.arch_flags_for(capability))
     return path
 
 
-def load_library(path: str | None = None) -> ctypes.CDLL:
-    global _lib
-    if _lib is not None and path is None:
-        return _lib
-    lib = ctypes.CDLL(path or library_path())
+def open_library(path: str) -> ctypes.CDLL:
+    """dlopen a built library and declare its C signatures (no CUDA call is made)."""
+    lib = ctypes.CDLL(path)
     lib.graphdecode_kernels_abi_version.restype = ctypes.c_int
+    lib.graphdecode_kernels_abi_version.argtypes = []
     if lib.graphdecode_kernels_abi_version() != ABI_VERSION:
-        raise RuntimeError("graphdecode CUDA library has an unexpected ABI version; rebuild csrc/")
-    p = ctypes.c_void_p
+        raise RuntimeError(f"{path}: unexpected ABI version; rebuild csrc/")
     lib.graphdecode_advance_step.restype = ctypes.c_int
-    lib.graphdecode_advance_step.argtypes = [
-        p, p, p, ctypes.c_int64, p, p, p, p, p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p,
-    ]
-    if path is None:
-        _lib = lib
+    lib.graphdecode_advance_step.argtypes = _LAUNCHER_ARGTYPES
     return lib
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    return open_library(library_path())
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    if t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"advance_step: {name} must be a contiguous {dtype} tensor on {device}")
 
 
 def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
                        kv_indptr, kv_indices, kv_last_page_len, page_size, advance) -> None:
-    lib = load_library()
+    device = block_table.device
     rows, max_pages = block_table.shape
-    err = lib.graphdecode_advance_step(
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError("advance_step: block_table must be int32 with unit column stride")
+    for name, t, dtype in (
+        ("sampled", sampled, torch.int64), ("done", done, torch.bool), ("input_ids", input_ids, torch.int64),
+        ("positions", positions, torch.int64), ("seq_lens", seq_lens, torch.int32),
+        ("slot_mapping", slot_mapping, torch.int64), ("kv_indptr", kv_indptr, torch.int32),
+        ("kv_indices", kv_indices, torch.int32), ("kv_last_page_len", kv_last_page_len, torch.int32),
+    ):
+        _check(name, t, dtype, device)
+    if kv_indptr.numel() != rows + 1 or kv_indices.numel() != rows * max_pages:
+        raise ValueError("advance_step: kv_indptr must hold B + 1 and kv_indices B * max_pages entries")
+    err = load_library().graphdecode_advance_step(
         sampled.data_ptr(), done.data_ptr(), block_table.data_ptr(), block_table.stride(0),
         input_ids.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr(),
         kv_indptr.data_ptr(), kv_indices.data_ptr(), kv_last_page_len.data_ptr(),
-        rows, max_pages, page_size, int(advance), torch.cuda.current_stream().cuda_stream,
+        rows, max_pages, page_size, int(advance), torch.cuda.current_stream(device).cuda_stream,
     )
     if err != 0:
         raise RuntimeError(f"graphdecode_advance_step failed with CUDA error {err}")
 
 
-def register() -> None:
-    """Make `graphdecode::advance_step` run the CUDA kernel on CUDA tensors (idempotent)."""
-    global _registered
-    if not _registered:
+@functools.cache
+def _register_once() -> bool:
+    try:
         load_library()
-        advance_step.register_kernel("cuda")(_advance_step_cuda)
-        _registered = True
+    except (RuntimeError, OSError) as exc:
+        warnings.warn(f"graphdecode: CUDA advance_step unavailable, using the torch reference on CUDA: {exc}")
+        return False
+    advance_step.register_kernel("cuda")(_advance_step_cuda)
+    return True
+
+
+def register() -> bool:
+    """Make `graphdecode::advance_step` run the CUDA kernel on CUDA tensors (idempotent).
+
+    Returns False (after one warning) when the library cannot be built or loaded; the
+    op then keeps running its torch reference on CUDA tensors.
+    """
+    return _register_once()

@@ -1,13 +1,21 @@
 """WindowGraphs: the one owner of decode-window execution and its CUDA graphs.
 
 Buckets, the size -> bucket map, one graph per (bucket, sampler variant) holding k
-whole decode steps, one shared memory pool, capture largest bucket first. On CPU (or
-with cuda_graphs=False) the same `decode_window` runs eagerly.
+whole decode steps (forward, sample, done flags, advance_step), one memory pool
+shared by every graph, captured largest bucket first so smaller graphs reuse its
+blocks. On CPU (or with cuda_graphs=False) the same `decode_window` runs eagerly.
 
 A variant is (sampler mode, logprobs on/off). GREEDY and SAMPLE graphs are captured
-up front; FILTERED and logprobs variants are captured the first time a window needs
-them. Capturing needs a warm-up run, which would advance live rows, so the decode
-state is snapshotted before and restored after it.
+up front; FILTERED and logprobs variants the first time a window needs them, which
+can be while live rows sit in the decode state. Capture needs a warm-up run (it
+compiles the forward and lets libraries make their one-time allocations); that run
+really executes and would advance live rows, so the decode state is snapshotted
+before it and restored after. Its K/V writes land at or beyond each row's current
+position (or on the scratch page) and the real window rewrites those slots before
+reading them. The capture itself only records, it executes nothing.
+
+Every bucket's attention is planned once, here, before anything runs it
+(`backend.plan_decode`); a replay is one `graph.replay()` with no host sync.
 """
 
 from __future__ import annotations
@@ -35,9 +43,12 @@ class WindowGraphs:
         for size in range(self.buckets[-1] + 1):
             self._bucket_of.append(next(b for b in self.buckets if b >= size))
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self._pool = None
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None  # shared by all graphs
+        self._warmup_stream = torch.cuda.Stream() if use_graphs else None
+        for bucket in self.buckets:
+            backend.plan_decode(bucket, state.decode_metadata(bucket, state.max_pages))
 
     def bucket_for(self, num_rows: int) -> int:
         return self._bucket_of[num_rows]
@@ -46,12 +57,11 @@ class WindowGraphs:
         if steps == 0:
             return
         if not self.use_graphs or steps != self.steps:
-            self._eager(bucket, steps, mode, num_logprobs, max_kv_pages)
+            self._window(bucket, steps, mode, num_logprobs, max_kv_pages)
             return
-        key = (bucket, int(mode), num_logprobs)
-        graph = self.graphs.get(key)
+        graph = self.graphs.get((bucket, int(mode), num_logprobs))
         if graph is None:
-            graph = self._capture(key)
+            graph = self._capture((bucket, int(mode), num_logprobs))
         graph.replay()
 
     def capture_all(self) -> None:
@@ -61,7 +71,7 @@ class WindowGraphs:
                 if (bucket, int(mode), 0) not in self.graphs:
                     self._capture((bucket, int(mode), 0))
 
-    def _eager(self, bucket, steps, mode, num_logprobs, max_kv_pages) -> None:
+    def _window(self, bucket, steps, mode, num_logprobs, max_kv_pages) -> None:
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, steps,
             self.page_size, SamplerMode(mode), num_logprobs, max_kv_pages,
@@ -69,24 +79,24 @@ class WindowGraphs:
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:
         bucket, mode, num_logprobs = key
-        width = self.state.max_pages  # static width: graphs must cover any length
+        width = self.state.max_pages  # static width: one graph serves every length
         start = time.perf_counter()
-        before = torch.cuda.memory_reserved()
-        self.backend.plan_decode(bucket, self.state.decode_metadata(bucket, width))
+        current = torch.cuda.current_stream()
         saved = self.state.snapshot()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._eager(bucket, self.steps, mode, num_logprobs, width)  # warm-up (and compile)
-        torch.cuda.current_stream().wait_stream(side)
+        self._warmup_stream.wait_stream(current)
+        with torch.cuda.stream(self._warmup_stream):
+            self._window(bucket, self.steps, mode, num_logprobs, width)
+        current.wait_stream(self._warmup_stream)
         self.state.restore(saved)
+        del saved
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so the reserved-memory delta below is the graph pool's growth
+        before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._eager(bucket, self.steps, mode, num_logprobs, width)
-        if self._pool is None:
-            self._pool = graph.pool()
+            self._window(bucket, self.steps, mode, num_logprobs, width)
         torch.cuda.synchronize()
+        self.graph_memory_bytes += max(0, torch.cuda.memory_reserved() - before)
         self.graphs[key] = graph
         self.capture_seconds += time.perf_counter() - start
-        self.graph_memory_bytes += torch.cuda.memory_reserved() - before
         return graph

@@ -8,14 +8,17 @@ the decode window, and the async copy of the outputs. It returns without waiting
 from __future__ import annotations
 
 import numpy as np
+import nvtx
 import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
+from ..compiled import cuda_kernels
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
 from ..compiled.loader import load_model
 from ..compiled.sampler import Sampler, SamplerMode
+from ..compiled.torch_compile import compile_decode_logits
 from ..compiled.window import sample_into
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
@@ -36,6 +39,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.page_size = config.page_size
+        if self.device.type == "cuda":
+            cuda_kernels.register()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
         self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
@@ -50,7 +55,7 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device)
         logits_fn = self.model.decode_logits
         if config.compile:
-            logits_fn = torch.compile(logits_fn, fullgraph=True, dynamic=False)
+            logits_fn = compile_decode_logits(logits_fn, len(config.buckets))
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, steps=config.num_decode_steps, page_size=config.page_size,
@@ -66,8 +71,11 @@ class ModelRunner:
         if plan.empty:
             return None
         if plan.prefills:
-            self.prefill(plan.prefills)
-        self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.max_kv_pages)
+            with nvtx.annotate("graphdecode.prefill"):
+                self.prefill(plan.prefills)
+        if plan.steps:
+            with nvtx.annotate("graphdecode.window"):
+                self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.max_kv_pages)
         return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.num_logprobs > 0)
 
     # ---------------------------------------------------------------- prefill
