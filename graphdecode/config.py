@@ -28,6 +28,7 @@ BUCKET_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 CPU_KV_BUDGET_BYTES = 2 << 30
 GPU_MEMORY_FRACTION = 0.85
+TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
 
 
 def _pos_int(name: str, value, allow_none: bool = False) -> None:
@@ -91,7 +92,11 @@ class EngineConfig:
         cfg = load_model_config(str(self.model))
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
+        backend = self._resolve_backend(device, dtype)
         max_len = self.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len is None and backend == "torch" and device.type == "cuda":
+            # the torch reference gathers max_model_len worth of pages per row inside a graph
+            max_len = min(max_len, TORCH_BACKEND_CUDA_MAX_LEN)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
@@ -103,7 +108,6 @@ class EngineConfig:
                 f"supported; set max_model_len <= {cfg.sliding_window}"
             )
         max_pages = -(-max_len // self.page_size)
-        backend = self._resolve_backend(device)
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
         if graphs and device.type != "cuda":
@@ -155,10 +159,11 @@ class EngineConfig:
             return _DTYPE_NAMES[self.dtype]
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
 
-    def _resolve_backend(self, device: torch.device) -> str:
+    def _resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
         name = self.attention_backend
+        half = dtype in (torch.bfloat16, torch.float16)
         if name is None:
-            if device.type == "cuda":
+            if device.type == "cuda" and half:
                 from .attention.flashinfer_backend import flashinfer_available
 
                 return "flashinfer" if flashinfer_available() else "torch"
@@ -167,6 +172,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
         if name == "flashinfer" and device.type != "cuda":
             raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
+        if name == "flashinfer" and not half:
+            raise ValueError(f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, got {dtype}")
         return name
 
     def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int) -> int:

@@ -60,6 +60,7 @@ class Scheduler:
         self.page_size = config.page_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_logprobs = config.max_logprobs
+        self.max_pages_per_seq = config.max_pages_per_seq
         self.allocator = allocator
         self.staging = staging
         self.bucket_for = bucket_for
@@ -110,7 +111,7 @@ class Scheduler:
             bucket=self.bucket_for(top) if top else 0,
             mode=mode,
             num_logprobs=self.max_logprobs if self._num_logprobs else 0,
-            max_kv_pages=max((len(s.pages) for s in self.running.values()), default=1),
+            max_kv_pages=self._kv_width(),
             rows=[(s.row, s, s.epoch, id(s) in admitted) for s in self.running.values()],
         )
 
@@ -124,6 +125,12 @@ class Scheduler:
         """
         for seq in [s for s in self.running.values() if s.is_draining]:
             self._release(seq)
+
+    def _kv_width(self) -> int:
+        """Pages an eager torch-attention window gathers per row: the longest block table,
+        rounded up to a power of two so a compiled forward sees few distinct widths."""
+        longest = max((len(s.pages) for s in self.running.values()), default=1)
+        return min(1 << (longest - 1).bit_length(), self.max_pages_per_seq)
 
     def _reserve_lookahead(self) -> int:
         preempted = 0
