@@ -84,13 +84,9 @@ def main(argv=None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers")
-    _engine_args(bench)
-    bench.add_argument("--buckets", default="1,4,16,64", help="comma-separated batch sizes")
-    bench.add_argument("--steps", default="1,8", help="comma-separated k values")
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--gen-len", type=int, default=64)
-    bench.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    bench.add_argument("--out", default="profiling/out/bench_buckets", help="output path prefix (.json, .png)")
+    from .bench import add_sweep_args
+
+    add_sweep_args(bench)
     bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

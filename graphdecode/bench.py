@@ -1,0 +1,349 @@
+"""Bucket sweep: decode throughput per (batch bucket, k), beside transformers `generate`.
+
+For every k in `--steps` one LLM is built; for every batch B in `--buckets` it runs
+B equal-length token-id prompts with greedy decoding and `ignore_eos`, so every
+row runs the full `--gen-len`. Each point is measured three times over:
+
+* a warm-up (first use of a bucket: compile / graph variants),
+* a prefill-only run (`max_tokens=1`, no decode window at all),
+* the full run (`max_tokens=gen_len`); decode time = full - prefill-only.
+
+Per point: end-to-end and decode tokens/s, ms per executed decode step (windows x k
+steps; rows run all k steps of the last window even past their end), host ms per
+window (schedule / launch / pythonize, from `llm.stats()`), padding waste (bucket
+rows without a sequence), memory, and the bandwidth a step achieves against the
+bytes it must move (weights + the KV it reads) as a fraction of this device's
+measured copy bandwidth. On CPU, "launch" executes the window eagerly: it is
+compute, not host overhead (see profiling/bench_host.py for the split).
+
+The transformers baseline runs `generate(do_sample=False, cache_implementation=
+"static")` on the same model, dtype, device, prompts and lengths (torch.compile
+off unless `--baseline-compile`), in the same process. Writes PREFIX.json and
+PREFIX.png (when matplotlib is importable) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import torch
+
+from .bench_common import (
+    copy_bandwidth,
+    cuda_sync,
+    machine_info,
+    memory_snapshot,
+    random_prompt_ids,
+    resolve_model,
+    stats_delta,
+    write_json,
+)
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HuggingFace model directory")
+    p.add_argument("--preset", default=None, help="micro | llama-3.2-1b | default (built in the cache dir)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the engine's)")
+    p.add_argument("--buckets", default="1,4,16,64", help="comma-separated batch sizes")
+    p.add_argument("--steps", default="1,8", help="comma-separated k values (decode steps per window)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per point; the fastest is kept")
+    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--baseline-compile", action="store_true", help="let transformers torch.compile (CUDA)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="engine torch.compile")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
+    p.add_argument("--out", default="profiling/out/bench_buckets", help="output path prefix (.json, .png)")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+# ------------------------------------------------------------------ engine side
+def _timed_generate(llm, prompts, params, device) -> tuple[float, dict, list]:
+    before = llm.stats()
+    cuda_sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    cuda_sync(device)
+    elapsed = time.perf_counter() - start
+    return elapsed, stats_delta(before, llm.stats()), outs
+
+
+def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int, repeats: int, device) -> dict:
+    from . import SamplingParams
+
+    vocab = llm.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": ids} for ids in random_prompt_ids(batch, prompt_len, vocab)]
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    llm.generate(prompts, SamplingParams(max_tokens=min(gen_len, 2 * k + 1), **greedy))  # warm-up
+    prefill_s, prefill_stats, _ = min(
+        (_timed_generate(llm, prompts, SamplingParams(max_tokens=1, **greedy), device) for _ in range(repeats)),
+        key=lambda r: r[0],
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    total_s, st, outs = min(
+        (_timed_generate(llm, prompts, SamplingParams(max_tokens=gen_len, **greedy), device) for _ in range(repeats)),
+        key=lambda r: r[0],
+    )
+    windows = max(st["windows"], 1)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    device_steps = st["windows"] * k
+    launch_s = max(st["host_seconds_launch"] - prefill_stats["host_seconds_launch"], 0.0)
+    return {
+        "k": k,
+        "batch": batch,
+        "bucket": max(st["windows_per_bucket"], key=st["windows_per_bucket"].get) if st["windows_per_bucket"] else None,
+        "total_s": total_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "tokens_per_s": batch * gen_len / total_s,
+        "decode_tokens_per_s": st["decode_tokens"] / decode_s,
+        "windows": st["windows"],
+        "device_steps": device_steps,
+        "ms_per_decode_step": 1000 * decode_s / max(device_steps, 1),
+        "overrun_steps": device_steps - (gen_len - 1),  # steps past the last useful one (last window)
+        "host_ms_per_window": {
+            "schedule": 1000 * st["host_seconds_schedule"] / windows,
+            "launch": 1000 * launch_s / windows,
+            "pythonize": 1000 * (st["host_seconds_pythonize"] - st["seconds_blocked"]) / windows,
+            "blocked": 1000 * st["seconds_blocked"] / windows,
+        },
+        "padding_waste": 1 - st["live_rows"] / st["window_rows"] if st["window_rows"] else 0.0,
+        "prefill_tokens": st["prefill_tokens"],
+        "decode_tokens": st["decode_tokens"],
+        "generated_tokens": st["generated_tokens"],
+        "memory": memory_snapshot(device),
+        "output_ids": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def _engine_sizes(llm, prompt_len: int, gen_len: int) -> dict:
+    cfg = llm.config.model_config
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = llm.engine.runner.kv_caches
+    kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv[0].element_size()
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_cache_bytes": sum(t.numel() * t.element_size() for t in kv),
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "mean_context": prompt_len + gen_len / 2,
+    }
+
+
+def _add_bandwidth(point: dict, sizes: dict, copy_bytes_per_s: float | None) -> None:
+    """Bytes a decode step must move: all weights once + every row's KV read at the mean context."""
+    step_bytes = sizes["weight_bytes"] + point["batch"] * sizes["mean_context"] * sizes["kv_bytes_per_token"]
+    achieved = step_bytes / (point["ms_per_decode_step"] / 1000)
+    point["step_bytes"] = step_bytes
+    point["achieved_bytes_per_s"] = achieved
+    point["bandwidth_fraction"] = achieved / copy_bytes_per_s if copy_bytes_per_s else None
+
+
+def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_prefix: str) -> None:
+    from . import LLM
+
+    compile_flag = {"auto": None, "on": True, "off": False}[args.compile]
+    for k in _ints(args.steps):
+        llm = LLM(
+            model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(_ints(args.buckets)),
+            num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, compile=compile_flag,
+        )
+        sizes = _engine_sizes(llm, args.prompt_len, args.gen_len)
+        result["model_sizes"] = sizes
+        result["engine_config"] = {
+            "dtype": str(llm.config.torch_dtype), "attention_backend": llm.config.attention_backend,
+            "compile": llm.config.compile, "cuda_graphs": llm.config.cuda_graphs,
+            "capture_seconds": llm.stats()["capture_seconds"],
+        }
+        for batch in _ints(args.buckets):
+            point = measure_engine_point(llm, batch, k, args.prompt_len, args.gen_len, args.repeats, device)
+            _add_bandwidth(point, sizes, result["copy_bytes_per_s"])
+            result["points"].append(point)
+            print(f"[bench] k={k} batch={batch}: {point['tokens_per_s']:.0f} tok/s, "
+                  f"{point['ms_per_decode_step']:.2f} ms/step", flush=True)
+            write_json(out_prefix + ".json", result)
+        del llm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------- baseline side
+def sweep_baseline(model_dir: str, args, device: torch.device, dtype: torch.dtype, result: dict) -> None:
+    try:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+    except ImportError as exc:
+        print(f"[bench] transformers is not importable ({exc}): baseline skipped")
+        result["baseline_skipped"] = f"transformers not importable: {exc}"
+        return
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    vocab = model.config.vocab_size
+    extra = {}
+    if not args.baseline_compile and hasattr(GenerationConfig(), "disable_compile"):
+        extra["disable_compile"] = True
+    eos = model.config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+
+    def run(ids, new_tokens: int):
+        cuda_sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                cache_implementation="static", pad_token_id=pad, eos_token_id=None, **extra,
+            )  # eos_token_id=None: like ignore_eos, EOS may be produced but does not stop (min_new_tokens would ban it)
+        cuda_sync(device)
+        if out.shape[1] != ids.shape[1] + new_tokens:
+            raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
+        return time.perf_counter() - start, out
+
+    engine_ids = {p["batch"]: p["output_ids"] for p in result["points"]}
+    for batch in _ints(args.buckets):
+        ids = torch.tensor(random_prompt_ids(batch, args.prompt_len, vocab), device=device)
+        run(ids, 2)  # warm-up
+        prefill_s = min(run(ids, 1)[0] for _ in range(args.repeats))
+        total_s, out = min((run(ids, args.gen_len) for _ in range(args.repeats)), key=lambda r: r[0])
+        tokens = out[:, args.prompt_len:].tolist()
+        mine = engine_ids.get(batch)
+        point = {
+            "batch": batch,
+            "total_s": total_s,
+            "prefill_s": prefill_s,
+            "tokens_per_s": batch * args.gen_len / total_s,
+            "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total_s - prefill_s, 1e-9),
+            "ms_per_decode_step": 1000 * max(total_s - prefill_s, 0.0) / max(args.gen_len - 1, 1),
+            "rows_matching_engine": sum(a == b for a, b in zip(tokens, mine)) if mine else None,
+        }
+        result["baseline"].append(point)
+        print(f"[bench] transformers batch={batch}: {point['tokens_per_s']:.0f} tok/s", flush=True)
+
+
+# -------------------------------------------------------------------- report
+def speedups(result: dict) -> list[dict]:
+    base = {b["batch"]: b for b in result["baseline"]}
+    rows = []
+    for p in result["points"]:
+        b = base.get(p["batch"])
+        rows.append({
+            "k": p["k"], "batch": p["batch"],
+            "speedup": p["tokens_per_s"] / b["tokens_per_s"] if b else None,
+            "decode_speedup": p["decode_tokens_per_s"] / b["decode_tokens_per_s"] if b else None,
+        })
+    return rows
+
+
+def format_table(result: dict) -> str:
+    base = {b["batch"]: b for b in result["baseline"]}
+    head = (f"{'k':>3} {'batch':>5} {'bucket':>6} {'tok/s':>9} {'dec tok/s':>10} {'ms/step':>8} "
+            f"{'sched':>6} {'launch':>7} {'pyth':>6} {'pad%':>5} {'HF tok/s':>9} {'speedup':>7}")
+    lines = [head, "-" * len(head)]
+    for p in result["points"]:
+        h = p["host_ms_per_window"]
+        b = base.get(p["batch"])
+        lines.append(
+            f"{p['k']:>3} {p['batch']:>5} {p['bucket'] or '-':>6} {p['tokens_per_s']:>9.0f} "
+            f"{p['decode_tokens_per_s']:>10.0f} {p['ms_per_decode_step']:>8.3f} {h['schedule']:>6.3f} "
+            f"{h['launch']:>7.3f} {h['pythonize']:>6.3f} {100 * p['padding_waste']:>5.1f} "
+            + (f"{b['tokens_per_s']:>9.0f} {p['tokens_per_s'] / b['tokens_per_s']:>6.2f}x" if b
+               else f"{'-':>9} {'-':>7}")
+        )
+    lines.append("host ms per window: sched / launch / pyth" + (
+        "  (CPU: launch runs the window eagerly = compute)" if result["device"] == "cpu" else ""))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"[bench] matplotlib is not importable ({exc}): no PNG written")
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for k in sorted({p["k"] for p in result["points"]}):
+        pts = [p for p in result["points"] if p["k"] == k]
+        ax1.plot([p["batch"] for p in pts], [p["tokens_per_s"] for p in pts], "o-", label=f"graphdecode k={k}")
+        ax2.plot([p["batch"] for p in pts], [p["ms_per_decode_step"] for p in pts], "o-", label=f"graphdecode k={k}")
+    if result["baseline"]:
+        bs = result["baseline"]
+        ax1.plot([b["batch"] for b in bs], [b["tokens_per_s"] for b in bs], "s--", color="gray", label="transformers")
+        ax2.plot([b["batch"] for b in bs], [b["ms_per_decode_step"] for b in bs], "s--", color="gray",
+                 label="transformers")
+    batches = sorted({p["batch"] for p in result["points"]})
+    for ax, ylabel in ((ax1, "tokens/s (end to end)"), (ax2, "ms per decode step")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.suptitle(f"{result['model_name']} on {result['device']} ({result['dtype']}), "
+                 f"prompt {result['args']['prompt_len']}, gen {result['args']['gen_len']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------- main
+def run_bucket_sweep(args) -> dict:
+    torch.set_num_threads(args.threads)
+    model_dir, model_name = resolve_model(args.model, args.preset, args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out_prefix = args.out
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    result = {
+        "bench": "bucket_sweep",
+        "machine": machine_info(device, args.threads),
+        "model_dir": model_dir,
+        "model_name": model_name,
+        "device": device.type,
+        "dtype": args.dtype,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "copy_bytes_per_s": copy_bandwidth(device),
+        "points": [],
+        "baseline": [],
+    }
+    sweep_engine(model_dir, args, device, result, out_prefix)
+    result["dtype"] = result["engine_config"]["dtype"].replace("torch.", "")
+    if not args.no_baseline:
+        try:
+            sweep_baseline(model_dir, args, device, getattr(torch, result["dtype"]), result)
+        except Exception as exc:  # noqa: BLE001 - the baseline is optional: keep the engine's numbers
+            print(f"[bench] transformers baseline failed ({type(exc).__name__}: {exc}); skipped")
+            result["baseline_skipped"] = f"{type(exc).__name__}: {exc}"
+    result["speedups"] = speedups(result)
+    for p in result["points"]:
+        p.pop("output_ids", None)
+    write_json(out_prefix + ".json", result)
+    result["plot"] = plot(result, out_prefix + ".png")
+    write_json(out_prefix + ".json", result)
+    print(format_table(result))
+    print(f"[bench] wrote {out_prefix}.json" + (f" and {result['plot']}" if result["plot"] else ""))
+    return result
+
+
+def run_bucket_sweep_cli(args) -> int:
+    run_bucket_sweep(args)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(parser)
+    return run_bucket_sweep_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

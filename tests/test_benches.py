@@ -1,0 +1,130 @@
+"""Smoke tests for the benchmarks: tiny configurations, well-formed JSON, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from graphdecode.compiled.model_config import parse_model_config
+from graphdecode.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name: str):
+    path = os.path.join(REPO, "profiling", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"profiling_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(prefix) -> dict:
+    with open(f"{prefix}.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def micro_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("presets") / "micro")
+    build_preset("micro", path)
+    return path
+
+
+def test_llama_1b_preset_config_matches_llama_3_2_1b():
+    raw = preset_config("llama-3.2-1b")
+    cfg = parse_model_config(raw)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2048, 16, 32, 8, 64)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (8192, 128256, True)
+    assert cfg.rope.rope_type == "llama3" and cfg.rope.factor == 32.0
+    shapes = llama_tensor_shapes(raw)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    assert 1.2e9 < params < 1.3e9  # Llama-3.2-1B has 1.24B parameters
+    assert "lm_head.weight" not in shapes
+
+
+def test_micro_preset_is_cached_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path))
+    path = ensure_preset("micro")
+    assert path.startswith(str(tmp_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+    assert ensure_preset("micro") == path  # second call reuses it
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_bucket_sweep_smoke(micro_dir, tmp_path):
+    from graphdecode.bench import main
+
+    out = tmp_path / "sweep"
+    main(["--model", micro_dir, "--device", "cpu", "--buckets", "1,2", "--steps", "1,2",
+          "--prompt-len", "4", "--gen-len", "5", "--out", str(out)])
+    result = _load(out)
+    assert [(p["k"], p["batch"]) for p in result["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for p in result["points"]:
+        assert p["generated_tokens"] == p["batch"] * 5 and p["prefill_tokens"] == p["batch"] * 4
+        assert p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 and 0 <= p["padding_waste"] < 1
+        assert set(p["host_ms_per_window"]) == {"schedule", "launch", "pythonize", "blocked"}
+        assert p["bandwidth_fraction"] is not None and p["step_bytes"] > 0
+    assert [b["batch"] for b in result["baseline"]] == [1, 2]
+    assert all(0 <= b["rows_matching_engine"] <= b["batch"] for b in result["baseline"])
+    assert len(result["speedups"]) == 4 and all(s["speedup"] > 0 for s in result["speedups"])
+    assert result["machine"]["date"] and result["model_sizes"]["weight_bytes"] > 0
+    assert os.path.getsize(f"{out}.png") > 0
+
+
+def test_cli_bench_without_baseline(micro_dir, tmp_path):
+    from graphdecode.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["bench", "--model", micro_dir, "--buckets", "3", "--steps", "2", "--prompt-len", "3",
+                 "--gen-len", "4", "--no-baseline", "--out", str(out)]) == 0
+    result = _load(out)
+    (point,) = result["points"]
+    assert point["bucket"] == 3 and result["baseline"] == [] and result["speedups"][0]["speedup"] is None
+
+
+def test_scale_smoke(micro_dir, tmp_path):
+    out = tmp_path / "scale"
+    result = _script("bench_scale").main(["--model", micro_dir, "--num-prompts", "20,40", "--warmup", "0",
+                                          "--max-batch-size", "8", "--out", str(out)])
+    assert _load(out)["ratios"] == result["ratios"] and list(result["ratios"]) == ["40/20"]
+    for p, count in zip(result["points"], (20, 40)):
+        assert p["num_prompts"] == count and p["requests_per_s"] > 0
+        assert p["mean_prompt_tokens"] == 16 and p["mean_output_tokens"] == 16  # text prompts: exactly 16 tokens
+        assert p["steps"]["num_steps"] > 0 and p["setup_s"] >= 0 and p["collect_s"] >= 0
+
+
+def test_parallel_sampling_smoke(micro_dir, tmp_path):
+    out = tmp_path / "n"
+    result = _script("bench_n").main(["--model", micro_dir, "--n", "1,3", "--max-tokens", "1,3",
+                                      "--prompt-len", "40", "--repeats", "1", "--out", str(out)])
+    assert len(_load(out)["points"]) == 8
+    for p in result["points"]:
+        assert p["completions"] == p["n"] and p["generated_tokens"] == p["n"] * p["max_tokens"]
+        assert p["prefill_tokens"] == (40 if p["mode"] == "n" else 40 * p["n"])  # n>1 prefills once
+    assert set(result["ratios"]) == {f"{m}: max_tokens={t} n=3/n=1" for m in ("n", "copies") for t in (1, 3)}
+
+
+def test_host_overhead_smoke(micro_dir, tmp_path):
+    out = tmp_path / "host"
+    result = _script("bench_host").main(["--model", micro_dir, "--batches", "1,2", "--steps", "1,2",
+                                         "--measured-steps", "2", "--warm", "2", "--out", str(out)])
+    assert [(p["k"], p["batch"]) for p in _load(out)["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for p in result["points"]:
+        assert p["windows_measured"] == 2 and p["window_us"] > 0 and p["host_us"] >= 0
+        assert 0 <= p["host_fraction"] <= 1
+
+
+def test_nsys_script_skips_without_nsys(tmp_path):
+    env = dict(os.environ, PATH="/usr/bin:/bin", NSYS="")
+    done = subprocess.run(["bash", os.path.join(REPO, "profiling", "nsys.sh"), str(tmp_path)], env=env, check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "nsys not found" in done.stderr
