@@ -110,3 +110,11 @@ def test_host_writes_nothing_between_unchanged_windows(tiny_models):
     # none in the ~29 windows between
     assert flushes[0] == 1 and sum(flushes) == 2
     assert stats["staged_rows"] == 2
+
+
+def test_batch_encoding_matches_transformers(text_model):
+    """Text prompts are encoded through the Rust tokenizer directly: same ids as transformers."""
+    llm = LLM(text_model, max_model_len=128, max_batch_size=2)
+    texts = ["The capital of France is", "  leading spaces", "ünïcödé 日本", "x"]
+    assert llm.engine.inputs.tokenize_all(texts) == [(t, ids) for t, ids in zip(texts, llm.tokenizer(texts)["input_ids"])]
+    assert llm.engine.inputs._fast_encode is True

@@ -23,7 +23,7 @@ from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt: str | None
@@ -38,7 +38,7 @@ class Request:
         return self.num_finished == len(self.seqs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int
     request: Request
