@@ -39,6 +39,7 @@ from .bench_common import (
     random_prompt_ids,
     resolve_model,
     stats_delta,
+    style_batch_axes,
     write_json,
 )
 
@@ -281,12 +282,7 @@ def plot(result: dict, path: str) -> str | None:
                  label="transformers")
     batches = sorted({p["batch"] for p in result["points"]})
     for ax, ylabel in ((ax1, "tokens/s (end to end)"), (ax2, "ms per decode step")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_xlabel("batch")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+        style_batch_axes(ax, batches, ylabel)
     ax1.legend(fontsize=7)
     fig.suptitle(f"{result['model_name']} on {result['device']} ({result['dtype']}), "
                  f"prompt {result['args']['prompt_len']}, gen {result['args']['gen_len']}", fontsize=9)

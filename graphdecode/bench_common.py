@@ -141,3 +141,13 @@ def write_json(path: str, data: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def style_batch_axes(ax, batches: list[int], ylabel: str) -> None:
+    """Log-log axes over batch sizes, as every bench plot draws them."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)

@@ -29,7 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from graphdecode import LLM, SamplingParams  # noqa: E402
-from graphdecode.bench_common import cuda_sync, machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
+from graphdecode.bench_common import (  # noqa: E402
+    cuda_sync,
+    machine_info,
+    random_prompt_ids,
+    resolve_model,
+    style_batch_axes,
+    write_json,
+)
 
 
 class Timed:
@@ -125,12 +132,7 @@ def plot(points: list[dict], path: str, title: str) -> str | None:
         axes[0].plot([p["batch"] for p in pts], [p["host_us"] for p in pts], "o-", label=f"k={k}")
         axes[1].plot([p["batch"] for p in pts], [p["host_us_per_step"] for p in pts], "o-", label=f"k={k}")
     for ax, ylabel in zip(axes, ("host µs per window", "host µs per decode step (window / k)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_xlabel("batch")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+        style_batch_axes(ax, batches, ylabel)
     axes[0].legend(fontsize=7)
     fig.suptitle(title + "  (host = schedule + launch - window + pythonize)", fontsize=9)
     fig.tight_layout()

@@ -11,8 +11,7 @@ import pytest
 import torch
 from paged_reference import csr_attention
 
-from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend
-from graphdecode.attention import flashinfer_ops
+from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend, flashinfer_ops
 from graphdecode.attention.flashinfer_plan import decode_plan_csr, prefill_csr
 from graphdecode.attention.kv_cache import allocate_kv_caches
 from graphdecode.compiled.advance_step import advance_step_reference

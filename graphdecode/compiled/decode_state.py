@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.metadata import DecodeMetadata
-from .advance_step import advance_step
+from . import advance_step as _advance_step  # noqa: F401  (registers the graphdecode::advance_step op)
 from .sampler import SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.

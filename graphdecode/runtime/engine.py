@@ -114,7 +114,6 @@ class Engine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[Sequence]:
         """One window: returns the sequences that gained tokens or finished."""
-        stats = self._stats
         with torch.inference_mode():
             t0 = time.perf_counter()
             with nvtx.annotate("graphdecode.schedule"):
