@@ -9,9 +9,7 @@ gibberish: it exists to exercise the engine, not to be read.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+from .cache import cached_model_dir
 
 DEFAULT_MODEL_NAME = "default-llama-v1"
 
@@ -28,25 +26,8 @@ def main():\n    print("hello, world")\n    return 0\n
 """
 
 
-def cache_root() -> str:
-    return os.environ.get("GRAPHDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphdecode"))
-
-
 def default_model_dir() -> str:
-    path = os.path.join(cache_root(), DEFAULT_MODEL_NAME)
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        os.makedirs(cache_root(), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".building-")
-        try:
-            build_default_model(tmp)
-            try:
-                os.replace(tmp, path)
-            except OSError:  # another process finished first
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_model_dir(DEFAULT_MODEL_NAME, build_default_model)
 
 
 def build_tokenizer(vocab_size: int = 512):

