@@ -25,8 +25,8 @@ class Detokenizer:
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])  # context + ids not yet turned into text
-        self._prefix = 0  # ids[prefix:read] decode to text already emitted (context for the next ids)
-        self._read = len(self._ids)
+        self._read = len(self._ids)  # ids[:read] decode to text already emitted: context for the rest
+        self._context_text = self._decode(self._ids)
         self.stop = stop
         self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -47,16 +47,18 @@ class Detokenizer:
         """The sequence ended: emit held-back ids even if they end in an incomplete character."""
         self._emit(final=True)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
     def _emit(self, final: bool) -> None:
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special)
-        new_text = decode(self._ids[self._prefix :], skip_special_tokens=self._skip_special)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT) and not final):
+        new_text = self._decode(self._ids)
+        if len(new_text) <= len(self._context_text) or (new_text.endswith(REPLACEMENT) and not final):
             return
-        self.text += new_text[len(prefix_text) :]
+        self.text += new_text[len(self._context_text) :]
         # the ids just emitted become the context; older ids are no longer needed
         del self._ids[: self._read]
-        self._prefix, self._read = 0, len(self._ids)
+        self._read = len(self._ids)
+        self._context_text = self._decode(self._ids)
 
     def _match(self, before: int) -> str | None:
         best = None
