@@ -47,6 +47,7 @@ class EngineStats:
     prefill_batches: int = 0
     decode_tokens: int = 0  # tokens produced by decode windows that reached a user
     generated_tokens: int = 0  # all tokens that reached a user (prefill's first tokens included)
+    steps: int = 0  # engine steps (each launches at most one window)
     windows: int = 0  # decode windows launched
     window_rows: int = 0  # bucket rows over all windows (padding included)
     live_rows: int = 0  # rows holding a sequence over all windows
@@ -76,7 +77,6 @@ class Engine:
         self._inflight: tuple[WindowPlan, PendingCopy] | None = None
         self._arrivals = itertools.count()
         self._stats = EngineStats()
-        self._num_steps = 0  # engine steps (each launches at most one window)
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None) -> Request:
@@ -147,7 +147,7 @@ class Engine:
 
     def _account(self, plan: WindowPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
         s = self._stats
-        self._num_steps += 1
+        s.steps += 1
         s.host_seconds_schedule += schedule_s
         s.host_seconds_launch += launch_s
         s.host_seconds_pythonize += pythonize_s
@@ -169,7 +169,7 @@ class Engine:
         s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
         out = dict(vars(s))
         out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))
-        steps = max(self._num_steps, 1)
+        steps = max(s.steps, 1)
         for part in ("schedule", "launch", "pythonize"):
             out[f"host_ms_per_step_{part}"] = 1e3 * out[f"host_seconds_{part}"] / steps
         out["blocked_ms_per_step"] = 1e3 * s.seconds_blocked / steps

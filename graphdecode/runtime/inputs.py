@@ -73,8 +73,9 @@ class InputProcessor:
         """Batch-encode with the Rust tokenizer directly when it gives transformers' ids.
 
         transformers' __call__ converts every encoding to Python objects it then throws
-        away (~2x the cost per prompt); the backend's encode_batch is used instead once a
-        probe shows both add the same special tokens.
+        away (measured: 1.33-1.43 s against 1.14-1.19 s for 100k short prompts); the
+        backend's encode_batch is used instead once a probe shows both add the same
+        special tokens.
         """
         if self._fast_encode is None:
             probe = ["Hello world", " two  spaces"]
