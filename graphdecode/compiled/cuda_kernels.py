@@ -5,6 +5,9 @@ Search order: the library setup.py built into the package (if it matches the
 sources), else one built at first use with nvcc into the cache directory
 ($GRAPHDECODE_CACHE, default ~/.cache/graphdecode), for this GPU's architecture.
 
+`open_host_library` also serves the host entry point that runs the kernels' per-row
+code on CPU tensors (`advance_step_host.py`, what the CPU tests check).
+
 `register()` is what the runner calls on CUDA. When no library can be had (no nvcc
 and nothing prebuilt) it warns once and leaves the torch reference in place, which
 is slower but computes the same values and is just as capturable.
@@ -23,15 +26,15 @@ from ..cache import cache_root
 from . import kernel_build
 from .advance_step import advance_step
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _P = ctypes.c_void_p
-_LAUNCHER_ARGTYPES = [
+_HOST_ARGTYPES = [
     _P, _P, _P, ctypes.c_int64,  # sampled, done, block_table, table_stride
     _P, _P, _P, _P,  # input_ids, positions, seq_lens, slot_mapping
     _P, _P, _P,  # kv_indptr, kv_indices, kv_last_page_len
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # num_rows, max_pages, page_size, advance
-    _P,  # cudaStream_t
 ]
+_LAUNCHER_ARGTYPES = [*_HOST_ARGTYPES, _P]  # + cudaStream_t
 
 
 def library_path() -> str:
@@ -50,15 +53,28 @@ def library_path() -> str:
     return path
 
 
-def open_library(path: str) -> ctypes.CDLL:
-    """dlopen a built library and declare its C signatures (no CUDA call is made)."""
+def open_host_library(path: str) -> ctypes.CDLL:
+    """dlopen a library built from csrc/ (by nvcc, or the C++-only `kernel_build.build_host`),
+    check its ABI and declare the host entry point `graphdecode_advance_step_host`."""
     lib = ctypes.CDLL(path)
     lib.graphdecode_kernels_abi_version.restype = ctypes.c_int
     lib.graphdecode_kernels_abi_version.argtypes = []
     if lib.graphdecode_kernels_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path}: unexpected ABI version; rebuild csrc/")
-    lib.graphdecode_advance_step.restype = ctypes.c_int
-    lib.graphdecode_advance_step.argtypes = _LAUNCHER_ARGTYPES
+    lib.graphdecode_advance_step_host.restype = ctypes.c_int
+    lib.graphdecode_advance_step_host.argtypes = _HOST_ARGTYPES
+    return lib
+
+
+def open_library(path: str) -> ctypes.CDLL:
+    """dlopen the nvcc-built library and declare its C signatures (no CUDA call is made)."""
+    lib = open_host_library(path)
+    try:
+        launcher = lib.graphdecode_advance_step
+    except AttributeError as exc:  # the C++-only build has no kernels
+        raise RuntimeError(f"{path}: no CUDA launcher in this library (not an nvcc build?)") from exc
+    launcher.restype = ctypes.c_int
+    launcher.argtypes = _LAUNCHER_ARGTYPES
     return lib
 
 
@@ -72,9 +88,9 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device)
         raise ValueError(f"advance_step: {name} must be a contiguous {dtype} tensor on {device}")
 
 
-def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
-                       kv_indptr, kv_indices, kv_last_page_len, page_size, advance) -> None:
-    device = block_table.device
+def check_buffers(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
+                  kv_indptr, kv_indices, kv_last_page_len, device: torch.device) -> tuple[int, int]:
+    """What the C entry points need of their tensors (dtypes, contiguity, sizes); returns (B, max_pages)."""
     rows, max_pages = block_table.shape
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
         raise ValueError("advance_step: block_table must be int32 with unit column stride")
@@ -87,6 +103,14 @@ def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_len
         _check(name, t, dtype, device)
     if kv_indptr.numel() != rows + 1 or kv_indices.numel() != rows * max_pages:
         raise ValueError("advance_step: kv_indptr must hold B + 1 and kv_indices B * max_pages entries")
+    return rows, max_pages
+
+
+def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
+                       kv_indptr, kv_indices, kv_last_page_len, page_size, advance) -> None:
+    device = block_table.device
+    rows, max_pages = check_buffers(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
+                                    kv_indptr, kv_indices, kv_last_page_len, device)
     err = load_library().graphdecode_advance_step(
         sampled.data_ptr(), done.data_ptr(), block_table.data_ptr(), block_table.stride(0),
         input_ids.data_ptr(), positions.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr(),

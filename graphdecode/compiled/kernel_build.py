@@ -3,6 +3,11 @@
 No torch import here: setup.py loads this file on its own, in a build environment
 that may have no torch. The library is plain CUDA with an extern "C" ABI, linked
 against the static CUDA runtime, so it loads without torch headers or libcudart.
+
+The sources also hold a host entry point (`graphdecode_advance_step_host`) that runs
+the kernels' per-row code in a plain loop. It is in the nvcc library and, where nvcc
+is absent, builds alone with the system C++ compiler (`build_host`): `host_library`
+gives the tests one or the other, so CI checks the kernels' logic without a GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import shutil
 import subprocess
 
 LIB_NAME = "libgraphdecode_kernels.so"
+HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point only, no kernels
 SOURCES = ("advance_step.cu",)
 DEFAULT_ARCH_FLAGS = (
     "-gencode", "arch=compute_90,code=sm_90",
@@ -49,6 +55,15 @@ def find_nvcc() -> str | None:
     return candidate if os.path.isfile(candidate) else None
 
 
+def find_cxx() -> str | None:
+    """The system C++ compiler: $CXX, else g++, else c++."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
 def arch_flags_for(capability: tuple[int, int] | None) -> tuple[str, ...]:
     env = os.environ.get("GRAPHDECODE_CUDA_ARCH_FLAGS")
     if env:
@@ -77,6 +92,41 @@ def build(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS, nvcc: str 
     with open(out_path + ".sha256", "w") as f:
         f.write(source_hash(src_dir))
     return out_path
+
+
+def build_host(out_path: str, src_dir: str, cxx: str | None = None) -> str:
+    """Compile the sources as plain C++ (no kernels, no CUDA) into out_path, atomically.
+
+    The result exports only the host entry point and the ABI version. It gets no .sha256
+    stamp: `is_current` must never take it for the CUDA library.
+    """
+    cxx = cxx or find_cxx()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX or put g++ on PATH)")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    tmp = f"{out_path}.{os.getpid()}.tmp"
+    cmd = [
+        cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-o", tmp,
+        "-x", "c++", *(os.path.join(src_dir, s) for s in SOURCES),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(cxx)} failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def host_library(out_dir: str, src_dir: str) -> str:
+    """A library whose host entry point runs on this machine, built into out_dir.
+
+    The nvcc build (the very library the GPU loads) where nvcc exists, else the C++
+    compiler's host-only build. Raises RuntimeError when neither compiler is around.
+    """
+    if find_nvcc() is not None:
+        return build(os.path.join(out_dir, LIB_NAME), src_dir)
+    if find_cxx() is not None:
+        return build_host(os.path.join(out_dir, HOST_LIB_NAME), src_dir)
+    raise RuntimeError("neither nvcc nor a C++ compiler found: cannot build the host entry point")
 
 
 def is_current(lib_path: str, src_dir: str | None) -> bool:
