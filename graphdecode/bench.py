@@ -49,7 +49,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="micro | llama-3.2-1b | default (built in the cache dir)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the engine's)")
-    p.add_argument("--buckets", default="1,4,16,64", help="comma-separated batch sizes")
+    p.add_argument("--buckets", default="1,4,16,64",
+                   help="comma-separated batch sizes; exactly these buckets are built and captured")
     p.add_argument("--steps", default="1,8", help="comma-separated k values (decode steps per window)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=64)
@@ -154,7 +155,7 @@ def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_p
     compile_flag = {"auto": None, "on": True, "off": False}[args.compile]
     for k in _ints(args.steps):
         llm = LLM(
-            model_dir, device=str(device), dtype=args.dtype, max_batch_size=max(_ints(args.buckets)),
+            model_dir, device=str(device), dtype=args.dtype, buckets=sorted(set(_ints(args.buckets))),
             num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, compile=compile_flag,
         )
         sizes = _engine_sizes(llm, args.prompt_len, args.gen_len)
@@ -162,7 +163,10 @@ def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_p
         result["engine_config"] = {
             "dtype": str(llm.config.torch_dtype), "attention_backend": llm.config.attention_backend,
             "compile": llm.config.compile, "cuda_graphs": llm.config.cuda_graphs,
+            "buckets": list(llm.config.buckets),
+            "compile_seconds": llm.stats()["compile_seconds"],
             "capture_seconds": llm.stats()["capture_seconds"],
+            "graphs_captured": llm.stats()["graphs_captured"],
         }
         for batch in _ints(args.buckets):
             point = measure_engine_point(llm, batch, k, args.prompt_len, args.gen_len, args.repeats, device)

@@ -7,16 +7,30 @@ import json
 import sys
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
     p.add_argument("--model", default=None, help="HuggingFace model directory (default: the built-in random Llama)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--num-decode-steps", "-k", type=int, default=8, help="decode steps per window (k)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoding at once")
+    p.add_argument("--buckets", type=_int_list, default=None,
+                   help="padded batch sizes that get a CUDA graph, e.g. 1,16,128 (default: powers of two)")
+    p.add_argument("--num-decode-steps", "-k", type=int, default=None, help="decode steps per window (k)")
+    p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"])
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
+
+
+_ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
+                   "max_model_len", "attention_backend")
 
 
 def _make_llm(args):
@@ -25,11 +39,8 @@ def _make_llm(args):
     from . import LLM
 
     torch.set_num_threads(args.threads)
-    return LLM(
-        args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-        num_decode_steps=args.num_decode_steps, page_size=args.page_size, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-    )
+    given = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None}
+    return LLM(args.model, **given)
 
 
 def cmd_generate(args) -> int:

@@ -24,7 +24,8 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-BUCKET_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_MAX_BATCH_SIZE = 256
+MAX_ROWS = 1024  # advance_step scans all rows of a bucket in one CUDA block
 ATTENTION_BACKENDS = ("torch", "flashinfer")
 CPU_KV_BUDGET_BYTES = 2 << 30
 GPU_MEMORY_FRACTION = 0.85
@@ -38,9 +39,22 @@ def _pos_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _buckets(max_batch_size: int) -> tuple[int, ...]:
-    sizes = [b for b in BUCKET_SIZES if b < max_batch_size]
+def _default_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two below max_batch_size, then max_batch_size itself."""
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i < max_batch_size]
     return tuple(sizes) + (max_batch_size,)
+
+
+def _check_buckets(buckets) -> tuple[int, ...]:
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ValueError(f"buckets must be a non-empty list of batch sizes, got {buckets!r}")
+    for b in buckets:
+        _pos_int("buckets", b)
+    if any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise ValueError(f"buckets must be strictly increasing, got {list(buckets)!r}")
+    if buckets[-1] > MAX_ROWS:
+        raise ValueError(f"buckets: the largest bucket must be <= {MAX_ROWS}, got {buckets[-1]}")
+    return tuple(buckets)
 
 
 @dataclass(frozen=True)
@@ -48,7 +62,8 @@ class EngineConfig:
     model: str
     device: str | None = None
     dtype: str | torch.dtype | None = None
-    max_batch_size: int = 256
+    max_batch_size: int | None = None  # default DEFAULT_MAX_BATCH_SIZE, or the largest explicit bucket
+    buckets: tuple[int, ...] | list[int] | None = None  # padded batch sizes that get a graph
     num_decode_steps: int = 8
     page_size: int = 16
     num_pages: int | None = None
@@ -65,15 +80,24 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
-    buckets: tuple[int, ...] = field(init=False)
     max_pages_per_seq: int = field(init=False)
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
             raise ValueError(f"model must be a HuggingFace model directory, got {self.model!r}")
-        _pos_int("max_batch_size", self.max_batch_size)
-        if self.max_batch_size > 1024:
-            raise ValueError(f"max_batch_size must be <= 1024, got {self.max_batch_size}")
+        _pos_int("max_batch_size", self.max_batch_size, allow_none=True)
+        if self.max_batch_size is not None and self.max_batch_size > MAX_ROWS:
+            raise ValueError(f"max_batch_size must be <= {MAX_ROWS}, got {self.max_batch_size}")
+        if self.buckets is None:
+            max_batch_size = self.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+            buckets = _default_buckets(max_batch_size)
+        else:
+            buckets = _check_buckets(self.buckets)
+            if self.max_batch_size is not None and buckets[-1] > self.max_batch_size:
+                raise ValueError(
+                    f"buckets: the largest bucket ({buckets[-1]}) exceeds max_batch_size ({self.max_batch_size})"
+                )
+            max_batch_size = buckets[-1]  # no more rows run than the largest graph holds
         _pos_int("num_decode_steps", self.num_decode_steps)
         _pos_int("page_size", self.page_size)
         if self.page_size & (self.page_size - 1):
@@ -112,7 +136,7 @@ class EngineConfig:
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
         if graphs and device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
-        num_pages = self.num_pages or self._default_num_pages(cfg, dtype, device, max_pages)
+        num_pages = self.num_pages or self._default_num_pages(cfg, dtype, device, max_pages, max_batch_size)
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"num_pages ({num_pages}) must hold one sequence of max_model_len ({max_len} tokens = "
@@ -127,7 +151,8 @@ class EngineConfig:
             "attention_backend": backend,
             "compile": compile_,
             "cuda_graphs": graphs,
-            "buckets": _buckets(self.max_batch_size),
+            "max_batch_size": max_batch_size,
+            "buckets": buckets,
             "max_pages_per_seq": max_pages,
         }
         for name, value in resolved.items():
@@ -176,9 +201,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, got {dtype}")
         return name
 
-    def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int) -> int:
+    def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int) -> int:
         per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-        wanted = self.max_batch_size * max_pages + 1
+        wanted = max_batch_size * max_pages + 1
         if device.type == "cpu":
             return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1)
         free, total = torch.cuda.mem_get_info(device)

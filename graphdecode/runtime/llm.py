@@ -33,32 +33,18 @@ def _cyclic_gc_paused():
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str | None = None,
-        dtype=None,
-        max_batch_size: int = 256,
-        num_decode_steps: int = 8,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_model_len: int | None = None,
-        attention_backend: str | None = None,
-        compile: bool | None = None,
-        cuda_graphs: bool | None = None,
-        seed: int = 0,
-        **kwargs,
-    ):
+    def __init__(self, model: str | None = None, **engine_args):
+        """`model`: a HuggingFace model directory (default: the built-in random Llama).
+
+        `engine_args` are EngineConfig's fields (device, dtype, max_batch_size, buckets,
+        num_decode_steps, page_size, num_pages, max_model_len, attention_backend, compile,
+        cuda_graphs, seed, ...); their defaults and validation live there, once.
+        """
         if model is None:
             from ..default_model import default_model_dir
 
             model = default_model_dir()
-        self.config = EngineConfig(
-            model=model, device=device, dtype=dtype, max_batch_size=max_batch_size,
-            num_decode_steps=num_decode_steps, page_size=page_size, num_pages=num_pages,
-            max_model_len=max_model_len, attention_backend=attention_backend, compile=compile,
-            cuda_graphs=cuda_graphs, seed=seed, **kwargs,
-        )
+        self.config = EngineConfig(model=model, **engine_args)
         self.engine = Engine(self.config)
 
     @property
