@@ -118,7 +118,6 @@ def test_csr_attention_over_advance_step_metadata_equals_the_torch_backend(num_h
         meta = DecodeMetadata(
             seq_lens=s["seq_lens"], block_table=s["block_table"], slot_mapping=s["slot_mapping"],
             kv_indptr=s["kv_indptr"], kv_indices=s["kv_indices"], kv_last_page_len=s["kv_last_page_len"],
-            max_kv_pages=max_pages,
         )
         q = torch.randn(rows, num_heads, head_dim)
         k = torch.randn(rows, num_kv_heads, head_dim)
@@ -227,7 +226,6 @@ def test_decode_forward_through_the_op_compiles_fullgraph(tiny_models):
         backend.meta = DecodeMetadata(
             seq_lens=s["seq_lens"], block_table=s["block_table"], slot_mapping=s["slot_mapping"],
             kv_indptr=s["kv_indptr"], kv_indices=s["kv_indices"], kv_last_page_len=s["kv_last_page_len"],
-            max_kv_pages=max_pages,
         )
         return caches, backend, s
 

@@ -25,9 +25,8 @@ class DecodeMetadata:
     """One token per row for a bucket of B rows; views into the engine's static buffers."""
 
     seq_lens: torch.Tensor  # [B] int32
-    block_table: torch.Tensor  # [B, max_pages] int32
+    block_table: torch.Tensor  # [B, W] int32: the first W block-table columns (what the torch reference gathers)
     slot_mapping: torch.Tensor  # [B] int64
     kv_indptr: torch.Tensor  # [B + 1] int32 (FlashInfer CSR)
     kv_indices: torch.Tensor  # [B * max_pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
-    max_kv_pages: int  # static: pages the torch reference gathers per row

@@ -1,7 +1,7 @@
 """Torch reference attention over the paged cache: runs on CPU and GPU.
 
 It is the backend CPU runs use and the oracle the FlashInfer backend is tested
-against. Decode gathers `max_kv_pages` pages per row (a static width, so it can be
+against. Decode gathers the W pages per row its block-table view holds (a static width, so it can be
 captured in a CUDA graph) and masks past each row's length.
 """
 
@@ -51,7 +51,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
         rows = q.shape[0]
-        pages = meta.block_table[:, : meta.max_kv_pages].long()  # [B, W]
+        pages = meta.block_table.long()  # [B, W]
         keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
         values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
         positions = torch.arange(keys.shape[1], device=q.device)

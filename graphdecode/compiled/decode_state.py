@@ -69,15 +69,15 @@ class DecodeState:
             max_len=self.max_len[rows],
         )
 
-    def decode_metadata(self, bucket: int, max_kv_pages: int) -> DecodeMetadata:
+    def decode_metadata(self, bucket: int, kv_width: int) -> DecodeMetadata:
+        """Views for a bucket; the torch reference gathers kv_width pages per row."""
         return DecodeMetadata(
             seq_lens=self.seq_lens[:bucket],
-            block_table=self.block_table[:bucket],
+            block_table=self.block_table[:bucket, :kv_width],
             slot_mapping=self.slot_mapping[:bucket],
             kv_indptr=self.kv_indptr[: bucket + 1],
             kv_indices=self.kv_indices[: bucket * self.max_pages],
             kv_last_page_len=self.kv_last_page_len[:bucket],
-            max_kv_pages=max_kv_pages,
         )
 
     def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool) -> None:

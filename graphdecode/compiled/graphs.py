@@ -16,6 +16,11 @@ reading them. The capture itself only records, it executes nothing.
 
 Every bucket's attention is planned once, here, before anything runs it
 (`backend.plan_decode`); a replay is one `graph.replay()` with no host sync.
+
+With a compiled forward, the warm-up before a capture is where it compiles (once
+for bucket 1 and once for all larger buckets: see torch_compile.py); without graphs,
+`warm_up()` runs those two shapes at construction instead. `capture_seconds` counts
+warm-up and capture time net of compiling, which the compiled forward reports itself.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class WindowGraphs:
         for size in range(self.buckets[-1] + 1):
             self._bucket_of.append(next(b for b in self.buckets if b >= size))
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # warm-up + capture, compile time excluded
         self.graph_memory_bytes = 0
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None  # shared by all graphs
         self._warmup_stream = torch.cuda.Stream() if use_graphs else None
@@ -53,11 +58,12 @@ class WindowGraphs:
     def bucket_for(self, num_rows: int) -> int:
         return self._bucket_of[num_rows]
 
-    def run(self, bucket: int, steps: int, mode: SamplerMode, num_logprobs: int, max_kv_pages: int) -> None:
+    def run(self, bucket: int, steps: int, mode: SamplerMode, num_logprobs: int, kv_width: int) -> None:
+        """kv_width: pages per row an eager torch-reference window gathers (graphs use all)."""
         if steps == 0:
             return
         if not self.use_graphs or steps != self.steps:
-            self._window(bucket, steps, mode, num_logprobs, max_kv_pages)
+            self._window(bucket, steps, mode, num_logprobs, kv_width)
             return
         graph = self.graphs.get((bucket, int(mode), num_logprobs))
         if graph is None:
@@ -71,16 +77,29 @@ class WindowGraphs:
                 if (bucket, int(mode), 0) not in self.graphs:
                     self._capture((bucket, int(mode), 0))
 
-    def _window(self, bucket, steps, mode, num_logprobs, max_kv_pages) -> None:
+    @property
+    def compile_seconds(self) -> float:
+        return getattr(self.logits_fn, "compile_seconds", 0.0)
+
+    def warm_up(self) -> None:
+        """Without graphs: run bucket 1 and the smallest larger bucket once, so a compiled
+        forward compiles now rather than in a user's first windows (the state is restored)."""
+        saved = self.state.snapshot()
+        width = min(2, self.state.max_pages)  # eager windows gather >= 2 pages: see Scheduler._kv_width
+        for bucket in self.buckets[:2]:
+            self._window(bucket, self.steps, SamplerMode.GREEDY, 0, width)
+        self.state.restore(saved)
+
+    def _window(self, bucket, steps, mode, num_logprobs, kv_width) -> None:
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, steps,
-            self.page_size, SamplerMode(mode), num_logprobs, max_kv_pages,
+            self.page_size, SamplerMode(mode), num_logprobs, kv_width,
         )
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:
         bucket, mode, num_logprobs = key
         width = self.state.max_pages  # static width: one graph serves every length
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), self.compile_seconds
         current = torch.cuda.current_stream()
         saved = self.state.snapshot()
         self._warmup_stream.wait_stream(current)
@@ -98,5 +117,5 @@ class WindowGraphs:
         torch.cuda.synchronize()
         self.graph_memory_bytes += max(0, torch.cuda.memory_reserved() - before)
         self.graphs[key] = graph
-        self.capture_seconds += time.perf_counter() - start
+        self.capture_seconds += time.perf_counter() - start - (self.compile_seconds - compiled_before)
         return graph

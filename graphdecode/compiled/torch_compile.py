@@ -1,22 +1,85 @@
-"""torch.compile for the decode forward: fullgraph, static shapes, one entry per bucket.
+"""torch.compile for the decode forward: one compile for every bucket, cached on disk.
 
-With dynamic=False every bucket size is its own compiled entry of the same code
-object, and dynamo stops compiling a code object after `recompile_limit` entries
-(8 by default) and falls back to eager: the default 9 buckets would already cross
-it. The limit is raised (never lowered) to leave room for every bucket.
+The forward is compiled with `dynamic=True`: the batch dimension (and the KV width
+the torch reference gathers in eager windows) is symbolic, so one compiled entry
+serves every bucket of two rows or more. Dynamo specialises a dimension of size 1,
+so bucket 1 gets an entry of its own: two compiles in all, however many buckets
+(before, every bucket was a static-shape compile of its own: minutes of cold start
+for a 16-layer model on a GPU). Compilation is lazy, the first time a window of that
+shape runs; the engine triggers it at construction (the warm-up before each graph
+capture on CUDA, `WindowGraphs.warm_up` otherwise), so requests never pay for it.
+
+The compile cache lives under the graphdecode cache root: inductor's FX graph cache
+and AOTAutograd cache go to `<cache root>/inductor` (unless TORCHINDUCTOR_CACHE_DIR
+is already set), so a second process skips code generation and the C++/Triton
+compile, and only re-traces with dynamo.
+
+`CompiledForward` wraps the compiled callable and adds the wall time of every call
+that compiled to `compile_seconds`, so stats() reports compiling apart from capturing.
 """
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch._dynamo.config as dynamo_config
+from torch._dynamo.utils import counters
 
-_ENTRIES_PER_BUCKET = 2  # slack: e.g. a guard on a Python int that differs between eager and captured windows
+from ..cache import cache_root
+
+_ENTRIES = 8  # bucket 1, buckets >= 2, and slack for a guard on a Python value that differs between windows
 
 
-def compile_decode_logits(fn, num_buckets: int):
-    needed = _ENTRIES_PER_BUCKET * num_buckets + 8
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    if getattr(dynamo_config, name) < needed:
-        setattr(dynamo_config, name, needed)
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its caches for this process (set once, before the first compile)."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path is None:
+        path = os.path.join(cache_root(), "inductor")
+        os.makedirs(path, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # inductor reads it at each compile
+    return path
+
+
+def _compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledForward:
+    """`fn` compiled once with dynamic shapes; times the calls that compiled."""
+
+    def __init__(self, fn, backend: str = "inductor"):
+        name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+        if getattr(dynamo_config, name) < _ENTRIES:
+            setattr(dynamo_config, name, _ENTRIES)  # raised, never lowered
+        self.cache_dir = inductor_cache_dir()
+        self._compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+        self.compile_seconds = 0.0
+        self.compiles = 0
+
+    def __call__(self, input_ids, positions, ctx):
+        _mark_batch_dims(input_ids, positions, ctx)
+        before = _compiled_graphs()
+        start = time.perf_counter()
+        out = self._compiled(input_ids, positions, ctx)
+        if _compiled_graphs() != before:
+            self.compile_seconds += time.perf_counter() - start
+            self.compiles += _compiled_graphs() - before
+        return out
+
+
+def _mark_batch_dims(input_ids, positions, ctx) -> None:
+    """Make the bucket's row count (and the torch reference's KV width) symbolic.
+
+    Only these dimensions: everything else (hidden sizes, Python floats such as the
+    attention scale) stays static, so the compiled code is as specialised as a
+    static compile but for the batch. A dimension of size 1 is left alone (dynamo
+    would specialise it anyway).
+    """
+    meta = ctx.decode
+    dims = [(input_ids, 0), (positions, 0), (meta.seq_lens, 0), (meta.slot_mapping, 0), (meta.block_table, 0),
+            (meta.block_table, 1), (meta.kv_indptr, 0), (meta.kv_indices, 0), (meta.kv_last_page_len, 0)]
+    for tensor, dim in dims:
+        if tensor.shape[dim] > 1:
+            torch._dynamo.mark_dynamic(tensor, dim)

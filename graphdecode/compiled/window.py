@@ -51,10 +51,10 @@ def decode_window(
     page_size: int,
     mode: SamplerMode,
     num_logprobs: int,
-    max_kv_pages: int,
+    kv_width: int,
 ) -> None:
     rows = slice(0, bucket)
-    ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, max_kv_pages))
+    ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width))
     # the host may have admitted rows or grown block tables since the last window
     state.advance(bucket, state.input_ids[rows], page_size, advance=False)
     for step in range(steps):

@@ -60,7 +60,9 @@ class EngineStats:
     seconds_blocked: float = 0.0  # inside the pythonizer's wait (device not done yet)
     staged_rows: int = 0  # rows copied host -> device between windows
     staging_flushes: int = 0
-    capture_seconds: float = 0.0
+    compile_seconds: float = 0.0  # torch.compile (dynamo + inductor), at construction or lazily
+    capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, compile time excluded
+    graphs_captured: int = 0
     graph_memory_bytes: int = 0
 
 
@@ -165,7 +167,9 @@ class Engine:
         s.seconds_blocked = self.runner.pythonizer.seconds_blocked
         s.staged_rows = self.runner.staging.num_rows_staged
         s.staging_flushes = self.runner.staging.num_flushes
+        s.compile_seconds = self.runner.windows.compile_seconds
         s.capture_seconds = self.runner.windows.capture_seconds
+        s.graphs_captured = len(self.runner.windows.graphs)
         s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
         out = dict(vars(s))
         out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))

@@ -18,7 +18,7 @@ from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
 from ..compiled.loader import load_model
 from ..compiled.sampler import Sampler, SamplerMode
-from ..compiled.torch_compile import compile_decode_logits
+from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
@@ -55,16 +55,18 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device)
         logits_fn = self.model.decode_logits
         if config.compile:
-            logits_fn = compile_decode_logits(logits_fn, len(config.buckets))
+            logits_fn = CompiledForward(logits_fn)
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, steps=config.num_decode_steps, page_size=config.page_size,
             max_logprobs=config.max_logprobs, use_graphs=config.cuda_graphs,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
-        if config.cuda_graphs:
-            with torch.inference_mode():
+        with torch.inference_mode():
+            if config.cuda_graphs:
                 self.windows.capture_all()
+            elif config.compile:
+                self.windows.warm_up()
 
     def execute(self, plan: WindowPlan) -> PendingCopy | None:
         self.staging.flush(self.state)
@@ -75,7 +77,7 @@ class ModelRunner:
                 self.prefill(plan.prefills)
         if plan.steps:
             with nvtx.annotate("graphdecode.window"):
-                self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.max_kv_pages)
+                self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.kv_width)
         return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.num_logprobs > 0)
 
     # ---------------------------------------------------------------- prefill

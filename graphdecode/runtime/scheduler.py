@@ -46,7 +46,7 @@ class WindowPlan:
     bucket: int
     mode: SamplerMode
     num_logprobs: int
-    max_kv_pages: int
+    kv_width: int  # block-table columns an eager torch-reference window gathers
     rows: list[tuple[int, Sequence, int, bool]]  # (row, sequence, epoch, admitted now)
 
     @property
@@ -111,7 +111,7 @@ class Scheduler:
             bucket=self.bucket_for(top) if top else 0,
             mode=mode,
             num_logprobs=self.max_logprobs if self._num_logprobs else 0,
-            max_kv_pages=self._kv_width(),
+            kv_width=self._kv_width(),
             rows=[(s.row, s, s.epoch, id(s) in admitted) for s in self.running.values()],
         )
 
@@ -128,9 +128,10 @@ class Scheduler:
 
     def _kv_width(self) -> int:
         """Pages an eager torch-attention window gathers per row: the longest block table,
-        rounded up to a power of two so a compiled forward sees few distinct widths."""
-        longest = max((len(s.pages) for s in self.running.values()), default=1)
-        return min(1 << (longest - 1).bit_length(), self.max_pages_per_seq)
+        rounded up to a power of two, and at least 2 (a compiled forward specialises a
+        dimension of size 1, so width 1 would compile again)."""
+        longest = max((len(s.pages) for s in self.running.values()), default=2)
+        return min(max(2, 1 << (longest - 1).bit_length()), self.max_pages_per_seq)
 
     def _reserve_lookahead(self) -> int:
         preempted = 0
