@@ -68,6 +68,7 @@ def test_bucket_sweep_smoke(micro_dir, tmp_path):
           "--prompt-len", "4", "--gen-len", "5", "--out", str(out)])
     result = _load(out)
     assert [(p["k"], p["batch"]) for p in result["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert result["engine_config"]["buckets"] == [1, 2]
     for p in result["points"]:
         assert p["generated_tokens"] == p["batch"] * 5 and p["prefill_tokens"] == p["batch"] * 4
         assert p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 and 0 <= p["padding_waste"] < 1
@@ -89,6 +90,7 @@ def test_cli_bench_without_baseline(micro_dir, tmp_path):
     result = _load(out)
     (point,) = result["points"]
     assert point["bucket"] == 3 and result["baseline"] == [] and result["speedups"][0]["speedup"] is None
+    assert result["engine_config"]["buckets"] == [3]  # only the asked-for bucket was built
 
 
 def test_scale_smoke(micro_dir, tmp_path):
