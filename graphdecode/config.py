@@ -8,6 +8,7 @@ rest of the engine reads, so there is exactly one place defaults are decided.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 CPU_KV_BUDGET_BYTES = 2 << 30
 GPU_MEMORY_FRACTION = 0.85
 TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
+
+logger = logging.getLogger("graphdecode")
 
 
 def _pos_int(name: str, value, allow_none: bool = False) -> None:
@@ -116,7 +119,7 @@ class EngineConfig:
         cfg = load_model_config(str(self.model))
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
-        backend = self._resolve_backend(device, dtype)
+        backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
             # the torch reference gathers max_model_len worth of pages per row inside a graph
@@ -184,22 +187,6 @@ class EngineConfig:
             return _DTYPE_NAMES[self.dtype]
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
 
-    def _resolve_backend(self, device: torch.device, dtype: torch.dtype) -> str:
-        name = self.attention_backend
-        half = dtype in (torch.bfloat16, torch.float16)
-        if name is None:
-            if device.type == "cuda" and half:
-                from .attention.flashinfer_backend import flashinfer_available
-
-                return "flashinfer" if flashinfer_available() else "torch"
-            return "torch"
-        if name not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-        if name == "flashinfer" and device.type != "cuda":
-            raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
-        if name == "flashinfer" and not half:
-            raise ValueError(f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, got {dtype}")
-        return name
 
     def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int) -> int:
         per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
@@ -210,6 +197,35 @@ class EngineConfig:
         weights = _weight_bytes(cfg, dtype)
         budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
         return max(min(wanted, budget // per_page), max_pages + 1)
+
+
+def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,
+                             probe=None) -> str:
+    """The backend that will run: never one that cannot (checked before any work).
+
+    Automatic (None): FlashInfer on CUDA when it can run this head_dim and dtype here,
+    else the torch reference, with one log line saying why. An explicit "flashinfer"
+    that cannot run raises a ValueError naming head_dim / dtype.
+    """
+    if probe is None:
+        from .attention.flashinfer_probe import flashinfer_unavailable_reason as probe
+    if requested is None:
+        if device.type != "cuda":
+            return "torch"
+        reason = probe(head_dim, dtype)
+        if reason is None:
+            return "flashinfer"
+        logger.warning("graphdecode: attention backend 'torch', not FlashInfer: %s", reason)
+        return "torch"
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")
+    if requested == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
+        reason = probe(head_dim, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'flashinfer' cannot run here: {reason}")
+    return requested
 
 
 def _weight_bytes(cfg: ModelConfig, dtype) -> int:

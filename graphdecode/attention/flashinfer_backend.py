@@ -38,19 +38,11 @@ import torch
 from .backend import AttentionBackend
 from .flashinfer_ops import register_backend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
+from .flashinfer_probe import SUPPORTED_DTYPES
 from .kv_cache import write_kv
 from .metadata import DecodeMetadata, PrefillMetadata
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def flashinfer_available() -> bool:
-    try:
-        importlib.import_module("flashinfer")
-    except Exception:  # noqa: BLE001 - a broken install (missing CUDA libs, ABI) counts as absent
-        return False
-    return True
 
 
 def _pinned(array: np.ndarray) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Can FlashInfer run our attention for (head_dim, dtype) on this machine? Asked before any work.
+
+Both of our FlashInfer paths (tensor-core decode and fa2 prefill) load one kernel
+module: flashinfer 0.7.2's fa2 batch-prefill module with equal K/V strides, named by
+dtype and head_dim. It is usable when a prebuilt (AOT) copy or a JIT-cache copy of it
+exists, or when flashinfer may compile it now (JIT not disabled and nvcc found). The
+probe reads file names only: it neither builds nor loads anything, so it costs
+milliseconds and never crashes later inside plan().
+
+`flashinfer_unavailable_reason` returns None when FlashInfer can run, else a sentence
+saying why not; the engine config uses it to fall back to the torch backend (auto
+choice) or to refuse an explicit `attention_backend="flashinfer"` by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import shutil
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what flashinfer's fa2 templates are instantiated for
+_PAGED_KV_STRIDE_MODE = "equal"  # our cache holds K and V of a page side by side: equal strides
+
+
+def kernel_module_name(head_dim: int, dtype: torch.dtype) -> str:
+    """The module our wrappers load (BatchPrefill fa2 / BatchDecode with tensor cores)."""
+    from flashinfer.jit.attention import modules
+
+    base = modules.get_batch_prefill_uri(
+        "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False
+    )
+    return modules._get_batch_prefill_module_uri(base, "fa2", _PAGED_KV_STRIDE_MODE, "full")
+
+
+def _module_present(name: str) -> bool:
+    from flashinfer.jit import env as jit_env
+
+    if jit_env.get_aot_path(name).is_file():
+        return True
+    return (jit_env.FLASHINFER_JIT_DIR / name / f"{name}.so").is_file()
+
+
+def _can_compile() -> str | None:
+    """None when flashinfer may JIT-compile a module now, else why not."""
+    if os.environ.get("FLASHINFER_DISABLE_JIT"):
+        return "JIT compilation is disabled (FLASHINFER_DISABLE_JIT)"
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if shutil.which("nvcc") is None and not (cuda_home and os.path.isfile(os.path.join(cuda_home, "bin", "nvcc"))):
+        return "nvcc is not available to compile it"
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def flashinfer_unavailable_reason(head_dim: int, dtype: torch.dtype) -> str | None:
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {_name(dtype)} is not supported by FlashInfer attention (bfloat16 or float16)"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported by FlashInfer attention (one of {SUPPORTED_HEAD_DIMS})"
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as exc:  # noqa: BLE001 - a broken install (missing CUDA libs, ABI) counts as absent
+        return f"flashinfer is not importable ({type(exc).__name__}: {exc})"
+    try:
+        name = kernel_module_name(head_dim, dtype)
+        if _module_present(name):
+            return None
+    except Exception as exc:  # noqa: BLE001 - private helpers of one flashinfer release: never crash the config
+        return f"could not probe flashinfer's kernel modules ({type(exc).__name__}: {exc})"
+    why_not = _can_compile()
+    if why_not is None:
+        return None  # flashinfer compiles it at first use
+    return f"no prebuilt kernel module for head_dim {head_dim} and dtype {_name(dtype)} ({name}), and {why_not}"
