@@ -16,9 +16,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import nvtx
 import torch
 
+from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
 from .page_allocator import PageAllocator
@@ -118,15 +118,15 @@ class Engine:
         """One window: returns the sequences that gained tokens or finished."""
         with torch.inference_mode():
             t0 = time.perf_counter()
-            with nvtx.annotate("graphdecode.schedule"):
+            with annotate("graphdecode.schedule"):
                 plan = self.scheduler.schedule()
             t1 = time.perf_counter()
-            with nvtx.annotate("graphdecode.launch"):
+            with annotate("graphdecode.launch"):
                 pending = self.runner.execute(plan)
             t2 = time.perf_counter()
             changed: list[Sequence] = []
             if self._inflight is not None:
-                with nvtx.annotate("graphdecode.pythonize"):
+                with annotate("graphdecode.pythonize"):
                     changed = self._postprocess(*self._inflight)
             t3 = time.perf_counter()
         self._inflight = (plan, pending) if pending is not None else None

@@ -8,7 +8,6 @@ the decode window, and the async copy of the outputs. It returns without waiting
 from __future__ import annotations
 
 import numpy as np
-import nvtx
 import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
@@ -20,6 +19,7 @@ from ..compiled.loader import load_model
 from ..compiled.sampler import Sampler, SamplerMode
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
+from ..ranges import annotate
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
 from .scheduler import PrefillGroup, WindowPlan
@@ -73,10 +73,10 @@ class ModelRunner:
         if plan.empty:
             return None
         if plan.prefills:
-            with nvtx.annotate("graphdecode.prefill"):
+            with annotate("graphdecode.prefill"):
                 self.prefill(plan.prefills)
         if plan.steps:
-            with nvtx.annotate("graphdecode.window"):
+            with annotate("graphdecode.window"):
                 self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.kv_width)
         return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.num_logprobs > 0)
 
