@@ -60,6 +60,7 @@ class EngineStats:
     seconds_blocked: float = 0.0  # inside the pythonizer's wait (device not done yet)
     staged_rows: int = 0  # rows copied host -> device between windows
     staging_flushes: int = 0
+    staging_seconds_blocked: float = 0.0  # waiting for a staging buffer's previous copy (two flushes old)
     compile_seconds: float = 0.0  # torch.compile (dynamo + inductor), at construction or lazily
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, compile time excluded
     graphs_captured: int = 0
@@ -167,6 +168,7 @@ class Engine:
         s.seconds_blocked = self.runner.pythonizer.seconds_blocked
         s.staged_rows = self.runner.staging.num_rows_staged
         s.staging_flushes = self.runner.staging.num_flushes
+        s.staging_seconds_blocked = self.runner.staging.seconds_blocked
         s.compile_seconds = self.runner.windows.compile_seconds
         s.capture_seconds = self.runner.windows.capture_seconds
         s.graphs_captured = len(self.runner.windows.graphs)

@@ -7,12 +7,17 @@ stream, after the window that is still running: the stream orders them, and the
 host never touches device memory a running window reads. A window whose batch did
 not change costs no copy at all.
 
-Double buffering: flush N uses buffer N % 2. Before flush N + 2 reuses it, the engine
-has waited (in the pythonizer) for window N's event, which was recorded after flush
-N's copies, so the copy has run and the buffer is free.
+Double buffering: a flush that sends rows fills one of two pinned buffers, alternately,
+and records an event behind its copies (the fence). Before a buffer is filled again
+its fence is waited on: that copy was enqueued two flushes ago, so in steady state the
+wait returns at once. (The pythonizer's wait on window events is not enough: a step
+that launches nothing records no window event, yet can flush rows, e.g. an abort.)
+This is the one wait in the runtime besides the pythonizer's.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -49,6 +54,8 @@ class RowStaging:
             for _ in range(2)
         ]
         self._flip = 0
+        self._fences: list[torch.cuda.Event | None] = [None, None]  # behind each buffer's last copy
+        self.seconds_blocked = 0.0
         self._dirty_rows: set[int] = set()
         self._dirty_tables: set[int] = set()
         self.num_flushes = 0
@@ -92,8 +99,14 @@ class RowStaging:
         self._dirty_tables.clear()
         if not tables:
             return 0
-        row_idx, ints, floats, table_idx, table_rows = self._buffers[self._flip]
+        index = self._flip
         self._flip ^= 1
+        fence = self._fences[index]
+        if fence is not None:
+            start = time.perf_counter()
+            fence.synchronize()  # the copy two flushes ago has left this pinned buffer
+            self.seconds_blocked += time.perf_counter() - start
+        row_idx, ints, floats, table_idx, table_rows = self._buffers[index]
         if full:
             n = len(full)
             row_idx.numpy()[:n] = full
@@ -104,9 +117,18 @@ class RowStaging:
         table_idx.numpy()[:n] = tables
         table_rows.numpy()[:n] = self.block_table[tables]
         state.apply_block_tables(self._send(table_idx[:n]), self._send(table_rows[:n]))
+        self._fences[index] = self._new_fence()
         self.num_flushes += 1
         self.num_rows_staged += len(tables)
         return len(tables)
+
+    def _new_fence(self):
+        """An event recorded behind the copies just enqueued (None on CPU: copies are synchronous)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)
