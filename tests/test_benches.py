@@ -130,3 +130,9 @@ def test_nsys_script_skips_without_nsys(tmp_path):
     done = subprocess.run(["bash", os.path.join(REPO, "profiling", "nsys.sh"), str(tmp_path)], env=env, check=False,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "nsys not found" in done.stderr
+
+
+def test_sampler_bench_smoke(tmp_path):
+    out = tmp_path / "sampler.json"
+    result = _script("bench_sampler").main(["--rows", "4", "--vocab", "300", "--repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and all(ms > 0 for ms in result["ms"].values())

@@ -9,7 +9,7 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled.sampler import Sampler, SamplerMode, SamplingRows, _filter
+from graphdecode.compiled.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows, _filter
 
 
 def _rows(r: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop_ids=None) -> SamplingRows:
@@ -72,7 +72,7 @@ def test_sampler_draws_follow_softmax():
     draws = 20_000
     sampler = Sampler(6, "cpu")
     rows = _rows(draws, temperature=1.0, seed=torch.arange(draws, dtype=torch.int64) * 7919 + 1)
-    tokens, _ = sampler(logits.expand(draws, 6), rows, torch.full((draws,), 3, dtype=torch.int64), SamplerMode.SAMPLE)
+    tokens, _ = sampler(logits.expand(draws, 6), rows, torch.full((draws,), 3, dtype=torch.int64), SamplerVariant(SamplerMode.SAMPLE))
     freq = torch.bincount(tokens, minlength=6).float() / draws
     probs = torch.softmax(logits[0], -1)
     sigma = torch.sqrt(probs * (1 - probs) / draws)
@@ -85,8 +85,8 @@ def test_sampler_temperature_sharpens():
     n = 5000
     seeds = torch.arange(n, dtype=torch.int64)
     pos = torch.zeros(n, dtype=torch.int64)
-    hot, _ = sampler(logits.expand(n, 3), _rows(n, temperature=2.0, seed=seeds), pos, SamplerMode.SAMPLE)
-    cold, _ = sampler(logits.expand(n, 3), _rows(n, temperature=0.25, seed=seeds), pos, SamplerMode.SAMPLE)
+    hot, _ = sampler(logits.expand(n, 3), _rows(n, temperature=2.0, seed=seeds), pos, SamplerVariant(SamplerMode.SAMPLE))
+    cold, _ = sampler(logits.expand(n, 3), _rows(n, temperature=0.25, seed=seeds), pos, SamplerVariant(SamplerMode.SAMPLE))
     assert (cold == 0).float().mean() > 0.95
     assert 0.4 < (hot == 0).float().mean() < 0.6  # softmax([.5, 0, -.5]) -> 0.506
 
@@ -107,9 +107,12 @@ def test_min_tokens_masks_stop_ids():
     sampler = Sampler(3, "cpu")
     rows = _rows(1, temperature=0.0, stop_ids=torch.tensor([[1, -1]]))
     rows.min_len = torch.tensor([10], dtype=torch.int32)
-    tok, _ = sampler(logits, rows, torch.tensor([4]), SamplerMode.GREEDY)
+    masking = SamplerVariant(mask_stops=True)
+    tok, _ = sampler(logits.clone(), rows, torch.tensor([4]), masking)
     assert tok.item() == 2
-    tok, _ = sampler(logits, rows, torch.tensor([10]), SamplerMode.GREEDY)
+    tok, _ = sampler(logits.clone(), rows, torch.tensor([10]), masking)
+    assert tok.item() == 1
+    tok, _ = sampler(logits.clone(), rows, torch.tensor([4]), GREEDY)  # the variant without masking
     assert tok.item() == 1
 
 
@@ -117,10 +120,63 @@ def test_logprobs_are_raw_log_softmax():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     sampler = Sampler(50, "cpu")
     rows = _rows(3, temperature=0.5, seed=1)
-    tokens, lp = sampler(logits, rows, torch.zeros(3, dtype=torch.int64), SamplerMode.SAMPLE, num_logprobs=5)
+    tokens, lp = sampler(logits, rows, torch.zeros(3, dtype=torch.int64), SamplerVariant(SamplerMode.SAMPLE, num_logprobs=5))
     ref = torch.log_softmax(logits, -1)
     assert torch.allclose(lp.sampled, ref.gather(1, tokens[:, None])[:, 0], atol=1e-6)
     assert torch.allclose(lp.top_logprobs, ref.topk(5, -1).values, atol=1e-6)
     expected_rank = (ref > ref.gather(1, tokens[:, None])).sum(-1) + 1
     assert torch.equal(lp.rank, expected_rank)
     assert math.isclose(float(lp.top_logprobs[0, 0]), float(ref[0].max()), abs_tol=1e-6)
+
+
+def test_int32_noise_has_the_int64_hash_bits():
+    """The [R, V] hash on int32 gives the same bits as the int64 reference (so seeds keep their streams)."""
+    from graphdecode.compiled.sampler import _M32, hash32, hash32_i32, make_vocab_keys, row_keys, to_i32, uniform_noise
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 1 << 32, (10_000,), generator=g, dtype=torch.int64)
+    x[:4] = torch.tensor([0, 1, (1 << 31) - 1, (1 << 32) - 1])
+    assert torch.equal(hash32_i32(to_i32(x)).to(torch.int64) & _M32, hash32(x))
+    seeds = torch.randint(-(1 << 62), 1 << 62, (7,), generator=g)
+    pos = torch.randint(0, 5000, (7,), generator=g)
+    keys64 = hash32(torch.arange(300, dtype=torch.int64) + 0x5BD1E995)
+    bits64 = hash32(row_keys(seeds, pos)[:, None] ^ keys64[None, :]) >> 8
+    want = (bits64.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    got = uniform_noise(seeds, pos, make_vocab_keys(300, "cpu"))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert 0 < got.min() and got.max() < 1
+
+
+def test_row_counts_decide_the_variant():
+    from graphdecode.compiled.sampler import RowCounts
+
+    counts = RowCounts(max_logprobs=20)
+    assert counts.variant() == GREEDY
+    counts.add(SamplingParams(temperature=0.5))
+    assert counts.variant() == SamplerVariant(SamplerMode.SAMPLE)
+    counts.add(SamplingParams(temperature=0.5, top_k=3, logprobs=2, min_tokens=4))
+    assert counts.variant() == SamplerVariant(SamplerMode.FILTERED, 20, True)
+    counts.remove(SamplingParams(temperature=0.5, top_k=3, logprobs=2, min_tokens=4))
+    assert counts.variant() == SamplerVariant(SamplerMode.SAMPLE)
+    assert RowCounts(5, [SamplingParams(temperature=0, top_k=3)]).variant() == GREEDY  # filters need sampling
+
+
+def test_stop_ids_are_masked_only_in_windows_with_min_tokens(llm):
+    seen = []
+    execute = llm.engine.runner.execute
+
+    def recording(plan):
+        if plan.steps:
+            seen.append(plan.variant.mask_stops)
+        return execute(plan)
+
+    llm.engine.runner.execute = recording
+    try:
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=9))
+        assert seen and not any(seen)
+        seen.clear()
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=9, min_tokens=9))
+        assert all(seen) and len(out[0].outputs[0].token_ids) == 9
+    finally:
+        llm.engine.runner.execute = execute

@@ -5,8 +5,9 @@ whole decode steps (forward, sample, done flags, advance_step), one memory pool
 shared by every graph, captured largest bucket first so smaller graphs reuse its
 blocks. On CPU (or with cuda_graphs=False) the same `decode_window` runs eagerly.
 
-A variant is (sampler mode, logprobs on/off). GREEDY and SAMPLE graphs are captured
-up front; FILTERED and logprobs variants the first time a window needs them, which
+A variant is a SamplerVariant (mode, logprobs on/off, stop-id masking for min_tokens).
+Plain GREEDY and SAMPLE graphs are captured up front; other variants the first time a
+window needs them, which
 can be while live rows sit in the decode state. Capture needs a warm-up run (it
 compiles the forward and lets libraries make their one-time allocations); that run
 really executes and would advance live rows, so the decode state is snapshotted
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from .sampler import SamplerMode
+from .sampler import GREEDY, SamplerMode, SamplerVariant
 from .window import decode_window
 
 
@@ -47,7 +48,7 @@ class WindowGraphs:
         self._bucket_of = []  # size -> smallest bucket holding it
         for size in range(self.buckets[-1] + 1):
             self._bucket_of.append(next(b for b in self.buckets if b >= size))
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, SamplerVariant], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0  # warm-up + capture, compile time excluded
         self.graph_memory_bytes = 0
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None  # shared by all graphs
@@ -58,24 +59,24 @@ class WindowGraphs:
     def bucket_for(self, num_rows: int) -> int:
         return self._bucket_of[num_rows]
 
-    def run(self, bucket: int, steps: int, mode: SamplerMode, num_logprobs: int, kv_width: int) -> None:
+    def run(self, bucket: int, steps: int, variant: SamplerVariant, kv_width: int) -> None:
         """kv_width: pages per row an eager torch-reference window gathers (graphs use all)."""
         if steps == 0:
             return
         if not self.use_graphs or steps != self.steps:
-            self._window(bucket, steps, mode, num_logprobs, kv_width)
+            self._window(bucket, steps, variant, kv_width)
             return
-        graph = self.graphs.get((bucket, int(mode), num_logprobs))
+        graph = self.graphs.get((bucket, variant))
         if graph is None:
-            graph = self._capture((bucket, int(mode), num_logprobs))
+            graph = self._capture((bucket, variant))
         graph.replay()
 
     def capture_all(self) -> None:
         """Capture the common variants for every bucket, largest first, into one pool."""
         for bucket in reversed(self.buckets):
-            for mode in (SamplerMode.GREEDY, SamplerMode.SAMPLE):
-                if (bucket, int(mode), 0) not in self.graphs:
-                    self._capture((bucket, int(mode), 0))
+            for variant in (GREEDY, SamplerVariant(SamplerMode.SAMPLE)):
+                if (bucket, variant) not in self.graphs:
+                    self._capture((bucket, variant))
 
     @property
     def compile_seconds(self) -> float:
@@ -87,24 +88,24 @@ class WindowGraphs:
         saved = self.state.snapshot()
         width = min(2, self.state.max_pages)  # eager windows gather >= 2 pages: see Scheduler._kv_width
         for bucket in self.buckets[:2]:
-            self._window(bucket, self.steps, SamplerMode.GREEDY, 0, width)
+            self._window(bucket, self.steps, GREEDY, width)
         self.state.restore(saved)
 
-    def _window(self, bucket, steps, mode, num_logprobs, kv_width) -> None:
+    def _window(self, bucket, steps, variant, kv_width) -> None:
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, steps,
-            self.page_size, SamplerMode(mode), num_logprobs, kv_width,
+            self.page_size, variant, kv_width,
         )
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:
-        bucket, mode, num_logprobs = key
+        bucket, variant = key
         width = self.state.max_pages  # static width: one graph serves every length
         start, compiled_before = time.perf_counter(), self.compile_seconds
         current = torch.cuda.current_stream()
         saved = self.state.snapshot()
         self._warmup_stream.wait_stream(current)
         with torch.cuda.stream(self._warmup_stream):
-            self._window(bucket, self.steps, mode, num_logprobs, width)
+            self._window(bucket, self.steps, variant, width)
         current.wait_stream(self._warmup_stream)
         self.state.restore(saved)
         del saved
@@ -113,7 +114,7 @@ class WindowGraphs:
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._window(bucket, self.steps, mode, num_logprobs, width)
+            self._window(bucket, self.steps, variant, width)
         torch.cuda.synchronize()
         self.graph_memory_bytes += max(0, torch.cuda.memory_reserved() - before)
         self.graphs[key] = graph

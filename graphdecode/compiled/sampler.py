@@ -6,9 +6,14 @@ with seed s therefore draws the same tokens whatever batch row it lands in, whoe
 shares the batch, and after a preemption recomputes it. Only plain tensor ops are
 used, so the sampler is captured inside the decode-window CUDA graph.
 
-Modes are chosen by the host per window from what the rows need (like vLLM's
-all_greedy): GREEDY skips the noise, SAMPLE adds temperature + noise, FILTERED
-also applies min_p / top_k / top_p (a sort over the vocabulary).
+The [R, V] part of the hash runs on int32 (wrapping multiplies, masked logical
+shifts): half the bytes of the int64 version it replaced, bit for bit the same noise.
+
+A variant is chosen by the host per window from what the rows need (like vLLM's
+all_greedy), by one function (`RowCounts.variant`): GREEDY skips the noise, SAMPLE
+adds temperature + noise, FILTERED also applies min_p / top_k / top_p (a sort over
+the vocabulary); logprobs only when a row asks; stop ids masked (min_tokens) only
+when a row has min_tokens.
 """
 
 from __future__ import annotations
@@ -21,10 +26,56 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
+def _i32(value: int) -> int:
+    """A 32-bit pattern as the int32 value with the same bits."""
+    value &= _M32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+_MUL1_I32, _MUL2_I32 = _i32(_MUL1), _i32(_MUL2)
+
+
 class SamplerMode(enum.IntEnum):
     GREEDY = 0
     SAMPLE = 1
     FILTERED = 2
+
+
+@dataclass(frozen=True)
+class SamplerVariant:
+    """What a window's (or a prefill's) sampler computes; part of a CUDA graph's key."""
+
+    mode: SamplerMode = SamplerMode.GREEDY
+    num_logprobs: int = 0  # 0 = no logprobs, else the engine's max_logprobs
+    mask_stops: bool = False  # some row has min_tokens: stop ids are masked until it is reached
+
+
+GREEDY = SamplerVariant()
+
+
+class RowCounts:
+    """How many rows of a set need each sampler feature; `variant()` is the one place a
+    variant is decided. O(1) per row added or removed."""
+
+    def __init__(self, max_logprobs: int, params=()):
+        self.max_logprobs = max_logprobs
+        self.sampled = self.filtered = self.logprobs = self.min_tokens = 0
+        for p in params:
+            self.add(p)
+
+    def add(self, params, sign: int = 1) -> None:
+        self.sampled += sign * (not params.is_greedy)
+        self.filtered += sign * params.needs_filter
+        self.logprobs += sign * (params.logprobs is not None)
+        self.min_tokens += sign * (params.min_tokens > 0)
+
+    def remove(self, params) -> None:
+        self.add(params, -1)
+
+    def variant(self) -> SamplerVariant:
+        mode = SamplerMode.FILTERED if self.filtered else SamplerMode.SAMPLE if self.sampled else SamplerMode.GREEDY
+        return SamplerVariant(mode, self.max_logprobs if self.logprobs else 0, self.min_tokens > 0)
 
 
 @dataclass
@@ -50,45 +101,70 @@ class LogprobsOut:
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 integer hash on int64 tensors holding values in [0, 2**32)."""
+    """lowbias32 integer hash on int64 tensors holding values in [0, 2**32) (the reference)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * _MUL1) & _M32
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
+    x = (x * _MUL2) & _M32
     return x ^ (x >> 16)
 
 
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 bit patterns (>> on int32 is arithmetic)."""
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def hash32_i32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors: the same bits as hash32, with wrapping int32 multiplies."""
+    x = x ^ _srl(x, 16)
+    x = x * _MUL1_I32
+    x = x ^ _srl(x, 15)
+    x = x * _MUL2_I32
+    return x ^ _srl(x, 16)
+
+
+def to_i32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> int32 tensors with the same bits."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
 def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """[R] int64 seeds and token indices -> [R] 32-bit keys."""
+    """[R] int64 seeds and token indices -> [R] 32-bit keys (int64, [R] only: cheap)."""
     key = hash32((seed & _M32) ^ 0x9E3779B9)
     key = hash32(key ^ ((seed >> 32) & _M32))
     return hash32(key ^ (position & _M32))
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
-    """[R] seeds, [R] positions, [V] vocab keys -> [R, V] float32 uniform in (0, 1)."""
-    bits = hash32(row_keys(seed, position)[:, None] ^ vocab_keys[None, :]) >> 8  # 24 random bits
+    """[R] seeds, [R] positions, [V] int32 vocab keys -> [R, V] float32 uniform in (0, 1)."""
+    bits = _srl(hash32_i32(to_i32(row_keys(seed, position))[:, None] ^ vocab_keys[None, :]), 8)  # 24 random bits
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def make_vocab_keys(vocab_size: int, device) -> torch.Tensor:
+    """[V] int32: each token id's hashed key."""
+    return to_i32(hash32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x5BD1E995))
 
 
 class Sampler:
     def __init__(self, vocab_size: int, device):
-        self.vocab_keys = hash32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x5BD1E995)  # [V]
+        self.vocab_keys = make_vocab_keys(vocab_size, device)  # [V] int32
 
-    def __call__(self, logits, rows: SamplingRows, next_pos, mode: SamplerMode, num_logprobs: int = 0):
-        """logits [R, V] float32, next_pos [R] int64 (index of the token being sampled).
+    def __call__(self, logits, rows: SamplingRows, next_pos, variant: SamplerVariant = GREEDY):
+        """logits [R, V] float32 (masked in place), next_pos [R] int64 (index of the token sampled).
 
         Returns (tokens [R] int64, LogprobsOut | None).
         """
-        logprobs = _logprobs(logits, num_logprobs) if num_logprobs else None
-        logits = _mask_stop_ids(logits, rows, next_pos)
+        logprobs = _logprobs(logits, variant.num_logprobs) if variant.num_logprobs else None
+        if variant.mask_stops:
+            _mask_stop_ids_(logits, rows, next_pos)
         greedy = logits.argmax(dim=-1)
-        if mode == SamplerMode.GREEDY:
+        if variant.mode == SamplerMode.GREEDY:
             tokens = greedy
         else:
             temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
             scaled = logits / temperature[:, None]
-            if mode == SamplerMode.FILTERED:
+            if variant.mode == SamplerMode.FILTERED:
                 scaled = _filter(scaled, rows)
             u = uniform_noise(rows.seed, next_pos, self.vocab_keys)
             gumbel = -torch.log(-torch.log(u))
@@ -109,11 +185,11 @@ def _logprobs(logits, num: int):
     return full, top_logprobs, top_ids
 
 
-def _mask_stop_ids(logits, rows: SamplingRows, next_pos):
-    """min_tokens: stop ids cannot be sampled before the row holds min_len tokens."""
+def _mask_stop_ids_(logits, rows: SamplingRows, next_pos) -> None:
+    """min_tokens, in place: stop ids cannot be sampled before the row holds min_len tokens."""
     blocked = (next_pos < rows.min_len)[:, None] & (rows.stop_ids >= 0)  # [R, S]
     penalty = torch.where(blocked, float("-inf"), 0.0)
-    return logits.scatter_add(1, rows.stop_ids.clamp(min=0), penalty)
+    logits.scatter_add_(1, rows.stop_ids.clamp(min=0), penalty)
 
 
 def stop_check(tokens, rows: SamplingRows, next_pos, done):

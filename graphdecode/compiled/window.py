@@ -13,7 +13,7 @@ import torch
 
 from ..attention.backend import AttentionBackend, ForwardContext
 from .decode_state import DecodeState
-from .sampler import Sampler, SamplerMode, stop_check
+from .sampler import Sampler, SamplerVariant, stop_check
 
 
 def sample_into(
@@ -23,13 +23,12 @@ def sample_into(
     rows,  # slice (window) or [R] int64 index (prefill)
     column: int,
     next_pos: torch.Tensor,  # [R] int64: index of the token being sampled
-    mode: SamplerMode,
-    num_logprobs: int,
+    variant: SamplerVariant,
     done_before: torch.Tensor | None,  # [R] bool, or None when all rows are live
 ) -> torch.Tensor:
     """Sample R rows, write output column `column` and the done flags; returns tokens [R]."""
     params = state.sampling_rows(rows)
-    tokens, logprobs = sampler(logits, params, next_pos, mode, num_logprobs)
+    tokens, logprobs = sampler(logits, params, next_pos, variant)
     if done_before is None:
         done_before = torch.zeros_like(tokens, dtype=torch.bool)
     else:
@@ -49,8 +48,7 @@ def decode_window(
     bucket: int,
     steps: int,
     page_size: int,
-    mode: SamplerMode,
-    num_logprobs: int,
+    variant: SamplerVariant,
     kv_width: int,
 ) -> None:
     rows = slice(0, bucket)
@@ -60,5 +58,5 @@ def decode_window(
     for step in range(steps):
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1
-        tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, mode, num_logprobs, state.done[rows])
+        tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])
         state.advance(bucket, tokens, page_size, advance=True)

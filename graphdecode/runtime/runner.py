@@ -16,7 +16,7 @@ from ..compiled import cuda_kernels
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
 from ..compiled.loader import load_model
-from ..compiled.sampler import Sampler, SamplerMode
+from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from ..ranges import annotate
@@ -77,8 +77,8 @@ class ModelRunner:
                 self.prefill(plan.prefills)
         if plan.steps:
             with annotate("graphdecode.window"):
-                self.windows.run(plan.bucket, plan.steps, plan.mode, plan.num_logprobs, plan.kv_width)
-        return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.num_logprobs > 0)
+                self.windows.run(plan.bucket, plan.steps, plan.variant, plan.kv_width)
+        return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.variant.num_logprobs > 0)
 
     # ---------------------------------------------------------------- prefill
     def prefill(self, groups: list[PrefillGroup]) -> None:
@@ -116,15 +116,9 @@ class ModelRunner:
         group_of_row = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
         rows = self._send(np.asarray([s.row for s in seqs], dtype=np.int64))
         next_pos = self._send(np.repeat(np.asarray(query_lens, dtype=np.int64), [len(g.seqs) for g in groups]))
-        params = [s.request.params for s in seqs]
-        mode = SamplerMode.GREEDY
-        if any(p.needs_filter for p in params):
-            mode = SamplerMode.FILTERED
-        elif any(not p.is_greedy for p in params):
-            mode = SamplerMode.SAMPLE
-        num_logprobs = self.config.max_logprobs if any(p.logprobs is not None for p in params) else 0
+        variant = RowCounts(self.config.max_logprobs, (s.request.params for s in seqs)).variant()
         row_logits = logits[self._send(group_of_row.astype(np.int64))]
-        tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, mode, num_logprobs, None)
+        tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, variant, None)
         self.state.input_ids[rows] = tokens
         copies = [c for g in groups for c in g.page_copies]
         if copies:

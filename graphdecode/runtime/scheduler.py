@@ -23,7 +23,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..compiled.sampler import SamplerMode
+from ..compiled.sampler import RowCounts, SamplerVariant
 from .page_allocator import PageAllocator
 from .row_staging import RowStaging
 from .sequence import Sequence
@@ -44,8 +44,7 @@ class WindowPlan:
     prefills: list[PrefillGroup]
     steps: int  # k, or 0 when no running sequence needs more tokens
     bucket: int
-    mode: SamplerMode
-    num_logprobs: int
+    variant: SamplerVariant
     kv_width: int  # block-table columns an eager torch-reference window gathers
     rows: list[tuple[int, Sequence, int, bool]]  # (row, sequence, epoch, admitted now)
 
@@ -59,7 +58,6 @@ class Scheduler:
         self.steps = config.num_decode_steps
         self.page_size = config.page_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_logprobs = config.max_logprobs
         self.max_pages_per_seq = config.max_pages_per_seq
         self.allocator = allocator
         self.staging = staging
@@ -68,9 +66,7 @@ class Scheduler:
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, oldest admission first
         self._free_rows = list(range(config.max_batch_size))  # a heap: lowest row first keeps buckets small
         self._epoch = 0
-        self._num_sampled = 0  # running rows with temperature > 0
-        self._num_filtered = 0  # ... that also use top_k / top_p / min_p
-        self._num_logprobs = 0  # ... that want logprobs
+        self._counts = RowCounts(config.max_logprobs)  # what the running rows need of the sampler
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queue
@@ -100,17 +96,11 @@ class Scheduler:
         for seq in self.running.values():
             seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + steps, seq.max_len)
         top = max((s.row for s in self.running.values()), default=-1) + 1
-        mode = SamplerMode.GREEDY
-        if self._num_filtered:
-            mode = SamplerMode.FILTERED
-        elif self._num_sampled:
-            mode = SamplerMode.SAMPLE
         return WindowPlan(
             prefills=prefills,
             steps=steps,
             bucket=self.bucket_for(top) if top else 0,
-            mode=mode,
-            num_logprobs=self.max_logprobs if self._num_logprobs else 0,
+            variant=self._counts.variant(),
             kv_width=self._kv_width(),
             rows=[(s.row, s, s.epoch, id(s) in admitted) for s in self.running.values()],
         )
@@ -197,7 +187,7 @@ class Scheduler:
         self._epoch += 1
         seq.num_scheduled_tokens = seq.num_tokens + 1
         self.running[seq.seq_id] = seq
-        self._count(params, +1)
+        self._counts.add(params)
         self.staging.set_row(
             row,
             position=seq.num_tokens,
@@ -228,12 +218,5 @@ class Scheduler:
         heapq.heappush(self._free_rows, seq.row)
         seq.row = None
         del self.running[seq.seq_id]
-        self._count(seq.request.params, -1)
+        self._counts.remove(seq.request.params)
 
-    def _count(self, params, sign: int) -> None:
-        if not params.is_greedy:
-            self._num_sampled += sign
-        if params.needs_filter:
-            self._num_filtered += sign
-        if params.logprobs is not None:
-            self._num_logprobs += sign
