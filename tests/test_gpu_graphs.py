@@ -122,6 +122,7 @@ def _staggered(engine, params_by_wave):
 
 def test_lazily_captured_variants_leave_live_rows_untouched(bf16_model, flashinfer_ready):
     from graphdecode import SamplingParams
+    from graphdecode.compiled.sampler import SamplerMode
 
     waves = [
         greedy(max_tokens=40),
@@ -133,7 +134,7 @@ def test_lazily_captured_variants_leave_live_rows_untouched(bf16_model, flashinf
     captured_before = set(graphed.engine.runner.windows.graphs)
     got_tokens, got_logprobs = _staggered(graphed, waves)
     lazily = set(graphed.engine.runner.windows.graphs) - captured_before
-    assert any(mode == 2 for _, mode, _ in lazily) and any(n > 0 for _, _, n in lazily)
+    assert any(v.mode == SamplerMode.FILTERED for _, v in lazily) and any(v.num_logprobs > 0 for _, v in lazily)
     del graphed
     eager = llm(bf16_model, cuda_graphs=False, **common)
     want_tokens, want_logprobs = _staggered(eager, waves)
