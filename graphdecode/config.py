@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention.kv_cache import kv_bytes_per_page
-from .compiled.model_config import ModelConfig, load_model_config
+from .models.model_config import ModelConfig, load_model_config
 
 _DTYPE_NAMES = {
     "float32": torch.float32,

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from graphdecode.compiled.model_config import parse_model_config
+from graphdecode.models.model_config import parse_model_config
 from graphdecode.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

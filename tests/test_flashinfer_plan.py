@@ -207,8 +207,8 @@ class OpRoutedReference(TorchAttentionBackend):
 def test_decode_forward_through_the_op_compiles_fullgraph(tiny_models):
     """dynamo traces ForwardContext -> backend.decode -> op without a graph break; the op's
     hidden KV write still happens; compiled logits equal eager logits."""
-    from graphdecode.compiled.loader import load_model
-    from graphdecode.compiled.model_config import load_model_config
+    from graphdecode.models.loader import load_model
+    from graphdecode.models.model_config import load_model_config
 
     path = tiny_models["llama_gqa_llama3"]
     cfg = load_model_config(path)

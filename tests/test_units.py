@@ -7,7 +7,7 @@ import torch
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.compiled.advance_step import advance_step_reference
-from graphdecode.compiled.model_config import parse_model_config
+from graphdecode.models.model_config import parse_model_config
 from graphdecode.runtime.page_allocator import PageAllocator
 
 

@@ -15,7 +15,7 @@ from ..attention.kv_cache import allocate_kv_caches, copy_page
 from ..compiled import cuda_kernels
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
-from ..compiled.loader import load_model
+from ..models.loader import load_model
 from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
