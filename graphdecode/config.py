@@ -75,7 +75,8 @@ class EngineConfig:
     compile: bool | None = None
     cuda_graphs: bool | None = None
     seed: int = 0
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 8192  # prefill tokens per engine step (longer prompts are chunked)
+    enable_prefix_caching: bool = True
     max_logprobs: int = 20
     max_stop_ids: int = 16
 
@@ -112,6 +113,8 @@ class EngineConfig:
         _pos_int("max_stop_ids", self.max_stop_ids)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("compile", "cuda_graphs"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

@@ -175,8 +175,8 @@ def test_prefill_plans_each_batch_and_alternates_wrappers(kernels):
 def test_window_graphs_plan_every_bucket_up_front(kernels):
     state = _state({0: 3})
     backend = FlashInferBackend(_caches(), H, H_KV, D, device="cpu")
-    graphs = WindowGraphs(None, None, backend, state, buckets=(1, 2, 4, 8), steps=4, page_size=P,
-                          max_logprobs=2, use_graphs=False)
+    graphs = WindowGraphs(None, None, backend, state, buckets=(1, 2, 4, 8), num_decode_steps=4,
+                          page_size=P, use_graphs=False)
     assert len(kernels.plans) == 4
     for bucket in graphs.buckets:
         wrapper = backend._decode_wrappers[bucket]

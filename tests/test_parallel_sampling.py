@@ -52,10 +52,10 @@ def test_finished_child_frees_its_pages_while_siblings_go_on(llm):
         alive = [s for s in request.seqs if s.is_running]
         if done and alive and not checked:
             shared = alive[0].pages[: 40 // llm.config.page_size]
-            assert all(engine.allocator.refcount(p) == len(alive) for p in shared)
+            assert all(engine.pool.refcount(p) == len(alive) for p in shared)
             held = {p for s in alive for p in s.pages}
-            free = engine.allocator.num_free
+            free = engine.pool.num_free
             assert free == llm.config.num_pages - 1 - len(held)  # nothing else is held: the finished child's pages are free
             checked = True
     assert checked, "pick another seed: the children finished together"
-    assert engine.allocator.num_free == llm.config.num_pages - 1
+    assert engine.pool.num_free == llm.config.num_pages - 1

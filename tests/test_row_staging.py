@@ -40,7 +40,7 @@ def _row(staging, row):
 
 
 def test_a_buffer_is_refilled_only_after_its_fence():
-    state = DecodeState(4, 4, 2, steps=2, max_logprobs=1, device="cpu")
+    state = DecodeState(4, 4, 2, num_decode_steps=2, max_logprobs=1, device="cpu")
     staging = FencedStaging(state, torch.device("cpu"))
     _row(staging, 0)
     assert staging.flush(state) == 1  # buffer 0, fence0
@@ -60,7 +60,7 @@ def test_a_buffer_is_refilled_only_after_its_fence():
 
 
 def test_cpu_staging_records_no_fence():
-    state = DecodeState(2, 2, 1, steps=1, max_logprobs=1, device="cpu")
+    state = DecodeState(2, 2, 1, num_decode_steps=1, max_logprobs=1, device="cpu")
     staging = RowStaging(state, torch.device("cpu"))
     for _ in range(3):
         _row(staging, 0)

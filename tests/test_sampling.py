@@ -166,9 +166,10 @@ def test_stop_ids_are_masked_only_in_windows_with_min_tokens(llm):
     execute = llm.engine.runner.execute
 
     def recording(plan):
-        if plan.steps:
-            seen.append(plan.variant.mask_stops)
-        return execute(plan)
+        pending = execute(plan)
+        if plan.window is not None and plan.window.decode:
+            seen.append(llm.engine.runner.row_counts.variant().mask_stops)
+        return pending
 
     llm.engine.runner.execute = recording
     try:

@@ -110,4 +110,4 @@ def test_abort_ends_every_child(llm):
     assert not engine.scheduler.running
     while engine.has_unfinished():
         engine.step()
-    assert engine.allocator.num_free == engine.config.num_pages - 1  # every page came back
+    assert engine.pool.num_free == engine.config.num_pages - 1  # every page came back

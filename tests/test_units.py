@@ -8,7 +8,7 @@ import torch
 from graphdecode import LLM, SamplingParams
 from graphdecode.compiled.advance_step import advance_step_reference
 from graphdecode.models.model_config import parse_model_config
-from graphdecode.runtime.page_allocator import PageAllocator
+from graphdecode.runtime.page_pool import PagePool
 
 
 def _state(rows, max_pages):
@@ -62,8 +62,8 @@ def test_advance_step_custom_op_runs_reference_on_cpu():
     assert s["kv_indptr"].tolist() == [0, 2] and s["kv_last_page_len"].item() == 1
 
 
-def test_page_allocator_refcounts():
-    alloc = PageAllocator(6)
+def test_page_pool_refcounts():
+    alloc = PagePool(6)
     assert alloc.num_free == 5  # page 0 is the scratch page
     a = alloc.allocate(3)
     assert 0 not in a

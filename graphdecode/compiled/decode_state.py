@@ -21,7 +21,8 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p")
 
 
 class DecodeState:
-    def __init__(self, max_rows: int, max_pages: int, max_stop_ids: int, steps: int, max_logprobs: int, device):
+    def __init__(self, max_rows: int, max_pages: int, max_stop_ids: int, num_decode_steps: int, max_logprobs: int,
+                 device):
         rows = max_rows
 
         def buf(*shape, dtype, fill=0):
@@ -50,11 +51,11 @@ class DecodeState:
         self.min_p = buf(rows, dtype=torch.float32)
         self.seed = buf(rows, dtype=torch.int64)
         # outputs: column 0 = token sampled by prefill, columns 1..k = window steps
-        self.out_tokens = buf(rows, steps + 1, dtype=torch.int64)  # [B_max, k + 1]
-        self.out_lp_sampled = buf(rows, steps + 1, dtype=torch.float32)
-        self.out_lp_rank = buf(rows, steps + 1, dtype=torch.int64)
-        self.out_lp_top_ids = buf(rows, steps + 1, max_logprobs, dtype=torch.int64)  # [B_max, k + 1, N]
-        self.out_lp_top = buf(rows, steps + 1, max_logprobs, dtype=torch.float32)
+        self.out_tokens = buf(rows, num_decode_steps + 1, dtype=torch.int64)  # [B_max, k + 1]
+        self.out_lp_sampled = buf(rows, num_decode_steps + 1, dtype=torch.float32)
+        self.out_lp_rank = buf(rows, num_decode_steps + 1, dtype=torch.int64)
+        self.out_lp_top_ids = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.int64)  # [B_max, k + 1, N]
+        self.out_lp_top = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.float32)
 
     def sampling_rows(self, rows) -> SamplingRows:
         """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill)."""

@@ -1,6 +1,6 @@
 """WindowGraphs: the one owner of decode-window execution and its CUDA graphs.
 
-Buckets, the size -> bucket map, one graph per (bucket, sampler variant) holding k
+The buckets, one graph per (bucket, sampler variant) holding k
 whole decode steps (forward, sample, done flags, advance_step), one memory pool
 shared by every graph, captured largest bucket first so smaller graphs reuse its
 blocks. On CPU (or with cuda_graphs=False) the same `decode_window` runs eagerly.
@@ -35,19 +35,15 @@ from .window import decode_window
 
 
 class WindowGraphs:
-    def __init__(self, logits_fn, sampler, backend, state, *, buckets, steps, page_size, max_logprobs, use_graphs):
+    def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
         self.state = state
         self.buckets = tuple(sorted(buckets))
-        self.steps = steps
+        self.num_decode_steps = num_decode_steps
         self.page_size = page_size
-        self.max_logprobs = max_logprobs
         self.use_graphs = use_graphs
-        self._bucket_of = []  # size -> smallest bucket holding it
-        for size in range(self.buckets[-1] + 1):
-            self._bucket_of.append(next(b for b in self.buckets if b >= size))
         self.graphs: dict[tuple[int, SamplerVariant], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0  # warm-up + capture, compile time excluded
         self.graph_memory_bytes = 0
@@ -56,15 +52,11 @@ class WindowGraphs:
         for bucket in self.buckets:
             backend.plan_decode(bucket, state.decode_metadata(bucket, state.max_pages))
 
-    def bucket_for(self, num_rows: int) -> int:
-        return self._bucket_of[num_rows]
-
-    def run(self, bucket: int, steps: int, variant: SamplerVariant, kv_width: int) -> None:
-        """kv_width: pages per row an eager torch-reference window gathers (graphs use all)."""
-        if steps == 0:
-            return
-        if not self.use_graphs or steps != self.steps:
-            self._window(bucket, steps, variant, kv_width)
+    def run(self, bucket: int, variant: SamplerVariant, kv_width: int) -> None:
+        """One window of k decode steps. kv_width: pages per row an eager torch-reference
+        window gathers (graphs gather every column)."""
+        if not self.use_graphs:
+            self._window(bucket, variant, kv_width)
             return
         graph = self.graphs.get((bucket, variant))
         if graph is None:
@@ -88,12 +80,12 @@ class WindowGraphs:
         saved = self.state.snapshot()
         width = min(2, self.state.max_pages)  # eager windows gather >= 2 pages: see Scheduler._kv_width
         for bucket in self.buckets[:2]:
-            self._window(bucket, self.steps, GREEDY, width)
+            self._window(bucket, GREEDY, width)
         self.state.restore(saved)
 
-    def _window(self, bucket, steps, variant, kv_width) -> None:
+    def _window(self, bucket, variant, kv_width) -> None:
         decode_window(
-            self.logits_fn, self.sampler, self.backend, self.state, bucket, steps,
+            self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
             self.page_size, variant, kv_width,
         )
 
@@ -105,7 +97,7 @@ class WindowGraphs:
         saved = self.state.snapshot()
         self._warmup_stream.wait_stream(current)
         with torch.cuda.stream(self._warmup_stream):
-            self._window(bucket, self.steps, variant, width)
+            self._window(bucket, variant, width)
         current.wait_stream(self._warmup_stream)
         self.state.restore(saved)
         del saved
@@ -114,7 +106,7 @@ class WindowGraphs:
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self._window(bucket, self.steps, variant, width)
+            self._window(bucket, variant, width)
         torch.cuda.synchronize()
         self.graph_memory_bytes += max(0, torch.cuda.memory_reserved() - before)
         self.graphs[key] = graph

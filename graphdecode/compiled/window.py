@@ -46,7 +46,7 @@ def decode_window(
     backend: AttentionBackend,
     state: DecodeState,
     bucket: int,
-    steps: int,
+    num_decode_steps: int,
     page_size: int,
     variant: SamplerVariant,
     kv_width: int,
@@ -55,7 +55,7 @@ def decode_window(
     ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width))
     # the host may have admitted rows or grown block tables since the last window
     state.advance(bucket, state.input_ids[rows], page_size, advance=False)
-    for step in range(steps):
+    for step in range(num_decode_steps):
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1
         tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])

@@ -1,6 +1,6 @@
 """Engine: the step loop. Each step is schedule -> run -> postprocess.
 
-    plan    = scheduler.schedule()        admissions, lookahead pages, bucket, variant
+    plan    = scheduler.schedule()        rows in/out, lookahead pages, prefill chunks, the window's bucket
     pending = runner.execute(plan)        stage rows, prefill, launch the window, copy out
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
 
@@ -21,10 +21,11 @@ import torch
 from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
-from .page_allocator import PageAllocator
+from .page_pool import PagePool
+from .plan import StepPlan
 from .pythonizer import PendingCopy
 from .runner import ModelRunner
-from .scheduler import Scheduler, WindowPlan
+from .scheduler import Scheduler
 from .sequence import Request, Sequence
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -44,7 +45,7 @@ def load_tokenizer(model_dir: str):
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0  # tokens run through prefill (prompts once per request, recomputes again)
-    prefill_batches: int = 0
+    prefill_batches: int = 0  # steps that ran prefill chunks
     decode_tokens: int = 0  # tokens produced by decode windows that reached a user
     generated_tokens: int = 0  # all tokens that reached a user (prefill's first tokens included)
     steps: int = 0  # engine steps (each launches at most one window)
@@ -52,6 +53,9 @@ class EngineStats:
     window_rows: int = 0  # bucket rows over all windows (padding included)
     live_rows: int = 0  # rows holding a sequence over all windows
     preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (at admission)
+    prefix_cache_hits: int = 0  # ... of which found there (not computed again)
+    cached_pages: int = 0  # pages findable in the prefix cache now
     requests_finished: int = 0
     windows_per_bucket: dict = field(default_factory=dict)
     host_seconds_schedule: float = 0.0
@@ -72,12 +76,12 @@ class Engine:
         self.config = config
         self.tokenizer = load_tokenizer(str(config.model))
         self.runner = ModelRunner(config)
-        self.allocator = PageAllocator(config.num_pages)
-        self.scheduler = Scheduler(config, self.allocator, self.runner.staging, self.runner.windows.bucket_for)
+        self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.pool)
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self._inflight: tuple[WindowPlan, PendingCopy] | None = None
+        self._inflight: tuple[StepPlan, PendingCopy] | None = None
         self._arrivals = itertools.count()
         self._stats = EngineStats()
 
@@ -134,9 +138,12 @@ class Engine:
         self._account(plan, t1 - t0, t2 - t1, t3 - t2)
         return changed
 
-    def _postprocess(self, plan: WindowPlan, pending: PendingCopy) -> list[Sequence]:
+    def _postprocess(self, plan: StepPlan, pending: PendingCopy) -> list[Sequence]:
         result = self.runner.pythonizer.wait(pending)
-        return self.outputs.process(plan.rows, plan.steps, result, self._stats)
+        last_column = self.config.num_decode_steps if plan.window.decode else 0
+        changed = self.outputs.process(plan.readout, last_column, result, self._stats)
+        self.scheduler.cache_decoded(changed)
+        return changed
 
     def _on_finish(self, seq: Sequence) -> None:
         if seq.detokenizer is not None:
@@ -148,23 +155,27 @@ class Engine:
             self.requests.pop(request.request_id, None)
             self._stats.requests_finished += 1
 
-    def _account(self, plan: WindowPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
+    def _account(self, plan: StepPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
         s = self._stats
         s.steps += 1
         s.host_seconds_schedule += schedule_s
         s.host_seconds_launch += launch_s
         s.host_seconds_pythonize += pythonize_s
-        s.prefill_tokens += sum(len(g.token_ids) for g in plan.prefills)
-        s.prefill_batches += bool(plan.prefills)
-        if plan.steps:
+        s.prefill_tokens += plan.num_prefill_tokens
+        s.prefill_batches += bool(plan.prefill_chunks)
+        window = plan.window
+        if window is not None and window.decode:
             s.windows += 1
-            s.window_rows += plan.bucket
-            s.live_rows += len(plan.rows)
-            s.windows_per_bucket[plan.bucket] = s.windows_per_bucket.get(plan.bucket, 0) + 1
+            s.window_rows += window.bucket
+            s.live_rows += len(plan.readout)
+            s.windows_per_bucket[window.bucket] = s.windows_per_bucket.get(window.bucket, 0) + 1
 
     def stats(self) -> dict:
         s = self._stats
         s.preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.scheduler.prefix_cache_queries
+        s.prefix_cache_hits = self.scheduler.prefix_cache_hits
+        s.cached_pages = self.pool.num_cached
         s.seconds_blocked = self.runner.pythonizer.seconds_blocked
         s.staged_rows = self.runner.staging.num_rows_staged
         s.staging_flushes = self.runner.staging.num_flushes

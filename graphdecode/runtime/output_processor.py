@@ -19,18 +19,20 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.on_finish = on_finish  # (sequence) -> None: frees its row and pages
 
-    def process(self, rows, steps: int, result: WindowResult, stats) -> list[Sequence]:
-        """rows: the window's (row, sequence, epoch, admitted-now) list. Returns changed sequences."""
+    def process(self, readout, last_column: int, result: WindowResult, stats) -> list[Sequence]:
+        """readout: the step's Readout records; columns up to last_column (k, or 0 without a
+        decode window) were produced. Returns the sequences that changed."""
         changed = []
-        for row, seq, epoch, is_new in rows:
-            if seq.is_finished or seq.epoch != epoch:
+        for r in readout:
+            seq = r.seq
+            if seq.is_finished or seq.epoch != r.epoch:
                 continue  # finished, aborted or preempted since launch: its tokens are void
-            first = 0 if is_new else 1
-            tokens = result.tokens[row, first : steps + 1].tolist()
+            tokens = result.tokens[r.row, r.first_column : last_column + 1].tolist()
             accepted = self._accept(seq, tokens)
             if result.lp_sampled is not None and seq.logprobs is not None:
-                self._logprobs(seq, result, row, first, accepted)
-            stats.decode_tokens += accepted - (1 if is_new else 0)
+                self._logprobs(seq, result, r.row, r.first_column, accepted)
+            first_token = r.first_column == 0 and accepted > 0
+            stats.decode_tokens += accepted - first_token
             stats.generated_tokens += accepted
             changed.append(seq)
         return changed

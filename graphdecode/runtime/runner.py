@@ -1,8 +1,14 @@
-"""ModelRunner: owns the model, KV cache, decode state and windows; executes a WindowPlan.
+"""ModelRunner: owns the model, KV cache, decode state and windows; applies a StepPlan.
 
-`execute(plan)` enqueues, in stream order: the staged row changes, the prefill of
-newly admitted groups (which samples each row's first token into output column 0),
-the decode window, and the async copy of the outputs. It returns without waiting.
+`execute(plan)` is the runner's whole interface to the scheduler. It applies the plan's
+rows (cleared, started, grown block tables) to the staging mirrors, enqueues, in stream
+order, the staged copies, the prefill chunks (the last chunk of a sequence samples its
+first token into output column 0), the decode window and the async copy of the
+outputs, and returns without waiting.
+
+What the device needs is decided here, from the rows the runner holds: the sampler
+variant (one RowCounts over the live rows; another over a prefill's sampled rows) and
+the KV width an eager torch-reference window gathers.
 """
 
 from __future__ import annotations
@@ -15,14 +21,14 @@ from ..attention.kv_cache import allocate_kv_caches, copy_page
 from ..compiled import cuda_kernels
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
-from ..models.loader import load_model
 from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
+from ..models.loader import load_model
 from ..ranges import annotate
+from .plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
-from .scheduler import PrefillGroup, WindowPlan
 
 
 def make_backend(name: str, kv_caches, cfg, device):
@@ -52,14 +58,17 @@ class ModelRunner:
             config.num_decode_steps, config.max_logprobs, self.device,
         )
         self.staging = RowStaging(self.state, self.device)
+        self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
+        self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
+        self._row_pages = np.zeros(config.max_batch_size, dtype=np.int64)  # block-table length per row
         self.sampler = Sampler(cfg.vocab_size, self.device)
         logits_fn = self.model.decode_logits
         if config.compile:
             logits_fn = CompiledForward(logits_fn)
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
-            buckets=config.buckets, steps=config.num_decode_steps, page_size=config.page_size,
-            max_logprobs=config.max_logprobs, use_graphs=config.cuda_graphs,
+            buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
+            use_graphs=config.cuda_graphs,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():
@@ -68,63 +77,98 @@ class ModelRunner:
             elif config.compile:
                 self.windows.warm_up()
 
-    def execute(self, plan: WindowPlan) -> PendingCopy | None:
+    def execute(self, plan: StepPlan) -> PendingCopy | None:
+        self._apply_rows(plan)
         self.staging.flush(self.state)
-        if plan.empty:
-            return None
-        if plan.prefills:
+        if plan.prefill_chunks:
             with annotate("graphdecode.prefill"):
-                self.prefill(plan.prefills)
-        if plan.steps:
+                self.prefill(plan.prefill_chunks)
+        window = plan.window
+        if window is None:
+            return None  # nothing sampled this step (prefill chunks that are not a sequence's last)
+        variant = self.row_counts.variant()
+        if window.decode:
             with annotate("graphdecode.window"):
-                self.windows.run(plan.bucket, plan.steps, plan.variant, plan.kv_width)
-        return self.pythonizer.enqueue(plan.bucket, with_logprobs=plan.variant.num_logprobs > 0)
+                self.windows.run(window.bucket, variant, self._kv_width())
+        return self.pythonizer.enqueue(window.bucket, with_logprobs=variant.num_logprobs > 0)
+
+    # ------------------------------------------------------------ device rows
+    def _apply_rows(self, plan: StepPlan) -> None:
+        for row in plan.cleared_rows:
+            params = self._row_params[row]
+            if params is not None:
+                self.row_counts.remove(params)
+                self._row_params[row] = None
+            self._row_pages[row] = 0
+            self.staging.clear_row(row)
+        for start in plan.started_rows:
+            self.staging.set_row(
+                start.row, position=start.position, max_len=start.max_len, min_len=start.min_len,
+                stop_ids=start.stop_ids, params=start.params, seed=start.seed, pages=start.pages,
+            )
+            self.row_counts.add(start.params)
+            self._row_params[start.row] = start.params
+            self._row_pages[start.row] = len(start.pages)
+        for growth in plan.grown_tables:
+            self.staging.set_pages(growth.row, growth.start, growth.pages)
+            self._row_pages[growth.row] = growth.start + len(growth.pages)
+
+    def _kv_width(self) -> int:
+        """Pages an eager torch-attention window gathers per row: the longest block table,
+        rounded up to a power of two, and at least 2 (a compiled forward specialises a
+        dimension of size 1, so width 1 would compile again). Graphs use every column."""
+        longest = int(self._row_pages.max())
+        return min(max(2, 1 << max(longest - 1, 0).bit_length()), self.state.max_pages)
 
     # ---------------------------------------------------------------- prefill
-    def prefill(self, groups: list[PrefillGroup]) -> None:
+    def prefill(self, chunks: list[PrefillChunk]) -> None:
         page_size = self.page_size
-        query_lens = [len(g.token_ids) for g in groups]
-        width = max(len(g.seqs[0].pages) for g in groups)
-        table = np.zeros((len(groups), width), dtype=np.int32)
+        query_lens = [len(c.token_ids) for c in chunks]
+        kv_lens = [c.end for c in chunks]
+        width = max(len(c.pages) for c in chunks)
+        table = np.zeros((len(chunks), width), dtype=np.int32)
         positions, slots = [], []
-        for i, g in enumerate(groups):
-            pages = np.asarray(g.seqs[0].pages, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            pages = np.asarray(c.pages, dtype=np.int64)
             table[i, : len(pages)] = pages
-            pos = np.arange(query_lens[i], dtype=np.int64)
+            pos = np.arange(c.start, c.end, dtype=np.int64)
             positions.append(pos)
             slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        tokens = np.fromiter((t for g in groups for t in g.token_ids), dtype=np.int64, count=sum(query_lens))
-        cu = np.zeros(len(groups) + 1, dtype=np.int32)
+        tokens = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=sum(query_lens))
+        cu = np.zeros(len(chunks) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
         table_host = self._host(table)
         meta = PrefillMetadata(
             cu_query_lens=self._send(cu),
-            seq_lens=self._send(np.asarray(query_lens, dtype=np.int32)),
+            seq_lens=self._send(np.asarray(kv_lens, dtype=np.int32)),
             block_table=table_host.to(self.device, non_blocking=True),
             slot_mapping=self._send(np.concatenate(slots)),
             query_lens_host=query_lens,
-            seq_lens_host=query_lens,
+            seq_lens_host=kv_lens,
             block_table_host=table_host,
         )
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         hidden = self.model(self._send(tokens), self._send(np.concatenate(positions)), ctx)
-        last = hidden[meta.cu_query_lens[1:].long() - 1]  # [G, hidden]
-        logits = self.model.compute_logits(last)  # [G, V]
-
-        seqs = [s for g in groups for s in g.seqs]
-        group_of_row = np.repeat(np.arange(len(groups)), [len(g.seqs) for g in groups])
-        rows = self._send(np.asarray([s.row for s in seqs], dtype=np.int64))
-        next_pos = self._send(np.repeat(np.asarray(query_lens, dtype=np.int64), [len(g.seqs) for g in groups]))
-        variant = RowCounts(self.config.max_logprobs, (s.request.params for s in seqs)).variant()
-        row_logits = logits[self._send(group_of_row.astype(np.int64))]
-        tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, variant, None)
-        self.state.input_ids[rows] = tokens
-        copies = [c for g in groups for c in g.page_copies]
+        sampled = [i for i, c in enumerate(chunks) if c.sample_rows]
+        if sampled:
+            self._sample_first_tokens([chunks[i] for i in sampled], hidden, cu[1:][sampled] - 1)
+        copies = [copy for c in chunks for copy in c.page_copies]
         if copies:
             src, dst = zip(*copies)
             copy_page(self.kv_caches, self._send(np.asarray(src)), self._send(np.asarray(dst)))
 
+    def _sample_first_tokens(self, chunks: list[PrefillChunk], hidden, last_index: np.ndarray) -> None:
+        """Each chunk's last position gives the first token of its sequences (n > 1: n rows)."""
+        logits = self.model.compute_logits(hidden[self._send(last_index.astype(np.int64))])  # [G, V]
+        counts = [len(c.sample_rows) for c in chunks]
+        row_list = [row for c in chunks for row in c.sample_rows]
+        rows = self._send(np.asarray(row_list, dtype=np.int64))
+        next_pos = self._send(np.repeat(np.asarray([c.end for c in chunks], dtype=np.int64), counts))
+        variant = RowCounts(self.config.max_logprobs, (self._row_params[r] for r in row_list)).variant()
+        row_logits = logits[self._send(np.repeat(np.arange(len(chunks)), counts).astype(np.int64))]
+        tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, variant, None)
+        self.state.input_ids[rows] = tokens
     def _host(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
         return host.pin_memory() if self.device.type == "cuda" else host

@@ -1,20 +1,36 @@
-"""Scheduler: admissions between windows, lookahead pages, preemption by recompute.
+"""Scheduler: admissions, prefill chunks, lookahead pages, preemption; its plan is its only output.
 
-Sequence-native. State: a deque of waiting groups, a row table for running
-sequences (struct-of-arrays slots on the device), and a dict of running sequences in
-admission order. Per call the work is O(running + admitted + preempted): nothing
-here ever walks the waiting queue or the finished requests.
+Sequence-native. State: a deque of waiting groups, the admitted groups still
+prefilling (admission order), the running sequences by row (admission order), and a
+free-row heap. Per call the work is O(running + admitted + preempted + chunked):
+nothing here walks the waiting queue or finished requests.
 
-A waiting group is a list of sequences that share their tokens at admission: the n
-children of a fresh request (prefilled once, then forked) or one preempted sequence
-(recomputed from its prompt and the tokens it already produced).
+A group is a list of sequences that share their tokens at admission: the n children of
+a fresh request (prefilled once by seqs[0], then forked) or one preempted sequence
+(recomputed from its prompt and the tokens it produced).
 
-Before a window is launched every live sequence holds pages for
-`num_scheduled_tokens + k` tokens, so the device never needs the host inside a
-window. When pages run out, the most recently admitted sequence is preempted: it
-frees its pages and goes back to the front of the queue; its in-flight tokens are
-discarded (its row epoch no longer matches) and recomputed, which gives the same
-tokens because sampling noise depends only on (seed, position, token).
+Admission: the leader's full pages found in the prefix cache count as computed (never
+its last token: it is recomputed for the logits); the group then gets every page it
+needs for its tokens, its first sampled token and one window (children share the
+leader's full pages and get their own copy of a partial last page), and rows are
+reserved for it. Its tokens are then prefilled in chunks: per step at most
+`max_num_batched_tokens` prefill tokens over all groups, oldest group first. The decode
+window of the running rows launches in every step regardless, so a long prompt never
+stalls them. The last chunk samples the first token of every sequence of the group,
+which then take their rows and join that same step's window.
+
+Before a window every running sequence holds pages for `num_scheduled_tokens + k`
+tokens, so the device never needs the host inside a window. When pages run out, the
+most recently admitted work is preempted (a prefilling group first, else the newest
+running sequence): it frees its pages (those in the prefix cache stay findable) and goes
+back to the front of the queue; in-flight tokens of a running victim are discarded (its
+row epoch no longer matches) and recomputed, which gives the same tokens because
+sampling noise depends only on (seed, position, token).
+
+The plan (runtime/plan.py) says all of it to the runner: rows cleared since the last
+plan (finished, aborted, preempted, retired), rows started, block tables grown,
+prefill chunks, the window's bucket. Pages whose K/V is computed are offered to the
+prefix cache only once the work computing them is enqueued in an earlier step.
 """
 
 from __future__ import annotations
@@ -23,51 +39,48 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..compiled.sampler import RowCounts, SamplerVariant
-from .page_allocator import PageAllocator
-from .row_staging import RowStaging
+from .page_pool import ROOT_KEY, PagePool, page_key
+from .plan import PrefillChunk, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .sequence import Sequence
 
 
-@dataclass
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def group_pages(num_tokens: int, n: int, max_len: int, page_size: int, num_decode_steps: int) -> int:
+    """Pages a group needs at admission without cache hits: tokens + first token + one window."""
+    total = pages_for(min(num_tokens + 1 + num_decode_steps, max_len), page_size)
+    shared = num_tokens // page_size if n > 1 else 0
+    return total + (n - 1) * (total - shared)
+
+
+@dataclass(eq=False, slots=True)
 class PrefillGroup:
-    seqs: list[Sequence]  # share their token ids at admission; seqs[0] owns the prompt pages
+    seqs: list[Sequence]  # seqs[0], the leader, computes the chunks; the others fork at the last one
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (leader's partial page, child's copy)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seqs[0].token_ids
-
-
-@dataclass
-class WindowPlan:
-    prefills: list[PrefillGroup]
-    steps: int  # k, or 0 when no running sequence needs more tokens
-    bucket: int
-    variant: SamplerVariant
-    kv_width: int  # block-table columns an eager torch-reference window gathers
-    rows: list[tuple[int, Sequence, int, bool]]  # (row, sequence, epoch, admitted now)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and self.steps == 0
 
 
 class Scheduler:
-    def __init__(self, config, allocator: PageAllocator, staging: RowStaging, bucket_for):
-        self.steps = config.num_decode_steps
+    def __init__(self, config, pool: PagePool):
+        self.num_decode_steps = config.num_decode_steps
         self.page_size = config.page_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_pages_per_seq = config.max_pages_per_seq
-        self.allocator = allocator
-        self.staging = staging
-        self.bucket_for = bucket_for
+        self.pool = pool
+        buckets = config.buckets
+        self._bucket_of = [next(b for b in buckets if b >= size) for size in range(buckets[-1] + 1)]
         self.waiting: deque[list[Sequence]] = deque()
+        self.prefilling: dict[int, PrefillGroup] = {}  # leader seq_id -> group, admission order
+        self._group_of: dict[int, PrefillGroup] = {}  # seq_id -> its prefilling group
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, oldest admission first
         self._free_rows = list(range(config.max_batch_size))  # a heap: lowest row first keeps buckets small
+        self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
-        self._counts = RowCounts(config.max_logprobs)  # what the running rows need of the sampler
+        self._cleared: list[int] = []  # rows released since the last plan
+        self._chunked: list[Sequence] = []  # leaders that got a chunk in the last plan
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # tokens found there
 
     # ----------------------------------------------------------------- queue
     def add(self, group: list[Sequence]) -> None:
@@ -75,35 +88,30 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return bool(self.waiting) or bool(self.prefilling) or bool(self.running)
 
     def group_pages(self, num_tokens: int, n: int, max_len: int) -> int:
-        """Pages a group needs at admission: prompt + first token + one window."""
-        total = self.pages_for(min(num_tokens + 1 + self.steps, max_len))
-        shared = num_tokens // self.page_size if n > 1 else 0
-        return total + (n - 1) * (total - shared)
+        return group_pages(num_tokens, n, max_len, self.page_size, self.num_decode_steps)
 
     # -------------------------------------------------------------- schedule
-    def schedule(self) -> WindowPlan:
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._cache_chunked()
         self._retire_drained()
-        preempted = self._reserve_lookahead()
-        prefills = [] if preempted else self._admit()
-        admitted = {id(s) for g in prefills for s in g.seqs}
-        steps = self.steps if any(not s.is_draining for s in self.running.values()) else 0
-        for seq in self.running.values():
-            seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + steps, seq.max_len)
-        top = max((s.row for s in self.running.values()), default=-1) + 1
-        return WindowPlan(
-            prefills=prefills,
-            steps=steps,
-            bucket=self.bucket_for(top) if top else 0,
-            variant=self._counts.variant(),
-            kv_width=self._kv_width(),
-            rows=[(s.row, s, s.epoch, id(s) in admitted) for s in self.running.values()],
-        )
+        if not self._reserve_lookahead(plan):
+            self._schedule_prefills(plan)
+        decode = any(not s.is_draining for s in self.running.values())
+        if decode:
+            for seq in self.running.values():
+                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + self.num_decode_steps, seq.max_len)
+        started = {start.row for start in plan.started_rows}
+        if decode or started:
+            top = max(s.row for s in self.running.values()) + 1
+            plan.window = WindowSpec(bucket=self._bucket_of[top], decode=decode)
+            if decode:
+                plan.readout += [Readout(s.row, s, s.epoch, 1) for s in self.running.values() if s.row not in started]
+        plan.cleared_rows, self._cleared = self._cleared, []
+        return plan
 
     def _retire_drained(self) -> None:
         """Release sequences whose every remaining token is already covered by launched work.
@@ -116,107 +124,199 @@ class Scheduler:
         for seq in [s for s in self.running.values() if s.is_draining]:
             self._release(seq)
 
-    def _kv_width(self) -> int:
-        """Pages an eager torch-attention window gathers per row: the longest block table,
-        rounded up to a power of two, and at least 2 (a compiled forward specialises a
-        dimension of size 1, so width 1 would compile again)."""
-        longest = max((len(s.pages) for s in self.running.values()), default=2)
-        return min(max(2, 1 << (longest - 1).bit_length()), self.max_pages_per_seq)
-
-    def _reserve_lookahead(self) -> int:
+    def _reserve_lookahead(self, plan: StepPlan) -> int:
+        """Pages for one more window for every running sequence; returns the number of preemptions."""
         preempted = 0
         for seq in list(self.running.values()):
             if not seq.is_running:
                 continue
-            need = self.pages_for(min(seq.num_scheduled_tokens + self.steps, seq.max_len)) - len(seq.pages)
+            need = pages_for(min(seq.num_scheduled_tokens + self.num_decode_steps, seq.max_len), self.page_size)
+            need -= len(seq.pages)
             if need <= 0:
                 continue
-            while self.allocator.num_free < need:
-                victim = next(reversed(self.running.values()))
-                self.preempt(victim)
+            while self.pool.num_free < need and seq.is_running:
+                self._preempt_newest()
                 preempted += 1
-                if victim is seq:
-                    break
             if seq.is_running:
                 start = len(seq.pages)
-                new_pages = self.allocator.allocate(need)
+                new_pages = self.pool.allocate(need)
                 seq.pages.extend(new_pages)
-                self.staging.set_pages(seq.row, start, new_pages)
+                plan.grown_tables.append(TableGrowth(seq.row, start, tuple(new_pages)))
         return preempted
 
-    def _admit(self) -> list[PrefillGroup]:
+    def _schedule_prefills(self, plan: StepPlan) -> None:
         budget = self.max_num_batched_tokens
-        groups: list[PrefillGroup] = []
-        while self.waiting:
+        for group in list(self.prefilling.values()):
+            if budget <= 0:
+                return
+            budget -= self._chunk(group, budget, plan)
+        while budget > 0 and self.waiting:
             group = self.waiting[0]
             if all(s.is_finished for s in group):  # aborted while waiting
                 self.waiting.popleft()
                 continue
-            num_tokens = group[0].num_tokens
-            if len(self._free_rows) < len(group) or (groups and num_tokens > budget):
-                break
-            if self.group_pages(num_tokens, len(group), group[0].max_len) > self.allocator.num_free:
-                break
+            admitted = self._admit(group)
+            if admitted is None:
+                return
             self.waiting.popleft()
-            budget -= num_tokens
-            groups.append(self._place(group))
-        return groups
+            budget -= self._chunk(admitted, budget, plan)
 
-    def _place(self, group: list[Sequence]) -> PrefillGroup:
+    # -------------------------------------------------------------- admission
+    def _admit(self, group: list[Sequence]) -> PrefillGroup | None:
+        """Pages and reserved rows for a waiting group, cache hits first; None if they do not fit."""
+        if len(self._free_rows) - self._reserved_rows < len(group):
+            return None
         leader = group[0]
         num_tokens = leader.num_tokens
-        total = self.pages_for(min(num_tokens + 1 + self.steps, leader.max_len))
+        hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
+        total = pages_for(min(num_tokens + 1 + self.num_decode_steps, leader.max_len), self.page_size)
         shared = num_tokens // self.page_size if len(group) > 1 else 0
-        leader_pages = self.allocator.allocate(total)
+        new = total - len(hits) + (len(group) - 1) * (total - shared)
+        if self.pool.free_after_sharing(hits) < new:
+            return None
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += len(hits) * self.page_size
+        self.pool.share(hits)
+        leader.pages = hits + self.pool.allocate(total - len(hits))
+        leader.num_computed_tokens = len(hits) * self.page_size
+        leader.num_cached_pages = len(hits)
         placed = PrefillGroup(seqs=group)
-        self._start(leader, leader_pages)
         for child in group[1:]:
-            self.allocator.share(leader_pages[:shared])
-            own = self.allocator.allocate(total - shared)
+            self.pool.share(leader.pages[:shared])
+            own = self.pool.allocate(total - shared)
             if num_tokens % self.page_size:
-                placed.page_copies.append((leader_pages[shared], own[0]))
-            self._start(child, leader_pages[:shared] + own)
+                placed.page_copies.append((leader.pages[shared], own[0]))
+            child.pages = leader.pages[:shared] + own
+        self._reserved_rows += len(group)
+        self.prefilling[leader.seq_id] = placed
+        for seq in group:
+            self._group_of[seq.seq_id] = placed
         return placed
 
-    def _start(self, seq: Sequence, pages: list[int]) -> None:
+    def _chunk(self, group: PrefillGroup, budget: int, plan: StepPlan) -> int:
+        """Schedule the group's next chunk within `budget` tokens; returns its length."""
+        leader = group.seqs[0]
+        start, num_tokens = leader.num_computed_tokens, leader.num_tokens
+        end = min(num_tokens, start + budget)
+        leader.num_computed_tokens = end
+        self._chunked.append(leader)
+        rows = ()
+        if end == num_tokens:
+            for child in group.seqs[1:]:
+                child.page_keys = list(leader.page_keys)  # same tokens so far: the same keys
+            rows = tuple(self._start(seq, plan) for seq in group.seqs)
+            del self.prefilling[leader.seq_id]
+            for seq in group.seqs:
+                del self._group_of[seq.seq_id]
+        plan.prefill_chunks.append(PrefillChunk(
+            token_ids=tuple(leader.token_ids[start:end]),
+            start=start,
+            pages=tuple(leader.pages[: pages_for(end, self.page_size)]),
+            sample_rows=rows,
+            page_copies=tuple(group.page_copies) if rows else (),
+        ))
+        return end - start
+
+    def _start(self, seq: Sequence, plan: StepPlan) -> int:
+        """The sequence takes a row: its first token is sampled by this step's prefill."""
         row = heapq.heappop(self._free_rows)
+        self._reserved_rows -= 1
         params = seq.request.params
         seq.row = row
-        seq.pages = pages
         seq.epoch = self._epoch
         self._epoch += 1
+        seq.num_computed_tokens = seq.num_tokens
         seq.num_scheduled_tokens = seq.num_tokens + 1
         self.running[seq.seq_id] = seq
-        self._counts.add(params)
-        self.staging.set_row(
-            row,
+        plan.started_rows.append(RowStart(
+            row=row,
             position=seq.num_tokens,
-            max_len=seq.max_len,
-            min_len=seq.num_prompt_tokens + params.min_tokens,
-            stop_ids=seq.stop_ids,
+            pages=tuple(seq.pages),
             params=params,
             seed=seq.seed,
-            pages=pages,
-        )
+            stop_ids=seq.stop_ids,
+            max_len=seq.max_len,
+            min_len=seq.num_prompt_tokens + params.min_tokens,
+        ))
+        plan.readout.append(Readout(row, seq, seq.epoch, 0))
+        return row
+
+    # ------------------------------------------------------------ prefix cache
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache keys of the sequence's first `count` full pages (computed once)."""
+        keys, size = seq.page_keys, self.page_size
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(page_key(keys[-1] if keys else ROOT_KEY, seq.token_ids[i * size : (i + 1) * size]))
+        return keys[:count]
+
+    def _cache_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's computed full pages to the prefix cache."""
+        full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
+        if seq.num_cached_pages >= full or not self.pool.enable_caching:
+            return
+        keys = self._keys(seq, full)
+        for i in range(seq.num_cached_pages, full):
+            self.pool.cache_page(seq.pages[i], keys[i])
+        seq.num_cached_pages = full
+
+    def _cache_chunked(self) -> None:
+        """Chunks of the previous plan are enqueued: their pages may be found by later admissions."""
+        for leader in self._chunked:
+            if leader.pages:
+                self._cache_pages(leader)
+        self._chunked.clear()
+
+    def cache_decoded(self, seqs) -> None:
+        """After pythonizing: a token's K/V is written once it is fed back, so every token but
+        the last one the host holds is computed."""
+        for seq in seqs:
+            if seq.pages and seq.is_running:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
+                self._cache_pages(seq)
 
     # ------------------------------------------------------- leaving the batch
     def finish(self, seq: Sequence) -> None:
         if seq.is_running:
+            seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
+            self._cache_pages(seq)
             self._release(seq)
+            return
+        group = self._group_of.get(seq.seq_id)
+        if group is not None and all(s.is_finished for s in group.seqs):  # aborted while prefilling
+            self._drop_group(group)
 
-    def preempt(self, seq: Sequence) -> None:
-        self._release(seq)
-        seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
-        seq.num_scheduled_tokens = seq.num_tokens
-        self.waiting.appendleft([seq])
+    def _preempt_newest(self) -> None:
+        if self.prefilling:
+            group = next(reversed(self.prefilling.values()))
+            self._drop_group(group)
+            for seq in group.seqs:
+                seq.num_computed_tokens = 0
+            self.waiting.appendleft(group.seqs)
+        else:
+            seq = next(reversed(self.running.values()))
+            self._release(seq)
+            seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
+            seq.num_computed_tokens = 0
+            seq.num_scheduled_tokens = seq.num_tokens
+            self.waiting.appendleft([seq])
         self.num_preemptions += 1
 
+    def _drop_group(self, group: PrefillGroup) -> None:
+        """A prefilling group leaves: its pages go back (cached ones stay findable), its rows unreserved."""
+        del self.prefilling[group.seqs[0].seq_id]
+        self._reserved_rows -= len(group.seqs)
+        for seq in group.seqs:
+            del self._group_of[seq.seq_id]
+            self.pool.free(seq.pages)
+            seq.pages = []
+            seq.num_cached_pages = 0
+
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.pages)
+        self.pool.free(seq.pages)
         seq.pages = []
-        self.staging.clear_row(seq.row)
+        seq.num_cached_pages = 0
+        self._cleared.append(seq.row)
         heapq.heappush(self._free_rows, seq.row)
         seq.row = None
         del self.running[seq.seq_id]
-        self._counts.remove(seq.request.params)
-

@@ -5,14 +5,19 @@ per Sequence (sequence-native); the Request only groups outputs.
 
 Counters:
 * `num_tokens`: tokens the host has seen (prompt + pythonized outputs).
+* `num_computed_tokens`: tokens whose K/V is in the cache or being written by work
+  already scheduled: prefix-cache hits plus prefill chunks while prefilling; once the
+  last chunk is scheduled it is all of the prompt, and later the host advances it to
+  `num_tokens - 1` as tokens arrive (a token's K/V is written when it is fed back).
 * `num_scheduled_tokens`: an upper bound on the tokens the device will hold once all
   launched work has run (prefill adds 1, each window adds up to k, capped at
   max_len). Pages are reserved against it; `num_scheduled_tokens - num_tokens` are in
   flight.
-A sequence is running while it holds a `row`, and finished once it has a
-`finish_reason`. In between it is either waiting (queued) or retired: launched work
-already covers all it can produce, so its row and pages went to others, and its last
-tokens are on their way to the host.
+* `num_cached_pages`: its leading pages already offered to the prefix cache.
+Derived: a sequence is waiting, prefilling (admitted: it holds pages and
+`num_computed_tokens < num_tokens`, no row yet), running (it holds a `row`), retired
+(launched work covers all it can produce, so its row and pages went to others and its
+last tokens are on their way) or finished (it has a `finish_reason`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ class Sequence:
     stop_ids: tuple[int, ...]  # ids that end it on the device (eos unless ignored, stop_token_ids)
     max_len: int  # total tokens at which it ends with "length"
     detokenizer: Detokenizer | None
+    num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0
+    num_cached_pages: int = 0
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, as computed
     pages: list[int] = field(default_factory=list)
     row: int | None = None
     epoch: int = -1  # which admission the row belongs to; stale window rows are skipped

@@ -1,0 +1,126 @@
+"""The KV page pool: reference counts, and the prefix cache (vLLM V1 style).
+
+A full page is identified by a key: a hash of (its parent page's key, its token ids),
+so a key names the whole token prefix up to the page's end. Pages are shared by
+reference count: the n children of a request share their prompt's full pages, a
+prefix-cache hit shares the cached pages, a preempted sequence's pages stay cached
+for its recompute to hit. One mechanism, one count.
+
+A page whose count drops to 0 returns to the pool: if it holds a cached key it stays
+findable, in an LRU list, and is evicted (its key forgotten) only when an allocation
+needs it; pages never keyed are handed out first. Page 0 is the scratch page and is
+never handed out.
+
+A page is keyed (`cache_page`) only once its K/V has been computed by work already
+enqueued (the scheduler's rule), so a hit never reads K/V that is still to be
+written. Whoever holds a page never writes below its computed tokens, so a shared
+page is never written. All operations cost O(pages touched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from ..attention.kv_cache import SCRATCH_PAGE
+
+ROOT_KEY = b""
+
+
+def page_key(parent: bytes, token_ids) -> bytes:
+    """128-bit key of a full page: its parent's key and its tokens (a collision is ~2**-64 likely)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
+
+
+class PagePool:
+    def __init__(self, num_pages: int, enable_caching: bool = True):
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self._refcount = [0] * num_pages
+        self._refcount[SCRATCH_PAGE] = 1  # held forever
+        self._free = [p for p in range(num_pages - 1, 0, -1)]  # never keyed (or evicted); pop() = low pages first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed pages held by nobody, oldest first
+        self._page_of_key: dict[bytes, int] = {}
+        self._key_of_page: list[bytes | None] = [None] * num_pages
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- counts
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take now (free, plus cached pages nobody holds)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of_key)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+    def is_cached(self, page: int) -> bool:
+        return self._key_of_page[page] is not None
+
+    # ------------------------------------------------------------- allocation
+    def allocate(self, count: int) -> list[int]:
+        if count > self.num_free:
+            raise RuntimeError(f"out of KV pages: asked for {count}, {self.num_free} free")
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)  # least recently used
+                del self._page_of_key[self._key_of_page[page]]
+                self._key_of_page[page] = None
+                self.num_evictions += 1
+            self._refcount[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, pages) -> None:
+        for p in pages:
+            if self._refcount[p] == 0:
+                del self._evictable[p]  # a cache hit on a page nobody held
+            self._refcount[p] += 1
+
+    def free(self, pages) -> None:
+        """Drop one reference to each page. Freed in reverse, so a sequence's tail pages
+        become least recently used before its prefix (which more requests share)."""
+        for p in reversed(pages):
+            count = self._refcount[p] - 1
+            if count < 0:
+                raise RuntimeError(f"page {p} freed more often than held")
+            self._refcount[p] = count
+            if count == 0:
+                if self._key_of_page[p] is not None:
+                    self._evictable[p] = None
+                else:
+                    self._free.append(p)
+
+    def free_after_sharing(self, pages) -> int:
+        """num_free once `pages` are shared (cache hits on unheld pages leave the free count)."""
+        return self.num_free - sum(1 for p in pages if self._refcount[p] == 0)
+
+    # ------------------------------------------------------------ the cache
+    def lookup(self, keys) -> list[int]:
+        """Pages holding the longest run of `keys` from the start (not yet shared)."""
+        if not self.enable_caching:
+            return []
+        hits = []
+        for key in keys:
+            page = self._page_of_key.get(key)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    def cache_page(self, page: int, key: bytes) -> None:
+        """Make a held, fully computed page findable by `key` (a no-op if the key is cached already)."""
+        if not self.enable_caching or key in self._page_of_key or self._key_of_page[page] is not None:
+            return
+        self._page_of_key[key] = page
+        self._key_of_page[page] = key

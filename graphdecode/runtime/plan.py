@@ -1,0 +1,99 @@
+"""StepPlan: the scheduler's only word to the runner, once per engine step.
+
+Typed records of everything the runner must apply, in this order: rows that left the
+batch (cleared), rows that join it (started: pages, sampling parameters, stop state),
+block tables that grew (lookahead pages), then the prefill chunks to compute, then the
+decode window. The runner alone turns these into staged device rows and launches; the
+scheduler never touches staging, device buffers, backends or the sampler.
+
+`readout` is for the engine's postprocessing, not the runner: which row's output
+columns belong to which sequence once this step's copy arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from .sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class RowStart:
+    """A sequence joins the decode batch at `row`; its first token is sampled by this step's prefill."""
+
+    row: int
+    position: int  # index of the token the row feeds next (the one the prefill samples)
+    pages: tuple[int, ...]  # its block table
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    max_len: int  # total tokens at which it is done
+    min_len: int  # stop ids are masked while fewer tokens are held
+
+
+@dataclass(frozen=True, slots=True)
+class TableGrowth:
+    """Pages that now sit at block-table columns start, start + 1, ... of `row`."""
+
+    row: int
+    start: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Compute K/V for tokens [start, start + len(token_ids)) of one sequence.
+
+    Attention sees every earlier token (cached prefix pages, earlier chunks). Only a
+    sequence's last chunk is sampled: into `sample_rows` (n rows for n > 1), after which
+    `page_copies` give each child its own copy of the prompt's partial last page.
+    """
+
+    token_ids: tuple[int, ...]
+    start: int
+    pages: tuple[int, ...]  # the block table covering start + len(token_ids) tokens
+    sample_rows: tuple[int, ...] = ()
+    page_copies: tuple[tuple[int, int], ...] = ()  # (source page, destination page)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    bucket: int  # padded rows the window (and the output copy) covers
+    decode: bool  # run the k decode steps (False: only the prefill's first tokens are read out)
+
+
+@dataclass(frozen=True, slots=True)
+class Readout:
+    """Row `row` of this step's output belongs to `seq` if its epoch still matches.
+
+    Columns first_column..last: 0 is the prefill's first token, 1..k the window's steps.
+    """
+
+    row: int
+    seq: Sequence
+    epoch: int
+    first_column: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    cleared_rows: list[int] = field(default_factory=list)
+    started_rows: list[RowStart] = field(default_factory=list)
+    grown_tables: list[TableGrowth] = field(default_factory=list)
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    window: WindowSpec | None = None
+    readout: list[Readout] = field(default_factory=list)
+
+    @property
+    def launches(self) -> bool:
+        """Whether the runner has device work to launch (rows to stage alone is not launching)."""
+        return bool(self.prefill_chunks) or self.window is not None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.prefill_chunks)
