@@ -42,3 +42,20 @@ def test_smollm2_greedy_matches_transformers_and_knows_paris(smollm2):
     assert outs[0].outputs[0].text.startswith(" Paris")
     assert outs[0].prompt == PROMPTS[0]
     assert outs[0].outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+def test_smollm2_prefix_caching_and_chunking_change_nothing(smollm2):
+    """A shared system prompt, greedy: caching on/off and prefill budgets 16 / 8192 give the same tokens."""
+    system = ("You are a helpful assistant. You answer every question in one short, friendly sentence, "
+              "without lists, without code and without repeating the question. Question: ")  # > 2 pages
+    prompts = [system + q for q in ("What is the capital of France?", "How many legs does a spider have?",
+                                    "What color is the sky?")]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    results = []
+    for extra in ({}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16}):
+        llm = LLM(smollm2, num_decode_steps=4, max_model_len=256, max_batch_size=4, **extra)
+        outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if not extra:
+            assert llm.stats()["prefix_cache_hits"] > 0
+    assert results[0] == results[1] == results[2]

@@ -64,6 +64,9 @@ class PagePool:
     def is_cached(self, page: int) -> bool:
         return self._key_of_page[page] is not None
 
+    def key_of(self, page: int) -> bytes | None:
+        return self._key_of_page[page]
+
     # ------------------------------------------------------------- allocation
     def allocate(self, count: int) -> list[int]:
         if count > self.num_free:

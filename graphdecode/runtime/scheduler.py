@@ -29,8 +29,16 @@ sampling noise depends only on (seed, position, token).
 
 The plan (runtime/plan.py) says all of it to the runner: rows cleared since the last
 plan (finished, aborted, preempted, retired), rows started, block tables grown,
-prefill chunks, the window's bucket. Pages whose K/V is computed are offered to the
-prefix cache only once the work computing them is enqueued in an earlier step.
+prefill chunks, the window's bucket.
+
+Pages enter the prefix cache as soon as the work that computes them is scheduled: a
+prefill chunk's full pages when the chunk is planned, a running sequence's pages when
+the host has seen the token after their last one (a token's K/V is written when it is
+fed back). A request admitted later in the same step may therefore hit pages that this
+step's prefill computes: its chunk comes after theirs in the same forward, whose every
+layer writes all of the batch's K/V before any of it attends, and everything of a
+later step follows in stream order. So a hit never reads K/V that is not yet written,
+and 200 requests arriving together with one long prefix compute it once.
 """
 
 from __future__ import annotations
@@ -77,7 +85,6 @@ class Scheduler:
         self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
         self._cleared: list[int] = []  # rows released since the last plan
-        self._chunked: list[Sequence] = []  # leaders that got a chunk in the last plan
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found there
@@ -96,7 +103,6 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         plan = StepPlan()
-        self._cache_chunked()
         self._retire_drained()
         if not self._reserve_lookahead(plan):
             self._schedule_prefills(plan)
@@ -199,7 +205,7 @@ class Scheduler:
         start, num_tokens = leader.num_computed_tokens, leader.num_tokens
         end = min(num_tokens, start + budget)
         leader.num_computed_tokens = end
-        self._chunked.append(leader)
+        self._cache_pages(leader)  # later admissions of this step may hit them: see the module docstring
         rows = ()
         if end == num_tokens:
             for child in group.seqs[1:]:
@@ -259,13 +265,6 @@ class Scheduler:
         for i in range(seq.num_cached_pages, full):
             self.pool.cache_page(seq.pages[i], keys[i])
         seq.num_cached_pages = full
-
-    def _cache_chunked(self) -> None:
-        """Chunks of the previous plan are enqueued: their pages may be found by later admissions."""
-        for leader in self._chunked:
-            if leader.pages:
-                self._cache_pages(leader)
-        self._chunked.clear()
 
     def cache_decoded(self, seqs) -> None:
         """After pythonizing: a token's K/V is written once it is fed back, so every token but
