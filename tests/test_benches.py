@@ -136,3 +136,23 @@ def test_sampler_bench_smoke(tmp_path):
     out = tmp_path / "sampler.json"
     result = _script("bench_sampler").main(["--rows", "4", "--vocab", "300", "--repeats", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == result and all(ms > 0 for ms in result["ms"].values())
+
+
+def test_prefix_cache_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "prefix"
+    result = _script("bench_prefix_cache").main(["--model", micro_dir, "--requests", "6", "--prefix-len", "40",
+                                                 "--suffix-len", "5", "--max-tokens", "3", "--out", str(out)])
+    on, off = result["modes"]
+    assert _load(out)["unique_tokens"] == 40 + 6 * 5 and result["outputs_identical"]
+    assert on["prefill_tokens"] < off["prefill_tokens"] == 6 * 45 and on["prefix_cache_hits"] == 5 * 32
+    assert all(m["ttft_p50_s"] > 0 and m["output_tokens"] == 18 for m in result["modes"])
+
+
+def test_stall_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "stall"
+    result = _script("bench_stall").main(["--model", micro_dir, "--streams", "3", "--long-len", "100",
+                                          "--budgets", "16,512", "-k", "2", "--warm-steps", "3", "--out", str(out)])
+    chunked, whole = _load(out)["points"]
+    assert (chunked["budget"], whole["budget"]) == (16, 512)
+    assert chunked["steps_until_first_token"] == 7 + 1 and whole["steps_until_first_token"] == 1 + 1  # + the lag
+    assert all(p["longest_gap_s"] > 0 and p["window_step_s"] > 0 for p in result["points"])
