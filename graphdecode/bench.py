@@ -59,7 +59,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-compile", action="store_true", help="let transformers torch.compile (CUDA)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="engine torch.compile")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
-    p.add_argument("--out", default="profiling/out/bench_buckets", help="output path prefix (.json, .png)")
+    from .cache import cache_root
+
+    p.add_argument("--out", default=os.path.join(cache_root(), "bench", "bench_buckets"),
+                   help="output path prefix (.json, .png); unless given, under the graphdecode cache directory "
+                        "($GRAPHDECODE_CACHE), not the current one")
 
 
 def _ints(text: str) -> list[int]:
@@ -331,7 +335,8 @@ def run_bucket_sweep(args) -> dict:
     result["plot"] = plot(result, out_prefix + ".png")
     write_json(out_prefix + ".json", result)
     print(format_table(result))
-    print(f"[bench] wrote {out_prefix}.json" + (f" and {result['plot']}" if result["plot"] else ""))
+    written = [os.path.abspath(out_prefix + ".json")] + ([os.path.abspath(result["plot"])] if result["plot"] else [])
+    print(f"[bench] results written to {' and '.join(written)}")
     return result
 
 

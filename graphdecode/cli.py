@@ -1,103 +1,277 @@
-"""Command line: `graphdecode generate ...` and `graphdecode bench ...`."""
+"""Command line: `graphdecode generate ...` and `graphdecode bench ...`.
+
+Every argument is checked before a model is loaded: argparse checks the numbers,
+then the SamplingParams and the engine options are built (EngineConfig reads only
+config.json). A bad value prints one line, `graphdecode: error: ...`, and exits with
+status 2, as argparse's own errors do; so does a broken model directory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import NoReturn
+
+FIRST_PROMPT = "The capital of France is"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already says what the default is, or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _fail(error) -> NoReturn:
+    """A validation error as argparse reports one: a single line on stderr, exit status 2."""
+    message = " ".join(str(error).split())
+    print(f"graphdecode: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _field_default(cls, name: str):
+    """A dataclass field's default, so the help never repeats a number that lives elsewhere."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
-    p.add_argument("--model", default=None, help="HuggingFace model directory (default: the built-in random Llama)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
-    p.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoding at once")
+    from .config import DEFAULT_MAX_BATCH_SIZE, EngineConfig
+
+    def config(name: str) -> str:
+        return f"default: EngineConfig's, {_field_default(EngineConfig, name)}"
+
+    p.add_argument("--model", default=None,
+                   help="HuggingFace model directory (default: the built-in random Llama, made in the cache "
+                        "directory on first use)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: EngineConfig's: cuda when available)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: EngineConfig's: float32 on CPU; on CUDA the "
+                        "checkpoint's own bfloat16 or float16, else bfloat16)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help=f"most sequences decoding at once (default: EngineConfig's, {DEFAULT_MAX_BATCH_SIZE}, "
+                        f"or the largest of --buckets)")
     p.add_argument("--buckets", type=_int_list, default=None,
-                   help="padded batch sizes that get a CUDA graph, e.g. 1,16,128 (default: powers of two)")
-    p.add_argument("--num-decode-steps", "-k", type=int, default=None, help="decode steps per window (k)")
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"])
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
+                   help="padded batch sizes that get a CUDA graph, e.g. 1,16,128 (default: EngineConfig's: "
+                        "powers of two up to --max-batch-size)")
+    p.add_argument("--num-decode-steps", "-k", type=_positive_int, default=None,
+                   help=f"decode steps per window, k ({config('num_decode_steps')})")
+    p.add_argument("--page-size", type=_positive_int, default=None,
+                   help=f"KV cache page size in tokens, a power of two ({config('page_size')})")
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest sequence, prompt + output (default: EngineConfig's: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"],
+                   help="(default: EngineConfig's: flashinfer on CUDA when it can run, else torch)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (small models: 1 is fastest)")
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
                    "max_model_len", "attention_backend")
 
 
-def _make_llm(args):
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    from .sampling_params import SamplingParams
+
+    def default(name: str) -> str:
+        return f"default: SamplingParams', {_field_default(SamplingParams, name)}"
+
+    p.add_argument("--max-tokens", type=int, default=None, help=f"tokens per completion ({default('max_tokens')})")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: 0, greedy, so that a first run is reproducible; with -n > 1, "
+                        f"SamplingParams' {_field_default(SamplingParams, 'temperature')}, so that the n "
+                        "completions differ)")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling ({default('top_p')})")
+    p.add_argument("--top-k", type=int, default=None, help=f"0 disables it ({default('top_k')})")
+    p.add_argument("--seed", type=int, default=None,
+                   help="per-request seed (default: none; seeds then derive from the engine's seed, so runs "
+                        "repeat anyway)")
+    p.add_argument("-n", type=int, default=None, help=f"completions per prompt ({default('n')})")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def _sampling_params(args):
+    """SamplingParams from the flags; only the flags given are passed, so its defaults apply."""
+    from .sampling_params import SamplingParams
+
+    given = {name: getattr(args, name) for name in ("n", "top_p", "top_k", "seed", "max_tokens")
+             if getattr(args, name) is not None}
+    if args.stop:
+        given["stop"] = args.stop
+    n = args.n if args.n is not None else _field_default(SamplingParams, "n")
+    if args.temperature is not None:
+        given["temperature"] = args.temperature
+    elif n == 1:
+        given["temperature"] = 0.0  # greedy: the CLI's one departure from SamplingParams' defaults
+    return SamplingParams(**given)
+
+
+def _engine_options(args) -> tuple[str, dict]:
+    """(model directory, engine options given), checked by building an EngineConfig: no weights are read."""
     import torch
 
-    from . import LLM
+    from .config import EngineConfig
 
     torch.set_num_threads(args.threads)
     given = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None}
-    return LLM(args.model, **given)
+    model = args.model
+    if model is None:
+        from .default_model import default_model_dir
+
+        model = default_model_dir()
+    EngineConfig(model=model, **given)
+    return model, given
 
 
 def cmd_generate(args) -> int:
-    from . import SamplingParams
+    from . import LLM
 
-    llm = _make_llm(args)
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=args.stop or None,
-    )
-    prompts = args.prompts or ["The capital of France is"]
-    if args.stream:
-        for delta in llm.stream(prompts, params):
-            for c in delta.outputs:
-                print(f"[{delta.request_id}.{c.index}] {c.text!r}" + (f" <{c.finish_reason}>" if c.finished else ""))
-    else:
-        for prompt, out in zip(prompts, llm.generate(prompts, params)):
-            for c in out.outputs:
-                if args.json:
-                    print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                      "finish_reason": c.finish_reason}))
-                else:
-                    print(f"{prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+    prompts = args.prompts or [FIRST_PROMPT]
+    try:
+        params = _sampling_params(args)
+        model, options = _engine_options(args)
+    except (ValueError, TypeError) as e:
+        _fail(e)
+    try:
+        llm = LLM(model, **options)
+        if args.stream:
+            _print_stream(llm, prompts, params)
+        else:
+            _print_outputs(llm, prompts, params, args.json)
+    except ValueError as e:  # a broken model directory, or a prompt too long for --max-model-len
+        _fail(e)
     if args.stats:
         print(json.dumps(llm.stats(), indent=2, default=str))
     return 0
 
 
+def _print_outputs(llm, prompts, params, as_json: bool) -> None:
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        for c in out.outputs:
+            if as_json:
+                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}))
+            else:
+                label = f" [completion {c.index}]" if params.n > 1 else ""
+                print(f"{prompt!r}{label} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+
+
+def _print_stream(llm, prompts, params) -> None:
+    """Text as it arrives. One completion: the text itself, then how it ended. Several: a header
+    naming the prompts, then one line per non-empty delta, labelled with its prompt and completion."""
+    eos = set(llm.config.model_config.eos_token_ids)
+    single = len(prompts) == 1 and params.n == 1
+    counts: dict[tuple[int, int], int] = {}
+    if single:
+        print(f"{prompts[0]!r} ->", flush=True)
+    else:
+        print(f"streaming {len(prompts)} prompt(s) x {params.n} completion(s); each line is new text:")
+        for i, prompt in enumerate(prompts):
+            print(f"  prompt {i}: {prompt!r}")
+
+    def label(p: int, index: int) -> str:
+        if len(prompts) == 1:
+            return f"completion {index}"
+        return f"prompt {p}" if params.n == 1 else f"prompt {p}, completion {index}"
+
+    index_of: dict[str, int] = {}  # request id -> prompt index (identical prompts may swap: same text)
+    for delta in llm.stream(prompts, params):
+        p = index_of.get(delta.request_id)
+        if p is None:
+            taken = set(index_of.values())
+            p = next(i for i, prompt in enumerate(prompts) if prompt == delta.prompt and i not in taken)
+            index_of[delta.request_id] = p
+        for c in delta.outputs:
+            counts[p, c.index] = counts.get((p, c.index), 0) + len(c.token_ids)
+            if c.text:
+                if single:
+                    print(c.text, end="", flush=True)
+                else:
+                    print(f"{label(p, c.index)}: {c.text!r}", flush=True)
+            if c.finished:
+                how = _finish_text(c, counts[p, c.index], eos)
+                print(f"\n[{how}]" if single else f"{label(p, c.index)}: [{how}]", flush=True)
+
+
+def _finish_text(c, num_tokens: int, eos: set) -> str:
+    if c.finish_reason == "length":
+        return f"finished: length limit reached, {num_tokens} tokens"
+    if c.finish_reason == "stop":
+        if isinstance(c.stop_reason, str):
+            return f"finished: stop string {c.stop_reason!r}, {num_tokens} tokens"
+        what = "end-of-sequence token" if c.stop_reason in eos else "stop token"
+        return f"finished: {what} {c.stop_reason}, {num_tokens} tokens"
+    return f"finished: {c.finish_reason}, {num_tokens} tokens"
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bucket_sweep_cli
 
-    return run_bucket_sweep_cli(args)
+    try:
+        for name in ("buckets", "steps"):
+            _int_list(getattr(args, name))
+        for name in ("prompt_len", "gen_len", "repeats", "threads"):
+            _positive_int(str(getattr(args, name)))
+    except argparse.ArgumentTypeError as e:
+        _fail(f"--{name.replace('_', '-')}: {e}")
+    try:
+        return run_bucket_sweep_cli(args)
+    except ValueError as e:  # a bad --preset, --dtype, --device or model directory
+        _fail(e)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="graphdecode", description=__doc__)
+    parser = argparse.ArgumentParser(prog="graphdecode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts")
-    gen.add_argument("prompts", nargs="*", help="prompts (default: 'The capital of France is')")
+    gen = sub.add_parser(
+        "generate", help="generate text for prompts", formatter_class=_HelpFormatter,
+        description="Generate text for prompts. Greedy by default (reproducible); with -n > 1 and no "
+                    "--temperature, sampled at SamplingParams' temperature so the completions differ.",
+    )
+    gen.add_argument("prompts", nargs="*", help=f"prompts (default: {FIRST_PROMPT!r})")
     _engine_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("-n", type=int, default=1, help="completions per prompt")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--stream", action="store_true", help="print deltas as they are produced")
-    gen.add_argument("--json", action="store_true", help="one JSON object per completion")
+    _sampling_args(gen)
+    output = gen.add_mutually_exclusive_group()
+    output.add_argument("--stream", action="store_true", help="print text as it is produced")
+    output.add_argument("--json", action="store_true", help="one JSON object per completion")
     gen.add_argument("--stats", action="store_true", help="print engine counters at the end")
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers")
+    bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers",
+                           formatter_class=_HelpFormatter)
     from .bench import add_sweep_args
 
     add_sweep_args(bench)
+    for action in bench._actions:  # options without a help string still show their default
+        if action.help is None and action.default not in (None, False):
+            action.help = "(default: %(default)s)"
     bench.set_defaults(func=cmd_bench)
 
     args = parser.parse_args(argv)

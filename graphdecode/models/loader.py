@@ -1,70 +1,159 @@
 """Build a model from a HuggingFace directory: config.json + safetensors (one file or shards).
 
-Parameters are created on the meta device and materialised directly on the target
-device, then filled tensor by tensor from the checkpoint, fusing q/k/v and
-gate/up on the way in.
+Loading has two passes.
+
+1. `plan_checkpoint` reads only the safetensors headers and checks them against the
+   model built on the meta device: every tensor has a place, the expected shape and
+   a floating-point dtype, none is missing or appears twice. Nothing is allocated yet.
+2. The parameters are materialised directly on the target device and filled tensor
+   by tensor, fusing q/k/v and gate/up on the way in; then one reduction per
+   parameter (`aminmax`: a single pass, no temporary as large as the tensor) rejects
+   NaN or inf weights, which would otherwise decode as token 0 forever. On a GPU the
+   flags are gathered and read once, so the check adds one synchronisation in all.
+
+Every error is a ValueError naming the file and the checkpoint's own tensor name
+(`model.layers.3.self_attn.k_proj.weight`, never the fused `qkv_proj`).
 """
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .model_config import ModelConfig
+from .model_config import ModelConfig, read_json_object
 from .registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; anything else (ints, bool, fp8) is refused
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str  # the checkpoint's own tensor name
+    path: str  # the file that holds it
+    name: str  # the parameter it fills
+    shard: str | None  # its shard of a fused parameter (q, k, v, gate, up), or None
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
+    index = os.path.join(model_dir, _INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{index}: weight_map must map tensor names to safetensors file names")
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        absent = next((path for path in files if not os.path.isfile(path)), None)
+        if absent is not None:
+            raise ValueError(f"{index}: lists {absent}, which does not exist")
+        return files
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.isfile(single):
         return [single]
-    raise ValueError(f"model: no model.safetensors or model.safetensors.index.json in {model_dir!r}")
+    raise ValueError(f"model: no model.safetensors or {_INDEX} in {model_dir!r}")
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
     cls = model_class(cfg)
     with torch.device("meta"):
         model = cls(cfg)
+    plan = plan_checkpoint(model_dir, model)  # headers only: raises before any memory is allocated
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if key == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue
-                name, shard = _target(key, cls.packed_modules)
-                if name not in params:
-                    raise ValueError(f"weights: checkpoint tensor {key!r} has no place in {cls.__name__}")
-                tensor = f.get_tensor(key)
-                param = params[name]
-                if shard is None:
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                        )
+    for path, entries in plan:
+        with _open(path) as f:
+            for entry in entries:
+                try:
+                    tensor = f.get_tensor(entry.key)
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"{path}: tensor {entry.key!r} cannot be read ({e})") from None
+                param = params[entry.name]
+                if entry.shard is None:
                     param.data.copy_(tensor)
-                    loaded.add(name)
                 else:
-                    modules[name.rsplit(".", 1)[0]].load_shard(param, shard, tensor)
-                    loaded.add(f"{name}:{shard}")
-    _check_complete(model, params, loaded)
+                    modules[_owner(entry.name)].load_shard(param, entry.shard, tensor)
+    _check_finite(params, modules, plan, dtype)
     model.init_rotary(max_positions)
     model.eval()
     return model
+
+
+def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
+    """Check every tensor header against `model` (on the meta device): [(file, entries)]."""
+    cls = type(model)
+    packed = cls.packed_modules
+    tied = model.config.tie_word_embeddings
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    files = checkpoint_files(model_dir)
+    found: dict[tuple[str, str | None], _Entry] = {}
+    plan = []
+    for path in files:
+        entries = []
+        with _open(path) as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied):
+                    continue
+                name, shard = _target(key, packed)
+                if name not in params:
+                    raise ValueError(
+                        f"{path}: tensor {key!r} has no place in {cls.__name__} as config.json describes it "
+                        f"(num_hidden_layers, attention_bias, tie_word_embeddings)"
+                    )
+                header = f.get_slice(key)
+                kind = header.get_dtype()
+                if kind not in _FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{path}: tensor {key!r} has dtype {kind}; weights must be floating point "
+                        f"({', '.join(_FLOAT_DTYPES)})"
+                    )
+                shape, expected = tuple(header.get_shape()), _expected_shape(params[name], modules, name, shard)
+                if shape != expected:
+                    raise ValueError(f"{path}: tensor {key!r} has shape {shape}, expected {expected} from config.json")
+                if (name, shard) in found:
+                    raise ValueError(f"{path}: tensor {key!r} is also in {found[name, shard].path}")
+                found[name, shard] = _Entry(key, path, name, shard)
+                entries.append(found[name, shard])
+        plan.append((path, entries))
+    index = os.path.join(model_dir, _INDEX)
+    where = index if os.path.isfile(index) else files[0]
+    for name in params:
+        for shard in _shards(modules, name):
+            if (name, shard) not in found:
+                key = _checkpoint_key(name, shard, packed)
+                hint = (" (if lm_head shares embed_tokens' weights, config.json should say "
+                        "\"tie_word_embeddings\": true)") if key == "lm_head.weight" else ""
+                raise ValueError(f"{where}: tensor {key!r} is missing from the checkpoint{hint}")
+    return plan
+
+
+def _open(path: str):
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file; is it truncated or corrupt? ({e})") from None
+
+
+def _owner(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _shards(modules: dict, name: str) -> list[str | None]:
+    offsets = getattr(modules[_owner(name)], "shard_offsets", None)
+    return list(offsets) if offsets else [None]
+
+
+def _expected_shape(param, modules: dict, name: str, shard: str | None) -> tuple[int, ...]:
+    if shard is None:
+        return tuple(param.shape)
+    _, size = modules[_owner(name)].shard_offsets[shard]
+    return (size,) + tuple(param.shape[1:])
 
 
 def _target(key: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -75,12 +164,55 @@ def _target(key: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | No
     return key, None
 
 
-def _check_complete(model, params: dict, loaded: set[str]) -> None:
-    modules = dict(model.named_modules())
-    for name in params:
-        owner = modules[name.rsplit(".", 1)[0]]
-        shards = getattr(owner, "shard_offsets", None)
-        needed = [f"{name}:{s}" for s in shards] if shards else [name]
-        missing = [n for n in needed if n not in loaded]
-        if missing:
-            raise ValueError(f"weights: checkpoint lacks {missing[0]!r}")
+def _checkpoint_key(name: str, shard: str | None, packed: dict[str, tuple[str, str]]) -> str:
+    """The inverse of _target: the HuggingFace name of a parameter or of one shard of it."""
+    if shard is None:
+        return name
+    for fragment, (fused, fused_shard) in packed.items():
+        marker = f".{fused}."
+        if fused_shard == shard and marker in name:
+            return name.replace(marker, f".{fragment}.")
+    return f"{name}[{shard}]"
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor, without a host sync; aminmax propagates NaN and is one pass over t."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _check_finite(params: dict, modules: dict, plan, dtype: torch.dtype) -> None:
+    names = list(params)
+    flags = torch.stack([_all_finite(params[name].detach()) for name in names])
+    if bool(flags.all()):  # the only host sync of the check
+        return
+    entries = {(e.name, e.shard): e for _, file_entries in plan for e in file_entries}
+    for name, ok in zip(names, flags.tolist()):
+        if ok:
+            continue
+        param = params[name].detach()
+        for shard in _shards(modules, name):
+            view = param
+            if shard is not None:
+                offset, size = modules[_owner(name)].shard_offsets[shard]
+                view = param.narrow(0, offset, size)
+            if not bool(_all_finite(view)):
+                raise _non_finite_error(entries[name, shard], dtype)
+
+
+def _non_finite_error(entry: _Entry, dtype: torch.dtype) -> ValueError:
+    with _open(entry.path) as f:
+        source = f.get_tensor(entry.key)
+    nan, inf = int(torch.isnan(source).sum()), int(torch.isinf(source).sum())
+    if nan or inf:
+        return ValueError(
+            f"{entry.path}: tensor {entry.key!r} holds {nan} NaN and {inf} infinite values "
+            f"(of {source.numel()}); the checkpoint is corrupt"
+        )
+    largest = float(source.abs().max())
+    return ValueError(
+        f"{entry.path}: tensor {entry.key!r} has values up to {largest:g}, beyond {dtype} "
+        f"(largest {torch.finfo(dtype).max:g}); load it with dtype='float32' or 'bfloat16'"
+    )

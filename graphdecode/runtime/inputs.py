@@ -8,6 +8,8 @@ a bad request never disturbs the others.
 
 from __future__ import annotations
 
+import numbers
+
 from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
 from .sequence import Request, Sequence
@@ -27,6 +29,29 @@ def mix64(*values: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x  # fits an int64 tensor
 
 
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _wrong_prompt_type(i: int, prompt) -> str:
+    hint = ""
+    if isinstance(prompt, int) or (isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int)):
+        hint = "; token ids go in a dict: {'prompt_token_ids': [...]}"
+    return (f"prompts[{i}] must be a str or a dict with 'prompt' or 'prompt_token_ids', "
+            f"got {type(prompt).__name__}{hint}")
+
+
+def _check_unicode(texts: list[str], slots: list[int]) -> None:
+    """ValueError naming the first text that cannot be UTF-8 encoded (a lone surrogate)."""
+    for slot, text in zip(slots, texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"prompts[{slot}]: the text is not valid Unicode: lone surrogate {text[e.start]!r} "
+                f"at character {e.start}"
+            ) from None
+
+
 class InputProcessor:
     def __init__(self, config, tokenizer, group_pages):
         self.config = config
@@ -38,7 +63,11 @@ class InputProcessor:
         self._fast_encode: bool | None = None  # decided by a probe at first use
 
     def tokenize_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
-        """Parse prompts (str or {"prompt_token_ids"} / {"prompt"} dicts); text is batch-encoded."""
+        """Parse prompts (str or {"prompt_token_ids"} / {"prompt"} dicts); text is batch-encoded.
+
+        A prompt of the wrong type raises TypeError, a bad value ValueError; both name
+        `prompts[i]` and the key, before anything is tokenized.
+        """
         parsed: list = []
         texts, text_slots = [], []
         for i, prompt in enumerate(prompts):
@@ -46,28 +75,62 @@ class InputProcessor:
                 texts.append(prompt)
                 text_slots.append(i)
                 parsed.append(None)
-            elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
-                    raise ValueError(f"prompt_token_ids must be a list of ints (prompt {i})")
-                parsed.append((prompt.get("prompt"), list(ids)))
-            elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-                texts.append(prompt["prompt"])
+                continue
+            if not isinstance(prompt, dict):
+                raise TypeError(_wrong_prompt_type(i, prompt))
+            unknown = [key for key in prompt if key not in _PROMPT_KEYS]
+            if unknown:
+                raise ValueError(
+                    f"prompts[{i}]: unknown key {unknown[0]!r}; a prompt dict has 'prompt' (text) "
+                    f"and/or 'prompt_token_ids' (a list of token ids)"
+                )
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"prompts[{i}]['prompt'] must be a str, got {type(text).__name__}")
+            if prompt.get("prompt_token_ids") is not None:
+                parsed.append((text, self._checked_ids(i, prompt["prompt_token_ids"])))
+            elif text is not None:
+                texts.append(text)
                 text_slots.append(i)
                 parsed.append(None)
             else:
                 raise ValueError(
-                    f"prompt must be a str or a dict with 'prompt_token_ids' (prompt {i}: {type(prompt).__name__})"
+                    f"prompts[{i}]: a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (a list of token ids)"
                 )
         if texts:
             if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer, and the model directory has none")
-            encoded = self._encode(texts)
+                raise ValueError(
+                    f"prompts[{text_slots[0]}]: a text prompt needs a tokenizer, and the model directory has none; "
+                    f"pass token ids as {{'prompt_token_ids': [...]}}"
+                )
+            try:
+                encoded = self._encode(texts)
+            except Exception:
+                _check_unicode(texts, text_slots)  # the usual cause; otherwise the tokenizer's own error stands
+                raise
             for slot, text, ids in zip(text_slots, texts, encoded):
                 parsed[slot] = (text, list(ids))
         return parsed
+
+    def _checked_ids(self, i: int, ids) -> list[int]:
+        """prompt_token_ids as a list of ints in [0, vocab_size); the common case costs two C-level passes."""
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError(f"prompts[{i}]: prompt_token_ids is empty (the prompt has no tokens)")
+        if not set(map(type, ids)) <= {int}:  # bools, floats, strings, or numpy ints (accepted)
+            for j, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(
+                        f"prompts[{i}]['prompt_token_ids'][{j}] must be an int, got {type(t).__name__} {t!r}"
+                    )
+            ids = [int(t) for t in ids]
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            j, t = next((j, t) for j, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+            raise ValueError(
+                f"prompts[{i}]: prompt_token_ids[{j}] = {t} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return list(ids)
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Batch-encode with the Rust tokenizer directly when it gives transformers' ids.

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from ..config import EngineConfig
 from ..outputs import RequestOutput
@@ -38,8 +40,18 @@ class LLM:
 
         `engine_args` are EngineConfig's fields (device, dtype, max_batch_size, buckets,
         num_decode_steps, page_size, num_pages, max_model_len, attention_backend, compile,
-        cuda_graphs, seed, ...); their defaults and validation live there, once.
+        cuda_graphs, seed, ...); their defaults and validation live there, once. An
+        unknown one is a TypeError naming it, before anything is built.
         """
+        valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+        unknown = [name for name in engine_args if name not in valid]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"LLM() got an unexpected keyword argument {unknown[0]!r}{hint} "
+                f"(engine arguments are graphdecode.config.EngineConfig's fields: {', '.join(valid)})"
+            )
         if model is None:
             from ..default_model import default_model_dir
 
@@ -84,22 +96,44 @@ class LLM:
         return self.engine.stats()
 
     def _add(self, prompts, sampling_params) -> list[Request]:
-        """Validate every prompt first; only then add them all (a bad one adds nothing)."""
-        single = isinstance(prompts, (str, dict))
-        prompt_list = [prompts] if single else list(prompts)
+        """Validate every prompt first; only then add them all (a bad one adds nothing).
+
+        Errors name the argument and the prompt's index: `prompts[2]: ...`,
+        `sampling_params[1] must be ...` (TypeError for a wrong type, ValueError for a bad value).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompt_list = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError(
+                "prompts must be a str, a dict with 'prompt' or 'prompt_token_ids', or a list of them, "
+                f"got {type(prompts).__name__}"
+            )
+        else:
+            prompt_list = list(prompts)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompt_list):
                 raise ValueError(
                     f"sampling_params: {len(sampling_params)} given for {len(prompt_list)} prompts"
                 )
-            params_list = list(sampling_params)
-        else:
+            for i, params in enumerate(sampling_params):
+                if params is not None and not isinstance(params, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+            params_list = [params if params is not None else SamplingParams() for params in sampling_params]
+        elif sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params if sampling_params is not None else SamplingParams()] * len(prompt_list)
+        else:
+            hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, dict) else ""
+            raise TypeError(
+                "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
+                f"got {type(sampling_params).__name__}{hint}"
+            )
         parsed = self.engine.inputs.tokenize_all(prompt_list)
-        requests = [
-            self.engine.prepare(text, ids, params)
-            for (text, ids), params in zip(parsed, params_list)
-        ]
+        requests = []
+        for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
+            try:
+                requests.append(self.engine.prepare(text, ids, params))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
         for request in requests:
             self.engine.add_prepared(request)
         return requests
