@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from .cache import cached_model_dir
 
-DEFAULT_MODEL_NAME = "default-llama-v1"
+DEFAULT_MODEL_NAME = "default-llama-v2"  # v2: ships a chat template
+
+# A plain chat template (the model is random, the format only has to be well-formed):
+# each message is "<s>role\ncontent</s>\n"; a generation prompt opens "<s>assistant\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 _CORPUS = """\
 graphdecode is a decode engine for large language models. It captures one CUDA graph per batch bucket,
@@ -45,7 +52,9 @@ def build_tokenizer(vocab_size: int = 512):
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_random_model(path: str, config, seed: int = 0) -> None:

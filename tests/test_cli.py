@@ -34,7 +34,7 @@ def test_generate_on_the_default_model(tmp_path, monkeypatch, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == ["Hello", "The capital of France is"]
     assert all(len(line["token_ids"]) == 5 and line["finish_reason"] == "length" for line in lines)
-    assert (tmp_path / "default-llama-v1" / "model.safetensors").exists()
+    assert (tmp_path / "default-llama-v2" / "model.safetensors").exists()
     # streaming and n > 1 through the CLI too
     assert main(["generate", "-n", "2", "--temperature", "0.8", "--seed", "1", "--max-tokens", "4", "--stream", "Hi"]) == 0
     out = capsys.readouterr().out

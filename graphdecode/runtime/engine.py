@@ -82,6 +82,7 @@ class Engine:
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._inflight: tuple[StepPlan, PendingCopy] | None = None
+        self._aborted: list[Sequence] = []  # ended by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self._stats = EngineStats()
 
@@ -113,6 +114,7 @@ class Engine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self._on_finish(seq)
+                self._aborted.append(seq)
         return request
 
     def has_unfinished(self) -> bool:
@@ -120,7 +122,7 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Sequence]:
-        """One window: returns the sequences that gained tokens or finished."""
+        """One window: returns the sequences that gained tokens or finished (aborts included)."""
         with torch.inference_mode():
             t0 = time.perf_counter()
             with annotate("graphdecode.schedule"):
@@ -136,6 +138,9 @@ class Engine:
             t3 = time.perf_counter()
         self._inflight = (plan, pending) if pending is not None else None
         self._account(plan, t1 - t0, t2 - t1, t3 - t2)
+        if self._aborted:
+            changed = self._aborted + changed
+            self._aborted = []
         return changed
 
     def _postprocess(self, plan: StepPlan, pending: PendingCopy) -> list[Sequence]:

@@ -1,4 +1,10 @@
-"""LLM: the Python front end (vLLM-shaped): generate, stream, stats."""
+"""LLM: the Python front end (vLLM-shaped): generate, stream, chat, stats.
+
+Whoever steps the engine (a generate call, any stream iterator) routes every changed
+sequence to the DeltaQueue of its request's stream, if it has one; each stream reads
+only its own queue. So any number of streams, read in any interleaving, together with
+generate calls, each get all of their own deltas and exactly one finished output.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,16 @@ import contextlib
 import dataclasses
 import difflib
 import gc
+import sys
 from collections.abc import Iterable, Iterator
+
+from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine import Engine
-from .output_builder import delta_outputs, final_output
+from .output_builder import DeltaQueue, final_output
 from .sequence import Request
 
 
@@ -58,35 +67,96 @@ class LLM:
             model = default_model_dir()
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = Engine(self.config)
+        self._queues: dict[str, DeltaQueue] = {}  # request id -> the queue of the stream that owns it
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+    def get_tokenizer(self):
+        """The model's (transformers) tokenizer, or None for a model directory without one."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in input order.
+
+        use_tqdm: a progress bar of finished requests (default: on for more than 8 prompts
+        when stderr is a terminal).
+        """
         with _cyclic_gc_paused():
             requests = self._add(prompts, sampling_params)
-            while self.engine.has_unfinished():
-                self.engine.step()
+            if use_tqdm is None:
+                use_tqdm = len(requests) > 8 and sys.stderr.isatty()
+            with tqdm(total=len(requests), unit="req", desc="generate", disable=not use_tqdm) as bar:
+                done = 0  # requests[:done] are finished: amortised O(1) per step however many wait
+                while done < len(requests):
+                    self._step()
+                    start = done
+                    while done < len(requests) and requests[done].finished:
+                        done += 1
+                    if done > start:
+                        bar.update(done - start)
             return [final_output(r) for r in requests]
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yield RequestOutput deltas as windows are pythonized (at most one per sequence per window).
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations through the tokenizer's chat template.
 
-        Closing the iterator early aborts the requests it started.
+        messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer, and the model directory has none")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat_template: the tokenizer has no chat template; pass chat_template=...")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise TypeError(f"messages[{i}] must be a list of {{'role': ..., 'content': ...}} dicts")
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield RequestOutput deltas of these prompts' requests as windows are pythonized.
+
+        OpenAI semantics: a delta carries one request's new tokens per sequence (with its
+        `index`); concatenated they give generate()'s output; the request's last delta has
+        finished=True, exactly once. Other streams and generate calls may run meanwhile,
+        in any interleaving. Closing the iterator early aborts the requests it started.
         """
         requests = self._add(prompts, sampling_params)
-        mine = {r.request_id for r in requests}
+        queue = DeltaQueue()
+        for r in requests:
+            self._queues[r.request_id] = queue
+        unfinished = len(requests)  # requests whose finished output has not been yielded yet
         try:
-            while self.engine.has_unfinished():
-                for out in delta_outputs(self.engine.step()):
-                    if out.request_id in mine:
-                        yield out
+            while unfinished:
+                if not queue:
+                    self._step()
+                    continue
+                for out in queue.take():
+                    unfinished -= out.finished
+                    yield out
         finally:
             for r in requests:
+                self._queues.pop(r.request_id, None)
                 if not r.finished:
                     self.engine.abort_request(r.request_id)
+
+    def _step(self) -> None:
+        """One engine step; every changed sequence goes to its request's stream queue, if any."""
+        changed = self.engine.step()
+        if self._queues:
+            for seq in changed:
+                queue = self._queues.get(seq.request.request_id)
+                if queue is not None:
+                    queue.push(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.engine.abort_request(request_id)

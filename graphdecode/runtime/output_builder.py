@@ -2,7 +2,13 @@
 
 A delta carries what a sequence gained since its last delta: new token ids, the
 new stable text (text that can no longer be taken back by a stop string) and new
-logprobs. Concatenating a sequence's deltas gives exactly its final output.
+logprobs. Concatenating a sequence's deltas gives exactly its final output, and
+exactly one of them carries its finish_reason.
+
+`DeltaQueue` routes: each consumer of streamed outputs (an LLM.stream iterator, the
+async engine core) owns one for its requests; whoever steps the engine pushes every
+changed sequence to its request's queue, and the consumer builds the deltas when it
+reads, so a consumer that reads late gets one merged delta, never a gap.
 """
 
 from __future__ import annotations
@@ -34,7 +40,10 @@ def final_output(request: Request) -> RequestOutput:
 
 def take_delta(seq: Sequence) -> CompletionOutput | None:
     """What the sequence gained since its last delta (advances its stream cursors)."""
+    if seq.finish_streamed:
+        return None
     finished = seq.is_finished
+    seq.finish_streamed = finished
     text = seq.output_text
     stable = seq.detokenizer.stable_len(finished) if seq.detokenizer is not None else 0
     new_text = text[seq.num_streamed_chars : stable] if stable > seq.num_streamed_chars else ""
@@ -74,3 +83,24 @@ def delta_outputs(changed: list[Sequence]) -> list[RequestOutput]:
         out.outputs.append(delta)
         out.finished = request.finished
     return list(by_request.values())
+
+
+class DeltaQueue:
+    """The sequences of some requests that changed since their consumer last read."""
+
+    __slots__ = ("_changed",)
+
+    def __init__(self):
+        self._changed: dict[int, Sequence] = {}  # seq_id -> sequence, first change first
+
+    def push(self, seq: Sequence) -> None:
+        self._changed.setdefault(seq.seq_id, seq)
+
+    def __bool__(self) -> bool:
+        return bool(self._changed)
+
+    def take(self) -> list[RequestOutput]:
+        """One delta RequestOutput per request that changed, in first-change order."""
+        changed = list(self._changed.values())
+        self._changed.clear()
+        return delta_outputs(changed)

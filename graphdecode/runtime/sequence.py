@@ -69,6 +69,7 @@ class Sequence:
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0
     num_streamed_logprobs: int = 0
+    finish_streamed: bool = False  # its finished delta has been handed out (exactly once)
 
     @property
     def num_tokens(self) -> int:
