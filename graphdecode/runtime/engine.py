@@ -118,7 +118,8 @@ class Engine:
         return request
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        """Work to schedule, a window to pythonize, or aborts not yet reported by a step."""
+        return self.scheduler.has_work or self._inflight is not None or bool(self._aborted)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[Sequence]:

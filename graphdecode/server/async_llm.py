@@ -1,0 +1,242 @@
+"""AsyncLLM: the engine for asyncio servers, with its core in its own process.
+
+    engine = AsyncLLM(model, **engine_args)            # same arguments as LLM
+    async for out in engine.generate(prompt, params, request_id="r1"):
+        ...                                            # RequestOutput deltas, the last one finished
+    await engine.abort("r1")
+    engine.shutdown()
+
+The engine core (server/engine_core.py) runs the step loop in a spawned process; this
+side tokenizes and validates prompts (the core sent its EngineConfig, so the checks are
+the engine's own, done before any work, raising ValueError/TypeError by name), sends
+requests down one pipe, and a reader thread hands each step's deltas to the asyncio
+queue of the request they belong to. Cancelling a consumer (task cancelled, client
+gone, `aclose()`) aborts its request, which frees its row and pages in the core.
+`load` holds the core's latest gauges (running, waiting, ...), for metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import difflib
+import functools
+import multiprocessing
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..runtime.engine import load_tokenizer
+from ..runtime.inputs import InputProcessor
+from ..runtime.scheduler import group_pages
+from ..sampling_params import SamplingParams
+
+START_TIMEOUT_S = 600.0  # model load + graph capture on a cold machine
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone; no request can be served."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, threads: int | None = None, **engine_args):
+        valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+        unknown = [name for name in engine_args if name not in valid]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"AsyncLLM() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        if model is None:
+            from ..default_model import default_model_dir
+
+            model = default_model_dir()
+        core_requests, self._requests = multiprocessing.Pipe(duplex=False)
+        self._outputs, core_outputs = multiprocessing.Pipe(duplex=False)
+        fds = (core_requests.fileno(), core_outputs.fileno())
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "graphdecode.server.engine_core", *map(str, fds)], pass_fds=fds,
+        )
+        core_requests.close()
+        core_outputs.close()
+        self._requests.send(("init", str(model), engine_args, threads))
+        ready = self._outputs.poll(START_TIMEOUT_S)
+        try:
+            kind, payload = self._outputs.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S:.0f} s")
+        except EOFError:
+            kind, payload = "failed", f"the engine core process exited with status {self._process.wait(5)}"
+        if kind != "ready":
+            self._kill()
+            raise ValueError(f"the engine could not be built: {payload}")
+        self.config: EngineConfig = payload
+        self.tokenizer = load_tokenizer(str(self.config.model))
+        self.inputs = InputProcessor(
+            self.config, self.tokenizer,
+            functools.partial(group_pages, page_size=self.config.page_size,
+                              num_decode_steps=self.config.num_decode_steps),
+        )
+        self.load: dict = {}
+        self.dead: str | None = None  # why the core died, once it has
+        self._send_lock = threading.Lock()
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats_waiters: list[asyncio.Future] = []
+        self._reader: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- requests
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate now (ValueError / TypeError naming the field), run when iterated.
+
+        Returns an async iterator of deltas; the last has finished=True. Stopping the
+        iteration early (cancel, aclose) aborts the request.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        (text, ids), = self.inputs.tokenize_all([prompt])
+        request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.inputs.prepare(request_id, text, ids, sampling_params, arrival=0)  # the engine's own checks
+        return self._run(request_id, text, ids, sampling_params)
+
+    async def _run(self, request_id, text, ids, params) -> AsyncIterator[RequestOutput]:
+        self._start_reader()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._send(("add", request_id, text, ids, params))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.dead is None and not self._closed:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", str(request_id)))
+
+    async def stats(self) -> dict:
+        """The engine's full stats() (asks the core; answered between two steps)."""
+        self._start_reader()
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(future)
+        self._send(("stats",))
+        return await future
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    # ---------------------------------------------------------------- plumbing
+    def _send(self, message) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            with self._send_lock:
+                self._requests.send(message)
+        except OSError as exc:  # the core closed its end: it died
+            self.dead = self.dead or f"the engine core process exited ({exc})"
+            raise EngineDeadError(self.dead) from None
+
+    def _start_reader(self) -> None:
+        """Bind to the running event loop (a new one once the previous one closed)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError("AsyncLLM is in use by another running event loop")
+            self._loop = loop
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_outputs, name="graphdecode-outputs", daemon=True)
+            self._reader.start()
+
+    def _read_outputs(self) -> None:
+        """Reader thread: every message from the core goes to the event loop."""
+        while True:
+            try:
+                message = self._outputs.recv()
+            except (EOFError, OSError):
+                message = ("failed", "the engine core process exited")
+            if message[0] == "failed" and not self._closed:
+                self.dead = message[1]  # seen by new calls even if no loop dispatches it
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:  # that loop closed: its consumers are gone, the next loop rebinds
+                pass
+            if message[0] == "failed":
+                return
+
+    def _dispatch(self, message) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, self.load = message
+            for out in outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+        elif kind == "rejected":
+            _, request_id, text = message
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(ValueError(text))
+        elif kind == "stats":
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for future in waiters:
+                if not future.done():
+                    future.set_result(message[1])
+        elif kind == "failed":
+            if self._closed:
+                return
+            self.dead = message[1]
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(self.dead))
+            for future in self._stats_waiters:
+                if not future.done():
+                    future.set_exception(EngineDeadError(self.dead))
+
+    # ---------------------------------------------------------------- lifecycle
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process (requests still running end without outputs)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with self._send_lock:
+                self._requests.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self._requests.close()
+
+    def _kill(self) -> None:
+        self._process.kill()
+        self._process.wait(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.shutdown(timeout=2.0)
