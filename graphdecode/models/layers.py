@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .parallel import ShardSpec
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -27,15 +29,21 @@ class RMSNorm(nn.Module):
 
 
 class FusedLinear(nn.Linear):
-    """A linear layer whose output rows are the concatenation of named shards."""
+    """A column-parallel linear layer whose output rows are the concatenation of named shards.
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
+    Each shard (q, k, v; gate, up) is a block of rows of a checkpoint tensor: its
+    ShardSpec says which rows this rank holds (all of them with one rank), so the
+    loader fills the fused weight from the unfused checkpoint tensors directly.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, ShardSpec], bias: bool):
+        super().__init__(in_features, sum(s.stop - s.start for s in shards.values()), bias=bias)
+        self.shard_specs = dict(shards)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}  # shard -> (row offset, rows) in the fused weight
         offset = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
+        for name, spec in shards.items():
+            self.shard_offsets[name] = (offset, spec.stop - spec.start)
+            offset += spec.stop - spec.start
 
     def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard]

@@ -7,30 +7,37 @@ fills them from the unfused checkpoint tensors (see `packed_modules`).
 forward() takes flattened tokens `[T]` and a ForwardContext that owns the paged
 KV cache and the attention metadata, so the same module serves ragged prefill
 and batched decode.
+
+Tensor parallelism (models/parallel.py): with a TPGroup of N ranks each rank holds
+its query heads, its KV heads (replicated when there are fewer than N), its share of
+the MLP's intermediate size and a block of the vocabulary; o_proj and down_proj
+all-reduce, the embedding all-reduces, the logits are all-gathered.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .layers import FusedLinear, RMSNorm, SiluAndMul
 from .model_config import ModelConfig
+from .parallel import ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, kv_heads_spec, local_kv_heads
+from .parallel import split as split_rows
 from .rope import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = cfg.num_heads // tp.size  # this rank's
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
         self.head_dim = cfg.head_dim
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        q_spec = split_rows(cfg.num_heads * cfg.head_dim, tp)
+        kv_spec = kv_heads_spec(cfg.num_kv_heads, cfg.head_dim, tp)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_spec, "k": kv_spec, "v": kv_spec}, cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp)
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
 
     def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx) -> torch.Tensor:
@@ -45,11 +52,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=False)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False)
+        rows = split_rows(cfg.intermediate_size, tp)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": rows, "up": rows}, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +64,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -70,10 +77,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -87,12 +94,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int) -> None:
@@ -113,6 +121,6 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.forward(input_ids, positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, hidden] -> [R, vocab] float32."""
+        """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size)

@@ -13,6 +13,10 @@ Loading has two passes.
 
 Every error is a ValueError naming the file and the checkpoint's own tensor name
 (`model.layers.3.self_attn.k_proj.weight`, never the fused `qkv_proj`).
+
+Tensor parallelism: a rank reads only its part of each sharded tensor (a ShardSpec on
+the owning module: rows of q/k/v, gate/up and the vocabulary, columns of o_proj and
+down_proj) through safetensors' slices; headers are checked against the full shapes.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .model_config import ModelConfig, read_json_object
+from .parallel import ShardSpec, TPGroup
 from .registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -58,10 +63,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise ValueError(f"model: no model.safetensors or {_INDEX} in {model_dir!r}")
 
 
-def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+               tp: TPGroup = TPGroup()):
     cls = model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, tp)
     plan = plan_checkpoint(model_dir, model)  # headers only: raises before any memory is allocated
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
@@ -70,7 +76,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
         with _open(path) as f:
             for entry in entries:
                 try:
-                    tensor = f.get_tensor(entry.key)
+                    tensor = _read(f, entry.key, _spec(modules, entry.name, entry.shard))
                 except (SafetensorError, OSError) as e:
                     raise ValueError(f"{path}: tensor {entry.key!r} cannot be read ({e})") from None
                 param = params[entry.name]
@@ -149,11 +155,36 @@ def _shards(modules: dict, name: str) -> list[str | None]:
     return list(offsets) if offsets else [None]
 
 
+def _spec(modules: dict, name: str, shard: str | None) -> ShardSpec | None:
+    """This rank's part of the checkpoint tensor, or None for the whole tensor."""
+    owner = modules[_owner(name)]
+    if shard is not None:
+        return owner.shard_specs[shard]
+    return getattr(owner, "tp_specs", {}).get(name.rsplit(".", 1)[1])
+
+
 def _expected_shape(param, modules: dict, name: str, shard: str | None) -> tuple[int, ...]:
-    if shard is None:
-        return tuple(param.shape)
-    _, size = modules[_owner(name)].shard_offsets[shard]
-    return (size,) + tuple(param.shape[1:])
+    """The tensor's shape in the checkpoint (whole, whichever part this rank holds)."""
+    spec = _spec(modules, name, shard)
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] = spec.full
+    return tuple(shape)
+
+
+def _read(f, key: str, spec: ShardSpec | None) -> torch.Tensor:
+    """The whole tensor, or only this rank's rows / columns (zero-padded past the end)."""
+    if spec is None or (spec.start == 0 and spec.stop == spec.full):
+        return f.get_tensor(key)
+    stop = min(spec.stop, spec.full)
+    index = (slice(None),) * spec.dim + (slice(spec.start, max(stop, spec.start)),)
+    part = f.get_slice(key)[index]
+    missing = spec.stop - spec.start - part.shape[spec.dim]
+    if missing > 0:
+        pad = list(part.shape)
+        pad[spec.dim] = missing
+        part = torch.cat([part, part.new_zeros(pad)], dim=spec.dim)
+    return part
 
 
 def _target(key: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

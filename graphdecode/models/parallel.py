@@ -1,0 +1,143 @@
+"""Tensor parallelism for the models: the group a rank belongs to, and Megatron-style layers.
+
+* `FusedLinear` (layers.py) is column-parallel: each rank holds its rows of q/k/v or
+  gate/up, read straight from the checkpoint's rows (`ShardSpec`).
+* `RowParallelLinear` (o_proj, down_proj): each rank holds its input columns and
+  multiplies its share; one all-reduce sums the partial products.
+* `VocabParallelEmbedding` / `ParallelLMHead`: each rank holds a contiguous block of
+  the vocabulary (padded to a multiple of the ranks); the embedding masks ids outside
+  its block and all-reduces; the LM head's logits are all-gathered, so every rank
+  holds the same full logits and samples the same tokens.
+
+With one rank (`TPGroup()`), every layer is its plain single-device self: no
+collective, no padding. Collectives are torch.distributed's functional ones, which
+torch.compile traces (fullgraph) and which run eagerly on gloo (CPU) or NCCL (GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in the tensor-parallel group (the default: one rank, no group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object = None  # torch.distributed ProcessGroup for the model's collectives
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", self.group)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        import torch.distributed._functional_collectives as funcol
+
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
+        gathered = gather(x.contiguous(), 0, self.group)  # [size * rows, n]
+        rows = x.shape[0]
+        return torch.cat([gathered[i * rows : (i + 1) * rows] for i in range(self.size)], dim=-1)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """This rank's part of a checkpoint tensor: indices [start, stop) along `dim` of a
+    dimension that holds `full` entries in the checkpoint (stop > full: zero padding)."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+
+def split(total: int, tp: TPGroup) -> ShardSpec:
+    """An even split of `total` (a multiple of the group size) along dim 0."""
+    per = total // tp.size
+    return ShardSpec(0, tp.rank * per, (tp.rank + 1) * per, total)
+
+
+def kv_heads_spec(num_kv_heads: int, head_dim: int, tp: TPGroup) -> ShardSpec:
+    """KV heads are split across ranks, or replicated when there are fewer heads than ranks
+    (each rank then holds the one head its query heads attend to, as vLLM does)."""
+    if num_kv_heads >= tp.size:
+        per = num_kv_heads // tp.size
+        return ShardSpec(0, tp.rank * per * head_dim, (tp.rank + 1) * per * head_dim, num_kv_heads * head_dim)
+    head = tp.rank * num_kv_heads // tp.size
+    return ShardSpec(0, head * head_dim, (head + 1) * head_dim, num_kv_heads * head_dim)
+
+
+def local_kv_heads(num_kv_heads: int, tp: TPGroup) -> int:
+    return max(1, num_kv_heads // tp.size)
+
+
+def padded_vocab(vocab_size: int, tp: TPGroup) -> int:
+    return -(-vocab_size // tp.size) * tp.size
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T (+ b): x holds this rank's input columns; the partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.in_spec = split(in_features, tp)
+        local = self.in_spec.stop - self.in_spec.start
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp_specs = {"weight": ShardSpec(1, self.in_spec.start, self.in_spec.stop, in_features)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embeddings; this rank holds a block of the (padded) vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        per = padded_vocab(vocab_size, tp) // tp.size
+        self.start, self.stop = tp.rank * per, (tp.rank + 1) * per
+        self.weight = nn.Parameter(torch.empty(per, hidden_size))
+        self.tp_specs = {"weight": ShardSpec(0, self.start, self.stop, vocab_size)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.start) & (input_ids < self.stop)
+        local = torch.where(mine, input_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits over the vocabulary: this rank's block of rows, gathered into full logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        per = padded_vocab(vocab_size, tp) // tp.size
+        self.weight = nn.Parameter(torch.empty(per, hidden_size))
+        self.tp_specs = {"weight": ShardSpec(0, tp.rank * per, (tp.rank + 1) * per, vocab_size)}
+
+    @staticmethod
+    def logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab] float32, identical on every rank."""
+        local = F.linear(hidden, weight).float()
+        if tp.size == 1:
+            return local
+        return tp.all_gather_last(local)[:, :vocab_size]
