@@ -1,8 +1,14 @@
 """Torch reference attention over the paged cache: runs on CPU and GPU.
 
 It is the backend CPU runs use and the oracle the FlashInfer backend is tested
-against. Decode gathers the W pages per row its block-table view holds (a static width, so it can be
-captured in a CUDA graph) and masks past each row's length.
+against. Decode has two forms of the same arithmetic:
+
+* padded (inside torch.compile and on CUDA, where shapes must be static for graphs):
+  every row gathers the W pages its block-table view holds and masks past its length;
+* ragged (eager on CPU): the pages FlashInfer's CSR metadata lists (`kv_indptr`,
+  `kv_indices`, `kv_last_page_len`, kept by advance_step) are gathered once, and a
+  softmax per row runs over its own tokens only, so a window's cost follows the rows'
+  real lengths: one 4,000-token row no longer makes 32 short rows gather 4,000 keys each.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            return self._decode_ragged(kv, q, meta)
         rows = q.shape[0]
         pages = meta.block_table.long()  # [B, W]
         keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
@@ -57,3 +65,28 @@ class TorchAttentionBackend(AttentionBackend):
         positions = torch.arange(keys.shape[1], device=q.device)
         hidden = positions[None, None, :] >= meta.seq_lens[:, None, None]  # [B, 1, W*P]
         return self._attend(q[:, None], keys, values, hidden)[:, 0]
+
+    def _decode_ragged(self, kv, q, meta: DecodeMetadata) -> torch.Tensor:
+        """q [B, H, D] over each row's own pages (CSR), one segment softmax per row."""
+        rows, page_size = q.shape[0], kv.shape[2]
+        pages_per_row = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).long()  # [B]
+        pages = meta.kv_indices[: int(meta.kv_indptr[rows])].long()  # [N_pages]
+        keys = kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)  # [N_pages * P, H_kv, D]
+        values = kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)
+        row_of_page = torch.repeat_interleave(torch.arange(rows), pages_per_row)  # [N_pages]
+        last_page = torch.zeros_like(row_of_page, dtype=torch.bool)
+        last_page[meta.kv_indptr[1:].long() - 1] = True
+        valid = torch.where(last_page, meta.kv_last_page_len.long()[row_of_page], page_size)  # tokens per page
+        row = row_of_page.repeat_interleave(page_size)  # [N_tokens]
+        keep = torch.arange(page_size).repeat(len(pages)) < valid.repeat_interleave(page_size)
+        row, keys, values = row[keep], keys[keep].float(), values[keep].float()
+        groups = self.num_heads // self.num_kv_heads
+        qg = q.reshape(rows, self.num_kv_heads, groups, self.head_dim).float()
+        scores = torch.einsum("thgd,thd->thg", qg[row], keys) * self.scale  # [N, H_kv, G]
+        peak = scores.new_full((rows, self.num_kv_heads, groups), float("-inf"))
+        peak = peak.scatter_reduce(0, row[:, None, None].expand_as(scores), scores, "amax")
+        weights = torch.exp(scores - peak[row])
+        total = weights.new_zeros(rows, self.num_kv_heads, groups).index_add(0, row, weights)
+        out = weights.new_zeros(rows, self.num_kv_heads, groups, self.head_dim)
+        out = out.index_add(0, row, weights[..., None] * values[:, :, None, :])
+        return (out / total[..., None]).reshape(q.shape).to(q.dtype)
