@@ -48,3 +48,7 @@ def test_inductor_cache_lives_under_the_graphdecode_cache(monkeypatch, tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(str(tmp_path), "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")  # a user's choice wins
     assert torch_compile.inductor_cache_dir() == "/somewhere/else"
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing torch._dynamo writes
+    assert torch_compile.inductor_cache_dir() == os.path.join(str(tmp_path), "inductor")

@@ -33,9 +33,15 @@ _ENTRIES = 8  # bucket 1, buckets >= 2, and slack for a guard on a Python value 
 
 
 def inductor_cache_dir() -> str:
-    """Where inductor keeps its caches for this process (set once, before the first compile)."""
+    """Where inductor keeps its caches for this process (set before the first compile).
+
+    A TORCHINDUCTOR_CACHE_DIR the user chose wins. Importing torch._dynamo writes
+    inductor's own default there, so that value counts as unset.
+    """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if path is None:
+    if path is None or os.path.abspath(path) == os.path.abspath(default_cache_dir()):
         path = os.path.join(cache_root(), "inductor")
         os.makedirs(path, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # inductor reads it at each compile
