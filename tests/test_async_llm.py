@@ -46,7 +46,7 @@ def test_concurrent_consumers_get_exactly_llm_generate(engine, text_model):
         seeded = asyncio.gather(*[collect(engine, p, sampled) for p in prompts[:4]])
         return await greedy, await seeded
 
-    greedy, seeded = asyncio.run(main())
+    greedy, seeded = asyncio.run(asyncio.wait_for(main(), 120))
     llm = LLM(text_model, **{k: v for k, v in ENGINE.items() if k != "threads"})
     want = llm.generate(prompts, PARAMS)
     assert [g[0] for g in greedy] == [[c.token_ids for c in o.outputs] for o in want]
@@ -65,7 +65,8 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
                 seen.set()
 
         task = asyncio.create_task(consume())
-        await seen.wait()
+        await asyncio.wait([task, asyncio.create_task(seen.wait())], return_when=asyncio.FIRST_COMPLETED)
+        assert not task.done(), task.exception()  # the request is running, not failed
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -76,7 +77,7 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
             await asyncio.sleep(0.05)
         return await engine.stats()
 
-    stats = asyncio.run(main())
+    stats = asyncio.run(asyncio.wait_for(main(), 120))
     assert engine.num_unfinished == 0
     assert stats["generated_tokens"] < 200 + 24 * 16 * 4  # the long request did not run to its end
     assert engine.load["running"] == 0
@@ -92,7 +93,7 @@ def test_abort_by_id_and_bad_input(engine):
             last = out
         return last
 
-    last = asyncio.run(main())
+    last = asyncio.run(asyncio.wait_for(main(), 120))
     assert last.finished and last.outputs[-1].finish_reason == "abort"
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate({"prompt_token_ids": [5] * 300}, PARAMS)
