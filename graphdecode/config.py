@@ -79,6 +79,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     max_stop_ids: int = 16
+    max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
+    max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
+    max_bad_word_tokens: int = 8  # tokens per bad word
 
     # resolved in __post_init__
     model_config: ModelConfig = field(init=False, repr=False)
@@ -111,6 +114,9 @@ class EngineConfig:
         _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _pos_int("max_logprobs", self.max_logprobs)
         _pos_int("max_stop_ids", self.max_stop_ids)
+        _pos_int("max_logit_bias", self.max_logit_bias)
+        _pos_int("max_bad_words", self.max_bad_words)
+        _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):

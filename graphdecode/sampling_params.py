@@ -2,11 +2,26 @@
 
 Mirrors vLLM's names and meanings. Every bad value raises ValueError naming the
 field, before the engine sees the request.
+
+Penalties (all applied on the device, inside the decode window, in this order, the
+order of vLLM and transformers):
+* `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits, and
+  `bad_words` are masked: each word is tokenized as vLLM does (without and with a
+  leading space); a word's last token cannot be generated right after its other tokens
+  (a one-token word never), judged on the output tokens;
+* `repetition_penalty` (> 0; vLLM / transformers): the logit of every token seen in the
+  prompt or the output is divided by it when positive, multiplied when negative;
+* `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI): subtract
+  count * frequency_penalty + (count > 0) * presence_penalty, counting OUTPUT tokens only;
+* then min_tokens' stop masking, temperature and the filters.
+Logprobs stay raw (the model's log_softmax, before all of this), which is vLLM's
+default (`logprobs_mode="raw_logprobs"`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 def _is_int(value) -> bool:
@@ -33,6 +48,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    # internal: bad_words as token id sequences, filled by the engine's InputProcessor (a copy of
+    # the params per request), like vLLM's `_bad_words_token_ids`
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not _is_int(self.n) or self.n < 1:
@@ -66,6 +89,25 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not math.isfinite(rep) or not rep > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -80,3 +122,18 @@ class SamplingParams:
     @property
     def needs_filter(self) -> bool:
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """Whether the logits depend on which tokens were seen (repetition, presence, frequency)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Whether the sampler's penalty path must run for this request (any penalty, bias or bad word)."""
+        return self.needs_token_counts or bool(self.logit_bias) or bool(self.bad_words)
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """bad_words as token id sequences (empty until the engine has tokenized them)."""
+        return self._bad_words_token_ids or ()

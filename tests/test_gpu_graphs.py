@@ -7,7 +7,10 @@
 * teacher-forced: at every position of the graph path's greedy output, its
   logprobs match an fp32 eager reference (same weights) within bf16/fp16 tolerance;
 * a steady-state step never synchronises the host except in the pythonizer's wait;
-* capture time and graph memory appear in LLM.stats().
+* capture time and graph memory appear in LLM.stats();
+* the penalty path (logit_bias, bad_words, repetition / presence / frequency) inside
+  captured graphs: replay equals eager with penalty variants captured lazily while other
+  rows are live, k=8 equals k=1, and penalty steps never synchronise the host.
 
 The model is a small random Llama saved in bf16 (head_dim 64: the kit has bf16
 kernels for 64 and 128), so the fp32 reference reads exactly the same weights.
@@ -199,3 +202,77 @@ def test_steady_state_steps_never_sync_the_host(bf16_model, flashinfer_ready):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+
+
+@pytest.fixture(scope="module")
+def tokenized_model(bf16_model, tmp_path_factory) -> str:
+    """The bf16 model with the default model's byte-level BPE tokenizer (ids < 512), for bad_words."""
+    import shutil
+
+    from graphdecode.default_model import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("gpu_models") / "llama_bf16_d64_tok")
+    shutil.copytree(bf16_model, path, dirs_exist_ok=True)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def penalty_waves():
+    from graphdecode import SamplingParams
+
+    return [
+        greedy(max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4,
+                       logit_bias={17: 2.0, 18: -100}),
+        SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=24, ignore_eos=True, presence_penalty=0.6,
+                       bad_words=["the", "engine"], logprobs=2),
+    ]
+
+
+@pytest.mark.parametrize("backend, dtype", [("flashinfer", "bfloat16"), ("torch", "float32")])
+def test_penalty_windows_replay_the_eager_tokens(tokenized_model, request, backend, dtype):
+    if backend == "flashinfer":
+        request.getfixturevalue("flashinfer_ready")
+    common = dict(attention_backend=backend, dtype=dtype, compile=False, num_decode_steps=4, max_batch_size=16)
+    graphed = llm(tokenized_model, cuda_graphs=True, **common)
+    captured_before = set(graphed.engine.runner.windows.graphs)
+    got_tokens, got_logprobs = _staggered(graphed, penalty_waves())
+    lazily = set(graphed.engine.runner.windows.graphs) - captured_before
+    assert any(v.penalties for _, v in lazily) and not any(v.penalties for _, v in captured_before)
+    del graphed
+    eager = llm(tokenized_model, cuda_graphs=False, **common)
+    want_tokens, want_logprobs = _staggered(eager, penalty_waves())
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logprobs, want_logprobs):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert [{t: lp.logprob for t, lp in d.items()} for d in got] == \
+                   [{t: lp.logprob for t, lp in d.items()} for d in want]
+
+
+def test_penalties_k8_give_the_k1_tokens_in_graphs(tokenized_model, flashinfer_ready):
+    runs = []
+    for k in (1, 8):
+        engine = llm(tokenized_model, attention_backend="flashinfer", compile=False, num_decode_steps=k,
+                     max_batch_size=16)
+        runs.append(_staggered(engine, penalty_waves())[0])
+        del engine
+    assert runs[0] == runs[1]
+
+
+def test_penalty_steps_never_sync_the_host(tokenized_model, flashinfer_ready):
+    """Admitting penalized rows (their counts staged sparsely from fresh pinned tensors) and
+    replaying penalty graphs stays asynchronous."""
+    engine = llm(tokenized_model, attention_backend="flashinfer", compile=False, num_decode_steps=4,
+                 max_batch_size=8)
+    waves = penalty_waves()
+    batch = prompts()
+    params = [waves[i % 3] for i in range(len(batch))]
+    engine.generate(batch, params)  # captures the penalty variants
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = engine.generate(prompts(seed=1), params)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]

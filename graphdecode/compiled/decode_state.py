@@ -5,6 +5,19 @@ B_max. A bucket of B rows works on views [:B]; rows >= B and padded rows inside 
 bucket are `done`, so they compute harmlessly against the scratch page. The host
 never writes these buffers directly: row changes arrive as copies from pinned
 staging (runtime/row_staging.py), ordered on the stream after the running window.
+
+Penalty state (read only by windows whose variant has penalties; see sampler.py):
+per-row repetition / presence / frequency penalties [B_max] float32, a `penalized`
+flag [B_max] bool (whether the row's logit_bias and bad words apply: rows without
+penalties never receive those buffers, the flag keeps stale entries inert),
+`token_counts` [B_max, V] int16 (2 bytes per row and token: 65.7 MB for 256 rows of
+Llama-3's 128256 tokens), `bias_ids` [B_max, L] int64 + `bias_values` [B_max, L]
+float32 (L = max_logit_bias: 192 KiB for 256 rows, L = 64), `bad_words` [B_max, W, T]
+int64 (W = 2 * max_bad_words sequences of T = max_bad_word_tokens: 512 KiB for 256
+rows, 32 x 8) and `recent` [B_max, T] int64, the row's last T output tokens. A
+row's counts and recent tokens are staged when it is admitted (prompt and tokens so
+far: also after a preemption or a prefix-cache hit) and updated by the sampler's
+caller as tokens are sampled.
 """
 
 from __future__ import annotations
@@ -13,16 +26,19 @@ import torch
 
 from ..attention.metadata import DecodeMetadata
 from . import advance_step as _advance_step  # noqa: F401  (registers the graphdecode::advance_step op)
-from .sampler import SamplingRows
+from .sampler import COUNT_MASK, SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done")
-FLOAT_COLUMNS = ("temperature", "top_p", "min_p")
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done", "penalized")
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# Rows with penalties also send, separately, [L bias ids, W * T bad-word tokens, T recent tokens]
+# as integers, L bias values as floats, and their token counts sparsely.
 
 
 class DecodeState:
     def __init__(self, max_rows: int, max_pages: int, max_stop_ids: int, num_decode_steps: int, max_logprobs: int,
-                 device):
+                 device, *, vocab_size: int = 1, max_logit_bias: int = 1, bad_word_slots: int = 1,
+                 max_bad_word_tokens: int = 1):
         rows = max_rows
 
         def buf(*shape, dtype, fill=0):
@@ -50,6 +66,16 @@ class DecodeState:
         self.top_k = buf(rows, dtype=torch.int32)
         self.min_p = buf(rows, dtype=torch.float32)
         self.seed = buf(rows, dtype=torch.int64)
+        # penalties (sampler.apply_penalties)
+        self.penalized = buf(rows, dtype=torch.bool)
+        self.repetition_penalty = buf(rows, dtype=torch.float32, fill=1.0)
+        self.presence_penalty = buf(rows, dtype=torch.float32)
+        self.frequency_penalty = buf(rows, dtype=torch.float32)
+        self.token_counts = buf(rows, vocab_size, dtype=torch.int16)  # [B_max, V]: output count | PROMPT_BIT
+        self.bias_ids = buf(rows, max_logit_bias, dtype=torch.int64, fill=-1)  # [B_max, L]
+        self.bias_values = buf(rows, max_logit_bias, dtype=torch.float32)
+        self.bad_words = buf(rows, bad_word_slots, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, W, T]
+        self.recent = buf(rows, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, T]
         # outputs: column 0 = token sampled by prefill, columns 1..k = window steps
         self.out_tokens = buf(rows, num_decode_steps + 1, dtype=torch.int64)  # [B_max, k + 1]
         self.out_lp_sampled = buf(rows, num_decode_steps + 1, dtype=torch.float32)
@@ -57,8 +83,14 @@ class DecodeState:
         self.out_lp_top_ids = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.int64)  # [B_max, k + 1, N]
         self.out_lp_top = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.float32)
 
-    def sampling_rows(self, rows) -> SamplingRows:
-        """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill)."""
+    def sampling_rows(self, rows, penalties: bool = False) -> SamplingRows:
+        """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill).
+        The penalty inputs only when `penalties` (a gather of token_counts is [R, V])."""
+        extra = {}
+        if penalties:
+            names = ("penalized", "repetition_penalty", "presence_penalty", "frequency_penalty", "token_counts",
+                     "bias_ids", "bias_values", "bad_words", "recent")
+            extra = {name: getattr(self, name)[rows] for name in names}
         return SamplingRows(
             temperature=self.temperature[rows],
             top_p=self.top_p[rows],
@@ -68,7 +100,28 @@ class DecodeState:
             stop_ids=self.stop_ids[rows],
             min_len=self.min_len[rows],
             max_len=self.max_len[rows],
+            **extra,
         )
+
+    def record_penalty_tokens(self, rows, tokens: torch.Tensor, live: torch.Tensor) -> None:
+        """After sampling `tokens` [R] for `rows` (slice or index): count them and push them on
+        the recent-tokens ring, for rows that were live ([R] bool); others stay as they are.
+        One token per row: a gather and a scatter of [R] entries, no [R, V] work."""
+        index = tokens[:, None]
+        if isinstance(rows, slice):
+            counts = self.token_counts[rows]
+            current = counts.gather(1, index)
+        else:
+            current = self.token_counts[rows[:, None], index]
+        bumped = current + ((current & COUNT_MASK) < COUNT_MASK).to(current.dtype)
+        updated = torch.where(live[:, None], bumped, current)
+        if isinstance(rows, slice):
+            counts.scatter_(1, index, updated)
+        else:
+            self.token_counts[rows[:, None], index] = updated
+        recent = self.recent[rows]
+        pushed = torch.cat([recent[:, 1:], index], dim=1)
+        self.recent[rows] = torch.where(live[:, None], pushed, recent)
 
     def decode_metadata(self, bucket: int, kv_width: int) -> DecodeMetadata:
         """Views for a bucket; the torch reference gathers kv_width pages per row."""
@@ -105,6 +158,19 @@ class DecodeState:
         self.stop_ids.index_copy_(0, index, ints[:, len(INT_COLUMNS) :])
         for col, name in enumerate(FLOAT_COLUMNS):
             getattr(self, name).index_copy_(0, index, floats[:, col])
+
+    def apply_penalty_rows(self, index: torch.Tensor, ints: torch.Tensor, floats: torch.Tensor) -> None:
+        """Rows with penalties: ints [n, L + W * T + T] (bias ids, bad words, recent), floats [n, L]."""
+        n, (width, slots, tokens) = index.shape[0], (self.bias_ids.shape[1], *self.bad_words.shape[1:])
+        self.bias_ids.index_copy_(0, index, ints[:, :width])
+        self.bad_words.index_copy_(0, index, ints[:, width : width + slots * tokens].reshape(n, slots, tokens))
+        self.recent.index_copy_(0, index, ints[:, width + slots * tokens :])
+        self.bias_values.index_copy_(0, index, floats)
+
+    def apply_token_counts(self, index: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Zero rows `index` [n] of token_counts, then set entries flat [m] (row * V + token) to values [m] int16."""
+        self.token_counts.index_fill_(0, index, 0)
+        self.token_counts.view(-1).index_copy_(0, flat, values)
 
     def apply_block_tables(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         self.block_table.index_copy_(0, index, rows)

@@ -5,7 +5,8 @@ whole decode steps (forward, sample, done flags, advance_step), one memory pool
 shared by every graph, captured largest bucket first so smaller graphs reuse its
 blocks. On CPU (or with cuda_graphs=False) the same `decode_window` runs eagerly.
 
-A variant is a SamplerVariant (mode, logprobs on/off, stop-id masking for min_tokens).
+A variant is a SamplerVariant (mode, logprobs on/off, stop-id masking for min_tokens,
+the penalty path on/off).
 Plain GREEDY and SAMPLE graphs are captured up front; other variants the first time a
 window needs them, which
 can be while live rows sit in the decode state. Capture needs a warm-up run (it

@@ -3,8 +3,9 @@
 `decode_window` is the one function that both the CPU (eagerly) and the CUDA graph
 runner (captured once per bucket) execute. Per step: model forward on the bucket's
 rows, sample with per-row parameters, record the token (and logprobs) in the output
-column, update the device-side done flags, then advance_step prepares the next
-step's inputs and attention metadata in place.
+column, update the device-side done flags (and, in variants with penalties, the
+rows' token counts and recent tokens), then advance_step prepares the next step's
+inputs and attention metadata in place.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def sample_into(
     variant: SamplerVariant,
     done_before: torch.Tensor | None,  # [R] bool, or None when all rows are live
 ) -> torch.Tensor:
-    """Sample R rows, write output column `column` and the done flags; returns tokens [R]."""
-    params = state.sampling_rows(rows)
+    """Sample R rows, write output column `column` and the done flags; returns tokens [R].
+    With penalties, live rows' token counts and recent tokens take the sampled token."""
+    params = state.sampling_rows(rows, variant.penalties)
     tokens, logprobs = sampler(logits, params, next_pos, variant)
     if done_before is None:
         done_before = torch.zeros_like(tokens, dtype=torch.bool)
@@ -37,6 +39,8 @@ def sample_into(
     if logprobs is not None:
         state.record_logprobs(rows, column, logprobs)
     state.done[rows] = stop_check(tokens, params, next_pos, done_before)
+    if variant.penalties:
+        state.record_penalty_tokens(rows, tokens, ~done_before)
     return tokens
 
 

@@ -176,6 +176,41 @@ class InputProcessor:
             )
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"logprobs: {params.logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
+        if params.logit_bias:
+            if len(params.logit_bias) > cfg.max_logit_bias:
+                raise ValueError(
+                    f"logit_bias: {len(params.logit_bias)} entries exceed max_logit_bias ({cfg.max_logit_bias})"
+                )
+            bad = next((t for t in params.logit_bias if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.bad_words:
+            from dataclasses import replace
+
+            if self.tokenizer is None:
+                raise ValueError("bad_words: the model directory has no tokenizer to turn them into token ids")
+            if len(params.bad_words) > cfg.max_bad_words:
+                raise ValueError(f"bad_words: {len(params.bad_words)} words exceed max_bad_words ({cfg.max_bad_words})")
+            sequences = []
+            for word in params.bad_words:  # vLLM's rule: the word, and with a leading space if that is a new token
+                plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                variants = [plain]
+                if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                    variants.append(spaced)
+                for ids in variants:
+                    if not ids or len(ids) > cfg.max_bad_word_tokens:
+                        raise ValueError(
+                            f"bad_words: {word!r} is {len(ids)} tokens; a bad word must be 1 to "
+                            f"max_bad_word_tokens ({cfg.max_bad_word_tokens}) tokens"
+                        )
+                    bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                    if bad is not None:
+                        raise ValueError(
+                            f"bad_words: {word!r} gives token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+                        )
+                    sequences.append(tuple(ids))
+            params = replace(params, _bad_words_token_ids=tuple(sequences))  # a copy: the caller's stays as it is
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
         max_len = cfg.max_model_len

@@ -30,6 +30,10 @@ class RowStart:
     stop_ids: tuple[int, ...]
     max_len: int  # total tokens at which it is done
     min_len: int  # stop ids are masked while fewer tokens are held
+    # for params with penalties only (else empty): the tokens so far, prompt first, from which the
+    # runner stages the row's token counts and recent output tokens (after a preemption too)
+    token_ids: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,8 @@ class ModelRunner:
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
             config.num_decode_steps, config.max_logprobs, self.device,
+            vocab_size=cfg.vocab_size, max_logit_bias=config.max_logit_bias,
+            bad_word_slots=2 * config.max_bad_words, max_bad_word_tokens=config.max_bad_word_tokens,
         )
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
@@ -105,6 +107,7 @@ class ModelRunner:
             self.staging.set_row(
                 start.row, position=start.position, max_len=start.max_len, min_len=start.min_len,
                 stop_ids=start.stop_ids, params=start.params, seed=start.seed, pages=start.pages,
+                token_ids=start.token_ids, num_prompt_tokens=start.num_prompt_tokens,
             )
             self.row_counts.add(start.params)
             self._row_params[start.row] = start.params

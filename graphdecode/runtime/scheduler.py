@@ -243,6 +243,8 @@ class Scheduler:
             stop_ids=seq.stop_ids,
             max_len=seq.max_len,
             min_len=seq.num_prompt_tokens + params.min_tokens,
+            token_ids=tuple(seq.token_ids) if params.needs_penalties else (),
+            num_prompt_tokens=seq.num_prompt_tokens,
         ))
         plan.readout.append(Readout(row, seq, seq.epoch, 0))
         return row
