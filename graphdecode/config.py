@@ -82,6 +82,7 @@ class EngineConfig:
     max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
     max_bad_word_tokens: int = 8  # tokens per bad word
+    tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
 
     # resolved in __post_init__
     model_config: ModelConfig = field(init=False, repr=False)
@@ -117,6 +118,7 @@ class EngineConfig:
         _pos_int("max_logit_bias", self.max_logit_bias)
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
+        _pos_int("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -128,6 +130,7 @@ class EngineConfig:
         cfg = load_model_config(str(self.model))
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
+        self._check_tensor_parallel(cfg, device)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
@@ -197,13 +200,32 @@ class EngineConfig:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
 
 
+    def _check_tensor_parallel(self, cfg: ModelConfig, device: torch.device) -> None:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        if cfg.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({cfg.num_heads})")
+        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) and num_key_value_heads ({cfg.num_kv_heads}) must divide one another"
+            )
+        if cfg.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide intermediate_size ({cfg.intermediate_size})")
+        if device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} visible GPUs")
+        if device.type == "cuda" and device.index not in (None, 0):
+            raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
+
     def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int) -> int:
-        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        tp = self.tensor_parallel_size
+        kv_heads = max(1, cfg.num_kv_heads // tp)  # one rank's share (replicated when fewer heads than ranks)
+        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, dtype)
         wanted = max_batch_size * max_pages + 1
         if device.type == "cpu":
             return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1)
         free, total = torch.cuda.mem_get_info(device)
-        weights = _weight_bytes(cfg, dtype)
+        weights = _weight_bytes(cfg, dtype) // tp
         budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
         return max(min(wanted, budget // per_page), max_pages + 1)
 

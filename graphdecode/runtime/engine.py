@@ -2,6 +2,7 @@
 
     plan    = scheduler.schedule()        rows in/out, lookahead pages, prefill chunks, the window's bucket
     pending = runner.execute(plan)        stage rows, prefill, launch the window, copy out
+                                          (with tensor parallelism the plan goes to every rank first)
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
 
 Postprocessing lags one window behind the launch, so the device always has the next
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.parallel import TPGroup
 from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
@@ -75,7 +77,18 @@ class Engine:
     def __init__(self, config):
         self.config = config
         self.tokenizer = load_tokenizer(str(config.model))
-        self.runner = ModelRunner(config)
+        self.executor = None  # the tensor-parallel workers, when there are some
+        tp = TPGroup()
+        if config.tensor_parallel_size > 1:
+            from ..distributed.executor import TPExecutor
+
+            self.executor = TPExecutor(config)
+            tp = self.executor.tp
+        try:
+            self.runner = ModelRunner(config, tp)
+        except BaseException:
+            self.close()
+            raise
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
@@ -130,7 +143,7 @@ class Engine:
                 plan = self.scheduler.schedule()
             t1 = time.perf_counter()
             with annotate("graphdecode.launch"):
-                pending = self.runner.execute(plan)
+                pending = self._launch(plan)
             t2 = time.perf_counter()
             changed: list[Sequence] = []
             if self._inflight is not None:
@@ -143,6 +156,24 @@ class Engine:
             changed = self._aborted + changed
             self._aborted = []
         return changed
+
+    def _launch(self, plan: StepPlan) -> PendingCopy | None:
+        if self.executor is None:
+            return self.runner.execute(plan)
+        try:
+            self.executor.broadcast_plan(plan)
+            return self.runner.execute(plan)
+        except Exception as exc:
+            dead = self.executor.collective_failed(exc)
+            if dead is None:
+                raise
+            self.close()
+            raise dead from exc
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank); the engine cannot step after it."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _postprocess(self, plan: StepPlan, pending: PendingCopy) -> list[Sequence]:
         result = self.runner.pythonizer.wait(pending)

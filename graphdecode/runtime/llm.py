@@ -165,6 +165,16 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also at exit and on `with`."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def _add(self, prompts, sampling_params) -> list[Request]:
         """Validate every prompt first; only then add them all (a bad one adds nothing).
 

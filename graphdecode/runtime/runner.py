@@ -25,34 +25,42 @@ from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from ..models.loader import load_model
+from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
 from .plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
 
 
-def make_backend(name: str, kv_caches, cfg, device):
+def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device):
     if name == "flashinfer":
         from ..attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device=device)
-    return TorchAttentionBackend(kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device)
+    return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim)
 
 
 class ModelRunner:
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup = TPGroup()):
+        """tp: this rank of a tensor-parallel group (its shard of the weights and KV heads);
+        every rank's runner applies the same plans and holds the same decode state."""
         cfg = config.model_config
         self.config = config
+        self.tp = tp
         self.device = config.torch_device
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)  # rank r runs on cuda:r
         self.page_size = config.page_size
         if self.device.type == "cuda":
             cuda_kernels.register()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
-        self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len)
+        self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len, tp)
+        num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
-            cfg.num_layers, config.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
             config.torch_dtype, self.device,
         )
-        self.backend = make_backend(config.attention_backend, self.kv_caches, cfg, self.device)
+        self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
+                                    self.device)
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
             config.num_decode_steps, config.max_logprobs, self.device,
@@ -93,6 +101,13 @@ class ModelRunner:
             with annotate("graphdecode.window"):
                 self.windows.run(window.bucket, variant, self._kv_width())
         return self.pythonizer.enqueue(window.bucket, with_logprobs=variant.num_logprobs > 0)
+
+    def memory_sizes(self) -> dict:
+        """Bytes this rank holds: its weights and its KV cache."""
+        return {
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches),
+        }
 
     # ------------------------------------------------------------ device rows
     def _apply_rows(self, plan: StepPlan) -> None:

@@ -85,6 +85,8 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict, threads: i
         return  # the parent went away
     except Exception:  # noqa: BLE001 - the parent must learn why its engine died
         outputs.send(("failed", traceback.format_exc()))
+    finally:
+        engine.close()  # tensor-parallel workers stop with the core
 
 
 def main(argv=None) -> None:

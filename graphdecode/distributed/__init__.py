@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: the driver's executor and the worker ranks."""

@@ -1,0 +1,164 @@
+"""Tensor-parallel ranks: rank 0 (the driver, in the engine's process) and its workers.
+
+`TPExecutor` starts ranks 1..N-1 as worker processes (torch.multiprocessing, spawn),
+sets up torch.distributed (NCCL on GPUs, gloo on CPUs; a gloo group for plans), and
+then, once per engine step, broadcasts the step's plan (the runner's part of it: rows,
+chunks, window, never the host's sequences) to every worker, whose runner applies it
+exactly as the driver's does. Every rank samples from the same gathered logits with
+the same position-keyed noise, so all hold the same tokens without a broadcast.
+
+Lifecycle: workers start with the engine and stop with it (`shutdown`, the LLM's
+`close()` / context manager, and at interpreter exit). A worker watches a pipe from
+the driver and exits when the driver is gone, so none is orphaned. A worker that
+dies is noticed before each step (its exit code) and when a collective fails (gloo
+reports the closed connection at once): the driver raises TPWorkerError naming it,
+it never waits forever.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import socket
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..models.parallel import TPGroup
+from .worker import run_worker
+
+INIT_TIMEOUT_S = 600  # model load on every rank
+OP_TIMEOUT_S = 300  # one collective (gloo raises on a closed peer long before)
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker died; the engine cannot go on."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_rank(rank: int, world_size: int, port: int, device: torch.device):
+    """torch.distributed for one rank: (TPGroup for the model's collectives, gloo group for plans)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(rank_device(device, rank))
+    dist.init_process_group(
+        backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
+    )
+    plans = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
+    return TPGroup(rank, world_size, dist.group.WORLD), plans
+
+
+class TPExecutor:
+    def __init__(self, config):
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process")
+        self.world_size = config.tensor_parallel_size
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self._workers = []
+        self._lifelines = []  # the driver's ends of one pipe per worker: EOF there tells it the driver is gone
+        threads = torch.get_num_threads()
+        for rank in range(1, self.world_size):
+            watched, kept = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_worker, args=(rank, self.world_size, port, config, watched, threads),
+                               name=f"graphdecode-tp{rank}", daemon=True)
+            proc.start()
+            watched.close()
+            self._workers.append(proc)
+            self._lifelines.append(kept)
+        self.closed = False
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        try:
+            self.tp, self._plans = init_rank(0, self.world_size, port, config.torch_device)
+        except Exception:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ steps
+    def broadcast_plan(self, plan) -> None:
+        """Send the step's plan to the workers (its readout stays here: workers only launch)."""
+        self.check_workers()
+        self._broadcast(dataclasses.replace(plan, readout=[]))
+
+    def check_workers(self) -> None:
+        for rank, proc in enumerate(self._workers, start=1):
+            if proc.exitcode is not None:
+                raise TPWorkerError(
+                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                )
+
+    def collective_failed(self, exc: BaseException) -> TPWorkerError | None:
+        """If a collective failed because a worker died, the error to raise instead."""
+        for _ in range(20):  # the dead process may take a moment to be reaped
+            try:
+                self.check_workers()
+            except TPWorkerError as dead:
+                return dead
+            if not isinstance(exc, (RuntimeError, OSError)):
+                return None
+            time.sleep(0.05)
+        return None
+
+    def gather_from_workers(self, request: str) -> list:
+        """Ask every rank something (e.g. "sizes"); rank order, the driver answers for itself as None."""
+        self.check_workers()
+        self._broadcast(request)
+        answers = [None] * self.world_size
+        dist.gather_object(None, answers, dst=0, group=self._plans)
+        return answers
+
+    def _broadcast(self, message) -> None:
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self._plans)
+
+    # --------------------------------------------------------------- lifecycle
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if dist.is_initialized():
+            try:
+                if all(p.exitcode is None for p in self._workers):
+                    self._broadcast(None)  # workers leave their loop
+            except Exception:  # noqa: BLE001 - best effort: dead workers are killed below
+                pass
+        for proc in self._workers:
+            proc.join(timeout)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        for end in self._lifelines:
+            end.close()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group with a dead peer may fail to tear down cleanly
+                pass
+
+
+def _shutdown_at_exit(ref) -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown(timeout=5.0)
+
