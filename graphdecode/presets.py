@@ -11,6 +11,9 @@ Presets:
   built-in byte-level BPE tokenizer; engine overhead dominates its run time.
 * `llama-3.2-1b`: Llama-3.2-1B's exact shapes (16 layers, hidden 2048, GQA 32:8,
   head_dim 64, vocab 128256, llama3 rope, tied embeddings, bf16), no tokenizer.
+* `tp-2048x8`: a Llama big enough for matmuls to dominate a CPU step (hidden 2048,
+  8 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 8192, vocab 32000, fp32,
+  0.63B parameters): the tensor-parallel benchmark's model.
 * `default`: the built-in default model (graphdecode.default_model).
 
 Directories live in the cache root (`$GRAPHDECODE_CACHE`, else ~/.cache/graphdecode)
@@ -30,7 +33,7 @@ from .default_model import default_model_dir
 
 PRESET_VERSION = "v1"
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_configs")
-PRESETS = ("micro", "llama-3.2-1b", "default")
+PRESETS = ("micro", "llama-3.2-1b", "tp-2048x8", "default")
 _WITH_TOKENIZER = {"micro"}
 _SEED = 20261129
 _MARKER = "graphdecode_preset.json"
@@ -38,7 +41,7 @@ _MARKER = "graphdecode_preset.json"
 
 def preset_config(name: str) -> dict:
     if name not in PRESETS or name == "default":
-        raise ValueError(f"preset: {name!r} has no config (presets with configs: micro, llama-3.2-1b)")
+        raise ValueError(f"preset: {name!r} has no config (presets with configs: micro, llama-3.2-1b, tp-2048x8)")
     with open(os.path.join(CONFIG_DIR, f"{name}.json")) as f:
         return json.load(f)
 

@@ -156,3 +156,14 @@ def test_stall_bench_smoke(micro_dir, tmp_path):
     assert (chunked["budget"], whole["budget"]) == (16, 512)
     assert chunked["steps_until_first_token"] == 7 + 1 and whole["steps_until_first_token"] == 1 + 1  # + the lag
     assert all(p["longest_gap_s"] > 0 and p["window_step_s"] > 0 for p in result["points"])
+
+
+def test_tensor_parallel_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "tp"
+    result = _script("bench_tp").main(["--model", micro_dir, "--batches", "2", "--gen-len", "4", "-k", "2",
+                                       "--out", str(out)])
+    assert [(p["tp"], p["batch"]) for p in _load(out)["points"]] == [(1, 2), (2, 2)]
+    assert result["same_tokens"] and result["points"][1]["collective_s"] > 0
+    from graphdecode.models.parallel import TPGroup
+
+    assert TPGroup.all_reduce.__name__ == "all_reduce"  # the timing wrappers are gone again
