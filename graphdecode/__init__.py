@@ -1,8 +1,9 @@
 """graphdecode: a CUDA-graph-centric LLM decode engine (the GPU never waits for Python)."""
 
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .runtime.llm import LLM
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+           "RequestOutputKind"]
 __version__ = "0.1.0"

@@ -28,9 +28,27 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to a request (time.time() seconds), as vLLM reports them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # admitted: its prefill began
+    first_token_time: float | None = None  # its first output token reached the host
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0  # times its sequences were preempted (and recomputed)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
+    metrics: RequestMetrics | None = None

@@ -16,12 +16,30 @@ order of vLLM and transformers):
 * then min_tokens' stop masking, temperature and the filters.
 Logprobs stay raw (the model's log_softmax, before all of this), which is vLLM's
 default (`logprobs_mode="raw_logprobs"`).
+
+Outputs: `prompt_logprobs` (N: each prompt token's logprob given the ones before it,
+plus the top N; None for the first token; computed in prefill, so such a request
+does not read the prefix cache), `detokenize=False` (no text, token ids only; stop
+strings need text), `output_kind` for LLM.stream: "delta" (each output carries what is
+new, the default), "cumulative" (everything so far) or "final_only" (one output at the
+end). `seed`: any Python int; the whole integer is hashed, so two different seeds never
+share a stream by truncation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What LLM.stream yields for a request (vLLM's names)."""
+
+    DELTA = "delta"
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 def _is_int(value) -> bool:
@@ -53,6 +71,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind | str = RequestOutputKind.DELTA
     # internal: bad_words as token id sequences, filled by the engine's InputProcessor (a copy of
     # the params per request), like vLLM's `_bad_words_token_ids`
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
@@ -86,7 +107,14 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
+        try:
+            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}") from None
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         rep = self.repetition_penalty
@@ -108,6 +136,18 @@ class SamplingParams:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+
+        if not self.detokenize and stops:
+            raise ValueError("stop: stop strings need text; they cannot be used with detokenize=False")
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (vLLM's SamplingParams.clone)."""
+        return dataclasses.replace(
+            self, stop=list(self.stop) if isinstance(self.stop, list) else self.stop,
+            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids is not None else None,
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words is not None else None,
+        )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -177,7 +177,9 @@ class Engine:
 
     def _postprocess(self, plan: StepPlan, pending: PendingCopy) -> list[Sequence]:
         result = self.runner.pythonizer.wait(pending)
-        last_column = self.config.num_decode_steps if plan.window.decode else 0
+        if pending.extras:
+            self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
+        last_column = self.config.num_decode_steps if plan.window is not None and plan.window.decode else 0
         changed = self.outputs.process(plan.readout, last_column, result, self._stats)
         self.scheduler.cache_decoded(changed)
         return changed
@@ -191,6 +193,8 @@ class Engine:
         if request.finished:
             self.requests.pop(request.request_id, None)
             self._stats.requests_finished += 1
+            if request.metrics is not None:
+                request.metrics.finished_time = time.time()
 
     def _account(self, plan: StepPlan, schedule_s: float, launch_s: float, pythonize_s: float) -> None:
         s = self._stats

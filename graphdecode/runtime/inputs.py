@@ -9,12 +9,29 @@ a bad request never disturbs the others.
 from __future__ import annotations
 
 import numbers
+import time
 
+from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
 from .sequence import Request, Sequence
 
 _M64 = (1 << 64) - 1
+
+
+def seed_key(seed: int) -> int:
+    """A request seed as the 64-bit value the streams are keyed by.
+
+    Seeds in [-2**63, 2**64) are used as they are (their streams never changed);
+    larger ones are hashed whole, limb by limb, so 2**70 and 2**70 + 2**64 differ.
+    """
+    if -(1 << 63) <= seed < 1 << 64:
+        return seed
+    magnitude, limbs = abs(seed), []
+    while magnitude:
+        limbs.append(magnitude & _M64)
+        magnitude >>= 64
+    return mix64(0x5EED5EED, int(seed < 0), len(limbs), *limbs)
 
 
 def mix64(*values: int) -> int:
@@ -176,6 +193,8 @@ class InputProcessor:
             )
         if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
             raise ValueError(f"logprobs: {params.logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
+            raise ValueError(f"prompt_logprobs: {params.prompt_logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
         if params.logit_bias:
             if len(params.logit_bias) > cfg.max_logit_bias:
                 raise ValueError(
@@ -219,8 +238,11 @@ class InputProcessor:
         if self.group_pages(len(prompt_ids), params.n, max_len) > cfg.num_pages - 1:
             raise ValueError(f"n: {params.n} sequences of this prompt do not fit in the KV cache ({cfg.num_pages} pages)")
 
-        request = Request(request_id, prompt_text, list(prompt_ids), params, arrival)
-        base_seed = params.seed if params.seed is not None else mix64(cfg.seed, arrival)
+        request = Request(request_id, prompt_text, list(prompt_ids), params, arrival,
+                          metrics=RequestMetrics(arrival_time=time.time()))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has none
+        base_seed = seed_key(params.seed) if params.seed is not None else mix64(cfg.seed, arrival)
         for index in range(params.n):
             request.seqs.append(
                 Sequence(
@@ -240,7 +262,7 @@ class InputProcessor:
         return request
 
     def _detokenizer(self, prompt_ids, params) -> Detokenizer | None:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return None
         return Detokenizer(
             self.tokenizer.backend_tokenizer, prompt_ids, params.skip_special_tokens,

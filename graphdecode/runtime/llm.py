@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import Engine
 from .output_builder import DeltaQueue, final_output
 from .sequence import Request
@@ -129,9 +129,14 @@ class LLM:
         `index`); concatenated they give generate()'s output; the request's last delta has
         finished=True, exactly once. Other streams and generate calls may run meanwhile,
         in any interleaving. Closing the iterator early aborts the requests it started.
+
+        A request's `output_kind` (SamplingParams) chooses what it yields: "delta" (the
+        default, as above), "cumulative" (everything so far, each time it changes) or
+        "final_only" (one output, when it finishes).
         """
         requests = self._add(prompts, sampling_params)
         queue = DeltaQueue()
+        by_id = {r.request_id: r for r in requests}
         for r in requests:
             self._queues[r.request_id] = queue
         unfinished = len(requests)  # requests whose finished output has not been yielded yet
@@ -142,7 +147,12 @@ class LLM:
                     continue
                 for out in queue.take():
                     unfinished -= out.finished
-                    yield out
+                    request = by_id[out.request_id]
+                    kind = request.params.output_kind
+                    if kind is RequestOutputKind.DELTA:
+                        yield out
+                    elif kind is RequestOutputKind.CUMULATIVE or out.finished:
+                        yield final_output(request)
         finally:
             for r in requests:
                 self._queues.pop(r.request_id, None)

@@ -35,6 +35,8 @@ def final_output(request: Request) -> RequestOutput:
             for seq in request.seqs
         ],
         finished=request.finished,
+        prompt_logprobs=request.prompt_logprobs,
+        metrics=request.metrics,
     )
 
 
@@ -77,8 +79,12 @@ def delta_outputs(changed: list[Sequence]) -> list[RequestOutput]:
         request = seq.request
         out = by_request.get(id(request))
         if out is None:
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_streamed:
+                prompt_logprobs, request.prompt_logprobs_streamed = request.prompt_logprobs, True  # with the first delta
             out = by_request[id(request)] = RequestOutput(
-                request.request_id, request.prompt, request.prompt_token_ids, [], False
+                request.request_id, request.prompt, request.prompt_token_ids, [], False,
+                prompt_logprobs=prompt_logprobs, metrics=request.metrics,
             )
         out.outputs.append(delta)
         out.finished = request.finished

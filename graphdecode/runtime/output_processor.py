@@ -9,6 +9,8 @@ the rows in the window and the tokens they produced.
 
 from __future__ import annotations
 
+import time
+
 from ..outputs import Logprob
 from .pythonizer import WindowResult
 from .sequence import Sequence
@@ -23,11 +25,17 @@ class OutputProcessor:
         """readout: the step's Readout records; columns up to last_column (k, or 0 without a
         decode window) were produced. Returns the sequences that changed."""
         changed = []
+        now = time.time()
         for r in readout:
             seq = r.seq
             if seq.is_finished or seq.epoch != r.epoch:
                 continue  # finished, aborted or preempted since launch: its tokens are void
             tokens = result.tokens[r.row, r.first_column : last_column + 1].tolist()
+            metrics = seq.request.metrics
+            if metrics is not None and tokens:
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
             accepted = self._accept(seq, tokens)
             if result.lp_sampled is not None and seq.logprobs is not None:
                 self._logprobs(seq, result, r.row, r.first_column, accepted)
@@ -77,17 +85,40 @@ class OutputProcessor:
 
     def _logprobs(self, seq: Sequence, result: WindowResult, row: int, first: int, count: int) -> None:
         wanted = seq.request.params.logprobs
+        piece = self._piece if seq.request.params.detokenize else _no_text
         tokens = seq.token_ids[seq.num_tokens - count :]
         for i, tok in enumerate(tokens):
             col = first + i
             lp = float(result.lp_sampled[row, col])
-            entry = {tok: Logprob(lp, int(result.lp_rank[row, col]), self._piece(tok))}
+            entry = {tok: Logprob(lp, int(result.lp_rank[row, col]), piece(tok))}
             for rank, (tid, tlp) in enumerate(zip(result.lp_top_ids[row, col, :wanted], result.lp_top[row, col, :wanted])):
                 tid = int(tid)
                 if tid not in entry:
-                    entry[tid] = Logprob(float(tlp), rank + 1, self._piece(tid))
+                    entry[tid] = Logprob(float(tlp), rank + 1, piece(tid))
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lp
 
+    def prompt_logprobs(self, readout, results) -> None:
+        """Prompt logprobs computed by this step's prefill chunks, onto their requests (in order)."""
+        for r, host in zip(readout, results):
+            request = r.request
+            if request.prompt_logprobs is None:
+                continue
+            chosen, rank = host[0].tolist(), host[1].tolist()
+            top_lp, top_ids = (host[2].tolist(), host[3].tolist()) if len(host) > 2 else ([], [])
+            decode = request.params.detokenize
+            del request.prompt_logprobs[r.start + 1 :]  # a recomputed prefix replaces what it covers
+            targets = request.prompt_token_ids[r.start + 1 : r.start + 1 + r.count]
+            for i, token in enumerate(targets):
+                entry = {token: Logprob(chosen[i], rank[i], self._piece(token) if decode else None)}
+                for place, (tid, lp) in enumerate(zip(top_ids[i] if top_ids else (), top_lp[i] if top_lp else ())):
+                    if tid not in entry:
+                        entry[tid] = Logprob(lp, place + 1, self._piece(tid) if decode else None)
+                request.prompt_logprobs.append(entry)
+
     def _piece(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+
+def _no_text(token_id: int) -> None:
+    return None

@@ -59,6 +59,8 @@ class PrefillChunk:
     pages: tuple[int, ...]  # the block table covering start + len(token_ids) tokens
     sample_rows: tuple[int, ...] = ()
     page_copies: tuple[tuple[int, int], ...] = ()  # (source page, destination page)
+    prompt_logprobs: int | None = None  # top-N of prompt logprobs to compute (None: none)
+    targets: tuple[int, ...] = ()  # the prompt tokens its first len(targets) positions predict
 
     @property
     def end(self) -> int:
@@ -84,6 +86,15 @@ class Readout:
     first_column: int
 
 
+@dataclass(frozen=True, slots=True)
+class PromptReadout:
+    """A chunk's prompt logprobs belong to `request`'s prompt tokens start + 1 .. start + count."""
+
+    request: object  # runtime.sequence.Request
+    start: int
+    count: int
+
+
 @dataclass(slots=True)
 class StepPlan:
     cleared_rows: list[int] = field(default_factory=list)
@@ -92,6 +103,7 @@ class StepPlan:
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     window: WindowSpec | None = None
     readout: list[Readout] = field(default_factory=list)
+    prompt_readout: list[PromptReadout] = field(default_factory=list)  # chunks with prompt logprobs, in order
 
     @property
     def launches(self) -> bool:

@@ -45,6 +45,7 @@ class PendingCopy:
     bucket: int
     with_logprobs: bool
     event: object  # torch.cuda.Event, or None on CPU (copies are synchronous there)
+    extras: list | None = None  # host copies of other results (prompt logprobs), valid after wait()
 
 
 class Pythonizer:
@@ -65,18 +66,29 @@ class Pythonizer:
         s = self.state
         return (s.out_tokens, s.out_lp_sampled, s.out_lp_rank, s.out_lp_top_ids, s.out_lp_top)
 
-    def enqueue(self, bucket: int, with_logprobs: bool) -> PendingCopy:
+    def enqueue(self, bucket: int, with_logprobs: bool, extras=None) -> PendingCopy:
+        """extras: a list of tuples of device tensors to bring to the host behind the same event."""
         slot_index = self._next
         self._next ^= 1
         slot = self._slots[slot_index]
         sources = self._sources() if with_logprobs else self._sources()[:1]
         for name, src in zip(self._FIELDS, sources):
             getattr(slot, name)[:bucket].copy_(src[:bucket], non_blocking=True)  # contiguous row prefix
+        host_extras = None
+        if extras:
+            host_extras = [tuple(self._to_host(t) for t in group) for group in extras]
         event = None
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return PendingCopy(slot_index, bucket, with_logprobs, event)
+        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     def wait(self, pending: PendingCopy) -> WindowResult:
         if pending.event is not None:

@@ -71,6 +71,7 @@ class ModelRunner:
         self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
         self._row_pages = np.zeros(config.max_batch_size, dtype=np.int64)  # block-table length per row
+        self._prompt_results: list = []  # this step's prompt logprobs (device tensors), copied out with it
         self.sampler = Sampler(cfg.vocab_size, self.device)
         logits_fn = self.model.decode_logits
         if config.compile:
@@ -93,14 +94,16 @@ class ModelRunner:
         if plan.prefill_chunks:
             with annotate("graphdecode.prefill"):
                 self.prefill(plan.prefill_chunks)
-        window = plan.window
-        if window is None:
+        window, prompt_results = plan.window, self._prompt_results
+        self._prompt_results = []
+        if window is None and not prompt_results:
             return None  # nothing sampled this step (prefill chunks that are not a sequence's last)
         variant = self.row_counts.variant()
-        if window.decode:
+        if window is not None and window.decode:
             with annotate("graphdecode.window"):
                 self.windows.run(window.bucket, variant, self._kv_width())
-        return self.pythonizer.enqueue(window.bucket, with_logprobs=variant.num_logprobs > 0)
+        bucket = window.bucket if window is not None else 0
+        return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results)
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""
@@ -168,6 +171,9 @@ class ModelRunner:
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         hidden = self.model(self._send(tokens), self._send(np.concatenate(positions)), ctx)
+        for i, c in enumerate(chunks):
+            if c.prompt_logprobs is not None:
+                self._prompt_results.append(self._prompt_logprobs(c, hidden, int(cu[i])))
         sampled = [i for i, c in enumerate(chunks) if c.sample_rows]
         if sampled:
             self._sample_first_tokens([chunks[i] for i in sampled], hidden, cu[1:][sampled] - 1)
@@ -175,6 +181,16 @@ class ModelRunner:
         if copies:
             src, dst = zip(*copies)
             copy_page(self.kv_caches, self._send(np.asarray(src)), self._send(np.asarray(dst)))
+
+    def _prompt_logprobs(self, chunk: PrefillChunk, hidden, offset: int):
+        """Raw logprobs of the prompt tokens the chunk's positions predict, their ranks and the top N."""
+        count = len(chunk.targets)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[offset : offset + count]), dim=-1)  # [c, V]
+        targets = self._send(np.asarray(chunk.targets, dtype=np.int64))
+        chosen = logprobs.gather(1, targets[:, None])[:, 0]
+        rank = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+        top, top_ids = logprobs.topk(chunk.prompt_logprobs, dim=-1) if chunk.prompt_logprobs else (None, None)
+        return (chosen, rank) + ((top, top_ids) if top is not None else ())
 
     def _sample_first_tokens(self, chunks: list[PrefillChunk], hidden, last_index: np.ndarray) -> None:
         """Each chunk's last position gives the first token of its sequences (n > 1: n rows)."""

@@ -44,11 +44,12 @@ and 200 requests arriving together with one long prefix compute it once.
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .page_pool import ROOT_KEY, PagePool, page_key
-from .plan import PrefillChunk, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
+from .plan import PrefillChunk, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .sequence import Sequence
 
 
@@ -61,6 +62,12 @@ def group_pages(num_tokens: int, n: int, max_len: int, page_size: int, num_decod
     total = pages_for(min(num_tokens + 1 + num_decode_steps, max_len), page_size)
     shared = num_tokens // page_size if n > 1 else 0
     return total + (n - 1) * (total - shared)
+
+
+def _count_preemption(seq: Sequence) -> None:
+    metrics = seq.request.metrics
+    if metrics is not None:
+        metrics.num_preemptions += 1
 
 
 @dataclass(eq=False, slots=True)
@@ -174,7 +181,9 @@ class Scheduler:
             return None
         leader = group[0]
         num_tokens = leader.num_tokens
-        hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
+        hits = []  # prompt logprobs come from prefill's logits: such a request computes its whole prompt
+        if not leader.request.needs_prompt_logprobs:
+            hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
         total = pages_for(min(num_tokens + 1 + self.num_decode_steps, leader.max_len), self.page_size)
         shared = num_tokens // self.page_size if len(group) > 1 else 0
         new = total - len(hits) + (len(group) - 1) * (total - shared)
@@ -194,6 +203,9 @@ class Scheduler:
                 placed.page_copies.append((leader.pages[shared], own[0]))
             child.pages = leader.pages[:shared] + own
         self._reserved_rows += len(group)
+        metrics = leader.request.metrics
+        if metrics is not None and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = time.time()
         self.prefilling[leader.seq_id] = placed
         for seq in group:
             self._group_of[seq.seq_id] = placed
@@ -214,12 +226,19 @@ class Scheduler:
             del self.prefilling[leader.seq_id]
             for seq in group.seqs:
                 del self._group_of[seq.seq_id]
+        request, top, targets = leader.request, None, ()
+        if request.needs_prompt_logprobs:  # position j predicts prompt token j + 1
+            top = request.params.prompt_logprobs
+            targets = tuple(request.prompt_token_ids[start + 1 : min(end, len(request.prompt_token_ids) - 1) + 1])
+            plan.prompt_readout.append(PromptReadout(request, start, len(targets)))
         plan.prefill_chunks.append(PrefillChunk(
             token_ids=tuple(leader.token_ids[start:end]),
             start=start,
             pages=tuple(leader.pages[: pages_for(end, self.page_size)]),
             sample_rows=rows,
             page_copies=tuple(group.page_copies) if rows else (),
+            prompt_logprobs=top,
+            targets=targets,
         ))
         return end - start
 
@@ -294,8 +313,10 @@ class Scheduler:
             for seq in group.seqs:
                 seq.num_computed_tokens = 0
             self.waiting.appendleft(group.seqs)
+            _count_preemption(group.seqs[0])
         else:
             seq = next(reversed(self.running.values()))
+            _count_preemption(seq)
             self._release(seq)
             seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
             seq.num_computed_tokens = 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
 
@@ -37,6 +38,14 @@ class Request:
     arrival: int
     seqs: list["Sequence"] = field(default_factory=list)
     num_finished: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list | None = None  # [None, {token: Logprob, ...}, ...] as prefill computes them
+    prompt_logprobs_streamed: bool = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that prefill has not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
