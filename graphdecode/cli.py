@@ -1,4 +1,4 @@
-"""Command line: `graphdecode generate ...` and `graphdecode bench ...`.
+"""Command line: `graphdecode generate ...`, `graphdecode serve ...` and `graphdecode bench ...`.
 
 Every argument is checked before a model is loaded: argparse checks the numbers,
 then the SamplingParams and the engine options are built (EngineConfig reads only
@@ -88,11 +88,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"],
                    help="(default: EngineConfig's: flashinfer on CUDA when it can run, else torch)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
+                   help=f"ranks the model is split over: cuda:0..N-1, or N CPU processes "
+                        f"({config('tensor_parallel_size')})")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="turn automatic prefix caching off (default: EngineConfig's: on)")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help=f"prefill tokens per engine step; longer prompts are chunked "
+                        f"({config('max_num_batched_tokens')})")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (small models: 1 is fastest)")
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
-                   "max_model_len", "attention_backend")
+                   "max_model_len", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
+                   "max_num_batched_tokens")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -229,6 +238,25 @@ def _finish_text(c, num_tokens: int, eos: set) -> str:
     return f"finished: {c.finish_reason}, {num_tokens} tokens"
 
 
+def cmd_serve(args) -> int:
+    """The OpenAI-compatible server (graphdecode/server/openai_api.py) until SIGTERM or Ctrl+C."""
+    try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        if not args.shutdown_timeout >= 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+        _engine_options(args)  # every engine option checked before the model loads
+        from .server.openai_api import serve
+    except (ValueError, TypeError) as e:
+        _fail(e)
+    except ImportError as e:
+        _fail(f"serve needs fastapi, uvicorn and prometheus_client ({e}); pip install -e .")
+    try:
+        return serve(args)
+    except ValueError as e:  # the engine could not be built (a broken model directory, ...)
+        _fail(e)
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bucket_sweep_cli
 
@@ -263,6 +291,26 @@ def main(argv=None) -> int:
     output.add_argument("--json", action="store_true", help="one JSON object per completion")
     gen.add_argument("--stats", action="store_true", help="print engine counters at the end")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+        formatter_class=_HelpFormatter,
+        description="Serve the model over HTTP with the OpenAI API: POST /v1/completions, /v1/chat/completions "
+                    "(streamed or not), GET /v1/models, /health, /metrics (Prometheus). SIGTERM drains: new "
+                    "requests get 503, running ones finish (at most --shutdown-timeout), then the server exits 0.",
+    )
+    _engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the model directory's name, or "
+                          "graphdecode-default for the built-in model)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds running requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level")
+    srv.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers",
                            formatter_class=_HelpFormatter)

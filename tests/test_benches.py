@@ -167,3 +167,17 @@ def test_tensor_parallel_bench_smoke(micro_dir, tmp_path):
     from graphdecode.models.parallel import TPGroup
 
     assert TPGroup.all_reduce.__name__ == "all_reduce"  # the timing wrappers are gone again
+
+
+def test_serve_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "serve"
+    result = _script("bench_serve").main(["--model", micro_dir, "--clients", "1,3", "--prompt-len", "4",
+                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--out", str(out)])
+    assert _load(out)["points"] == result["points"] and result["server_exit_status"] == 0
+    for point, n in zip(result["points"], (1, 3)):
+        served, in_process = point["served"], point["in_process"]
+        assert served["clients"] == in_process["clients"] == n
+        assert served["output_tokens"] == in_process["output_tokens"] == 4 * n
+        assert served["tokens_per_s"] > 0 and served["ttft_p50_s"] > 0 and served["itl_p99_s"] > 0
+        assert in_process["window_mean_s"] > 0 and point["served_over_in_process"] > 0
+    assert list(result["goals"]) == ["served / in-process tokens/s at 3 clients (>= 0.9)"]

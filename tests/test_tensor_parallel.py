@@ -140,3 +140,13 @@ def test_tp3_on_smollm2():
     want = outputs(LLM(path, **ENGINE), prompts, params)
     with LLM(path, tensor_parallel_size=3, **ENGINE) as tp3:
         assert outputs(tp3, prompts, params) == want
+
+
+def test_cli_tensor_parallel(text_model, capsys):
+    from graphdecode.cli import main
+
+    args = ["generate", "--model", text_model, "--max-tokens", "6", "--json", "Hello"]
+    assert main(args) == 0
+    single = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single

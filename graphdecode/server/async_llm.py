@@ -22,10 +22,12 @@ import dataclasses
 import difflib
 import functools
 import multiprocessing
+import queue
 import subprocess
 import sys
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 
 from ..config import EngineConfig
@@ -40,6 +42,24 @@ START_TIMEOUT_S = 600.0  # model load + graph capture on a cold machine
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served."""
+
+
+def _send_requests(outbox: queue.SimpleQueue, pipe, engine_ref) -> None:
+    """Sender thread: writes queued messages to the core's pipe, in order, until None (shutdown).
+
+    It holds the AsyncLLM only weakly, so dropping the engine still shuts the core down.
+    """
+    while True:
+        message = outbox.get()
+        if message is None:
+            return
+        try:
+            pipe.send(message)
+        except (OSError, ValueError) as exc:  # the core closed its end: it died (the reader reports it too)
+            engine = engine_ref()
+            if engine is not None and not engine._closed:
+                engine.dead = engine.dead or f"the engine core process exited ({exc})"
+            return
 
 
 class AsyncLLM:
@@ -80,12 +100,18 @@ class AsyncLLM:
         )
         self.load: dict = {}
         self.dead: str | None = None  # why the core died, once it has
-        self._send_lock = threading.Lock()
+        # Requests go down the pipe from a sender thread: a pipe write blocks once the pipe is
+        # full, and the core reads only between two steps, so a burst of requests written from
+        # the event loop would stall every stream for up to a window.
+        self._closed = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=_send_requests, args=(self._outbox, self._requests, weakref.ref(self)),
+                                        name="graphdecode-requests", daemon=True)
+        self._sender.start()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
         self._reader: threading.Thread | None = None
-        self._closed = False
 
     # ------------------------------------------------------------- requests
     def get_tokenizer(self):
@@ -146,14 +172,10 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- plumbing
     def _send(self, message) -> None:
+        """Queue a message for the core (never blocks the event loop); in order, by the sender thread."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        try:
-            with self._send_lock:
-                self._requests.send(message)
-        except OSError as exc:  # the core closed its end: it died
-            self.dead = self.dead or f"the engine core process exited ({exc})"
-            raise EngineDeadError(self.dead) from None
+        self._outbox.put(message)
 
     def _start_reader(self) -> None:
         """Bind to the running event loop (a new one once the previous one closed)."""
@@ -216,11 +238,9 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        try:
-            with self._send_lock:
-                self._requests.send(("shutdown",))
-        except (OSError, ValueError):
-            pass
+        self._outbox.put(("shutdown",))  # after whatever is still queued
+        self._outbox.put(None)
+        self._sender.join(timeout)
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:

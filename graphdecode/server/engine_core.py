@@ -18,6 +18,7 @@ A closed input pipe (the parent died) ends the loop too.
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -90,6 +91,11 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict, threads: i
 
 
 def main(argv=None) -> None:
+    # The parent owns this process's lifetime ("shutdown", or its end of the pipe closing):
+    # a Ctrl+C or SIGTERM sent to the whole process group must not end the core while
+    # the parent is still draining its requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     in_fd, out_fd = (int(x) for x in (argv or sys.argv[1:]))
     requests, outputs = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
     try:

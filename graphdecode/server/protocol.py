@@ -1,0 +1,287 @@
+"""The OpenAI wire format: request models, SamplingParams from them, error bodies.
+
+Requests are parsed and validated in one pass with pydantic (`model_validate_json`,
+strict types: a string where a number belongs is a 400, as at OpenAI), unknown fields
+are ignored like OpenAI and vLLM do, and every failure becomes an `APIError` carrying
+the OpenAI error body
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+whose `param` names the offending field in the request's own terms (`max_completion_tokens`
+or `top_logprobs` for chat, `max_tokens` or `logprobs` for completions). Values are checked
+by SamplingParams and by the engine's InputProcessor (the same checks LLM runs); their
+ValueErrors name the field first, which is mapped back here.
+
+Responses are NOT pydantic models: the server builds plain dicts and json.dumps them,
+since the per-chunk cost of model validation would sit on the streaming path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):  # noqa: A002 - OpenAI's name
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def model_not_found(name) -> APIError:
+    return APIError(f"The model `{name}` does not exist.", param="model", status=404, code="model_not_found")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, status=503, type="service_unavailable_error")
+
+
+# ------------------------------------------------------------------ requests
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Base):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # accepted, ignored (vLLM's extension)
+
+
+class _SamplingRequest(_Base):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    best_of: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _check_unsupported(self) -> None:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError("best_of is not supported (only best_of = n)", param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def _common_params(self) -> dict:
+        """SamplingParams keyword arguments for the fields given (None: SamplingParams' default)."""
+        given = {}
+        for name in ("n", "temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
+                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = value
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if stops:  # OpenAI accepts [] and "" as no stop
+                given["stop"] = [s for s in stops if s] or None
+        # penalties, bias and bad words: passed when this engine's SamplingParams has them
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name not in _SAMPLING_FIELDS:
+                if value != _NEUTRAL[name]:
+                    raise APIError(f"{name} is not supported by this engine", param=name)
+                continue
+            given[name] = value
+        if self.logit_bias:
+            if "logit_bias" not in _SAMPLING_FIELDS:
+                raise APIError("logit_bias is not supported by this engine", param="logit_bias")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise APIError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+            given["logit_bias"] = bias
+        return given
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "bad_words": []}
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions, and SamplingParams'
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def prompts(self) -> list:
+        """The prompts as the engine takes them: str or {"prompt_token_ids": [...]}."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError("prompt: the prompt is empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [{"prompt_token_ids": prompt}]
+        if isinstance(prompt[0], str):
+            return list(prompt)
+        for i, ids in enumerate(prompt):
+            if not ids:
+                raise APIError(f"prompt[{i}]: the prompt is empty (no tokens)", param="prompt")
+        return [{"prompt_token_ids": ids} for ids in prompt]
+
+    def sampling_params(self) -> SamplingParams:
+        self._check_unsupported()
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+        given = self._common_params()
+        given["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            given["logprobs"] = self.logprobs
+        return build_sampling_params(given, {"logprobs": "logprobs", "max_tokens": "max_tokens"})
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... reach the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        out = dict(self.__pydantic_extra__ or {})
+        out["role"] = "system" if self.role == "developer" else self.role  # templates know "system"
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out["content"] = content if content is not None else ""
+        return out
+
+
+class ResponseFormat(_Base):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI, still accepted
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extras
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        if self.tools or self.functions:
+            raise APIError("tools and function calling are not supported", param="tools" if self.tools else "functions")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(f"response_format {self.response_format.type!r} is not supported (only 'text')",
+                           param="response_format")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+        return [m.as_template_dict() for m in self.messages]
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """`max_tokens`: the resolved limit (None: up to max_model_len, vLLM's default for chat)."""
+        self._check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
+        given = self._common_params()
+        given["max_tokens"] = max_tokens
+        if self.logprobs:
+            given["logprobs"] = self.top_logprobs or 0
+        return build_sampling_params(given, {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
+
+
+# ------------------------------------------------------------------ errors
+_FIELD = re.compile(r"^([A-Za-z_]+)")
+
+
+def param_of(message: str, renames: dict[str, str] | None = None) -> str | None:
+    """The field a graphdecode ValueError names first (`top_p must be ...`, `prompts[0]: ...`)."""
+    match = _FIELD.match(message)
+    if match is None:
+        return None
+    name = match.group(1)
+    if name in ("prompts", "prompt_token_ids"):
+        name = "prompt"
+    return (renames or {}).get(name, name)
+
+
+def build_sampling_params(given: dict, renames: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(**given)
+    except (ValueError, TypeError) as exc:
+        raise APIError(str(exc), param=param_of(str(exc), renames)) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the first offending field."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return APIError(str(exc))
+    loc = errors[0]["loc"]
+    if not loc:  # the body itself: not JSON, or not an object
+        return APIError(f"the request body must be a JSON object: {errors[0]['msg']}")
+    param = loc[0] if isinstance(loc[0], str) else None
+    if loc[0] == "messages" and len(loc) > 1 and isinstance(loc[1], int):
+        param = f"messages[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 and isinstance(loc[2], str) else "")
+    messages = []
+    for error in errors:
+        if error["loc"][:1] != loc[:1]:
+            continue
+        text = error["msg"]
+        if error["type"] == "missing":
+            text = "this field is required"
+        if text not in messages:
+            messages.append(text)
+    return APIError(f"{param}: {' or '.join(messages)}", param=param)

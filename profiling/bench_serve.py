@@ -1,0 +1,404 @@
+"""Serving benchmark: N concurrent streaming clients against `graphdecode serve`, beside the engine in-process.
+
+For each N in --clients (default 1, 16, 64, 256), N clients each stream one completion
+(a --prompt-len-token prompt, --max-tokens tokens, greedy, ignore_eos) with the `openai`
+async client (one client object per simulated user, each with its own kept-alive
+connection) from this process, against a server this script starts as a subprocess
+(`python -m graphdecode.server.openai_api`, the micro preset unless --model). The same
+prompts also run in this process on an in-process engine with the same options. The
+two runs alternate (--repeats times each per N, the fastest kept), so a busy machine
+drifts both alike. vLLM's serving-benchmark metrics:
+
+* output tokens/s: completion tokens / (first request sent -> last stream ended);
+  in-process: the same tokens / (requests added -> last step);
+* TTFT: request sent -> first content chunk; ITL: gaps between successive content chunks
+  (a content chunk carries new tokens, up to k, or the finish; its text may be "" while
+  a partial UTF-8 sequence or a possible stop string is held back, as with vLLM), pooled
+  over all requests; p50 / p99; the server's own view (its /metrics histograms: outputs
+  arriving from the engine core, per request) beside them;
+* one window's time: the in-process engine's step durations in the same workload (a step
+  = one window of k decode steps, plus any prefill), mean / p50 / p99. Window times vary
+  within a run (on CPU they grow with the context), so p99 ITL is set against both the
+  mean and the p99 step;
+* CPU seconds of the three processes during the served run (server, engine core, client
+  = this process), to see who competes for the cores.
+
+Goals (reported, not asserted): served tokens/s >= 0.9 x in-process at the largest N,
+p99 ITL at 64 clients <= 1.5 x one window's time.
+
+    python profiling/bench_serve.py                                 # micro preset, CPU
+    python profiling/bench_serve.py --clients 1,16,64,256 --max-tokens 128 --out profiling/out/bench_serve
+    python profiling/bench_serve.py --client raw                    # httpx + json.loads, not the openai client
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torch  # noqa: E402
+
+from graphdecode import LLM, SamplingParams  # noqa: E402
+from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
+from graphdecode.models import load_model_config  # noqa: E402
+
+MODEL_NAME = "bench"
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ------------------------------------------------------------------ in-process
+def run_in_process(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The prompts added at once, the engine stepped to the end; every step timed."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = llm.stats()
+    start = time.perf_counter()
+    requests = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    steps = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    windows = llm.stats()["windows"] - before["windows"]
+    tokens = sum(r.seqs[0].num_output_tokens for r in requests)
+    for r in requests:
+        engine.requests.pop(r.request_id, None)
+    busy = [s for s in steps if s > 0]
+    return {"clients": len(prompts), "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "windows": windows, "window_mean_s": sum(busy) / max(windows, 1),
+            "window_p50_s": _percentile(busy, 0.5), "window_p99_s": _percentile(busy, 0.99)}
+
+
+# ------------------------------------------------------------------ served
+def start_server(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--model", model_dir, "--port", str(port),
+           "--served-model-name", MODEL_NAME, "--threads", str(args.threads), "--no-access-log",
+           "--log-level", "warning", "-k", str(engine_args["num_decode_steps"]),
+           "--max-batch-size", str(engine_args["max_batch_size"]),
+           "--max-model-len", str(engine_args["max_model_len"])]
+    if args.device:
+        cmd += ["--device", args.device]
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not come up in 600 s")
+
+
+async def _one_openai(client, prompt, max_tokens: int) -> dict:
+    start = time.perf_counter()
+    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    headers = time.perf_counter()
+    times, tokens = [], 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:  # a content chunk: new tokens (their text may be held back) or the finish
+            times.append(now)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"start": start, "headers": headers, "end": time.perf_counter(), "times": times, "tokens": tokens}
+
+
+async def _one_raw(client, prompt, max_tokens: int) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    times, tokens = [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        headers = time.perf_counter()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                times.append(now)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"start": start, "headers": headers, "end": time.perf_counter(), "times": times, "tokens": tokens}
+
+
+def _make_client(url: str, kind: str):
+    """One client per simulated user, as N separate users would be: each with its own connection,
+    opened by the warm-up and kept alive, so no level pays for client construction or TCP set-up.
+    (One client shared by all would measure httpcore's connection pool, whose every request scans
+    all pooled connections: quadratic in N.)"""
+    if kind == "raw":
+        import httpx
+
+        return httpx.AsyncClient(base_url=url, timeout=600)
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
+
+
+async def _clients(clients: list, prompts: list[list[int]], max_tokens: int, kind: str) -> list[dict]:
+    one = _one_raw if kind == "raw" else _one_openai
+    return await asyncio.gather(*[one(client, p, max_tokens) for client, p in zip(clients, prompts)])
+
+
+def _server_metrics(url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels:
+                out[sample.name] = sample.value
+            elif sample.name.endswith("_bucket"):
+                out[f"{sample.name}:{sample.labels['le']}"] = sample.value
+    return out
+
+
+def _quantile_bound(before: dict, after: dict, name: str, q: float) -> float | None:
+    """The upper bound of the histogram bucket holding the q-quantile of what was observed in between."""
+    prefix = f"graphdecode_{name}_seconds_bucket:"
+    buckets = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0)) for key in after
+                     if key.startswith(prefix))
+    total = buckets[-1][1] if buckets else 0
+    for bound, count in buckets:
+        if total and count >= q * total:
+            return bound
+    return None
+
+
+def _mean_delta(before: dict, after: dict, name: str) -> float | None:
+    key = f"graphdecode_{name}_seconds"
+    count = after.get(f"{key}_count", 0) - before.get(f"{key}_count", 0)
+    return (after.get(f"{key}_sum", 0) - before.get(f"{key}_sum", 0)) / count if count else None
+
+
+async def run_served(clients: list, url: str, proc: subprocess.Popen | None, args, prompts: list[list[int]]) -> dict:
+    pid = proc.pid if proc is not None else None
+    core = _children(pid) if pid is not None else []
+
+    def cpu():
+        return (_cpu_seconds(pid) if pid else 0.0, sum(map(_cpu_seconds, core)), _self_cpu())
+
+    cpu_before, metrics_before = cpu(), _server_metrics(url)
+    runs = await _clients(clients, prompts, args.max_tokens, args.client)
+    cpu_after, metrics_after = cpu(), _server_metrics(url)
+    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    ttft = [r["times"][0] - r["start"] for r in runs if r["times"]]
+    itl = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:])]
+    return {
+        "clients": len(prompts), "wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+        "itl_p50_s": _percentile(itl, 0.5), "itl_p99_s": _percentile(itl, 0.99),
+        "content_chunks": sum(len(r["times"]) for r in runs),
+        # where the time goes: the client issuing requests, the server answering them,
+        # and the server's own view of TTFT / ITL (outputs arriving from the core)
+        "requests_sent_over_s": max(r["start"] for r in runs) - min(r["start"] for r in runs),
+        "headers_p50_s": _percentile([r["headers"] - r["start"] for r in runs], 0.5),
+        "headers_p99_s": _percentile([r["headers"] - r["start"] for r in runs], 0.99),
+        "server_ttft_mean_s": _mean_delta(metrics_before, metrics_after, "time_to_first_token"),
+        "server_itl_mean_s": _mean_delta(metrics_before, metrics_after, "inter_token_latency"),
+        "server_itl_p99_at_most_s": _quantile_bound(metrics_before, metrics_after, "inter_token_latency", 0.99),
+        "engine_windows": (metrics_after.get("graphdecode_windows_total", 0)
+                           - metrics_before.get("graphdecode_windows_total", 0)),
+        "cpu_s": {"server": cpu_after[0] - cpu_before[0], "engine_core": cpu_after[1] - cpu_before[1],
+                  "client": cpu_after[2] - cpu_before[2]},
+    }
+
+
+async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args,
+                  prompts: list[list[int]]) -> list[dict]:
+    """Per N: in-process and served runs, alternating, the fastest of each kept."""
+    points = []
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(_make_client(url, args.client)) for _ in range(max(args.clients))]
+        await _clients(clients, prompts, 2 * args.k, args.client)  # warm-up: every client opens its connection
+        if llm is not None:
+            run_in_process(llm, prompts, 2 * args.k)  # warm-up: every bucket once
+        for n in args.clients:
+            served = in_process = None
+            for _ in range(args.repeats):
+                if llm is not None:
+                    run = run_in_process(llm, prompts[:n], args.max_tokens)
+                    if in_process is None or run["wall_s"] < in_process["wall_s"]:
+                        in_process = run
+                run = await run_served(clients[:n], url, proc, args, prompts[:n])
+                if served is None or run["wall_s"] < served["wall_s"]:
+                    served = run
+            point = {"clients": n, "served": served, "in_process": in_process}
+            if in_process is not None:
+                point["served_over_in_process"] = served["tokens_per_s"] / in_process["tokens_per_s"]
+                if served["itl_p99_s"] is not None:
+                    point["itl_p99_over_window_mean"] = served["itl_p99_s"] / in_process["window_mean_s"]
+                    point["itl_p99_over_window_p99"] = served["itl_p99_s"] / in_process["window_p99_s"]
+            points.append(point)
+            _print_point(point)
+    return points
+
+
+def _ms(value) -> str:
+    return f"{1e3 * value:.1f}" if value is not None else "-"
+
+
+def _print_header(args, model_name: str) -> None:
+    print(f"{model_name}, prompt {args.prompt_len} tokens, {args.max_tokens} out, k={args.k}, client={args.client}; "
+          f"times in ms")
+    print(f"{'clients':>7} {'served tok/s':>12} {'in-proc tok/s':>13} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'win mean':>8} {'win p99':>8} {'ITL99/win':>9}  "
+          f"cpu s (server/core/client)", flush=True)
+
+
+def _print_point(pt: dict) -> None:
+    s, ip = pt["served"], pt["in_process"] or {}
+    cpu = s["cpu_s"]
+    over = (f"{pt['itl_p99_over_window_mean']:.2f}/{pt['itl_p99_over_window_p99']:.2f}"
+            if "itl_p99_over_window_p99" in pt else "-")
+    print(f"{s['clients']:>7} {s['tokens_per_s']:>12.0f} {ip.get('tokens_per_s', 0):>13.0f} "
+          f"{pt.get('served_over_in_process', 0):>6.2f} {_ms(s['ttft_p50_s']):>9} {_ms(s['ttft_p99_s']):>9} "
+          f"{_ms(s['itl_p50_s']):>8} {_ms(s['itl_p99_s']):>8} {_ms(ip.get('window_mean_s')):>8} "
+          f"{_ms(ip.get('window_p99_s')):>8} {over:>9}  {cpu['server']:.2f}/{cpu['engine_core']:.2f}/{cpu['client']:.2f}",
+          flush=True)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HuggingFace model directory")
+    p.add_argument("--preset", default=None, help="model preset (default: micro when --model is absent)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--clients", default="1,16,64,256", help="comma-separated numbers of concurrent clients")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=8, help="decode steps per window")
+    p.add_argument("--repeats", type=int, default=2, help="runs per point and mode; the fastest is kept")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both modes)")
+    p.add_argument("--client", choices=["openai", "raw"], default="openai",
+                   help="openai: the openai async client; raw: httpx streaming + json.loads (less client CPU)")
+    p.add_argument("--skip-in-process", action="store_true", help="only the served runs")
+    p.add_argument("--url", default=None,
+                   help="benchmark a server already running there (started with the same engine options and "
+                        f"--served-model-name {MODEL_NAME}) instead of starting one")
+    p.add_argument("--out", default="profiling/out/bench_serve", help="output prefix (.json; .log: the server's)")
+    args = p.parse_args(argv)
+    args.clients = [int(x) for x in args.clients.split(",")]
+
+    torch.set_num_threads(args.threads)
+    preset = args.preset or (None if args.model else "micro")
+    model_dir, model_name = resolve_model(args.model, preset, args.device)
+    vocab = load_model_config(model_dir).vocab_size
+    prompts = random_prompt_ids(max(args.clients), args.prompt_len, vocab, seed=7)
+    engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
+                       max_model_len=args.prompt_len + args.max_tokens + 8)
+    if args.device:
+        engine_args["device"] = args.device
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    proc, url = (None, args.url) if args.url else start_server(model_dir, args, engine_args, f"{args.out}.log")
+    exit_status = None
+    try:
+        llm = None if args.skip_in_process else LLM(model_dir, **engine_args)
+        _print_header(args, model_name)
+        points = asyncio.run(run_all(url, proc, llm, args, prompts))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                exit_status = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                exit_status = proc.wait()
+
+    by_n = {pt["clients"]: pt for pt in points}
+    goals = {}
+    largest = max(args.clients)
+    if "served_over_in_process" in by_n[largest]:
+        goals[f"served / in-process tokens/s at {largest} clients (>= 0.9)"] = by_n[largest]["served_over_in_process"]
+    if 64 in by_n and "itl_p99_over_window_mean" in by_n[64]:
+        goals["p99 ITL / mean window at 64 clients (<= 1.5)"] = by_n[64]["itl_p99_over_window_mean"]
+        goals["p99 ITL / p99 window at 64 clients (<= 1.5)"] = by_n[64]["itl_p99_over_window_p99"]
+    result = {
+        "benchmark": "serve",
+        "model": model_name,
+        "client": args.client,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "repeats": args.repeats,
+        "engine_args": engine_args,
+        "server_exit_status": exit_status,
+        "points": points,
+        "goals": goals,
+        "machine": machine_info(torch.device(args.device or "cpu"), args.threads),
+    }
+    write_json(f"{args.out}.json", result)
+    for goal, value in goals.items():
+        print(f"goal: {goal}: {value:.2f}")
+    print(f"server exit status {exit_status}; wrote {args.out}.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
