@@ -83,12 +83,16 @@ class EngineConfig:
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
+    speculative_config: dict | None = None  # {"method": "ngram", "num_speculative_tokens": d, ...}; None: off
 
     # resolved in __post_init__
     model_config: ModelConfig = field(init=False, repr=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     max_pages_per_seq: int = field(init=False)
+    num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
+    prompt_lookup_max: int = field(init=False)
+    prompt_lookup_min: int = field(init=False)
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
@@ -119,6 +123,7 @@ class EngineConfig:
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
+        speculative = _check_speculative(self.speculative_config, self.page_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -169,6 +174,7 @@ class EngineConfig:
             "max_batch_size": max_batch_size,
             "buckets": buckets,
             "max_pages_per_seq": max_pages,
+            **speculative,
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
@@ -200,6 +206,11 @@ class EngineConfig:
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
 
 
+    @property
+    def window_tokens(self) -> int:
+        """Most tokens a row can gain in one window: k, or k (d + 1) when speculating."""
+        return self.num_decode_steps * (self.num_speculative_tokens + 1)
+
     def _check_tensor_parallel(self, cfg: ModelConfig, device: torch.device) -> None:
         tp = self.tensor_parallel_size
         if tp == 1:
@@ -228,6 +239,35 @@ class EngineConfig:
         weights = _weight_bytes(cfg, dtype) // tp
         budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
         return max(min(wanted, budget // per_page), max_pages + 1)
+
+
+SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _check_speculative(spec, page_size: int) -> dict:
+    """vLLM's n-gram speculative_config, validated by name -> the resolved fields."""
+    off = {"num_speculative_tokens": 0, "prompt_lookup_max": 0, "prompt_lookup_min": 0}
+    if spec is None:
+        return off
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict (or None), got {spec!r}")
+    known = {"method", *SPECULATIVE_DEFAULTS}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    if spec.get("method", "ngram") != "ngram":
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {spec.get('method')!r}")
+    resolved = {name: spec.get(name, default) for name, default in SPECULATIVE_DEFAULTS.items()}
+    for name, value in resolved.items():
+        _pos_int(f"speculative_config.{name}", value)
+    if resolved["num_speculative_tokens"] >= page_size:
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens ({resolved['num_speculative_tokens']}) must be below "
+            f"page_size ({page_size})"
+        )
+    if resolved["prompt_lookup_min"] > resolved["prompt_lookup_max"]:
+        raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
+    return resolved
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,

@@ -186,3 +186,45 @@ def test_window_graphs_plan_every_bucket_up_front(kernels):
         assert wrapper._paged_kv_indices_buf.numel() == bucket * state.max_pages
         assert wrapper._paged_kv_last_page_len_buf.numel() == bucket
     assert np.array_equal(kernels.plans[-1][4].numpy(), np.arange(9) * state.max_pages)
+
+
+def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
+    """Speculative decoding's verify: Q queries per row through BatchPrefill in CUDA-graph mode,
+    planned once; the KV CSR prepare_verify writes each round gives the torch verify's output."""
+    from graphdecode.attention import VerifyMetadata
+
+    fi_caches, ref_caches = _caches(3), _caches(3)
+    backend = FlashInferBackend(fi_caches, H, H_KV, D, device="cpu")
+    reference = TorchAttentionBackend(ref_caches, H, H_KV, D)
+    bucket, queries = 4, 3
+    state = _state({0: 2, 1: 5, 2: 13})  # row 3 is padding (done)
+    backend.plan_verify(bucket, queries, state.max_rows, state.max_pages)
+    backend.plan_verify(bucket, queries, state.max_rows, state.max_pages)  # idempotent
+    assert len(kernels.plans) == 1
+    args = kernels.plans[0]
+    assert args[3].tolist() == [0, 3, 6, 9, 12]  # qo_indptr: Q queries per row
+    assert args[11] is True and args[14] is True  # CUDA-graph plan, causal
+    assert args[17] is True  # split-KV disabled
+    for round_ in range(4):  # lengths grow past the plan's page boundaries
+        live = ~state.done[:bucket]
+        position = state.positions[:bucket]
+        query_pos = position[:, None] + torch.arange(queries)
+        page = state.block_table[:bucket].gather(1, (query_pos // P).clamp(max=state.max_pages - 1))
+        slots = torch.where(live[:, None], page.long() * P + query_pos % P, 0).reshape(-1)
+        meta = VerifyMetadata(block_table=state.block_table[:bucket], query_positions=query_pos,
+                              slot_mapping=slots, live=live)
+        backend.prepare_verify(bucket, meta, state, P)
+        q = torch.randn(bucket * queries, H, D).bfloat16()
+        k = torch.randn(bucket * queries, H_KV, D).bfloat16()
+        v = torch.randn(bucket * queries, H_KV, D).bfloat16()
+        got = backend.verify(0, q, k, v, meta).view(bucket, queries, H, D)
+        want = reference.verify(0, q, k, v, meta).view(bucket, queries, H, D)
+        run = kernels.runs[-1]
+        assert run["mask_mode"] == CAUSAL
+        assert run["kv_indptr"].data_ptr() == backend._verify_buffers["kv_indptr"].data_ptr()
+        torch.testing.assert_close(got[live].float(), want[live].float(), rtol=2e-2, atol=2e-2)
+        assert torch.isfinite(got.float()).all()  # inert rows see Q scratch tokens, never none
+        assert torch.equal(fi_caches[0][1:], ref_caches[0][1:])
+        state.positions[:3] += 2  # as if each live row accepted one draft
+        state.seq_lens[:3] += 2
+    assert len(kernels.plans) == 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metadata import DecodeMetadata, PrefillMetadata
+from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
 
 class AttentionBackend(ABC):
@@ -31,6 +31,16 @@ class AttentionBackend(ABC):
     def plan_decode(self, bucket: int, meta: DecodeMetadata) -> None:
         """Prepare decode for a bucket once (at graph capture); no-op by default."""
 
+    def plan_verify(self, bucket: int, queries: int, max_rows: int, max_pages: int) -> None:
+        """Prepare verify for a bucket once (speculative decoding); no-op by default."""
+
+    def prepare_verify(self, bucket: int, meta: VerifyMetadata, state, page_size: int) -> None:
+        """Before a verify forward (inside the window): any metadata the backend needs (no-op by default)."""
+
+    def verify(self, layer: int, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
+        """q [B * Q, H, D], k/v [B * Q, H_kv, D] -> [B * Q, H, D], causal per row; writes k/v first."""
+        raise NotImplementedError(f"{type(self).__name__} has no verify attention (speculative decoding)")
+
     @abstractmethod
     def prefill(self, layer: int, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, H_kv, D] -> [T, H, D]; writes k/v into the cache."""
@@ -47,8 +57,11 @@ class ForwardContext:
     backend: AttentionBackend
     prefill: PrefillMetadata | None = None
     decode: DecodeMetadata | None = None
+    verify: VerifyMetadata | None = None
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         if self.decode is not None:
             return self.backend.decode(layer, q, k, v, self.decode)
+        if self.verify is not None:
+            return self.backend.verify(layer, q, k, v, self.verify)
         return self.backend.prefill(layer, q, k, v, self.prefill)

@@ -26,6 +26,14 @@ wrapper allocates its own, so a bucket's captured graph always reads its own pla
 
 K/V are written into the cache by slot (kv_cache.write_kv) inside the attention
 ops (flashinfer_ops.py), before attending. KV layout NHD: [pages, 2, P, H_kv, D].
+
+Verify (speculative decoding: Q = d + 1 queries per row, causal): one
+BatchPrefillWithPagedKVCacheWrapper per bucket in CUDA-graph mode, planned once with
+split-KV off over fixed buffers (qo_indptr = 0, Q, 2Q, ...; the KV CSR in buffers of
+its own, which `prepare_verify` rewrites inside the window each round: the same
+argument as decode's, FlashInfer's causal prefill aligning each row's queries to the
+end of its KV). Inert rows attend Q tokens of the scratch page (never fewer than Q: a
+query with no key to see is what makes NaNs).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from .flashinfer_ops import register_backend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
 from .flashinfer_probe import SUPPORTED_DTYPES
 from .kv_cache import write_kv
-from .metadata import DecodeMetadata, PrefillMetadata
+from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
 
@@ -67,6 +75,9 @@ class FlashInferBackend(AttentionBackend):
         self._prefill_wrapper = None  # the wrapper planned for the current prefill batch
         self._decode_wrappers: dict[int, object] = {}  # bucket -> planned wrapper
         self._decode_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host plan inputs, kept alive
+        self._verify_wrappers: dict[int, object] = {}  # bucket -> planned verify wrapper
+        self._verify_buffers: dict[str, torch.Tensor] = {}  # fixed CSR buffers, sized at the first plan
+        self._verify_plans: dict[int, tuple] = {}
         self.handle = register_backend(self)
 
     # ------------------------------------------------------------------ plans
@@ -138,12 +149,73 @@ class FlashInferBackend(AttentionBackend):
         self._decode_wrappers[bucket] = wrapper
         self._decode_plans[bucket] = (indptr, last_page_len)
 
+    def plan_verify(self, bucket: int, queries: int, max_rows: int, max_pages: int) -> None:
+        """Build and plan the bucket's verify wrapper once (Q queries per row, causal, no split-KV)."""
+        if bucket in self._verify_wrappers:
+            return
+        if not self._verify_buffers:
+            self._verify_buffers = {
+                "qo_indptr": torch.arange(max_rows + 1, dtype=torch.int32, device=self.device) * queries,
+                "kv_indptr": torch.zeros(max_rows + 1, dtype=torch.int32, device=self.device),
+                "kv_indices": torch.zeros(max_rows * max_pages, dtype=torch.int32, device=self.device),
+                "kv_last_page_len": torch.ones(max_rows, dtype=torch.int32, device=self.device),
+            }
+        buffers = self._verify_buffers
+        wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=buffers["qo_indptr"][: bucket + 1],
+            paged_kv_indptr_buf=buffers["kv_indptr"][: bucket + 1],
+            paged_kv_indices_buf=buffers["kv_indices"][: bucket * max_pages],
+            paged_kv_last_page_len_buf=buffers["kv_last_page_len"][:bucket],
+            backend="fa2",
+        )
+        plan = decode_plan_csr(bucket, max_pages, self.page_size)  # the worst case the buffers admit
+        qo_indptr = _pinned((np.arange(bucket + 1, dtype=np.int64) * queries).astype(np.int32))
+        indptr, last_page_len = _pinned(plan.kv_indptr), _pinned(plan.kv_last_page_len)
+        indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
+        wrapper.plan(
+            qo_indptr, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+            disable_split_kv=True,
+        )
+        self._verify_wrappers[bucket] = wrapper
+        self._verify_plans[bucket] = (qo_indptr, indptr, last_page_len)
+
+    def prepare_verify(self, bucket: int, meta: VerifyMetadata, state, page_size: int) -> None:
+        """Each row's KV CSR up to its last query, into the fixed buffers (device ops, capturable)."""
+        buffers, queries = self._verify_buffers, meta.query_positions.shape[1]
+        max_pages = state.max_pages
+        live = meta.live
+        kv_len = torch.where(live, meta.query_positions[:, -1] + 1, queries)  # [B]
+        pages = torch.where(live, torch.div(kv_len + page_size - 1, page_size, rounding_mode="floor"), 1)
+        ends = torch.cumsum(pages, dim=0).to(torch.int32)
+        indptr = buffers["kv_indptr"][: bucket + 1]
+        indptr[0] = 0
+        indptr[1:].copy_(ends)
+        flat = torch.arange(bucket * max_pages, device=ends.device, dtype=torch.int32)
+        row = torch.searchsorted(ends, flat, right=True)
+        in_range = row < bucket
+        row = row.clamp(max=bucket - 1)
+        col = (flat - indptr[row]).clamp(0, max_pages - 1)
+        page_at = state.block_table[:bucket][row, col]
+        buffers["kv_indices"][: bucket * max_pages].copy_(torch.where(in_range & live[row], page_at, 0))
+        buffers["kv_last_page_len"][:bucket].copy_(torch.where(live, kv_len - (pages - 1) * page_size, queries))
+        meta.kv_indptr = indptr
+        meta.kv_indices = buffers["kv_indices"][: bucket * max_pages]
+        meta.kv_last_page_len = buffers["kv_last_page_len"][:bucket]
+
     # ------------------------------------------------------- forward (traced)
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         return torch.ops.graphdecode.flashinfer_prefill(q, k, v, meta.slot_mapping, self.handle, layer)
 
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
         return torch.ops.graphdecode.flashinfer_decode(q, k, v, meta.slot_mapping, self.handle, layer)
+
+    def verify(self, layer, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
+        return torch.ops.graphdecode.flashinfer_verify(q, k, v, meta.slot_mapping, self.handle, layer,
+                                                      meta.query_positions.shape[0])
 
     # --------------------------------------------------- op bodies (opaque)
     def run_prefill(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
@@ -159,4 +231,12 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._decode_wrappers.get(q.shape[0])
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {q.shape[0]} was never planned (plan_decode)")
+        return wrapper.run(q.contiguous(), kv, enable_pdl=False)
+
+    def run_verify(self, layer, q, k, v, slot_mapping, bucket: int) -> torch.Tensor:
+        kv = self.kv_caches[layer]
+        write_kv(kv, k, v, slot_mapping)
+        wrapper = self._verify_wrappers.get(bucket)
+        if wrapper is None:
+            raise RuntimeError(f"FlashInferBackend: bucket {bucket} has no verify plan (plan_verify)")
         return wrapper.run(q.contiguous(), kv, enable_pdl=False)

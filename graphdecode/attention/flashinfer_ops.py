@@ -68,3 +68,21 @@ def flashinfer_decode(
 @flashinfer_decode.register_fake
 def _(q, k, v, slot_mapping, handle, layer):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("graphdecode::flashinfer_verify", mutates_args=())
+def flashinfer_verify(
+    q: torch.Tensor,  # [B * Q, H, D]
+    k: torch.Tensor,  # [B * Q, H_kv, D]
+    v: torch.Tensor,  # [B * Q, H_kv, D]
+    slot_mapping: torch.Tensor,  # [B * Q] int64
+    handle: int,
+    layer: int,
+    bucket: int,
+) -> torch.Tensor:  # [B * Q, H, D]
+    return backend_for(handle).run_verify(layer, q, k, v, slot_mapping, bucket)
+
+
+@flashinfer_verify.register_fake
+def _(q, k, v, slot_mapping, handle, layer, bucket):
+    return torch.empty_like(q)

@@ -30,3 +30,18 @@ class DecodeMetadata:
     kv_indptr: torch.Tensor  # [B + 1] int32 (FlashInfer CSR)
     kv_indices: torch.Tensor  # [B * max_pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
+
+
+@dataclass
+class VerifyMetadata:
+    """Q queries per row (a row's next input and its d drafts, at consecutive positions),
+    causal over the paged cache; their K/V is written first (speculative decoding)."""
+
+    block_table: torch.Tensor  # [B, W] int32: the first W block-table columns
+    query_positions: torch.Tensor  # [B, Q] int64
+    slot_mapping: torch.Tensor  # [B * Q] int64: where each query token's K/V goes (0: scratch)
+    live: torch.Tensor  # [B] bool: rows that are not done
+    # FlashInfer's CSR over each row's K/V up to its last query (set by backend.prepare_verify)
+    kv_indptr: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    kv_last_page_len: torch.Tensor | None = None

@@ -17,7 +17,7 @@ import torch
 
 from .backend import AttentionBackend
 from .kv_cache import write_kv
-from .metadata import DecodeMetadata, PrefillMetadata
+from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -65,6 +65,19 @@ class TorchAttentionBackend(AttentionBackend):
         positions = torch.arange(keys.shape[1], device=q.device)
         hidden = positions[None, None, :] >= meta.seq_lens[:, None, None]  # [B, 1, W*P]
         return self._attend(q[:, None], keys, values, hidden)[:, 0]
+
+    def verify(self, layer, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
+        """Q queries per row over the W pages of its block-table view, masked causally by position."""
+        kv = self.kv_caches[layer]
+        write_kv(kv, k, v, meta.slot_mapping)
+        rows, queries = meta.query_positions.shape
+        pages = meta.block_table.long()  # [B, W]
+        keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
+        values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
+        positions = torch.arange(keys.shape[1], device=q.device)
+        hidden = positions[None, None, :] > meta.query_positions[:, :, None]  # [B, Q, W*P]
+        out = self._attend(q.view(rows, queries, self.num_heads, self.head_dim), keys, values, hidden)
+        return out.reshape(rows * queries, self.num_heads, self.head_dim)
 
     def _decode_ragged(self, kv, q, meta: DecodeMetadata) -> torch.Tensor:
         """q [B, H, D] over each row's own pages (CSR), one segment softmax per row."""

@@ -18,6 +18,12 @@ rows, 32 x 8) and `recent` [B_max, T] int64, the row's last T output tokens. A
 row's counts and recent tokens are staged when it is admitted (prompt and tokens so
 far: also after a preemption or a prefix-cache hit) and updated by the sampler's
 caller as tokens are sampled.
+
+Speculative decoding (speculative.py) adds each row's token history [B_max, H] int64
+(H = max_model_len: prompt and outputs, staged at admission and extended by every
+window) and lets a window write up to k * (d + 1) tokens per row: `out_count` [B_max]
+says how many window tokens each row wrote (k in a plain window), `spec_drafted` /
+`spec_accepted` [B_max] the drafts a speculative window proposed and accepted per row.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 class DecodeState:
     def __init__(self, max_rows: int, max_pages: int, max_stop_ids: int, num_decode_steps: int, max_logprobs: int,
                  device, *, vocab_size: int = 1, max_logit_bias: int = 1, bad_word_slots: int = 1,
-                 max_bad_word_tokens: int = 1):
+                 max_bad_word_tokens: int = 1, spec_tokens: int = 0, history_len: int = 0):
         rows = max_rows
+        width = 1 + num_decode_steps * (spec_tokens + 1)  # output columns: the prefill's token, then the window's
 
         def buf(*shape, dtype, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=device)
@@ -77,11 +84,18 @@ class DecodeState:
         self.bad_words = buf(rows, bad_word_slots, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, W, T]
         self.recent = buf(rows, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, T]
         # outputs: column 0 = token sampled by prefill, columns 1..k = window steps
-        self.out_tokens = buf(rows, num_decode_steps + 1, dtype=torch.int64)  # [B_max, k + 1]
-        self.out_lp_sampled = buf(rows, num_decode_steps + 1, dtype=torch.float32)
-        self.out_lp_rank = buf(rows, num_decode_steps + 1, dtype=torch.int64)
-        self.out_lp_top_ids = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.int64)  # [B_max, k + 1, N]
-        self.out_lp_top = buf(rows, num_decode_steps + 1, max_logprobs, dtype=torch.float32)
+        self.out_tokens = buf(rows, width, dtype=torch.int64)  # [B_max, 1 + k (d + 1)]
+        self.out_lp_sampled = buf(rows, width, dtype=torch.float32)
+        self.out_lp_rank = buf(rows, width, dtype=torch.int64)
+        self.out_lp_top_ids = buf(rows, width, max_logprobs, dtype=torch.int64)  # [B_max, width, N]
+        self.out_lp_top = buf(rows, width, max_logprobs, dtype=torch.float32)
+        self.out_count = buf(rows, dtype=torch.int32)  # [B_max]: window tokens written (columns 1..count)
+        # speculative decoding
+        self.spec_tokens = spec_tokens
+        self.history = buf(rows, history_len, dtype=torch.int64) if spec_tokens else None  # [B_max, H]
+        self.spec_drafted = buf(rows, dtype=torch.int32)  # [B_max]: drafts proposed in the last window
+        self.spec_accepted = buf(rows, dtype=torch.int32)  # [B_max]: ... of which accepted
+        self.spec_rounds = buf(rows, dtype=torch.int32)  # [B_max]: verify rounds the row was live in
 
     def sampling_rows(self, rows, penalties: bool = False) -> SamplingRows:
         """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill).
@@ -122,6 +136,16 @@ class DecodeState:
         recent = self.recent[rows]
         pushed = torch.cat([recent[:, 1:], index], dim=1)
         self.recent[rows] = torch.where(live[:, None], pushed, recent)
+
+    def record_history(self, rows, positions: torch.Tensor, tokens: torch.Tensor, live: torch.Tensor) -> None:
+        """history[row, position] = token for live rows (rows: a slice or an index tensor; all [R])."""
+        index = positions.clamp(max=self.history.shape[1] - 1)[:, None]
+        if isinstance(rows, slice):
+            history = self.history[rows]
+            history.scatter_(1, index, torch.where(live, tokens, history.gather(1, index)[:, 0])[:, None])
+        else:
+            current = self.history[rows[:, None], index][:, 0]
+            self.history[rows[:, None], index] = torch.where(live, tokens, current)[:, None]
 
     def decode_metadata(self, bucket: int, kv_width: int) -> DecodeMetadata:
         """Views for a bucket; the torch reference gathers kv_width pages per row."""
@@ -171,6 +195,10 @@ class DecodeState:
         """Zero rows `index` [n] of token_counts, then set entries flat [m] (row * V + token) to values [m] int16."""
         self.token_counts.index_fill_(0, index, 0)
         self.token_counts.view(-1).index_copy_(0, flat, values)
+
+    def apply_history(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Set history entries flat [m] (row * H + position) to values [m] (admitted rows' tokens)."""
+        self.history.view(-1).index_copy_(0, flat, values)
 
     def apply_block_tables(self, index: torch.Tensor, rows: torch.Tensor) -> None:
         self.block_table.index_copy_(0, index, rows)

@@ -27,16 +27,19 @@ warm-up and capture time net of compiling, which the compiled forward reports it
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from .sampler import GREEDY, SamplerMode, SamplerVariant
+from .speculative import speculative_window
 from .window import decode_window
 
 
 class WindowGraphs:
-    def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs):
+    def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs,
+                 lookup=(0, 0)):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
@@ -45,6 +48,7 @@ class WindowGraphs:
         self.num_decode_steps = num_decode_steps
         self.page_size = page_size
         self.use_graphs = use_graphs
+        self.lookup = lookup  # (prompt_lookup_max, prompt_lookup_min) of speculative windows
         self.graphs: dict[tuple[int, SamplerVariant], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0  # warm-up + capture, compile time excluded
         self.graph_memory_bytes = 0
@@ -52,6 +56,8 @@ class WindowGraphs:
         self._warmup_stream = torch.cuda.Stream() if use_graphs else None
         for bucket in self.buckets:
             backend.plan_decode(bucket, state.decode_metadata(bucket, state.max_pages))
+            if state.spec_tokens:
+                backend.plan_verify(bucket, state.spec_tokens + 1, state.max_rows, state.max_pages)
 
     def run(self, bucket: int, variant: SamplerVariant, kv_width: int) -> None:
         """One window of k decode steps. kv_width: pages per row an eager torch-reference
@@ -67,7 +73,10 @@ class WindowGraphs:
     def capture_all(self) -> None:
         """Capture the common variants for every bucket, largest first, into one pool."""
         for bucket in reversed(self.buckets):
-            for variant in (GREEDY, SamplerVariant(SamplerMode.SAMPLE)):
+            variants = [GREEDY, SamplerVariant(SamplerMode.SAMPLE)]
+            if self.state.spec_tokens:
+                variants += [dataclasses.replace(v, speculative=True) for v in variants]
+            for variant in variants:
                 if (bucket, variant) not in self.graphs:
                     self._capture((bucket, variant))
 
@@ -85,6 +94,12 @@ class WindowGraphs:
         self.state.restore(saved)
 
     def _window(self, bucket, variant, kv_width) -> None:
+        if variant.speculative:
+            speculative_window(
+                self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
+                self.page_size, variant, kv_width, *self.lookup,
+            )
+            return
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
             self.page_size, variant, kv_width,

@@ -70,6 +70,7 @@ class SamplerVariant:
     num_logprobs: int = 0  # 0 = no logprobs, else the engine's max_logprobs
     mask_stops: bool = False  # some row has min_tokens: stop ids are masked until it is reached
     penalties: bool = False  # some row has logit_bias, bad_words or a repetition/presence/frequency penalty
+    speculative: bool = False  # the window drafts and verifies (compiled/speculative.py); the host decides
 
 
 GREEDY = SamplerVariant()

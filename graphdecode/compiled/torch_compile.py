@@ -83,9 +83,15 @@ def _mark_batch_dims(input_ids, positions, ctx) -> None:
     static compile but for the batch. A dimension of size 1 is left alone (dynamo
     would specialise it anyway).
     """
-    meta = ctx.decode
-    dims = [(input_ids, 0), (positions, 0), (meta.seq_lens, 0), (meta.slot_mapping, 0), (meta.block_table, 0),
-            (meta.block_table, 1), (meta.kv_indptr, 0), (meta.kv_indices, 0), (meta.kv_last_page_len, 0)]
+    dims = [(input_ids, 0), (positions, 0)]
+    if ctx.decode is not None:
+        meta = ctx.decode
+        dims += [(meta.seq_lens, 0), (meta.slot_mapping, 0), (meta.block_table, 0), (meta.block_table, 1),
+                 (meta.kv_indptr, 0), (meta.kv_indices, 0), (meta.kv_last_page_len, 0)]
+    if ctx.verify is not None:  # a speculative window's verify forward: B rows of Q queries
+        meta = ctx.verify
+        dims += [(meta.block_table, 0), (meta.block_table, 1), (meta.query_positions, 0), (meta.slot_mapping, 0),
+                 (meta.live, 0)]
     for tensor, dim in dims:
         if tensor.shape[dim] > 1:
             torch._dynamo.mark_dynamic(tensor, dim)

@@ -41,6 +41,8 @@ def sample_into(
     state.done[rows] = stop_check(tokens, params, next_pos, done_before)
     if variant.penalties:
         state.record_penalty_tokens(rows, tokens, ~done_before)
+    if state.history is not None:
+        state.record_history(rows, next_pos, tokens, ~done_before)
     return tokens
 
 
@@ -59,6 +61,7 @@ def decode_window(
     ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width))
     # the host may have admitted rows or grown block tables since the last window
     state.advance(bucket, state.input_ids[rows], page_size, advance=False)
+    state.out_count[rows] = num_decode_steps
     for step in range(num_decode_steps):
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1

@@ -71,6 +71,10 @@ class EngineStats:
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, compile time excluded
     graphs_captured: int = 0
     graph_memory_bytes: int = 0
+    spec_windows: int = 0  # windows that ran the speculative variant
+    spec_verifies: int = 0  # row-rounds of draft + verify
+    spec_draft_tokens: int = 0  # drafts proposed
+    spec_accepted_tokens: int = 0  # drafts accepted (emitted as plain decoding would have sampled them)
 
 
 class Engine:
@@ -179,10 +183,21 @@ class Engine:
         result = self.runner.pythonizer.wait(pending)
         if pending.extras:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
-        last_column = self.config.num_decode_steps if plan.window is not None and plan.window.decode else 0
-        changed = self.outputs.process(plan.readout, last_column, result, self._stats)
+        decode = plan.window is not None and plan.window.decode
+        changed = self.outputs.process(plan.readout, decode, result, self._stats)
+        if result.spec is not None:
+            self._account_speculation(result.spec)
         self.scheduler.cache_decoded(changed)
         return changed
+
+    def _account_speculation(self, spec) -> None:
+        drafted, accepted, rounds = (int(x) for x in spec.sum(axis=1))
+        s = self._stats
+        s.spec_windows += 1
+        s.spec_draft_tokens += drafted
+        s.spec_accepted_tokens += accepted
+        s.spec_verifies += rounds
+        self.runner.spec_policy.observe(rounds, accepted)
 
     def _on_finish(self, seq: Sequence) -> None:
         if seq.detokenizer is not None:
@@ -232,4 +247,6 @@ class Engine:
             out[f"host_ms_per_step_{part}"] = 1e3 * out[f"host_seconds_{part}"] / steps
         out["blocked_ms_per_step"] = 1e3 * s.seconds_blocked / steps
         out["padding_fraction"] = 1 - s.live_rows / s.window_rows if s.window_rows else 0.0
+        out["spec_mean_accepted_per_verify"] = s.spec_accepted_tokens / s.spec_verifies if s.spec_verifies else 0.0
+        out["spec_window_share"] = s.spec_windows / s.windows if s.windows else 0.0
         return out

@@ -21,16 +21,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.on_finish = on_finish  # (sequence) -> None: frees its row and pages
 
-    def process(self, readout, last_column: int, result: WindowResult, stats) -> list[Sequence]:
-        """readout: the step's Readout records; columns up to last_column (k, or 0 without a
-        decode window) were produced. Returns the sequences that changed."""
+    def process(self, readout, decode: bool, result: WindowResult, stats) -> list[Sequence]:
+        """readout: the step's Readout records; `decode`: a window ran, and each row wrote
+        columns 1..counts[row] (k, or up to k (d + 1) when speculating); without one only
+        the prefill's column 0 is new. Returns the sequences that changed."""
         changed = []
         now = time.time()
         for r in readout:
             seq = r.seq
             if seq.is_finished or seq.epoch != r.epoch:
                 continue  # finished, aborted or preempted since launch: its tokens are void
-            tokens = result.tokens[r.row, r.first_column : last_column + 1].tolist()
+            end = 1 + int(result.counts[r.row]) if decode else 1
+            tokens = result.tokens[r.row, r.first_column : end].tolist()
             metrics = seq.request.metrics
             if metrics is not None and tokens:
                 if metrics.first_token_time is None:

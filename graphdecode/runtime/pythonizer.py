@@ -23,20 +23,13 @@ from ..compiled.decode_state import DecodeState
 
 @dataclass
 class WindowResult:
-    tokens: np.ndarray  # [bucket, k + 1] int64: column 0 = prefill token, 1..k = window steps
-    lp_sampled: np.ndarray | None = None  # [bucket, k + 1] float32
-    lp_rank: np.ndarray | None = None  # [bucket, k + 1] int64
-    lp_top_ids: np.ndarray | None = None  # [bucket, k + 1, N] int64
-    lp_top: np.ndarray | None = None  # [bucket, k + 1, N] float32
-
-
-@dataclass
-class _Slot:
-    tokens: torch.Tensor
-    lp_sampled: torch.Tensor
-    lp_rank: torch.Tensor
-    lp_top_ids: torch.Tensor
-    lp_top: torch.Tensor
+    tokens: np.ndarray  # [bucket, width] int64: column 0 = prefill token, 1..counts[row] = the window's
+    counts: np.ndarray  # [bucket] int32: window tokens each row wrote (k in a plain window)
+    lp_sampled: np.ndarray | None = None  # [bucket, width] float32
+    lp_rank: np.ndarray | None = None  # [bucket, width] int64
+    lp_top_ids: np.ndarray | None = None  # [bucket, width, N] int64
+    lp_top: np.ndarray | None = None  # [bucket, width, N] float32
+    spec: np.ndarray | None = None  # [3, bucket] int32 after a speculative window: drafted, accepted, rounds
 
 
 @dataclass
@@ -46,34 +39,34 @@ class PendingCopy:
     with_logprobs: bool
     event: object  # torch.cuda.Event, or None on CPU (copies are synchronous there)
     extras: list | None = None  # host copies of other results (prompt logprobs), valid after wait()
+    speculative: bool = False
 
 
 class Pythonizer:
-    _FIELDS = ("tokens", "lp_sampled", "lp_rank", "lp_top_ids", "lp_top")
+    _ALWAYS = ("out_tokens", "out_count")
+    _LOGPROBS = ("out_lp_sampled", "out_lp_rank", "out_lp_top_ids", "out_lp_top")
+    _SPEC = ("spec_drafted", "spec_accepted", "spec_rounds")
 
     def __init__(self, state: DecodeState, device: torch.device):
         self.state = state
         self.cuda = device.type == "cuda"
-        sources = self._sources()
+        names = self._ALWAYS + self._LOGPROBS + self._SPEC
         self._slots = [
-            _Slot(*(torch.empty(src.shape, dtype=src.dtype, pin_memory=self.cuda) for src in sources))
+            {name: torch.empty(getattr(state, name).shape, dtype=getattr(state, name).dtype, pin_memory=self.cuda)
+             for name in names}
             for _ in range(2)
         ]
         self._next = 0
         self.seconds_blocked = 0.0
 
-    def _sources(self) -> tuple[torch.Tensor, ...]:
-        s = self.state
-        return (s.out_tokens, s.out_lp_sampled, s.out_lp_rank, s.out_lp_top_ids, s.out_lp_top)
-
-    def enqueue(self, bucket: int, with_logprobs: bool, extras=None) -> PendingCopy:
+    def enqueue(self, bucket: int, with_logprobs: bool, extras=None, speculative: bool = False) -> PendingCopy:
         """extras: a list of tuples of device tensors to bring to the host behind the same event."""
         slot_index = self._next
         self._next ^= 1
         slot = self._slots[slot_index]
-        sources = self._sources() if with_logprobs else self._sources()[:1]
-        for name, src in zip(self._FIELDS, sources):
-            getattr(slot, name)[:bucket].copy_(src[:bucket], non_blocking=True)  # contiguous row prefix
+        names = self._ALWAYS + (self._LOGPROBS if with_logprobs else ()) + (self._SPEC if speculative else ())
+        for name in names:
+            slot[name][:bucket].copy_(getattr(self.state, name)[:bucket], non_blocking=True)  # a row prefix
         host_extras = None
         if extras:
             host_extras = [tuple(self._to_host(t) for t in group) for group in extras]
@@ -81,7 +74,7 @@ class Pythonizer:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras)
+        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -95,8 +88,12 @@ class Pythonizer:
             start = time.perf_counter()
             pending.event.synchronize()
             self.seconds_blocked += time.perf_counter() - start
-        slot = self._slots[pending.slot]
-        b = pending.bucket
-        if not pending.with_logprobs:
-            return WindowResult(tokens=slot.tokens[:b].numpy())
-        return WindowResult(*(getattr(slot, name)[:b].numpy() for name in self._FIELDS))
+        slot, b = self._slots[pending.slot], pending.bucket
+        result = WindowResult(tokens=slot["out_tokens"][:b].numpy(), counts=slot["out_count"][:b].numpy())
+        if pending.with_logprobs:
+            result.lp_sampled, result.lp_rank, result.lp_top_ids, result.lp_top = (
+                slot[name][:b].numpy() for name in self._LOGPROBS
+            )
+        if pending.speculative:
+            result.spec = np.stack([slot[name][:b].numpy() for name in self._SPEC])
+        return result

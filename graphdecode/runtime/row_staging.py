@@ -75,6 +75,8 @@ class RowStaging:
         # penalty rows waiting for the next flush: row -> (ints, floats, sparse counts or None)
         self._penalties: dict[int, tuple] = {}
         self.vocab_size = state.token_counts.shape[1]
+        self.history_len = state.history.shape[1] if state.history is not None else 0
+        self._history: dict[int, np.ndarray] = {}  # row -> its tokens, waiting for the next flush
         self.num_bias = state.bias_ids.shape[1]
         self.num_word_slots, self.num_word_tokens = state.bad_words.shape[1:]
         self._last_counts: tuple | None = None  # (key, counts): n children share one computation
@@ -105,6 +107,8 @@ class RowStaging:
             self._penalties[row] = self._penalty_row(params, token_ids, num_prompt_tokens)
         else:
             self._penalties.pop(row, None)
+        if self.history_len:
+            self._history[row] = np.asarray(token_ids, dtype=np.int64)  # speculation drafts from it
 
     def _penalty_row(self, params, token_ids, num_prompt_tokens: int):
         """(ints [L + W * T + T]: bias ids, bad words right-aligned, last T output tokens; floats [L]:
@@ -154,6 +158,7 @@ class RowStaging:
         self.block_table[row] = 0
         self._dirty_rows.add(row)
         self._penalties.pop(row, None)
+        self._history.pop(row, None)
 
     def flush(self, state: DecodeState) -> int:
         """Enqueue the dirty rows' copies; returns how many rows were sent."""
@@ -179,6 +184,8 @@ class RowStaging:
             state.apply_rows(self._send(row_idx[:n]), self._send(ints[:n]), self._send(floats[:n]))
             if self._penalties:
                 self._flush_penalties(state)
+            if self._history:
+                self._flush_history(state)
         n = len(tables)
         table_idx.numpy()[:n] = tables
         table_rows.numpy()[:n] = self.block_table[tables]
@@ -206,6 +213,12 @@ class RowStaging:
                 self._upload(np.asarray([r for r, _ in counted], dtype=np.int64)),
                 self._upload(flat), self._upload(values),
             )
+
+    def _flush_history(self, state: DecodeState) -> None:
+        """Admitted rows' tokens (prompt + so far) into their history rows (speculative decoding)."""
+        staged, self._history = self._history, {}
+        flat = np.concatenate([row * self.history_len + np.arange(len(ids)) for row, ids in staged.items()])
+        state.apply_history(self._upload(flat), self._upload(np.concatenate(list(staged.values()))))
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A fresh (pinned on CUDA) host tensor, copied without blocking: see the module docstring."""

@@ -13,6 +13,8 @@ the KV width an eager torch-reference window gathers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -30,6 +32,7 @@ from ..ranges import annotate
 from .plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
+from .spec_policy import SpecPolicy
 
 
 def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device):
@@ -66,7 +69,10 @@ class ModelRunner:
             config.num_decode_steps, config.max_logprobs, self.device,
             vocab_size=cfg.vocab_size, max_logit_bias=config.max_logit_bias,
             bad_word_slots=2 * config.max_bad_words, max_bad_word_tokens=config.max_bad_word_tokens,
+            spec_tokens=config.num_speculative_tokens,
+            history_len=config.max_model_len + config.num_speculative_tokens + 1,
         )
+        self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -79,7 +85,7 @@ class ModelRunner:
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
-            use_graphs=config.cuda_graphs,
+            use_graphs=config.cuda_graphs, lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():
@@ -100,10 +106,13 @@ class ModelRunner:
             return None  # nothing sampled this step (prefill chunks that are not a sequence's last)
         variant = self.row_counts.variant()
         if window is not None and window.decode:
+            if not variant.penalties and self.spec_policy.speculate():  # penalties would count every draft
+                variant = dataclasses.replace(variant, speculative=True)
             with annotate("graphdecode.window"):
                 self.windows.run(window.bucket, variant, self._kv_width())
         bucket = window.bucket if window is not None else 0
-        return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results)
+        return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results,
+                                       speculative=variant.speculative)
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""

@@ -57,9 +57,9 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def group_pages(num_tokens: int, n: int, max_len: int, page_size: int, num_decode_steps: int) -> int:
+def group_pages(num_tokens: int, n: int, max_len: int, page_size: int, window_tokens: int) -> int:
     """Pages a group needs at admission without cache hits: tokens + first token + one window."""
-    total = pages_for(min(num_tokens + 1 + num_decode_steps, max_len), page_size)
+    total = pages_for(min(num_tokens + 1 + window_tokens, max_len), page_size)
     shared = num_tokens // page_size if n > 1 else 0
     return total + (n - 1) * (total - shared)
 
@@ -78,7 +78,9 @@ class PrefillGroup:
 
 class Scheduler:
     def __init__(self, config, pool: PagePool):
-        self.num_decode_steps = config.num_decode_steps
+        self.window_tokens = config.window_tokens  # most tokens a row gains per window (k, or k (d + 1))
+        self.num_decode_steps = config.num_decode_steps  # ... and the fewest (one per round)
+        self.speculative = config.num_speculative_tokens > 0  # rows need their token history on the device
         self.page_size = config.page_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.pool = pool
@@ -105,7 +107,7 @@ class Scheduler:
         return bool(self.waiting) or bool(self.prefilling) or bool(self.running)
 
     def group_pages(self, num_tokens: int, n: int, max_len: int) -> int:
-        return group_pages(num_tokens, n, max_len, self.page_size, self.num_decode_steps)
+        return group_pages(num_tokens, n, max_len, self.page_size, self.window_tokens)
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
@@ -116,7 +118,8 @@ class Scheduler:
         decode = any(not s.is_draining for s in self.running.values())
         if decode:
             for seq in self.running.values():
-                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + self.num_decode_steps, seq.max_len)
+                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + self.window_tokens, seq.max_len)
+                seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
         started = {start.row for start in plan.started_rows}
         if decode or started:
             top = max(s.row for s in self.running.values()) + 1
@@ -143,7 +146,7 @@ class Scheduler:
         for seq in list(self.running.values()):
             if not seq.is_running:
                 continue
-            need = pages_for(min(seq.num_scheduled_tokens + self.num_decode_steps, seq.max_len), self.page_size)
+            need = pages_for(min(seq.num_scheduled_tokens + self.window_tokens, seq.max_len), self.page_size)
             need -= len(seq.pages)
             if need <= 0:
                 continue
@@ -184,7 +187,7 @@ class Scheduler:
         hits = []  # prompt logprobs come from prefill's logits: such a request computes its whole prompt
         if not leader.request.needs_prompt_logprobs:
             hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
-        total = pages_for(min(num_tokens + 1 + self.num_decode_steps, leader.max_len), self.page_size)
+        total = pages_for(min(num_tokens + 1 + self.window_tokens, leader.max_len), self.page_size)
         shared = num_tokens // self.page_size if len(group) > 1 else 0
         new = total - len(hits) + (len(group) - 1) * (total - shared)
         if self.pool.free_after_sharing(hits) < new:
@@ -251,7 +254,7 @@ class Scheduler:
         seq.epoch = self._epoch
         self._epoch += 1
         seq.num_computed_tokens = seq.num_tokens
-        seq.num_scheduled_tokens = seq.num_tokens + 1
+        seq.num_scheduled_tokens = seq.num_assured_tokens = seq.num_tokens + 1
         self.running[seq.seq_id] = seq
         plan.started_rows.append(RowStart(
             row=row,
@@ -262,7 +265,7 @@ class Scheduler:
             stop_ids=seq.stop_ids,
             max_len=seq.max_len,
             min_len=seq.num_prompt_tokens + params.min_tokens,
-            token_ids=tuple(seq.token_ids) if params.needs_penalties else (),
+            token_ids=tuple(seq.token_ids) if params.needs_penalties or self.speculative else (),
             num_prompt_tokens=seq.num_prompt_tokens,
         ))
         plan.readout.append(Readout(row, seq, seq.epoch, 0))
@@ -320,7 +323,7 @@ class Scheduler:
             self._release(seq)
             seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
             seq.num_computed_tokens = 0
-            seq.num_scheduled_tokens = seq.num_tokens
+            seq.num_scheduled_tokens = seq.num_assured_tokens = seq.num_tokens
             self.waiting.appendleft([seq])
         self.num_preemptions += 1
 

@@ -10,9 +10,11 @@ Counters:
   last chunk is scheduled it is all of the prompt, and later the host advances it to
   `num_tokens - 1` as tokens arrive (a token's K/V is written when it is fed back).
 * `num_scheduled_tokens`: an upper bound on the tokens the device will hold once all
-  launched work has run (prefill adds 1, each window adds up to k, capped at
-  max_len). Pages are reserved against it; `num_scheduled_tokens - num_tokens` are in
-  flight.
+  launched work has run (prefill adds 1, each window adds up to k, or k (d + 1) when
+  speculating, capped at max_len). Pages are reserved against it.
+* `num_assured_tokens`: a lower bound on the same (each window adds at least k: one
+  token per round, speculating or not). Once it reaches max_len the launched work
+  surely finishes the sequence, which can give up its row and pages (draining).
 * `num_cached_pages`: its leading pages already offered to the prefix cache.
 Derived: a sequence is waiting, prefilling (admitted: it holds pages and
 `num_computed_tokens < num_tokens`, no row yet), running (it holds a `row`), retired
@@ -65,6 +67,7 @@ class Sequence:
     detokenizer: Detokenizer | None
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0
+    num_assured_tokens: int = 0
     num_cached_pages: int = 0
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, as computed
     pages: list[int] = field(default_factory=list)
@@ -103,7 +106,7 @@ class Sequence:
     @property
     def is_draining(self) -> bool:
         """All tokens it can still produce are already covered by launched work."""
-        return self.num_scheduled_tokens >= self.max_len
+        return self.num_assured_tokens >= self.max_len
 
     @property
     def output_text(self) -> str:

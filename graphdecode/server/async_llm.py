@@ -96,7 +96,7 @@ class AsyncLLM:
         self.inputs = InputProcessor(
             self.config, self.tokenizer,
             functools.partial(group_pages, page_size=self.config.page_size,
-                              num_decode_steps=self.config.num_decode_steps),
+                              window_tokens=self.config.window_tokens),
         )
         self.load: dict = {}
         self.dead: str | None = None  # why the core died, once it has

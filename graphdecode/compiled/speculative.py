@@ -1,0 +1,171 @@
+"""Speculative decoding inside the window: n-gram drafts verified and accepted on the device.
+
+Each of a window's k rounds, per row, with no host involvement:
+
+1. draft (`ngram_drafts`): find the most recent earlier occurrence of the row's last n
+   tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own token history
+   (prompt + outputs, DecodeState.history) and propose the up-to-d tokens that followed;
+2. verify: one forward over the d + 1 query tokens (the row's next input and its
+   drafts) at positions p .. p + d, causal attention over the paged cache (the K/V of
+   all d + 1 is written first), then sample every position with the row's usual
+   parameters and position-keyed noise;
+3. accept drafts while each equals the token sampled at its position, and emit the
+   accepted drafts plus the one sampled token after them, up to the first stop (stop
+   ids, max_len; min_tokens masks stops as usual): 1 to d + 1 tokens per row;
+4. advance the row by its own count, extend its history, and recompute the attention
+   metadata (advance_step with advance=False). K/V written for rejected positions is
+   simply overwritten later: attention never reads past a query's own position.
+
+Because the noise depends only on (seed, position, token), the token sampled at a
+position is the token plain decoding samples there whenever the drafts before it are
+accepted: speculation changes speed, never output. Rows without a match still run
+(static shapes) and emit one token. Windows whose rows need penalties (token counts
+that would have to include each draft) run the plain variant.
+
+Shapes are static (bucket B, Q = d + 1), so a speculative window is captured as one
+CUDA graph per bucket like a plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.backend import AttentionBackend, ForwardContext
+from ..attention.metadata import VerifyMetadata
+from .decode_state import DecodeState
+from .sampler import Sampler, SamplerVariant
+
+
+def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, lookup_max: int,
+                 lookup_min: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """history [B, H] int64, lengths [B] int64 (tokens known: the last is history[b, len - 1])
+    -> drafts [B, d] int64 (0 past each row's count), counts [B] int64 in 0..d.
+
+    For n from lookup_max down to lookup_min, the first n that matches wins; among its
+    matches, the most recent start s with s + n <= len - 1 (strictly before the suffix,
+    with at least one token after it).
+    """
+    rows, width = history.shape
+    device = history.device
+    drafts = torch.zeros(rows, num_drafts, dtype=torch.int64, device=device)
+    counts = torch.zeros(rows, dtype=torch.int64, device=device)
+    found = torch.zeros(rows, dtype=torch.bool, device=device)
+    steps = torch.arange(num_drafts, device=device)
+    for n in range(lookup_max, lookup_min - 1, -1):
+        if n >= width:
+            continue
+        spans = width - n + 1
+        suffix = history.gather(1, (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))  # [B, n]
+        match = torch.ones(rows, spans, dtype=torch.bool, device=device)
+        for i in range(n):  # n passes over [B, spans]: no [B, spans, n] temporary
+            match &= history[:, i : i + spans] == suffix[:, i : i + 1]
+        starts = torch.arange(spans, device=device)
+        match &= starts[None, :] + n <= lengths[:, None] - 1
+        best = torch.where(match, starts[None, :], -1).amax(dim=1)  # [B]: the most recent start, or -1
+        use = (best >= 0) & ~found
+        source = (best + n).clamp(min=0)
+        candidate = history.gather(1, (source[:, None] + steps).clamp(max=width - 1))
+        available = (lengths - source).clamp(0, num_drafts)
+        drafts = torch.where(use[:, None], candidate, drafts)
+        counts = torch.where(use, available, counts)
+        found |= use
+    drafts = torch.where(steps[None, :] < counts[:, None], drafts, 0)
+    return drafts, counts
+
+
+def speculative_window(
+    logits_fn,  # (input_ids [T], positions [T], ctx) -> logits [T, V] float32
+    sampler: Sampler,
+    backend: AttentionBackend,
+    state: DecodeState,
+    bucket: int,
+    num_decode_steps: int,
+    page_size: int,
+    variant: SamplerVariant,
+    kv_width: int,
+    lookup_max: int,
+    lookup_min: int,
+) -> None:
+    rows = slice(0, bucket)
+    d = state.spec_tokens
+    queries = d + 1
+    device = state.input_ids.device
+    offsets = torch.arange(queries, device=device)
+    flat_rows = torch.arange(bucket, device=device).repeat_interleave(queries)  # [B * Q]
+    params = state.sampling_rows(flat_rows)
+    max_page = state.max_pages - 1
+    count = torch.zeros(bucket, dtype=torch.int64, device=device)
+    drafted = torch.zeros(bucket, dtype=torch.int32, device=device)
+    accepted = torch.zeros(bucket, dtype=torch.int32, device=device)
+    rounds = torch.zeros(bucket, dtype=torch.int32, device=device)
+    history = state.history[rows]
+    for _ in range(num_decode_steps):
+        live = ~state.done[rows]
+        position = state.positions[rows]  # [B]: where each row's next input sits
+        drafts, num_drafts = ngram_drafts(history, position + 1, d, lookup_max, lookup_min)
+        num_drafts = torch.where(live, num_drafts, 0)
+        tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
+        query_pos = position[:, None] + offsets  # [B, Q]
+        page = state.block_table[rows].gather(1, torch.div(query_pos, page_size, rounding_mode="floor").clamp(
+            max=max_page))
+        slots = torch.where(live[:, None], page.to(torch.int64) * page_size + query_pos % page_size, 0)
+        meta = VerifyMetadata(
+            block_table=state.block_table[:bucket, :kv_width],
+            query_positions=query_pos,
+            slot_mapping=slots.reshape(-1),
+            live=live,
+        )
+        backend.prepare_verify(bucket, meta, state, page_size)
+        logits = logits_fn(tokens.reshape(-1), query_pos.reshape(-1), ForwardContext(backend, verify=meta))
+        next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
+        sampled, logprobs = sampler(logits, params, next_pos, variant)
+        sampled = sampled.view(bucket, queries)
+        # accept drafts while each equals the token sampled at its position
+        agree = (drafts == sampled[:, :d]) & (offsets[None, :d] < num_drafts[:, None])
+        num_accepted = agree.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        emit = num_accepted + 1
+        # stops inside the run: a stop id, or the row reaching max_len
+        index = position[:, None] + 1 + offsets  # [B, Q]: the index each sampled token would take
+        stopping = (sampled[:, :, None] == params.stop_ids.view(bucket, queries, -1)).any(dim=-1)
+        stopping |= index + 1 >= state.max_len[rows][:, None]
+        stopping &= offsets[None, :] < emit[:, None]
+        first_stop = torch.where(stopping.any(dim=1), stopping.to(torch.int64).argmax(dim=1), queries)
+        emit = torch.where(live, torch.minimum(emit, first_stop + 1), 0)  # [B] tokens this round emits
+        written = offsets[None, :] < emit[:, None]  # [B, Q]
+        # outputs: columns 1 + count .. (distinct per row and offset: no scatter collisions)
+        columns = 1 + count[:, None] + offsets
+        out = state.out_tokens[rows]
+        out.scatter_(1, columns, torch.where(written, sampled, out.gather(1, columns)))
+        if logprobs is not None:
+            _record_logprobs(state, bucket, queries, columns, written, logprobs)
+        history.scatter_(1, index, torch.where(written, sampled, history.gather(1, index)))
+        # advance each row by its own count
+        last = sampled.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
+        state.input_ids[rows] = torch.where(emit > 0, last, state.input_ids[rows])
+        state.positions[rows] += emit
+        state.seq_lens[rows] += emit.to(torch.int32)
+        state.done[rows] |= live & stopping.any(dim=1)
+        count += emit
+        drafted += num_drafts.to(torch.int32)
+        accepted += torch.minimum(num_accepted, emit - 1).clamp(min=0).to(torch.int32)
+        rounds += live.to(torch.int32)
+    state.advance(bucket, state.input_ids[rows], page_size, advance=False)  # slot mapping, CSR: for what comes next
+    state.out_count[rows] = count.to(torch.int32)
+    state.spec_drafted[rows] = drafted
+    state.spec_accepted[rows] = accepted
+    state.spec_rounds[rows] = rounds
+
+
+def _record_logprobs(state: DecodeState, bucket: int, queries: int, columns, written, logprobs) -> None:
+    """Logprobs of the emitted positions into their output columns."""
+    def put(target, values):
+        values = values.view(bucket, queries, *values.shape[1:])
+        view = target[:bucket]
+        index = columns.view(bucket, queries, *([1] * (values.dim() - 2))).expand_as(values)
+        mask = written.view(bucket, queries, *([1] * (values.dim() - 2)))
+        view.scatter_(1, index, torch.where(mask, values, view.gather(1, index)))
+
+    put(state.out_lp_sampled, logprobs.sampled)
+    put(state.out_lp_rank, logprobs.rank)
+    put(state.out_lp_top_ids, logprobs.top_ids)
+    put(state.out_lp_top, logprobs.top_logprobs)
