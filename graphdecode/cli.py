@@ -59,6 +59,16 @@ def _field_default(cls, name: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
     from .config import DEFAULT_MAX_BATCH_SIZE, EngineConfig
@@ -91,6 +101,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
                    help=f"ranks the model is split over: cuda:0..N-1, or N CPU processes "
                         f"({config('tensor_parallel_size')})")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 8}\' (default: off)')
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="turn automatic prefix caching off (default: EngineConfig's: on)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
@@ -101,7 +114,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
                    "max_model_len", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
-                   "max_num_batched_tokens")
+                   "max_num_batched_tokens", "speculative_config")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

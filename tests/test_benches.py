@@ -181,3 +181,12 @@ def test_serve_bench_smoke(micro_dir, tmp_path):
         assert served["tokens_per_s"] > 0 and served["ttft_p50_s"] > 0 and served["itl_p99_s"] > 0
         assert in_process["window_mean_s"] > 0 and point["served_over_in_process"] > 0
     assert list(result["goals"]) == ["served / in-process tokens/s at 3 clients (>= 0.9)"]
+
+
+def test_speculative_bench_smoke(text_model, tmp_path):
+    out = tmp_path / "spec"
+    result = _script("bench_spec").main(["--model", text_model, "--batches", "2", "--max-tokens", "8", "-k", "2",
+                                         "-d", "3", "--repeats", "1", "--out", str(out)])
+    assert [(p["set"], p["batch"]) for p in _load(out)["points"]] == [("input-grounded", 2), ("open-ended", 2)]
+    assert all(p["same_tokens"] and p["plain_tokens_per_s"] > 0 and p["spec_tokens_per_s"] > 0
+               for p in result["points"])

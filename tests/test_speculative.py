@@ -190,3 +190,27 @@ def test_smollm2_greedy_with_speculation():
     spec = LLM(path, speculative_config=SPEC, **ENGINE)
     assert tokens_of(spec.generate(prompts, params)) == want
     assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_cli_speculative_config(text_model, capsys):
+    from graphdecode.cli import main
+
+    args = ["generate", "--model", text_model, "--max-tokens", "12", "--json", "one two one two one two"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert capsys.readouterr().out == plain
+    with pytest.raises(SystemExit):
+        main(args + ["--speculative-config", "ngram"])
+
+
+def test_spec_policy_probes_and_waits_for_reports():
+    from graphdecode.runtime.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
+    assert policy.speculate() and not policy.speculate()  # one probe, then plain until it reports
+    policy.observe(verifies=8, accepted=0)
+    assert [policy.speculate() for _ in range(5)] == [False, False, False, True, False]  # a probe in 4
+    policy.observe(verifies=8, accepted=24)  # copying pays now (average 1.5)
+    assert all(policy.speculate() for _ in range(3))
+    assert not SpecPolicy(enabled=False).speculate()
