@@ -17,7 +17,7 @@ Presets:
 * `default`: the built-in default model (graphdecode.default_model).
 
 Directories live in the cache root (`$GRAPHDECODE_CACHE`, else ~/.cache/graphdecode)
-as `preset-<name>-v1`. Values are deterministic for a given generator device.
+as `preset-<name>-v2`. Values are deterministic for a given generator device.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from .cache import cache_root, cached_model_dir
 from .default_model import default_model_dir
 
-PRESET_VERSION = "v1"
+PRESET_VERSION = "v2"  # v2: micro's tokenizer has the default model's chat template
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_configs")
 PRESETS = ("micro", "llama-3.2-1b", "tp-2048x8", "default")
 _WITH_TOKENIZER = {"micro"}

@@ -48,8 +48,10 @@ def _prompts(llm, texts: list[str], batch: int) -> list[dict]:
     tokenizer = llm.get_tokenizer()
     out = []
     for i in range(batch):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = texts[i % len(texts)]
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
         out.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
     return out
 
@@ -85,6 +87,7 @@ def main(argv=None) -> dict:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HuggingFace model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--preset", default=None, help="a model preset with a tokenizer instead (e.g. micro: the GPU check)")
     p.add_argument("--device", default=None)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -95,6 +98,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="profiling/out/bench_spec")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.preset is not None:
+        from graphdecode.presets import ensure_preset
+
+        args.model = ensure_preset(args.preset, args.device)
     if args.model is None:
         from graphdecode.gguf_import import smollm2_dir
 

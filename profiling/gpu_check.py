@@ -16,6 +16,9 @@ happens it says how far the check got. A compact table is printed last.
   pytest_graphs
   pytest_hf_parity     (skipped when the file does not exist)
   bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, compile off
+  bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1 and 8
+  bench_tp             TP=1 vs TP=2 (profiling/bench_tp.py); skipped with fewer than two GPUs
+                       (both write their numbers into summary.json only: $OUT holds 8 files at most)
   bench_compiled       the same with torch.compile, buckets 1,16; skipped (not started) when less
                        budget is left than its estimated need (GPU_CHECK_COMPILED_NEED_S, 90 s)
 
@@ -51,7 +54,7 @@ PYTEST_FILES = {
     "pytest_graphs": "tests/test_gpu_graphs.py",
     "pytest_hf_parity": "tests/test_gpu_hf_parity.py",
 }
-STAGES = ("env", "kit", "build", *PYTEST_FILES, "bench", "bench_compiled")
+STAGES = ("env", "kit", "build", *PYTEST_FILES, "bench", "bench_spec", "bench_tp", "bench_compiled")
 ALIASES = {"pytest": tuple(PYTEST_FILES)}
 # Each stage's own limit (seconds), before it is cut to what is left of the budget.
 LIMITS = {
@@ -64,6 +67,8 @@ LIMITS = {
     "pytest_hf_parity": 90,
     "bench": 120,
     "bench_compiled": 150,
+    "bench_spec": 60,
+    "bench_tp": 90,
 }
 DEFAULT_BUDGET_S = 300
 COMPILED_NEED_S = 90  # estimated need of bench_compiled: not started with less budget left
@@ -90,6 +95,7 @@ for name in ("torch", "triton", "transformers", "tokenizers", "safetensors", "nu
 import torch
 info["cuda"] = torch.version.cuda
 info["cuda_available"] = torch.cuda.is_available()
+info["device_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
 if info["cuda_available"]:
     info["gpu"] = torch.cuda.get_device_name()
     info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
@@ -198,6 +204,20 @@ def bench_points(path: str) -> dict | None:
     config = data.get("engine_config", {})
     return {"points": points, "attention_backend": config.get("attention_backend"),
             "capture_seconds": config.get("capture_seconds"), "model": data.get("model_name")}
+
+
+def side_bench_points(path: str) -> dict | None:
+    """The key numbers of bench_spec / bench_tp JSON, for summary.json."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    keep = ("set", "batch", "tp", "plain_tokens_per_s", "spec_tokens_per_s", "speedup", "accepted_per_verify",
+            "same_tokens", "decode_tokens_per_s", "collective_share")
+    points = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in p.items() if k in keep}
+              for p in data.get("points", [])]
+    return {"points": points, "speedup": data.get("speedup"), "same_tokens": data.get("same_tokens")}
 
 
 class Check:
@@ -344,8 +364,16 @@ class Check:
             for test in (st.get("tests") or {}).get("failed_tests", [])[:8]:
                 lines.append(f"{'':<22}FAILED {test}"[:160])
             for p in (st.get("bench") or {}).get("points", []):
-                lines.append(f"{'':<22}k={p['k']} batch={p['batch']}: {p['tokens_per_s']:.0f} tok/s, "
-                             f"{p['ms_per_decode_step']:.3f} ms/step")
+                if "k" in p:  # the bucket sweeps
+                    lines.append(f"{'':<22}k={p['k']} batch={p['batch']}: {p['tokens_per_s']:.0f} tok/s, "
+                                 f"{p['ms_per_decode_step']:.3f} ms/step")
+                elif "set" in p:  # speculative vs plain
+                    lines.append(f"{'':<22}{p['set']} batch={p['batch']}: {p['plain_tokens_per_s']:.0f} -> "
+                                 f"{p['spec_tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x), "
+                                 f"{p['accepted_per_verify']:.2f} accepted/verify, same tokens {p['same_tokens']}")
+                elif "tp" in p:
+                    lines.append(f"{'':<22}TP={p['tp']} batch={p['batch']}: {p['decode_tokens_per_s']:.0f} tok/s, "
+                                 f"collectives {100 * p['collective_share']:.0f}%")
         bad = [n for n, st in s["stages"].items() if st["status"] in ("failed", "timeout", "killed")]
         lines.append(f"result: {'OK' if not bad else 'FAILED: ' + ', '.join(bad)}; OUT={self.out}")
         lines.append("files: " + ", ".join(s.get("out_files", [])))
@@ -443,6 +471,10 @@ class Check:
             if os.path.isfile(xml):
                 record["xml"] = os.path.basename(xml)
                 record["tests"] = junit_counts(xml)
+        elif name in ("bench_spec", "bench_tp"):  # their JSON stays in the work dir: $OUT holds 8 files at most
+            path = os.path.join(self.work, name + ".json")
+            if os.path.isfile(path):
+                record["bench"] = side_bench_points(path)
         elif name.startswith("bench"):
             prefix = os.path.join(self.out, "bench_buckets" + ("_compiled" if name == "bench_compiled" else ""))
             for extra in (prefix + ".png", prefix + ".json.tmp"):  # keep $OUT to few files
@@ -594,6 +626,25 @@ class Check:
 
     def stage_bench_compiled(self, limit: float) -> dict:
         return self._bench("bench_compiled", limit, "on", "1,2" if self.dry else "1,16")
+
+    def stage_bench_spec(self, limit: float) -> dict:
+        """Speculative decoding vs plain (profiling/bench_spec.py) on the micro preset (head_dim 64, bf16)."""
+        sizes = (["--device", "cpu", "--batches", "1", "--max-tokens", "8", "-k", "2", "-d", "3"] if self.dry
+                 else ["--device", "cuda", "--batches", "1,8", "--max-tokens", "64"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_spec.py"), "--preset", "micro", *sizes,
+                "--repeats", "1", "--out", os.path.join(self.work, "bench_spec")]
+        return self.verdict(self.run(argv, limit))
+
+    def stage_bench_tp(self, limit: float) -> dict:
+        """TP=1 vs TP=2 (profiling/bench_tp.py): only where more than one GPU is present."""
+        gpus = (self.summary["stages"]["env"].get("env") or {}).get("device_count", 0)
+        if not self.dry and gpus < 2:
+            return {"status": "skipped", "rc": None, "reason": f"{gpus} GPU(s) here: tensor parallelism needs 2"}
+        sizes = (["--device", "cpu", "--preset", "micro", "--batches", "2", "--gen-len", "4", "-k", "2"] if self.dry
+                 else ["--device", "cuda", "--batches", "1,16"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_tp.py"), *sizes,
+                "--out", os.path.join(self.work, "bench_tp")]
+        return self.verdict(self.run(argv, limit))
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:

@@ -19,7 +19,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_graphs", "pytest_hf_parity",
-          "bench", "bench_compiled"]
+          "bench", "bench_spec", "bench_tp", "bench_compiled"]
 PYTEST_STAGES = {name: f"tests/test_gpu_{name[len('pytest_'):]}.py" for name in STAGES if name.startswith("pytest_")}
 HOOKS = ("GPU_CHECK_FAIL", "GPU_CHECK_SLEEP", "GPU_CHECK_BUDGET_S", "GPU_CHECK_COMPILED_NEED_S", "GPU_CHECK_KIT_DIR")
 
@@ -72,6 +72,11 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert bench["status"] == "ok" and bench["json"] == "bench_buckets.json"
     assert [(p["k"], p["batch"]) for p in bench["bench"]["points"]] == [(2, 1), (2, 2)]
     assert all(p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 for p in bench["bench"]["points"])
+    spec = stages["bench_spec"]  # speculative vs plain, its numbers in summary.json only
+    assert spec["status"] == "ok" and [p["set"] for p in spec["bench"]["points"]] == ["input-grounded", "open-ended"]
+    assert all(p["same_tokens"] for p in spec["bench"]["points"])
+    tp = stages["bench_tp"]  # rehearsed on CPU (gloo); on a one-GPU machine it is skipped
+    assert tp["status"] == "ok" and [p["tp"] for p in tp["bench"]["points"]] == [1, 2] and tp["bench"]["same_tokens"]
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
     assert compiled["status"] == "skipped" and "GPU_CHECK_COMPILED_NEED_S" in compiled["reason"]
