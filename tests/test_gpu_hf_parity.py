@@ -222,3 +222,42 @@ def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder):
                                   TF_CONTINUATION, attention_backend="torch", cuda_graphs=False, compile=False)
     # the recipe's point: the greedy token leads by a clear margin wherever we compare
     assert report["margin_gap_q01"] > 0.05, report
+
+
+# ----------------------------------------------------------------- speculative decoding
+def check_speculative_equals_plain(path: str, spec, device: str, **engine) -> dict:
+    """Prompts whose continuation is already in them (a greedy chain, then its beginning again):
+    speculation must accept drafts and give exactly the plain tokens."""
+    from graphdecode import LLM, SamplingParams
+
+    seeds = random_prompts([1, 1, 1, 1], spec.vocab_size, seed=11)
+    common = dict(ENGINE, device=device, max_batch_size=8, num_decode_steps=4, **engine)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(path, **common)
+    chains = [s + o.outputs[0].token_ids for s, o in zip(seeds, plain.generate(
+        [{"prompt_token_ids": s} for s in seeds], greedy))]
+    prompts = [{"prompt_token_ids": c + c[:12]} for c in chains]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                                 ignore_eos=True))]
+    del plain
+    free_memory()
+    fast = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common)
+    got = [o.outputs[0].token_ids for o in fast.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                                                ignore_eos=True))]
+    stats = fast.stats()
+    assert got == want
+    assert stats["spec_accepted_tokens"] > 0 and stats["spec_windows"] > 0
+    return stats
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_graphs_give_the_plain_tokens(model_dirs, flashinfer_ready, recorder):
+    """bf16 FlashInfer in CUDA graphs: the verify forward (BatchPrefill, q_len = d + 1) against decode."""
+    stats = check_speculative_equals_plain(model_dirs("d64"), GPU_D64, "cuda", attention_backend="flashinfer",
+                                           cuda_graphs=True, compile=False)
+    recorder("accepted_per_verify", stats["spec_mean_accepted_per_verify"])
+
+
+def test_cpu_speculative_gives_the_plain_tokens(model_dirs, recorder):
+    stats = check_speculative_equals_plain(model_dirs("cpu"), CPU_SMALL, "cpu", cuda_graphs=False)
+    recorder("accepted_per_verify", stats["spec_mean_accepted_per_verify"])
