@@ -19,7 +19,6 @@ kernels for 64 and 128), so the fp32 reference reads exactly the same weights.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
@@ -46,14 +45,6 @@ def bf16_model(tmp_path_factory) -> str:
         model = AutoModelForCausalLM.from_config(config)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def flashinfer_ready():
-    if os.environ.get("GRAPHDECODE_REQUIRE_FLASHINFER") == "1":
-        import flashinfer  # noqa: F401  gpu_check.sh: a missing kit must fail, not skip
-    else:
-        pytest.importorskip("flashinfer")
 
 
 @pytest.fixture(autouse=True)

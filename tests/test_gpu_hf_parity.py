@@ -36,7 +36,6 @@ That proves the harness, and the recipe's margins, before a GPU ever runs it.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -85,14 +84,6 @@ def model_dirs(tmp_path_factory):
         return built[name]
 
     return get
-
-
-@pytest.fixture(scope="module")
-def flashinfer_ready():
-    if os.environ.get("GRAPHDECODE_REQUIRE_FLASHINFER") == "1":
-        import flashinfer  # noqa: F401  profiling/gpu_check: a broken kit must fail here, not skip
-    else:
-        pytest.importorskip("flashinfer")
 
 
 @pytest.fixture(autouse=True)

@@ -30,6 +30,7 @@ class DecodeMetadata:
     kv_indptr: torch.Tensor  # [B + 1] int32 (FlashInfer CSR)
     kv_indices: torch.Tensor  # [B * max_pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
+    ragged: bool = False  # eager CPU only: the torch reference attends over the CSR pages, not a padded width
 
 
 @dataclass

@@ -147,8 +147,9 @@ class DecodeState:
             current = self.history[rows[:, None], index][:, 0]
             self.history[rows[:, None], index] = torch.where(live, tokens, current)[:, None]
 
-    def decode_metadata(self, bucket: int, kv_width: int) -> DecodeMetadata:
-        """Views for a bucket; the torch reference gathers kv_width pages per row."""
+    def decode_metadata(self, bucket: int, kv_width: int, ragged: bool = False) -> DecodeMetadata:
+        """Views for a bucket; the torch reference gathers kv_width pages per row (or, ragged,
+        each row's own CSR pages)."""
         return DecodeMetadata(
             seq_lens=self.seq_lens[:bucket],
             block_table=self.block_table[:bucket, :kv_width],
@@ -156,6 +157,7 @@ class DecodeState:
             kv_indptr=self.kv_indptr[: bucket + 1],
             kv_indices=self.kv_indices[: bucket * self.max_pages],
             kv_last_page_len=self.kv_last_page_len[:bucket],
+            ragged=ragged,
         )
 
     def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool) -> None:

@@ -59,11 +59,11 @@ class WindowGraphs:
             if state.spec_tokens:
                 backend.plan_verify(bucket, state.spec_tokens + 1, state.max_rows, state.max_pages)
 
-    def run(self, bucket: int, variant: SamplerVariant, kv_width: int) -> None:
+    def run(self, bucket: int, variant: SamplerVariant, kv_width: int, ragged: bool = False) -> None:
         """One window of k decode steps. kv_width: pages per row an eager torch-reference
         window gathers (graphs gather every column)."""
         if not self.use_graphs:
-            self._window(bucket, variant, kv_width)
+            self._window(bucket, variant, kv_width, ragged)
             return
         graph = self.graphs.get((bucket, variant))
         if graph is None:
@@ -81,6 +81,11 @@ class WindowGraphs:
                     self._capture((bucket, variant))
 
     @property
+    def compiled(self) -> bool:
+        """Whether the forward is a torch.compile'd one (its shapes must stay static-ish)."""
+        return hasattr(self.logits_fn, "compile_seconds")
+
+    @property
     def compile_seconds(self) -> float:
         return getattr(self.logits_fn, "compile_seconds", 0.0)
 
@@ -93,7 +98,7 @@ class WindowGraphs:
             self._window(bucket, GREEDY, width)
         self.state.restore(saved)
 
-    def _window(self, bucket, variant, kv_width) -> None:
+    def _window(self, bucket, variant, kv_width, ragged: bool = False) -> None:
         if variant.speculative:
             speculative_window(
                 self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
@@ -102,7 +107,7 @@ class WindowGraphs:
             return
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
-            self.page_size, variant, kv_width,
+            self.page_size, variant, kv_width, ragged,
         )
 
     def _capture(self, key) -> torch.cuda.CUDAGraph:

@@ -56,9 +56,10 @@ def decode_window(
     page_size: int,
     variant: SamplerVariant,
     kv_width: int,
+    ragged: bool = False,
 ) -> None:
     rows = slice(0, bucket)
-    ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width))
+    ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width, ragged))
     # the host may have admitted rows or grown block tables since the last window
     state.advance(bucket, state.input_ids[rows], page_size, advance=False)
     state.out_count[rows] = num_decode_steps

@@ -109,7 +109,8 @@ class ModelRunner:
             if not variant.penalties and self.spec_policy.speculate():  # penalties would count every draft
                 variant = dataclasses.replace(variant, speculative=True)
             with annotate("graphdecode.window"):
-                self.windows.run(window.bucket, variant, self._kv_width())
+                width = self._kv_width()
+                self.windows.run(window.bucket, variant, width, self._ragged(window.bucket, width))
         bucket = window.bucket if window is not None else 0
         return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results,
                                        speculative=variant.speculative)
@@ -142,6 +143,13 @@ class ModelRunner:
         for growth in plan.grown_tables:
             self.staging.set_pages(growth.row, growth.start, growth.pages)
             self._row_pages[growth.row] = growth.start + len(growth.pages)
+
+    def _ragged(self, bucket: int, width: int) -> bool:
+        """Eager CPU windows attend ragged when padding to the longest row would more than
+        double the pages gathered (compiled forwards and graphs keep static shapes)."""
+        if self.windows.compiled or self.windows.use_graphs or self.device.type != "cpu":
+            return False
+        return bucket * width > 2 * int(self._row_pages[:bucket].sum())
 
     def _kv_width(self) -> int:
         """Pages an eager torch-attention window gathers per row: the longest block table,
