@@ -181,14 +181,18 @@ def cmd_generate(args) -> int:
         _fail(e)
     try:
         llm = LLM(model, **options)
-        if args.stream:
-            _print_stream(llm, prompts, params)
-        else:
-            _print_outputs(llm, prompts, params, args.json)
-    except ValueError as e:  # a broken model directory, or a prompt too long for --max-model-len
+    except ValueError as e:  # a broken model directory
         _fail(e)
-    if args.stats:
-        print(json.dumps(llm.stats(), indent=2, default=str))
+    with llm:  # tensor-parallel workers stop when the command is done, also when main() is called in-process
+        try:
+            if args.stream:
+                _print_stream(llm, prompts, params)
+            else:
+                _print_outputs(llm, prompts, params, args.json)
+        except ValueError as e:  # a prompt too long for --max-model-len
+            _fail(e)
+        if args.stats:
+            print(json.dumps(llm.stats(), indent=2, default=str))
     return 0
 
 
