@@ -56,29 +56,38 @@ def _prompts(llm, texts: list[str], batch: int) -> list[dict]:
     return out
 
 
-def measure(llm, prompts, params, repeats: int) -> dict:
-    llm.generate(prompts[:1], params)  # warm-up
-    best = None
+def _run(llm, prompts, params) -> dict:
+    before = llm.stats()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    return {
+        "seconds": seconds,
+        "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "outputs": [o.outputs[0].token_ids for o in outs],
+        "verifies": after["spec_verifies"] - before["spec_verifies"],
+        "accepted": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+        "spec_windows": after["spec_windows"] - before["spec_windows"],
+        "windows": after["windows"] - before["windows"],
+    }
+
+
+def measure(engines: dict, prompts, params, repeats: int) -> dict:
+    """Each engine's fastest of `repeats` runs; the engines alternate run by run, so a machine
+    whose speed drifts (a shared host) drifts both alike."""
+    for llm in engines.values():
+        llm.generate(prompts[:1], params)  # warm-up
+    best: dict = {name: None for name in engines}
     for _ in range(repeats):
-        before = llm.stats()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
-        after = llm.stats()
-        run = {
-            "seconds": seconds,
-            "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "outputs": [o.outputs[0].token_ids for o in outs],
-            "verifies": after["spec_verifies"] - before["spec_verifies"],
-            "accepted": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
-            "spec_windows": after["spec_windows"] - before["spec_windows"],
-            "windows": after["windows"] - before["windows"],
-        }
-        if best is None or seconds < best["seconds"]:
-            best = run
-    best["tokens_per_s"] = best["tokens"] / best["seconds"]
-    best["accepted_per_verify"] = best["accepted"] / best["verifies"] if best["verifies"] else 0.0
-    best["spec_window_share"] = best["spec_windows"] / best["windows"] if best["windows"] else 0.0
+        for name, llm in engines.items():
+            run = _run(llm, prompts, params)
+            if best[name] is None or run["seconds"] < best[name]["seconds"]:
+                best[name] = run
+    for run in best.values():
+        run["tokens_per_s"] = run["tokens"] / run["seconds"]
+        run["accepted_per_verify"] = run["accepted"] / run["verifies"] if run["verifies"] else 0.0
+        run["spec_window_share"] = run["spec_windows"] / run["windows"] if run["windows"] else 0.0
     return best
 
 
@@ -93,7 +102,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=8, help="decode steps (rounds) per window")
     p.add_argument("-d", type=int, default=8, help="num_speculative_tokens")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating); the fastest kept")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="profiling/out/bench_spec")
     args = p.parse_args(argv)
@@ -117,8 +126,8 @@ def main(argv=None) -> dict:
     for name, texts in (("input-grounded", GROUNDED), ("open-ended", OPEN_ENDED)):
         for batch in batches:
             prompts = _prompts(plain, texts, batch)
-            base = measure(plain, prompts, params, args.repeats)
-            fast = measure(spec, prompts, params, args.repeats)
+            runs = measure({"plain": plain, "spec": spec}, prompts, params, args.repeats)
+            base, fast = runs["plain"], runs["spec"]
             point = {
                 "set": name, "batch": batch,
                 "plain_tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": fast["tokens_per_s"],

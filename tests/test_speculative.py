@@ -167,7 +167,22 @@ def test_nothing_to_copy_falls_back_to_plain_windows(tiny_models):
     llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=120, ignore_eos=True))
     stats = llm.stats()
     assert stats["spec_windows"] >= 1 and stats["spec_window_share"] < 0.5  # probes only
-    assert llm.engine.runner.spec_policy.accepted_per_verify < llm.engine.runner.spec_policy.min_accepted
+    assert llm.engine.spec_policy.accepted_per_verify < llm.engine.spec_policy.min_accepted
+
+
+def test_penalty_windows_run_plain_and_do_not_stall_the_policy(tiny_models):
+    """A window chosen to speculate runs plain when a row needs penalties; the policy is told,
+    so a later request without penalties still speculates (and both give plain tokens)."""
+    path = tiny_models["llama_head_dim"]
+    plain = LLM(path, **ENGINE)
+    spec = LLM(path, speculative_config=SPEC, **ENGINE)
+    prompts = repetitive_prompts(3)
+    penalised = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5)
+    assert tokens_of(spec.generate(prompts, penalised)) == tokens_of(plain.generate(prompts, penalised))
+    assert spec.stats()["spec_windows"] == 0
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert tokens_of(spec.generate(prompts, greedy)) == tokens_of(plain.generate(prompts, greedy))
+    assert spec.stats()["spec_windows"] > 0  # the probe chosen during the penalty windows did not stay pending
 
 
 def test_speculative_config_is_validated(tiny_models):
@@ -208,9 +223,42 @@ def test_spec_policy_probes_and_waits_for_reports():
     from graphdecode.runtime.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
-    assert policy.speculate() and not policy.speculate()  # one probe, then plain until it reports
+    assert policy.speculate(8) and not policy.speculate(8)  # one probe, then plain until it reports
     policy.observe(verifies=8, accepted=0)
-    assert [policy.speculate() for _ in range(5)] == [False, False, False, True, False]  # a probe in 4
+    assert [policy.speculate(8) for _ in range(9)] == [False] * 7 + [True, False]  # the interval doubled: 8
     policy.observe(verifies=8, accepted=24)  # copying pays now (average 1.5)
-    assert all(policy.speculate() for _ in range(3))
-    assert not SpecPolicy(enabled=False).speculate()
+    assert all(policy.speculate(8) for _ in range(3))
+    assert policy.interval == 4  # a paying report resets the probe interval
+    assert not SpecPolicy(enabled=False).speculate(8)
+
+
+def test_spec_policy_weighs_acceptance_against_measured_cost():
+    """Speculate while 1 + accepted per verify >= speculative window time / plain window time."""
+    from graphdecode.runtime.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
+    for speculative, seconds in [(False, 9.0), (False, 1.0), (True, 9.0), (True, 3.0)]:  # the first of each: warm-up
+        policy.observe_window(8, speculative, seconds)
+    assert policy.cost_ratio(8) == pytest.approx(3.0) and policy.cost_ratio(16) is None
+    assert policy.speculate(8)
+    policy.observe(verifies=10, accepted=15)  # 1.5 accepted: 2.5 tokens per verify, for 3x the cost
+    assert not policy.speculate(8)
+    assert policy.speculate(16)  # no cost measured at bucket 16: acceptance alone decides
+    policy.observe_window(8, True, 1.5)  # verify got cheaper: ratio (3 + 1.5) / 2 = 2.25
+    assert policy.speculate(8)
+
+
+def test_spec_policy_backs_off_and_withdraws():
+    from graphdecode.runtime.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=8)
+    assert policy.speculate(1)
+    policy.withdraw()  # it ran plain: no report, so the next window may probe again
+    assert policy.speculate(1)
+    intervals = []
+    for _ in range(5):
+        policy.observe(verifies=4, accepted=0)
+        intervals.append(policy.interval)
+        while not policy.speculate(1):
+            pass
+    assert intervals == [4, 8, 8, 8, 8]  # each failed probe doubles the interval, up to the cap

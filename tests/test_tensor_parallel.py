@@ -150,3 +150,16 @@ def test_cli_tensor_parallel(text_model, capsys):
     single = capsys.readouterr().out
     assert main(args + ["--tensor-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == single
+
+
+def test_tp2_speculation_gives_the_tp1_tokens(tiny_models):
+    """The speculate-or-plain choice travels in the plan, so every rank replays the same window."""
+    path = tiny_models["llama_gqa_llama3"]
+    bases = random_prompts(4, [3, 5, 8], seed=2)
+    prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in bases]  # repetitive: drafts get accepted
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = outputs(LLM(path, **ENGINE), prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as tp2:
+        assert outputs(tp2, prompts, params) == want
+        assert tp2.stats()["spec_windows"] > 0

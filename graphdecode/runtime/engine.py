@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,6 +29,7 @@ from .pythonizer import PendingCopy
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .spec_policy import SpecPolicy
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -95,6 +96,7 @@ class Engine:
             raise
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
+        self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)  # speculative or plain, per window
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -145,6 +147,9 @@ class Engine:
             t0 = time.perf_counter()
             with annotate("graphdecode.schedule"):
                 plan = self.scheduler.schedule()
+                if plan.window is not None and plan.window.decode and self.spec_policy.enabled:
+                    plan.window = replace(plan.window, speculative=self.spec_policy.speculate(
+                        plan.window.bucket))
             t1 = time.perf_counter()
             with annotate("graphdecode.launch"):
                 pending = self._launch(plan)
@@ -185,6 +190,10 @@ class Engine:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
         decode = plan.window is not None and plan.window.decode
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
+        if result.window_seconds is not None:
+            self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds)
+        if decode and plan.window.speculative and not pending.speculative:
+            self.spec_policy.withdraw()  # it ran plain (penalty rows): no report will come
         if result.spec is not None:
             self._account_speculation(result.spec)
         self.scheduler.cache_decoded(changed)
@@ -197,7 +206,7 @@ class Engine:
         s.spec_draft_tokens += drafted
         s.spec_accepted_tokens += accepted
         s.spec_verifies += rounds
-        self.runner.spec_policy.observe(rounds, accepted)
+        self.spec_policy.observe(rounds, accepted)
 
     def _on_finish(self, seq: Sequence) -> None:
         if seq.detokenizer is not None:

@@ -71,6 +71,10 @@ class PrefillChunk:
 class WindowSpec:
     bucket: int  # padded rows the window (and the output copy) covers
     decode: bool  # run the k decode steps (False: only the prefill's first tokens are read out)
+    # the engine's speculation policy chose a speculative window (set before the plan reaches
+    # any rank, so every tensor-parallel rank runs the same graph); it runs plain when a row
+    # needs penalties, which would have to count every draft
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

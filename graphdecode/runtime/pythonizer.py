@@ -8,6 +8,11 @@ steady state the event has long completed and the device never idles.
 
 Double buffering: window w fills buffer w % 2; the host has finished reading window
 w - 2 (same buffer) before window w is launched.
+
+Window timing: `start_window()` just before a decode window runs and `enqueue()` right
+after bracket it; `wait()` then reports the window's time (CUDA timing events around the
+graph replay on a GPU, so it is device time and costs no sync; wall time on a CPU, where
+the window runs eagerly inside the launch). The speculation policy reads it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class WindowResult:
     lp_top_ids: np.ndarray | None = None  # [bucket, width, N] int64
     lp_top: np.ndarray | None = None  # [bucket, width, N] float32
     spec: np.ndarray | None = None  # [3, bucket] int32 after a speculative window: drafted, accepted, rounds
+    window_seconds: float | None = None  # the decode window's own time, when one ran
 
 
 @dataclass
@@ -40,6 +46,8 @@ class PendingCopy:
     event: object  # torch.cuda.Event, or None on CPU (copies are synchronous there)
     extras: list | None = None  # host copies of other results (prompt logprobs), valid after wait()
     speculative: bool = False
+    timed: bool = False  # a decode window ran between start_window() and enqueue()
+    cpu_seconds: float | None = None  # its wall time on a CPU (CUDA: the slot's timing events)
 
 
 class Pythonizer:
@@ -58,12 +66,31 @@ class Pythonizer:
         ]
         self._next = 0
         self.seconds_blocked = 0.0
+        self._timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(2)] if self.cuda else None
+        self._window_start: float | None = None  # perf_counter at start_window(), CPU
+        self._window_open = False
+
+    def start_window(self) -> None:
+        """Mark the start of a decode window (the next enqueue() marks its end)."""
+        self._window_open = True
+        if self.cuda:
+            self._timing[self._next][0].record()
+        else:
+            self._window_start = time.perf_counter()
 
     def enqueue(self, bucket: int, with_logprobs: bool, extras=None, speculative: bool = False) -> PendingCopy:
         """extras: a list of tuples of device tensors to bring to the host behind the same event."""
         slot_index = self._next
         self._next ^= 1
         slot = self._slots[slot_index]
+        timed, cpu_seconds = self._window_open, None
+        self._window_open = False
+        if timed:  # the window's end, before the copies
+            if self.cuda:
+                self._timing[slot_index][1].record()
+            else:
+                cpu_seconds = time.perf_counter() - self._window_start
         names = self._ALWAYS + (self._LOGPROBS if with_logprobs else ()) + (self._SPEC if speculative else ())
         for name in names:
             slot[name][:bucket].copy_(getattr(self.state, name)[:bucket], non_blocking=True)  # a row prefix
@@ -74,7 +101,7 @@ class Pythonizer:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative)
+        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative, timed, cpu_seconds)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -96,4 +123,10 @@ class Pythonizer:
             )
         if pending.speculative:
             result.spec = np.stack([slot[name][:b].numpy() for name in self._SPEC])
+        if pending.timed:
+            if self.cuda:
+                start, end = self._timing[pending.slot]
+                result.window_seconds = start.elapsed_time(end) / 1000.0  # both completed: the event above
+            else:
+                result.window_seconds = pending.cpu_seconds
         return result

@@ -32,7 +32,6 @@ from ..ranges import annotate
 from .plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
-from .spec_policy import SpecPolicy
 
 
 def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device):
@@ -72,7 +71,6 @@ class ModelRunner:
             spec_tokens=config.num_speculative_tokens,
             history_len=config.max_model_len + config.num_speculative_tokens + 1,
         )
-        self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -106,10 +104,11 @@ class ModelRunner:
             return None  # nothing sampled this step (prefill chunks that are not a sequence's last)
         variant = self.row_counts.variant()
         if window is not None and window.decode:
-            if not variant.penalties and self.spec_policy.speculate():  # penalties would count every draft
+            if window.speculative and not variant.penalties:  # penalties would count every draft
                 variant = dataclasses.replace(variant, speculative=True)
             with annotate("graphdecode.window"):
                 width = self._kv_width()
+                self.pythonizer.start_window()
                 self.windows.run(window.bucket, variant, width, self._ragged(window.bucket, width))
         bucket = window.bucket if window is not None else 0
         return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results,

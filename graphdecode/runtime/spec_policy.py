@@ -1,46 +1,75 @@
-"""When a window speculates: the host's choice, per window, from the rows' recent acceptance.
+"""When a window speculates: the host's choice, per window, from measured acceptance and cost.
 
-A speculative window costs a verify forward of d + 1 tokens per row and round (on a
-CPU, SmolLM2 at batch 1: 1.23x a plain window); it pays when drafts are accepted.
-The policy keeps an exponential average of accepted drafts per verify, reported by
-the speculative windows themselves one window late. With no report yet, it launches
-one speculative window and then plain ones until that report arrives; afterwards it
-speculates while the average is at least `min_accepted`, and otherwise runs plain
-windows, probing with one speculative window every `probe_every` plain ones (again
-waiting for its report) to notice when copying starts to pay. A prompt with nothing
-to copy therefore pays for one speculative window in `probe_every` + 1.
+A speculative window emits 1 + a tokens per row and round, where a is the mean number of
+accepted drafts per verify; it costs c plain windows, where c = (speculative window
+time) / (plain window time) at the same bucket. It pays when 1 + a >= c. Both are
+measured, not assumed: the speculative windows report their acceptance one window late,
+and every decode window reports its own time (device time from CUDA events on a GPU,
+where a verify of d + 1 tokens costs about what one decode step does, so c is near 1;
+wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.5 to 5).
+
+The policy keeps exponential averages of a and of each (bucket, kind) window time. With
+no acceptance report yet it launches one speculative window (a probe) and then plain
+ones until that report arrives; afterwards it speculates while
+a >= max(min_accepted, c - 1) (c where both times are known for the bucket), and
+otherwise runs plain windows, probing again after `probe_every` plain ones to notice
+when copying starts to pay. A probe that does not pay doubles the interval (up to
+`max_probe_every`); one that pays resets it. A prompt with nothing to copy therefore
+pays for a vanishing share of speculative windows.
 """
 
 from __future__ import annotations
 
 
 class SpecPolicy:
-    def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16, smoothing: float = 0.5):
+    def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
+                 max_probe_every: int = 256, smoothing: float = 0.5):
         self.enabled = enabled
         self.min_accepted = min_accepted
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.smoothing = smoothing
         self.accepted_per_verify: float | None = None  # unknown until a speculative window reports
+        self.window_seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> average
+        self._seen: set[tuple[int, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
+        self.interval = probe_every
         self._probing = False  # a probe window is in flight: wait for its report
         self._plain_since = 0
+        self._bucket = 0  # the bucket of the last decision
 
-    def speculate(self) -> bool:
+    def cost_ratio(self, bucket: int) -> float | None:
+        """A speculative window's time over a plain one's at this bucket, once both are measured."""
+        spec, plain = self.window_seconds.get((bucket, True)), self.window_seconds.get((bucket, False))
+        if spec is None or plain is None or plain <= 0:
+            return None
+        return spec / plain
+
+    def pays(self, bucket: int) -> bool:
+        if self.accepted_per_verify is None:
+            return False
+        ratio = self.cost_ratio(bucket)
+        need = self.min_accepted if ratio is None else max(self.min_accepted, ratio - 1.0)
+        return self.accepted_per_verify >= need
+
+    def speculate(self, bucket: int) -> bool:
         if not self.enabled:
             return False
-        if self.accepted_per_verify is not None and self.accepted_per_verify >= self.min_accepted:
+        self._bucket = bucket
+        if self.pays(bucket):
             return True
         if self._probing:
             return False
         if self.accepted_per_verify is not None:
             self._plain_since += 1
-            if self._plain_since < self.probe_every:
+            if self._plain_since < self.interval:
                 return False
         self._plain_since = 0
         self._probing = True
         return True
 
     def observe(self, verifies: int, accepted: int) -> None:
-        self._probing = False
+        """A speculative window's report: row-rounds verified and drafts accepted."""
+        probe, self._probing = self._probing, False
         if verifies <= 0:
             return
         rate = accepted / verifies
@@ -48,3 +77,20 @@ class SpecPolicy:
             self.accepted_per_verify = rate
         else:
             self.accepted_per_verify = self.smoothing * self.accepted_per_verify + (1 - self.smoothing) * rate
+        if self.pays(self._bucket):
+            self.interval = self.probe_every
+        elif probe:
+            self.interval = min(2 * self.interval, self.max_probe_every)
+
+    def withdraw(self) -> None:
+        """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
+        self._probing = False
+
+    def observe_window(self, bucket: int, speculative: bool, seconds: float) -> None:
+        """A decode window's measured time (the first of each kind and bucket is skipped: it may compile)."""
+        key = (bucket, speculative)
+        if key not in self._seen:
+            self._seen.add(key)
+            return
+        old = self.window_seconds.get(key)
+        self.window_seconds[key] = seconds if old is None else self.smoothing * old + (1 - self.smoothing) * seconds
