@@ -39,8 +39,6 @@ import contextlib
 import json
 import os
 import resource
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +50,7 @@ import torch  # noqa: E402
 from graphdecode import LLM, SamplingParams  # noqa: E402
 from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
 from graphdecode.models import load_model_config  # noqa: E402
+from graphdecode.server.launch import start_server, stop_server  # noqa: E402
 
 MODEL_NAME = "bench"
 
@@ -61,12 +60,6 @@ def _percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -117,36 +110,16 @@ def run_in_process(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 # ------------------------------------------------------------------ served
-def start_server(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--model", model_dir, "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--threads", str(args.threads), "--no-access-log",
+def start(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subprocess.Popen, str]:
+    cmd = ["--model", model_dir, "--served-model-name", MODEL_NAME, "--threads", str(args.threads), "--no-access-log",
            "--log-level", "warning", "-k", str(engine_args["num_decode_steps"]),
-           "--max-batch-size", str(engine_args["max_batch_size"]),
-           "--max-model-len", str(engine_args["max_model_len"])]
+           "--max-batch-size", str(engine_args["max_batch_size"]), "--max-model-len", str(engine_args["max_model_len"])]
     if args.device:
         cmd += ["--device", args.device]
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not come up in 600 s")
+    return start_server(cmd, log_path, env=env)
 
 
 async def _one_openai(client, prompt, max_tokens: int) -> dict:
@@ -356,7 +329,7 @@ def main(argv=None) -> dict:
         engine_args["device"] = args.device
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    proc, url = (None, args.url) if args.url else start_server(model_dir, args, engine_args, f"{args.out}.log")
+    proc, url = (None, args.url) if args.url else start(model_dir, args, engine_args, f"{args.out}.log")
     exit_status = None
     try:
         llm = None if args.skip_in_process else LLM(model_dir, **engine_args)
@@ -364,12 +337,7 @@ def main(argv=None) -> dict:
         points = asyncio.run(run_all(url, proc, llm, args, prompts))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_status = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                exit_status = proc.wait()
+            exit_status = stop_server(proc)
 
     by_n = {pt["clients"]: pt for pt in points}
     goals = {}

@@ -17,8 +17,8 @@ def prompts_of(lengths, seed=0):
 def record_plans(llm: LLM) -> list:
     plans, schedule = [], llm.engine.scheduler.schedule
 
-    def recording():
-        plan = schedule()
+    def recording(*args):
+        plan = schedule(*args)
         plans.append(plan)
         return plan
 

@@ -39,14 +39,14 @@ def pages_written_are_never_cached(llm: LLM) -> list[str]:
     schedule, prefill = engine.scheduler.schedule, engine.runner.prefill
     before: dict[int, bytes] = {}
 
-    def snapshot_schedule():
+    def snapshot_schedule(*args):
         before.clear()
         before.update((p, pool.key_of(p)) for p in range(pool.num_pages) if pool.is_cached(p))
         for seq in engine.scheduler.running.values():  # a window writes from the last known token on
             for page in seq.pages[(seq.num_tokens - 1) // size :]:
                 if page in before:
                     problems.append(f"a window may write cached page {page}")
-        return schedule()
+        return schedule(*args)
 
     def checked_prefill(chunks):
         for c in chunks:

@@ -9,9 +9,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +19,7 @@ from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode import LLM, SamplingParams
+from graphdecode.server.launch import start_server, stop_server
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 1024
@@ -29,42 +28,9 @@ PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(model: str, log_path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--model", model, "--port", str(port),
-           "--served-model-name", MODEL, "--threads", "1", "--no-access-log", "--log-level", "warning", *extra]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server did not come up:\n{open(log_path).read()}")
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(40)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    return start_server(["--model", model, "--served-model-name", MODEL, "--threads", "1", "--no-access-log",
+                         "--log-level", "warning", *extra], str(log_path), timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +39,7 @@ def server(text_model, tmp_path_factory):
     proc, url = _start_server(text_model, log, "-k", str(ENGINE["num_decode_steps"]), "--max-model-len",
                               str(MAX_MODEL_LEN), "--max-batch-size", str(ENGINE["max_batch_size"]))
     yield url
-    assert _stop(proc) == 0, open(log).read()
+    assert stop_server(proc, 40) == 0, open(log).read()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Engine: the step loop. Each step is schedule -> run -> postprocess.
 
-    plan    = scheduler.schedule()        rows in/out, lookahead pages, prefill chunks, the window's bucket
+    plan    = scheduler.schedule(spec)    rows in/out, lookahead pages, prefill chunks, the window's bucket
+                                          (spec: the speculation policy's choice for this window)
     pending = runner.execute(plan)        stage rows, prefill, launch the window, copy out
                                           (with tensor parallelism the plan goes to every rank first)
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -146,10 +147,10 @@ class Engine:
         with torch.inference_mode():
             t0 = time.perf_counter()
             with annotate("graphdecode.schedule"):
-                plan = self.scheduler.schedule()
-                if plan.window is not None and plan.window.decode and self.spec_policy.enabled:
-                    plan.window = replace(plan.window, speculative=self.spec_policy.speculate(
-                        plan.window.bucket))
+                speculative = self.spec_policy.speculate(self.scheduler.bucket)
+                plan = self.scheduler.schedule(speculative)
+                if speculative and not (plan.window is not None and plan.window.decode):
+                    self.spec_policy.withdraw()  # no decode window this step
             t1 = time.perf_counter()
             with annotate("graphdecode.launch"):
                 pending = self._launch(plan)

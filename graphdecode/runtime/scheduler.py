@@ -110,20 +110,28 @@ class Scheduler:
         return group_pages(num_tokens, n, max_len, self.page_size, self.window_tokens)
 
     # -------------------------------------------------------------- schedule
-    def schedule(self) -> StepPlan:
+    @property
+    def bucket(self) -> int:
+        """The bucket the running rows occupy now (0 when none run): the next window's, unless rows join."""
+        return self._bucket_of[max(s.row for s in self.running.values()) + 1] if self.running else 0
+
+    def schedule(self, speculative: bool = False) -> StepPlan:
+        """speculative: the engine's choice for this step's window; a plain window reserves
+        lookahead for k tokens per row, a speculative one for k (d + 1)."""
         plan = StepPlan()
+        window_tokens = self.window_tokens if speculative else self.num_decode_steps
         self._retire_drained()
-        if not self._reserve_lookahead(plan):
+        if not self._reserve_lookahead(plan, window_tokens):
             self._schedule_prefills(plan)
         decode = any(not s.is_draining for s in self.running.values())
         if decode:
             for seq in self.running.values():
-                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + self.window_tokens, seq.max_len)
+                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + window_tokens, seq.max_len)
                 seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
         started = {start.row for start in plan.started_rows}
         if decode or started:
             top = max(s.row for s in self.running.values()) + 1
-            plan.window = WindowSpec(bucket=self._bucket_of[top], decode=decode)
+            plan.window = WindowSpec(bucket=self._bucket_of[top], decode=decode, speculative=speculative and decode)
             if decode:
                 plan.readout += [Readout(s.row, s, s.epoch, 1) for s in self.running.values() if s.row not in started]
         plan.cleared_rows, self._cleared = self._cleared, []
@@ -140,13 +148,14 @@ class Scheduler:
         for seq in [s for s in self.running.values() if s.is_draining]:
             self._release(seq)
 
-    def _reserve_lookahead(self, plan: StepPlan) -> int:
-        """Pages for one more window for every running sequence; returns the number of preemptions."""
+    def _reserve_lookahead(self, plan: StepPlan, window_tokens: int) -> int:
+        """Pages for one more window (window_tokens per row) for every running sequence; returns
+        the number of preemptions."""
         preempted = 0
         for seq in list(self.running.values()):
             if not seq.is_running:
                 continue
-            need = pages_for(min(seq.num_scheduled_tokens + self.window_tokens, seq.max_len), self.page_size)
+            need = pages_for(min(seq.num_scheduled_tokens + window_tokens, seq.max_len), self.page_size)
             need -= len(seq.pages)
             if need <= 0:
                 continue
@@ -187,6 +196,8 @@ class Scheduler:
         hits = []  # prompt logprobs come from prefill's logits: such a request computes its whole prompt
         if not leader.request.needs_prompt_logprobs:
             hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
+        # the most one window can add (k (d + 1) with speculation): the window the group joins
+        # may be speculative, and the lookahead reserved for it does not cover joining rows
         total = pages_for(min(num_tokens + 1 + self.window_tokens, leader.max_len), self.page_size)
         shared = num_tokens // self.page_size if len(group) > 1 else 0
         new = total - len(hits) + (len(group) - 1) * (total - shared)

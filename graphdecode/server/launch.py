@@ -1,0 +1,59 @@
+"""Start `graphdecode serve` as a subprocess and stop it: for scripts, benchmarks and tests.
+
+    proc, url = start_server(["--model", model_dir, "-k", "8"], "server.log")
+    ...  # talk to url + "/v1/completions"
+    stop_server(proc)  # SIGTERM (graceful: unfinished requests end), then the exit status
+
+The server's output goes to `log_path`; a server that exits or does not answer
+`/health` in time raises RuntimeError with that log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from ..distributed.executor import free_port
+
+
+def start_server(args: list[str], log_path: str, timeout_s: float = 600.0,
+                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Run `python -m graphdecode.server.openai_api --port <free port> *args`; return (process, base url)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{_read(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n{_read(log_path)}")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """SIGTERM, then SIGKILL after timeout_s; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _read(path: str) -> str:
+    return open(path).read() if os.path.exists(path) else ""
