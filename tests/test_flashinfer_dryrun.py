@@ -170,6 +170,15 @@ def test_prefill_plans_each_batch_and_alternates_wrappers(kernels):
         assert torch.equal(fi_caches[0], ref_caches[0])
     assert used[0] is not used[1] and used[0] is used[2]
     assert _Event.synchronized >= 1  # reusing a wrapper waits for its previous upload
+    # a partial prefix hit: the third sequence's first 2 slots are copied from page 3 (which
+    # this very forward writes) after the write and before attending, as the torch reference does
+    meta.copy_src, meta.copy_dst = torch.tensor([12, 13]), torch.tensor([44, 45])
+    backend.plan_prefill(meta)
+    q = torch.randn(15, H, D).bfloat16()
+    k, v = torch.randn(15, H_KV, D).bfloat16(), torch.randn(15, H_KV, D).bfloat16()
+    got, want = backend.prefill(0, q, k, v, meta), reference.prefill(0, q, k, v, meta)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(fi_caches[0], ref_caches[0]) and torch.equal(fi_caches[0][11, :, :2], fi_caches[0][3, :, :2])
 
 
 def test_window_graphs_plan_every_bucket_up_front(kernels):

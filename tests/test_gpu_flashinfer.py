@@ -151,3 +151,13 @@ def test_prefill_matches_the_torch_reference(num_heads, num_kv_heads, head_dim):
         want = ref.prefill(0, q, k, v, meta)
         torch.testing.assert_close(got.float(), want.float(), **TOL)
         assert torch.equal(fi_caches[0], ref_caches[0])
+    # a partial prefix hit: slots copied (after the write, before attending) from a page this
+    # very forward writes, as the torch reference does
+    src_page, dst_page = int(table[4, 0]), int(table[5, 0])
+    meta.copy_src = (src_page * page_size + torch.arange(5)).cuda()
+    meta.copy_dst = (dst_page * page_size + torch.arange(5)).cuda()
+    fi.plan_prefill(meta)
+    got, want = fi.prefill(0, q, k, v, meta), ref.prefill(0, q, k, v, meta)
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
+    assert torch.equal(fi_caches[0], ref_caches[0])
+    assert torch.equal(fi_caches[0][dst_page, :, :5], fi_caches[0][src_page, :, :5])

@@ -85,28 +85,54 @@ def test_outputs_identical_with_caching_on_and_off(tiny_models, model):
 
 
 def test_hit_counts_are_exact(tiny_models):
-    """10 prompts sharing a 100-token prefix, page size 16: 6 full pages per later prompt are hits."""
+    """10 prompts sharing a 100-token prefix, page size 16: 6 full pages per later prompt are hits,
+    and the 4 prefix tokens of the 7th page are a partial hit (copied from the first prompt's page)."""
     llm = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, page_size=16, max_model_len=256)
     prompts = shared_prefix_prompts(10, 100, 20)
     run(llm, prompts, GREEDY)
     stats = llm.stats()
     assert stats["prefix_cache_queries"] == 10 * 120
-    assert stats["prefix_cache_hits"] == 9 * 6 * 16
-    assert stats["prefill_tokens"] == 120 + 9 * (120 - 96)
+    assert stats["prefix_cache_hits"] == 9 * 100
+    assert stats["prefill_tokens"] == 120 + 9 * 20  # the prefix is computed once
     # requests admitted in the same step hit the pages that step's prefill computes (one forward
-    # writes every layer's K/V before attending), so arriving together computes the prefix once
+    # writes every layer's K/V, then copies the partial hits, before attending), so arriving
+    # together computes the prefix once
     fresh = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, page_size=16, max_model_len=256)
     together = run(fresh, shared_prefix_prompts(4, 100, 20, seed=7), GREEDY, first_alone=False)
-    assert fresh.stats()["prefix_cache_hits"] == 3 * 6 * 16 and fresh.stats()["prefill_batches"] == 1
+    assert fresh.stats()["prefix_cache_hits"] == 3 * 100 and fresh.stats()["prefill_batches"] == 1
+    assert fresh.stats()["prefill_tokens"] == 120 + 3 * 20
     off = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, page_size=16, max_model_len=256,
               enable_prefix_caching=False)
     assert together == run(off, shared_prefix_prompts(4, 100, 20, seed=7), GREEDY, first_alone=False)
-    # a repeated prompt recomputes only what follows its last full page before its last token
+    # a repeated prompt recomputes only its last token: 7 full pages, and 7 of the 8th page's
+    # tokens from the earlier request's page (prompt tokens 112..119, then its answer)
     again = fresh.stats()
     fresh.generate(shared_prefix_prompts(1, 100, 20, seed=7), GREEDY)
-    assert fresh.stats()["prefix_cache_hits"] - again["prefix_cache_hits"] == 7 * 16  # (120 - 1) // 16 pages
-    assert fresh.stats()["prefill_tokens"] - again["prefill_tokens"] == 120 - 7 * 16
+    assert fresh.stats()["prefix_cache_hits"] - again["prefix_cache_hits"] == 7 * 16 + 7
+    assert fresh.stats()["prefill_tokens"] - again["prefill_tokens"] == 1
     assert fresh.stats()["cached_pages"] > 0
+    # with caching off nothing is a hit, partial or not
+    assert off.stats()["prefix_cache_hits"] == 0 and off.stats()["prefill_tokens"] == 4 * 120
+
+
+def test_partial_hits_identical_across_page_sizes_and_budgets(tiny_models):
+    """Partial hits wherever the shared part ends (inside a page, on its edge, in the first page),
+    in the same step as their source or later, with chunks smaller than a page: the tokens of
+    caching off."""
+    path = tiny_models["qwen2_tied"]
+    prompts = []
+    for length, seed in ((37, 1), (48, 2), (5, 3)):
+        prompts += shared_prefix_prompts(3, length, 6, seed=seed)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10)
+    for page_size, budget in ((16, 8192), (16, 7), (32, 64)):
+        common = dict(num_decode_steps=4, page_size=page_size, max_model_len=128, max_batch_size=8,
+                      max_num_batched_tokens=budget)
+        on, off = LLM(path, **common), LLM(path, enable_prefix_caching=False, **common)
+        problems = pages_written_are_never_cached(on)
+        for first_alone in (True, False):
+            assert run(on, prompts, params, first_alone) == run(off, prompts, params, first_alone), (page_size, budget)
+        assert problems == []
+        assert on.stats()["prefill_tokens"] < off.stats()["prefill_tokens"]
 
 
 def test_generated_pages_are_cached_for_the_next_turn(tiny_models):
@@ -173,6 +199,22 @@ def test_page_pool_cache_and_lru():
     p = off.allocate(1)
     off.cache_page(p[0], keys[0])
     assert off.lookup(keys) == [] and off.num_cached == 0
+
+
+def test_page_pool_partial_lookup():
+    pool = PagePool(8)
+    parent = page_key(b"", [1, 2])
+    a, b = pool.allocate(2)
+    pool.cache_page(a, page_key(parent, [5, 6, 7, 8]), parent, [5, 6, 7, 8])
+    pool.cache_page(b, page_key(parent, [5, 6, 0, 0]), parent, [5, 6, 0, 0])
+    assert pool.partial_lookup(parent, [5, 6, 7]) == (a, 3)  # the longest common start wins
+    assert pool.partial_lookup(parent, [5, 6, 9]) in ((a, 2), (b, 2))
+    assert pool.partial_lookup(parent, [4]) == (0, 0) and pool.partial_lookup(b"other", [5]) == (0, 0)
+    pool.free([a, b])
+    pool.allocate(6)  # 5 never-keyed pages, then the LRU keyed one (b, freed first): forgotten
+    assert pool.partial_lookup(parent, [5, 6, 0]) == (a, 2) and pool.num_evictions == 1
+    pool.allocate(1)
+    assert pool.partial_lookup(parent, [5]) == (0, 0) and pool.num_cached == 0
 
 
 def test_scheduler_never_touches_staging_or_the_device():

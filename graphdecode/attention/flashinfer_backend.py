@@ -47,7 +47,7 @@ from .backend import AttentionBackend
 from .flashinfer_ops import register_backend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
 from .flashinfer_probe import SUPPORTED_DTYPES
-from .kv_cache import write_kv
+from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
@@ -73,6 +73,7 @@ class FlashInferBackend(AttentionBackend):
         self._prefill_uploads: list[torch.cuda.Event | None] = [None, None]
         self._prefill_next = 0
         self._prefill_wrapper = None  # the wrapper planned for the current prefill batch
+        self._prefill_copies = None  # (src slots, dst slots) of the current prefill batch
         self._decode_wrappers: dict[int, object] = {}  # bucket -> planned wrapper
         self._decode_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host plan inputs, kept alive
         self._verify_wrappers: dict[int, object] = {}  # bucket -> planned verify wrapper
@@ -111,6 +112,7 @@ class FlashInferBackend(AttentionBackend):
         event.record(torch.cuda.current_stream(self.device))
         self._prefill_uploads[index] = event
         self._prefill_wrapper = wrapper
+        self._prefill_copies = None if meta.copy_src is None else (meta.copy_src, meta.copy_dst)
 
     def plan_decode(self, bucket: int, meta: DecodeMetadata) -> None:
         """Build and plan the bucket's wrapper once; later calls for the bucket do nothing."""
@@ -223,6 +225,8 @@ class FlashInferBackend(AttentionBackend):
         write_kv(kv, k, v, slot_mapping)
         if self._prefill_wrapper is None:
             raise RuntimeError("FlashInferBackend: prefill before plan_prefill")
+        if self._prefill_copies is not None:  # partial prefix hits, after this forward's writes
+            copy_slots(kv, *self._prefill_copies)
         return self._prefill_wrapper.run(q.contiguous(), kv, enable_pdl=False)
 
     def run_decode(self, layer, q, k, v, slot_mapping) -> torch.Tensor:

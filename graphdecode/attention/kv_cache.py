@@ -31,6 +31,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[:, 1][pages, offsets] = v
 
 
+def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V at slots src[i] -> dst[i] ([C] int64, device) of one layer's cache."""
+    page_size = kv_cache.shape[2]
+    kv_cache[dst // page_size, :, dst % page_size] = kv_cache[src // page_size, :, src % page_size]
+
+
 def copy_page(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole pages src[i] -> dst[i] ([n] int64, device) in every layer."""
     for kv in kv_caches:

@@ -18,6 +18,10 @@ class PrefillMetadata:
     query_lens_host: list[int]  # [G] host copies for backends that plan on the host
     seq_lens_host: list[int]
     block_table_host: torch.Tensor  # [G, pages] int32, cpu (pinned on CUDA)
+    # partial prefix-cache hits (runtime.plan.PrefixCopy): in every layer, once the batch's K/V
+    # is written and before attending, slot copy_src[i] is copied to copy_dst[i] ([C] int64)
+    copy_src: torch.Tensor | None = None
+    copy_dst: torch.Tensor | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .backend import AttentionBackend
-from .kv_cache import write_kv
+from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
 
@@ -29,6 +29,8 @@ class TorchAttentionBackend(AttentionBackend):
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
+        if meta.copy_src is not None:
+            copy_slots(kv, meta.copy_src, meta.copy_dst)
         page_size = kv.shape[2]
         out = torch.empty_like(q)
         start = 0

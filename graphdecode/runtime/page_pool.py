@@ -11,6 +11,13 @@ findable, in an LRU list, and is evicted (its key forgotten) only when an alloca
 needs it; pages never keyed are handed out first. Page 0 is the scratch page and is
 never handed out.
 
+A partial hit: a prompt that ends its shared part inside a page (a 1,000-token prefix at
+page size 16 ends 8 tokens into page 62) finds, among the cached children of its last
+hit page, one whose first tokens equal its own, and copies the K/V of those tokens
+(`partial_lookup`; the copy is the runner's, see runtime.plan.PrefixCopy). Each keyed
+page is listed under its parent's key with its tokens; the most recent few children of
+a parent are compared, so a lookup costs O(page size) whatever the cache holds.
+
 A page is keyed (`cache_page`) only once its K/V has been computed by work already
 enqueued (the scheduler's rule), so a hit never reads K/V that is still to be
 written. Whoever holds a page never writes below its computed tokens, so a shared
@@ -21,12 +28,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from itertools import islice
 
 import numpy as np
 
 from ..attention.kv_cache import SCRATCH_PAGE
 
 ROOT_KEY = b""
+PARTIAL_CANDIDATES = 4  # children of a page compared by a partial lookup, most recent first
 
 
 def page_key(parent: bytes, token_ids) -> bytes:
@@ -46,6 +55,8 @@ class PagePool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # keyed pages held by nobody, oldest first
         self._page_of_key: dict[bytes, int] = {}
         self._key_of_page: list[bytes | None] = [None] * num_pages
+        self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent key -> {page: its tokens}
+        self._parent_of_page: list[bytes | None] = [None] * num_pages
         self.num_evictions = 0
 
     # ----------------------------------------------------------------- counts
@@ -77,8 +88,7 @@ class PagePool:
                 page = self._free.pop()
             else:
                 page, _ = self._evictable.popitem(last=False)  # least recently used
-                del self._page_of_key[self._key_of_page[page]]
-                self._key_of_page[page] = None
+                self._forget(page)
                 self.num_evictions += 1
             self._refcount[page] = 1
             pages.append(page)
@@ -121,9 +131,41 @@ class PagePool:
             hits.append(page)
         return hits
 
-    def cache_page(self, page: int, key: bytes) -> None:
-        """Make a held, fully computed page findable by `key` (a no-op if the key is cached already)."""
+    def partial_lookup(self, parent: bytes, token_ids) -> tuple[int, int]:
+        """(page, count): a cached child page of `parent` whose first `count` tokens equal
+        `token_ids`' first, the longest among the most recent few; (0, 0) if none match."""
+        best_page, best = SCRATCH_PAGE, 0
+        children = self._children.get(parent) if self.enable_caching else None
+        if not children:
+            return best_page, best
+        for page in islice(reversed(children), PARTIAL_CANDIDATES):
+            count = 0
+            for mine, theirs in zip(token_ids, children[page]):
+                if mine != theirs:
+                    break
+                count += 1
+            if count > best:
+                best_page, best = page, count
+        return best_page, best
+
+    def cache_page(self, page: int, key: bytes, parent: bytes | None = None, token_ids=None) -> None:
+        """Make a held, fully computed page findable by `key` (a no-op if the key is cached
+        already); with its parent's key and its tokens it is also a partial-hit candidate."""
         if not self.enable_caching or key in self._page_of_key or self._key_of_page[page] is not None:
             return
         self._page_of_key[key] = page
         self._key_of_page[page] = key
+        if parent is not None:
+            self._children.setdefault(parent, {})[page] = tuple(token_ids)
+            self._parent_of_page[page] = parent
+
+    def _forget(self, page: int) -> None:
+        del self._page_of_key[self._key_of_page[page]]
+        self._key_of_page[page] = None
+        parent = self._parent_of_page[page]
+        if parent is not None:
+            self._parent_of_page[page] = None
+            children = self._children[parent]
+            del children[page]
+            if not children:
+                del self._children[parent]

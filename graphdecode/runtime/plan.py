@@ -46,12 +46,25 @@ class TableGrowth:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixCopy:
+    """A partial prefix-cache hit: the first `num_tokens` slots of cached page `source` hold
+    the K/V of the sequence's tokens that follow its full-page hits; they are copied into
+    `destination` (the sequence's own page there) in every layer, after the forward writes
+    its K/V and before it attends, so `source` may be computed by that very forward."""
+
+    source: int
+    destination: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Compute K/V for tokens [start, start + len(token_ids)) of one sequence.
 
     Attention sees every earlier token (cached prefix pages, earlier chunks). Only a
     sequence's last chunk is sampled: into `sample_rows` (n rows for n > 1), after which
-    `page_copies` give each child its own copy of the prompt's partial last page.
+    `page_copies` give each child its own copy of the prompt's partial last page. A
+    sequence's first chunk may carry a `prefix_copy` (a partial-page cache hit).
     """
 
     token_ids: tuple[int, ...]
@@ -61,6 +74,7 @@ class PrefillChunk:
     page_copies: tuple[tuple[int, int], ...] = ()  # (source page, destination page)
     prompt_logprobs: int | None = None  # top-N of prompt logprobs to compute (None: none)
     targets: tuple[int, ...] = ()  # the prompt tokens its first len(targets) positions predict
+    prefix_copy: PrefixCopy | None = None
 
     @property
     def end(self) -> int:

@@ -175,6 +175,11 @@ class ModelRunner:
         cu = np.zeros(len(chunks) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
         table_host = self._host(table)
+        copies = [c.prefix_copy for c in chunks if c.prefix_copy is not None]
+        copy_src = copy_dst = None
+        if copies:  # partial prefix hits: made in every layer between write and attend
+            src, dst = _copy_slots(copies, page_size)
+            copy_src, copy_dst = self._send(src), self._send(dst)
         meta = PrefillMetadata(
             cu_query_lens=self._send(cu),
             seq_lens=self._send(np.asarray(kv_lens, dtype=np.int32)),
@@ -183,6 +188,8 @@ class ModelRunner:
             query_lens_host=query_lens,
             seq_lens_host=kv_lens,
             block_table_host=table_host,
+            copy_src=copy_src,
+            copy_dst=copy_dst,
         )
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
@@ -225,3 +232,19 @@ class ModelRunner:
 
     def _send(self, array: np.ndarray) -> torch.Tensor:
         return self._host(array).to(self.device, non_blocking=True)
+
+
+def _copy_slots(copies, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slot pairs of the plan's partial-hit copies, which apply in plan order: a copy whose
+    source slot an earlier copy of the same forward fills reads that copy's source (one
+    gather then one scatter would otherwise read the slot before it is filled)."""
+    root: dict[int, int] = {}  # destination slot -> the slot its K/V comes from
+    src, dst = [], []
+    for copy in copies:
+        base_src, base_dst = copy.source * page_size, copy.destination * page_size
+        for i in range(copy.num_tokens):
+            s = root.get(base_src + i, base_src + i)
+            root[base_dst + i] = s
+            src.append(s)
+            dst.append(base_dst + i)
+    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)

@@ -10,7 +10,10 @@ a fresh request (prefilled once by seqs[0], then forked) or one preempted sequen
 (recomputed from its prompt and the tokens it produced).
 
 Admission: the leader's full pages found in the prefix cache count as computed (never
-its last token: it is recomputed for the logits); the group then gets every page it
+its last token: it is recomputed for the logits), and so do the first tokens of its next
+page when a cached page there starts with them (a partial hit: its first chunk copies
+their K/V, see plan.PrefixCopy; the source page is held until the step is planned); the
+group then gets every page it
 needs for its tokens, its first sampled token and one window (children share the
 leader's full pages and get their own copy of a partial last page), and rows are
 reserved for it. Its tokens are then prefilled in chunks: per step at most
@@ -36,8 +39,8 @@ prefill chunk's full pages when the chunk is planned, a running sequence's pages
 the host has seen the token after their last one (a token's K/V is written when it is
 fed back). A request admitted later in the same step may therefore hit pages that this
 step's prefill computes: its chunk comes after theirs in the same forward, whose every
-layer writes all of the batch's K/V before any of it attends, and everything of a
-later step follows in stream order. So a hit never reads K/V that is not yet written,
+layer writes all of the batch's K/V before any of it attends (and makes its partial-hit
+copies in between), and everything of a later step follows in stream order. So a hit never reads K/V that is not yet written,
 and 200 requests arriving together with one long prefix compute it once.
 """
 
@@ -49,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .page_pool import ROOT_KEY, PagePool, page_key
-from .plan import PrefillChunk, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
+from .plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .sequence import Sequence
 
 
@@ -74,6 +77,7 @@ def _count_preemption(seq: Sequence) -> None:
 class PrefillGroup:
     seqs: list[Sequence]  # seqs[0], the leader, computes the chunks; the others fork at the last one
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (leader's partial page, child's copy)
+    prefix_copy: PrefixCopy | None = None  # a partial prefix hit, copied by the first chunk
 
 
 class Scheduler:
@@ -94,6 +98,7 @@ class Scheduler:
         self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
         self._cleared: list[int] = []  # rows released since the last plan
+        self._copy_sources: list[int] = []  # pages partial hits copy from in this step's prefill
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # tokens found there
@@ -135,6 +140,9 @@ class Scheduler:
             if decode:
                 plan.readout += [Readout(s.row, s, s.epoch, 1) for s in self.running.values() if s.row not in started]
         plan.cleared_rows, self._cleared = self._cleared, []
+        # what later steps allocate is written after this step's copies, in stream order
+        self.pool.free(self._copy_sources)
+        self._copy_sources.clear()
         return plan
 
     def _retire_drained(self) -> None:
@@ -192,28 +200,38 @@ class Scheduler:
         if len(self._free_rows) - self._reserved_rows < len(group):
             return None
         leader = group[0]
-        num_tokens = leader.num_tokens
-        hits = []  # prompt logprobs come from prefill's logits: such a request computes its whole prompt
-        if not leader.request.needs_prompt_logprobs:
-            hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // self.page_size))
+        num_tokens, size = leader.num_tokens, self.page_size
+        hits, source, partial = [], 0, 0
+        # prompt logprobs come from prefill's logits: such a request computes its whole prompt
+        if not leader.request.needs_prompt_logprobs and self.pool.enable_caching:
+            hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // size))
+            start = len(hits) * size  # then the tokens of the next page, short of the last token
+            parent = leader.page_keys[len(hits) - 1] if hits else ROOT_KEY
+            source, partial = self.pool.partial_lookup(parent, leader.token_ids[start : min(start + size, num_tokens) - 1])
         # the most one window can add (k (d + 1) with speculation): the window the group joins
         # may be speculative, and the lookahead reserved for it does not cover joining rows
-        total = pages_for(min(num_tokens + 1 + self.window_tokens, leader.max_len), self.page_size)
-        shared = num_tokens // self.page_size if len(group) > 1 else 0
+        total = pages_for(min(num_tokens + 1 + self.window_tokens, leader.max_len), size)
+        shared = num_tokens // size if len(group) > 1 else 0
         new = total - len(hits) + (len(group) - 1) * (total - shared)
-        if self.pool.free_after_sharing(hits) < new:
+        held = hits + [source] if partial else hits
+        if self.pool.free_after_sharing(held) < new:
             return None
+        self.pool.share(held)
+        if partial:  # held until this step is planned: no allocation of this step may take it
+            self._copy_sources.append(source)
+        computed = len(hits) * size + partial
         self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += len(hits) * self.page_size
-        self.pool.share(hits)
+        self.prefix_cache_hits += computed
         leader.pages = hits + self.pool.allocate(total - len(hits))
-        leader.num_computed_tokens = len(hits) * self.page_size
+        leader.num_computed_tokens = computed
         leader.num_cached_pages = len(hits)
         placed = PrefillGroup(seqs=group)
+        if partial:
+            placed.prefix_copy = PrefixCopy(source, leader.pages[len(hits)], partial)
         for child in group[1:]:
             self.pool.share(leader.pages[:shared])
             own = self.pool.allocate(total - shared)
-            if num_tokens % self.page_size:
+            if num_tokens % size:
                 placed.page_copies.append((leader.pages[shared], own[0]))
             child.pages = leader.pages[:shared] + own
         self._reserved_rows += len(group)
@@ -253,7 +271,9 @@ class Scheduler:
             page_copies=tuple(group.page_copies) if rows else (),
             prompt_logprobs=top,
             targets=targets,
+            prefix_copy=group.prefix_copy,
         ))
+        group.prefix_copy = None
         return end - start
 
     def _start(self, seq: Sequence, plan: StepPlan) -> int:
@@ -296,9 +316,10 @@ class Scheduler:
         full = min(seq.num_computed_tokens // self.page_size, len(seq.pages))
         if seq.num_cached_pages >= full or not self.pool.enable_caching:
             return
-        keys = self._keys(seq, full)
+        keys, size = self._keys(seq, full), self.page_size
         for i in range(seq.num_cached_pages, full):
-            self.pool.cache_page(seq.pages[i], keys[i])
+            parent = keys[i - 1] if i else ROOT_KEY
+            self.pool.cache_page(seq.pages[i], keys[i], parent, seq.token_ids[i * size : (i + 1) * size])
         seq.num_cached_pages = full
 
     def cache_decoded(self, seqs) -> None:
