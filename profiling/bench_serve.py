@@ -243,11 +243,47 @@ async def run_served(clients: list, url: str, proc: subprocess.Popen | None, arg
     }
 
 
+class Pinning:
+    """--pin: the engine that is measured gets CPU 0 to itself (the engine core process in a
+    served run, this process in an in-process run); the server and the client share the
+    other CPUs. Both engines then run on one dedicated core, as a deployment would place
+    them, and the HTTP side cannot take the engine's core away."""
+
+    def __init__(self, enabled: bool, proc: subprocess.Popen | None):
+        cpus = sorted(os.sched_getaffinity(0)) if enabled else []
+        self.enabled = len(cpus) >= 2
+        if enabled and not self.enabled:
+            print("--pin: fewer than 2 CPUs available, not pinning", flush=True)
+        self.engine, self.others = set(cpus[:1]), set(cpus[1:])
+        self.proc = proc
+        self.original = os.sched_getaffinity(0) if self.enabled else None
+
+    def restore(self) -> None:
+        """This process back to the CPUs it had (the server ends with the run)."""
+        if self.enabled:
+            os.sched_setaffinity(0, self.original)
+
+    def in_process(self) -> None:
+        if self.enabled:
+            os.sched_setaffinity(0, self.engine)
+
+    def served(self) -> None:
+        if not self.enabled:
+            return
+        os.sched_setaffinity(0, self.others)
+        if self.proc is not None:
+            os.sched_setaffinity(self.proc.pid, self.others)
+            for core in _children(self.proc.pid):
+                os.sched_setaffinity(core, self.engine)
+
+
 async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args,
                   prompts: list[list[int]]) -> list[dict]:
     """Per N: in-process and served runs, alternating, the fastest of each kept."""
     points = []
+    pin = Pinning(args.pin, proc)
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(pin.restore)
         clients = [await stack.enter_async_context(_make_client(url, args.client)) for _ in range(max(args.clients))]
         await _clients(clients, prompts, 2 * args.k, args.client)  # warm-up: every client opens its connection
         if llm is not None:
@@ -256,9 +292,11 @@ async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args
             served = in_process = None
             for _ in range(args.repeats):
                 if llm is not None:
+                    pin.in_process()
                     run = run_in_process(llm, prompts[:n], args.max_tokens)
                     if in_process is None or run["wall_s"] < in_process["wall_s"]:
                         in_process = run
+                pin.served()
                 run = await run_served(clients[:n], url, proc, args, prompts[:n])
                 if served is None or run["wall_s"] < served["wall_s"]:
                     served = run
@@ -310,6 +348,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both modes)")
     p.add_argument("--client", choices=["openai", "raw"], default="openai",
                    help="openai: the openai async client; raw: httpx streaming + json.loads (less client CPU)")
+    p.add_argument("--pin", action="store_true",
+                   help="give the measured engine CPU 0 to itself, the server and client the other CPUs (Linux)")
     p.add_argument("--skip-in-process", action="store_true", help="only the served runs")
     p.add_argument("--url", default=None,
                    help="benchmark a server already running there (started with the same engine options and "

@@ -171,9 +171,11 @@ def test_tensor_parallel_bench_smoke(micro_dir, tmp_path):
 
 def test_serve_bench_smoke(micro_dir, tmp_path):
     out = tmp_path / "serve"
+    cpus = os.sched_getaffinity(0)
     result = _script("bench_serve").main(["--model", micro_dir, "--clients", "1,3", "--prompt-len", "4",
-                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--out", str(out)])
+                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--pin", "--out", str(out)])
     assert _load(out)["points"] == result["points"] and result["server_exit_status"] == 0
+    assert os.sched_getaffinity(0) == cpus  # --pin gave this process its CPUs back
     for point, n in zip(result["points"], (1, 3)):
         served, in_process = point["served"], point["in_process"]
         assert served["clients"] == in_process["clients"] == n
