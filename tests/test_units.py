@@ -118,3 +118,39 @@ def test_batch_encoding_matches_transformers(text_model):
     texts = ["The capital of France is", "  leading spaces", "ünïcödé 日本", "x"]
     assert llm.engine.inputs.tokenize_all(texts) == [(t, ids) for t, ids in zip(texts, llm.tokenizer(texts)["input_ids"])]
     assert llm.engine.inputs._fast_encode is True
+
+
+def test_keep_freed_host_memory_sets_both_malloc_thresholds():
+    """CPU runners make glibc keep freed blocks (trim and mmap thresholds), so windows do not
+    page-fault their buffers in again every step; off glibc it is a no-op."""
+    from graphdecode.runtime import host_memory
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    assert host_memory.keep_freed_host_memory(FakeLibc()) is True
+    assert calls == [(host_memory.M_TRIM_THRESHOLD, 1 << 30), (host_memory.M_MMAP_THRESHOLD, 32 << 20)]
+
+    class Refusing(FakeLibc):
+        def mallopt(self, param, value):
+            return 0
+
+    assert host_memory.keep_freed_host_memory(Refusing()) is False
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":  # the real one accepts them (32 MiB is its largest mmap threshold)
+        assert host_memory.keep_freed_host_memory() is True
+
+
+def test_cpu_runner_keeps_freed_host_memory(tiny_models, monkeypatch):
+    from graphdecode import LLM
+    from graphdecode.runtime import runner
+
+    called = []
+    monkeypatch.setattr(runner, "keep_freed_host_memory", lambda: called.append(True) or True)
+    LLM(tiny_models["llama_gqa_llama3"], max_model_len=64)
+    assert called == [True]

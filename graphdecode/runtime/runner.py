@@ -27,6 +27,7 @@ from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from ..models.loader import load_model
+from .host_memory import keep_freed_host_memory
 from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
 from .plan import PrefillChunk, StepPlan
@@ -53,6 +54,8 @@ class ModelRunner:
         if tp.size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)  # rank r runs on cuda:r
         self.page_size = config.page_size
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # CPU windows reuse freed memory instead of faulting it in again
         if self.device.type == "cuda":
             cuda_kernels.register()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
         self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len, tp)
