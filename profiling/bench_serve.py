@@ -1,7 +1,9 @@
 """Serving benchmark: N concurrent streaming clients against `graphdecode serve`, beside the engine in-process.
 
 For each N in --clients (default 1, 16, 64, 256), N clients each stream one completion
-(a --prompt-len-token prompt, --max-tokens tokens, greedy, ignore_eos) with the `openai`
+(--prompt-len random token ids sent as their text, which the server and the in-process
+engine both tokenize, or as the ids with --prompt-kind ids; --max-tokens tokens, greedy,
+ignore_eos) with the `openai`
 async client (one client object per simulated user, each with its own kept-alive
 connection) from this process, against a server this script starts as a subprocess
 (`python -m graphdecode.server.openai_api`, the micro preset unless --model). The same
@@ -86,13 +88,13 @@ def _self_cpu() -> float:
 
 
 # ------------------------------------------------------------------ in-process
-def run_in_process(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_in_process(llm: LLM, prompts: list, max_tokens: int) -> dict:
     """The prompts added at once, the engine stepped to the end; every step timed."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = llm.stats()
     start = time.perf_counter()
-    requests = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    requests = [engine.add_request(p if isinstance(p, str) else {"prompt_token_ids": p}, params) for p in prompts]
     steps = []
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -157,6 +159,16 @@ async def _one_raw(client, prompt, max_tokens: int) -> dict:
     return {"start": start, "headers": headers, "end": time.perf_counter(), "times": times, "tokens": tokens}
 
 
+def text_prompts(model_dir: str, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
+    """The random token ids as text (what users send), and each one's length once the
+    server or the in-process engine tokenizes it (both do, the same way)."""
+    from graphdecode.runtime.engine import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    texts = [tokenizer.decode(ids) for ids in prompts]
+    return texts, [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+
 def _make_client(url: str, kind: str):
     """One client per simulated user, as N separate users would be: each with its own connection,
     opened by the warm-up and kept alive, so no level pays for client construction or TCP set-up.
@@ -171,7 +183,7 @@ def _make_client(url: str, kind: str):
     return AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
 
 
-async def _clients(clients: list, prompts: list[list[int]], max_tokens: int, kind: str) -> list[dict]:
+async def _clients(clients: list, prompts: list, max_tokens: int, kind: str) -> list[dict]:
     one = _one_raw if kind == "raw" else _one_openai
     return await asyncio.gather(*[one(client, p, max_tokens) for client, p in zip(clients, prompts)])
 
@@ -209,7 +221,7 @@ def _mean_delta(before: dict, after: dict, name: str) -> float | None:
     return (after.get(f"{key}_sum", 0) - before.get(f"{key}_sum", 0)) / count if count else None
 
 
-async def run_served(clients: list, url: str, proc: subprocess.Popen | None, args, prompts: list[list[int]]) -> dict:
+async def run_served(clients: list, url: str, proc: subprocess.Popen | None, args, prompts: list) -> dict:
     pid = proc.pid if proc is not None else None
     core = _children(pid) if pid is not None else []
 
@@ -278,7 +290,7 @@ class Pinning:
 
 
 async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args,
-                  prompts: list[list[int]]) -> list[dict]:
+                  prompts: list) -> list[dict]:
     """Per N: in-process and served runs, alternating, the fastest of each kept."""
     points = []
     pin = Pinning(args.pin, proc)
@@ -315,9 +327,9 @@ def _ms(value) -> str:
     return f"{1e3 * value:.1f}" if value is not None else "-"
 
 
-def _print_header(args, model_name: str) -> None:
-    print(f"{model_name}, prompt {args.prompt_len} tokens, {args.max_tokens} out, k={args.k}, client={args.client}; "
-          f"times in ms")
+def _print_header(args, model_name: str, lengths: list[int]) -> None:
+    print(f"{model_name}, {args.prompt_kind} prompts of {sum(lengths) / len(lengths):.1f} tokens on average, "
+          f"{args.max_tokens} out, k={args.k}, client={args.client}; times in ms")
     print(f"{'clients':>7} {'served tok/s':>12} {'in-proc tok/s':>13} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'ITL p50':>8} {'ITL p99':>8} {'win mean':>8} {'win p99':>8} {'ITL99/win':>9}  "
           f"cpu s (server/core/client)", flush=True)
@@ -341,7 +353,10 @@ def main(argv=None) -> dict:
     p.add_argument("--preset", default=None, help="model preset (default: micro when --model is absent)")
     p.add_argument("--device", default=None)
     p.add_argument("--clients", default="1,16,64,256", help="comma-separated numbers of concurrent clients")
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32, help="random token ids per prompt (as text: see --prompt-kind)")
+    p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
+                   help="send the prompts as text (tokenized by the server / in-process engine) or as token ids "
+                        "(the openai client then spends ~1.4 ms per request transforming the id list)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=8, help="decode steps per window")
     p.add_argument("--repeats", type=int, default=2, help="runs per point and mode; the fastest is kept")
@@ -363,8 +378,11 @@ def main(argv=None) -> dict:
     model_dir, model_name = resolve_model(args.model, preset, args.device)
     vocab = load_model_config(model_dir).vocab_size
     prompts = random_prompt_ids(max(args.clients), args.prompt_len, vocab, seed=7)
+    lengths = [len(p) for p in prompts]
+    if args.prompt_kind == "text":
+        prompts, lengths = text_prompts(model_dir, prompts)
     engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
-                       max_model_len=args.prompt_len + args.max_tokens + 8)
+                       max_model_len=max(lengths) + args.max_tokens + 8)
     if args.device:
         engine_args["device"] = args.device
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -373,7 +391,7 @@ def main(argv=None) -> dict:
     exit_status = None
     try:
         llm = None if args.skip_in_process else LLM(model_dir, **engine_args)
-        _print_header(args, model_name)
+        _print_header(args, model_name, lengths)
         points = asyncio.run(run_all(url, proc, llm, args, prompts))
     finally:
         if proc is not None:
@@ -392,6 +410,8 @@ def main(argv=None) -> dict:
         "model": model_name,
         "client": args.client,
         "prompt_len": args.prompt_len,
+        "prompt_kind": args.prompt_kind,
+        "prompt_tokens_mean": sum(lengths) / len(lengths),
         "max_tokens": args.max_tokens,
         "k": args.k,
         "repeats": args.repeats,
