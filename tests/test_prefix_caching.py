@@ -111,8 +111,15 @@ def test_hit_counts_are_exact(tiny_models):
     assert fresh.stats()["prefix_cache_hits"] - again["prefix_cache_hits"] == 7 * 16 + 7
     assert fresh.stats()["prefill_tokens"] - again["prefill_tokens"] == 1
     assert fresh.stats()["cached_pages"] > 0
+    # a prompt's last, partial page is a candidate too: prompts arriving together whose shared
+    # part ends inside the first prompt's last page copy those tokens (37 = 2 pages + 5)
+    short = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, page_size=16, max_model_len=256)
+    short_prompts = shared_prefix_prompts(4, 37, 5, seed=9)
+    got = run(short, short_prompts, GREEDY, first_alone=False)
+    assert short.stats()["prefix_cache_hits"] == 3 * 37 and short.stats()["prefill_tokens"] == 42 + 3 * 5
+    assert got == run(off, short_prompts, GREEDY, first_alone=False)
     # with caching off nothing is a hit, partial or not
-    assert off.stats()["prefix_cache_hits"] == 0 and off.stats()["prefill_tokens"] == 4 * 120
+    assert off.stats()["prefix_cache_hits"] == 0 and off.stats()["prefill_tokens"] == 4 * 120 + 4 * 42
 
 
 def test_partial_hits_identical_across_page_sizes_and_budgets(tiny_models):
@@ -215,6 +222,15 @@ def test_page_pool_partial_lookup():
     assert pool.partial_lookup(parent, [5, 6, 0]) == (a, 2) and pool.num_evictions == 1
     pool.allocate(1)
     assert pool.partial_lookup(parent, [5]) == (0, 0) and pool.num_cached == 0
+    # a partial (never keyed) page is listed while held and unlisted when its last holder frees it
+    fresh = PagePool(4)
+    (c,) = fresh.allocate(1)
+    fresh.list_child(c, parent, [7, 7])
+    fresh.share([c])
+    fresh.free([c])
+    assert fresh.partial_lookup(parent, [7, 7, 1]) == (c, 2)
+    fresh.free([c])
+    assert fresh.partial_lookup(parent, [7, 7, 1]) == (0, 0) and fresh.num_free == 3
 
 
 def test_scheduler_never_touches_staging_or_the_device():

@@ -15,7 +15,8 @@ A partial hit: a prompt that ends its shared part inside a page (a 1,000-token p
 page size 16 ends 8 tokens into page 62) finds, among the cached children of its last
 hit page, one whose first tokens equal its own, and copies the K/V of those tokens
 (`partial_lookup`; the copy is the runner's, see runtime.plan.PrefixCopy). Each keyed
-page is listed under its parent's key with its tokens; the most recent few children of
+page, and the partial last page of every prompt prefilled, is listed under its parent's
+key with its computed tokens; the most recent few children of
 a parent are compared, so a lookup costs O(page size) whatever the cache holds.
 
 A page is keyed (`cache_page`) only once its K/V has been computed by work already
@@ -112,6 +113,7 @@ class PagePool:
                 if self._key_of_page[p] is not None:
                     self._evictable[p] = None
                 else:
+                    self._unlist(p)  # a partial page: its content is gone with its last holder
                     self._free.append(p)
 
     def free_after_sharing(self, pages) -> int:
@@ -156,12 +158,24 @@ class PagePool:
         self._page_of_key[key] = page
         self._key_of_page[page] = key
         if parent is not None:
-            self._children.setdefault(parent, {})[page] = tuple(token_ids)
-            self._parent_of_page[page] = parent
+            self.list_child(page, parent, token_ids)
+
+    def list_child(self, page: int, parent: bytes, token_ids) -> None:
+        """List a held page under `parent` as a partial-hit candidate, with its first, computed
+        tokens: a keyed full page, or a prompt's last, partial page (whose slots below those
+        tokens are never written again while it is held: it leaves the list when its last
+        holder frees it, unless it was keyed by then)."""
+        if not self.enable_caching:
+            return
+        self._children.setdefault(parent, {})[page] = tuple(token_ids)
+        self._parent_of_page[page] = parent
 
     def _forget(self, page: int) -> None:
         del self._page_of_key[self._key_of_page[page]]
         self._key_of_page[page] = None
+        self._unlist(page)
+
+    def _unlist(self, page: int) -> None:
         parent = self._parent_of_page[page]
         if parent is not None:
             self._parent_of_page[page] = None

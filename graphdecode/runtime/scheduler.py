@@ -252,6 +252,7 @@ class Scheduler:
         self._cache_pages(leader)  # later admissions of this step may hit them: see the module docstring
         rows = ()
         if end == num_tokens:
+            self._list_partial_page(leader)
             for child in group.seqs[1:]:
                 child.page_keys = list(leader.page_keys)  # same tokens so far: the same keys
             rows = tuple(self._start(seq, plan) for seq in group.seqs)
@@ -321,6 +322,15 @@ class Scheduler:
             parent = keys[i - 1] if i else ROOT_KEY
             self.pool.cache_page(seq.pages[i], keys[i], parent, seq.token_ids[i * size : (i + 1) * size])
         seq.num_cached_pages = full
+
+    def _list_partial_page(self, seq: Sequence) -> None:
+        """A prompt's last, partial page becomes a partial-hit candidate once its prefill is
+        planned: requests sharing a prefix that ends inside it (arriving with it, or while it
+        is held) copy those tokens instead of computing them."""
+        full, size = seq.num_tokens // self.page_size, self.page_size
+        if seq.num_tokens % size and self.pool.enable_caching:
+            parent = self._keys(seq, full)[full - 1] if full else ROOT_KEY
+            self.pool.list_child(seq.pages[full], parent, seq.token_ids[full * size : seq.num_tokens])
 
     def cache_decoded(self, seqs) -> None:
         """After pythonizing: a token's K/V is written once it is fed back, so every token but
