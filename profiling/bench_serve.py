@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import resource
 import subprocess
@@ -50,11 +49,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from graphdecode import LLM, SamplingParams  # noqa: E402
+from graphdecode.bench_clients import MODEL_NAME, ClientPool  # noqa: E402
 from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
 from graphdecode.models import load_model_config  # noqa: E402
 from graphdecode.server.launch import start_server, stop_server  # noqa: E402
 
-MODEL_NAME = "bench"
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -124,41 +123,6 @@ def start(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subpr
     return start_server(cmd, log_path, env=env)
 
 
-async def _one_openai(client, prompt, max_tokens: int) -> dict:
-    start = time.perf_counter()
-    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    headers = time.perf_counter()
-    times, tokens = [], 0
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices:  # a content chunk: new tokens (their text may be held back) or the finish
-            times.append(now)
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return {"start": start, "headers": headers, "end": time.perf_counter(), "times": times, "tokens": tokens}
-
-
-async def _one_raw(client, prompt, max_tokens: int) -> dict:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    start = time.perf_counter()
-    times, tokens = [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        headers = time.perf_counter()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if chunk["choices"]:
-                times.append(now)
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return {"start": start, "headers": headers, "end": time.perf_counter(), "times": times, "tokens": tokens}
-
-
 def text_prompts(model_dir: str, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
     """The random token ids as text (what users send), and each one's length once the
     server or the in-process engine tokenizes it (both do, the same way)."""
@@ -167,25 +131,6 @@ def text_prompts(model_dir: str, prompts: list[list[int]]) -> tuple[list[str], l
     tokenizer = load_tokenizer(model_dir)
     texts = [tokenizer.decode(ids) for ids in prompts]
     return texts, [len(ids) for ids in tokenizer(texts)["input_ids"]]
-
-
-def _make_client(url: str, kind: str):
-    """One client per simulated user, as N separate users would be: each with its own connection,
-    opened by the warm-up and kept alive, so no level pays for client construction or TCP set-up.
-    (One client shared by all would measure httpcore's connection pool, whose every request scans
-    all pooled connections: quadratic in N.)"""
-    if kind == "raw":
-        import httpx
-
-        return httpx.AsyncClient(base_url=url, timeout=600)
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
-
-
-async def _clients(clients: list, prompts: list, max_tokens: int, kind: str) -> list[dict]:
-    one = _one_raw if kind == "raw" else _one_openai
-    return await asyncio.gather(*[one(client, p, max_tokens) for client, p in zip(clients, prompts)])
 
 
 def _server_metrics(url: str) -> dict[str, float]:
@@ -221,15 +166,16 @@ def _mean_delta(before: dict, after: dict, name: str) -> float | None:
     return (after.get(f"{key}_sum", 0) - before.get(f"{key}_sum", 0)) / count if count else None
 
 
-async def run_served(clients: list, url: str, proc: subprocess.Popen | None, args, prompts: list) -> dict:
+async def run_served(clients: ClientPool, url: str, proc: subprocess.Popen | None, args, prompts: list) -> dict:
     pid = proc.pid if proc is not None else None
     core = _children(pid) if pid is not None else []
 
     def cpu():
-        return (_cpu_seconds(pid) if pid else 0.0, sum(map(_cpu_seconds, core)), _self_cpu())
+        return (_cpu_seconds(pid) if pid else 0.0, sum(map(_cpu_seconds, core)),
+                _self_cpu() + sum(map(_cpu_seconds, clients.pids)))
 
     cpu_before, metrics_before = cpu(), _server_metrics(url)
-    runs = await _clients(clients, prompts, args.max_tokens, args.client)
+    runs = await clients.run(prompts, args.max_tokens)
     cpu_after, metrics_after = cpu(), _server_metrics(url)
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     tokens = sum(r["tokens"] for r in runs)
@@ -279,10 +225,12 @@ class Pinning:
         if self.enabled:
             os.sched_setaffinity(0, self.engine)
 
-    def served(self) -> None:
+    def served(self, client_pids=()) -> None:
         if not self.enabled:
             return
         os.sched_setaffinity(0, self.others)
+        for pid in client_pids:
+            os.sched_setaffinity(pid, self.others)
         if self.proc is not None:
             os.sched_setaffinity(self.proc.pid, self.others)
             for core in _children(self.proc.pid):
@@ -296,8 +244,8 @@ async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args
     pin = Pinning(args.pin, proc)
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(pin.restore)
-        clients = [await stack.enter_async_context(_make_client(url, args.client)) for _ in range(max(args.clients))]
-        await _clients(clients, prompts, 2 * args.k, args.client)  # warm-up: every client opens its connection
+        clients = await stack.enter_async_context(ClientPool(url, args.client, max(args.clients), args.client_procs))
+        await clients.run(prompts, 2 * args.k)  # warm-up: every client opens its connection
         if llm is not None:
             run_in_process(llm, prompts, 2 * args.k)  # warm-up: every bucket once
         for n in args.clients:
@@ -308,8 +256,8 @@ async def run_all(url: str, proc: subprocess.Popen | None, llm: LLM | None, args
                     run = run_in_process(llm, prompts[:n], args.max_tokens)
                     if in_process is None or run["wall_s"] < in_process["wall_s"]:
                         in_process = run
-                pin.served()
-                run = await run_served(clients[:n], url, proc, args, prompts[:n])
+                pin.served(clients.pids)
+                run = await run_served(clients, url, proc, args, prompts[:n])
                 if served is None or run["wall_s"] < served["wall_s"]:
                     served = run
             point = {"clients": n, "served": served, "in_process": in_process}
@@ -363,6 +311,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine (both modes)")
     p.add_argument("--client", choices=["openai", "raw"], default="openai",
                    help="openai: the openai async client; raw: httpx streaming + json.loads (less client CPU)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="spread the clients over this many worker processes (machines with cores to spare)")
     p.add_argument("--pin", action="store_true",
                    help="give the measured engine CPU 0 to itself, the server and client the other CPUs (Linux)")
     p.add_argument("--skip-in-process", action="store_true", help="only the served runs")

@@ -185,6 +185,18 @@ def test_serve_bench_smoke(micro_dir, tmp_path):
     assert list(result["goals"]) == ["served / in-process tokens/s at 3 clients (>= 0.9)"]
 
 
+def test_serve_bench_clients_in_worker_processes(micro_dir, tmp_path):
+    """--client-procs 2: the users spread over two processes, every stream complete; token-id
+    prompts with the raw client."""
+    out = tmp_path / "serve_procs"
+    result = _script("bench_serve").main(["--model", micro_dir, "--clients", "3", "--prompt-len", "4",
+                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--client-procs", "2",
+                                          "--client", "raw", "--prompt-kind", "ids", "--out", str(out)])
+    (point,) = result["points"]
+    assert point["served"]["output_tokens"] == point["in_process"]["output_tokens"] == 12
+    assert point["served"]["content_chunks"] >= 3 * 2 and point["served"]["cpu_s"]["client"] > 0
+
+
 def test_speculative_bench_smoke(text_model, tmp_path):
     out = tmp_path / "spec"
     result = _script("bench_spec").main(["--model", text_model, "--batches", "2", "--max-tokens", "8", "-k", "2",
