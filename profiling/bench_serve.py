@@ -303,7 +303,8 @@ def main(argv=None) -> dict:
     p.add_argument("--clients", default="1,16,64,256", help="comma-separated numbers of concurrent clients")
     p.add_argument("--prompt-len", type=int, default=32, help="random token ids per prompt (as text: see --prompt-kind)")
     p.add_argument("--prompt-kind", choices=["text", "ids"], default="text",
-                   help="send the prompts as text (tokenized by the server / in-process engine) or as token ids "
+                   help="send the prompts as text (tokenized by the server / in-process engine; ids when the model has no "
+                        "tokenizer) or as token ids "
                         "(the openai client then spends ~1.4 ms per request transforming the id list)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=8, help="decode steps per window")
@@ -330,7 +331,13 @@ def main(argv=None) -> dict:
     prompts = random_prompt_ids(max(args.clients), args.prompt_len, vocab, seed=7)
     lengths = [len(p) for p in prompts]
     if args.prompt_kind == "text":
-        prompts, lengths = text_prompts(model_dir, prompts)
+        from graphdecode.runtime.engine import load_tokenizer
+
+        if load_tokenizer(model_dir) is None:
+            print(f"{model_name} has no tokenizer: its prompts go as token ids", flush=True)
+            args.prompt_kind = "ids"
+        else:
+            prompts, lengths = text_prompts(model_dir, prompts)
     engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
                        max_model_len=max(lengths) + args.max_tokens + 8)
     if args.device:
