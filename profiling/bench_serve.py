@@ -123,12 +123,9 @@ def start(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subpr
     return start_server(cmd, log_path, env=env)
 
 
-def text_prompts(model_dir: str, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
+def text_prompts(tokenizer, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
     """The random token ids as text (what users send), and each one's length once the
     server or the in-process engine tokenizes it (both do, the same way)."""
-    from graphdecode.runtime.engine import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
     texts = [tokenizer.decode(ids) for ids in prompts]
     return texts, [len(ids) for ids in tokenizer(texts)["input_ids"]]
 
@@ -333,11 +330,12 @@ def main(argv=None) -> dict:
     if args.prompt_kind == "text":
         from graphdecode.runtime.engine import load_tokenizer
 
-        if load_tokenizer(model_dir) is None:
+        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is None:
             print(f"{model_name} has no tokenizer: its prompts go as token ids", flush=True)
             args.prompt_kind = "ids"
         else:
-            prompts, lengths = text_prompts(model_dir, prompts)
+            prompts, lengths = text_prompts(tokenizer, prompts)
     engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
                        max_model_len=max(lengths) + args.max_tokens + 8)
     if args.device:

@@ -189,12 +189,19 @@ def junit_counts(path: str) -> dict | None:
     return {**counts, "failed_tests": failed}
 
 
-def bench_points(path: str) -> dict | None:
-    """tokens/s and ms/step per point of a bench JSON (written after every point, so partial runs count)."""
+def _read_json(path: str) -> dict | None:
+    """A bench's JSON, or None when it is missing or unreadable (a stage that did not get that far)."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
+        return None
+
+
+def bench_points(path: str) -> dict | None:
+    """tokens/s and ms/step per point of a bench JSON (written after every point, so partial runs count)."""
+    data = _read_json(path)
+    if data is None:
         return None
     points = [
         {"k": p.get("k"), "batch": p.get("batch"), "bucket": p.get("bucket"),
@@ -208,10 +215,8 @@ def bench_points(path: str) -> dict | None:
 
 def side_bench_points(path: str) -> dict | None:
     """The key numbers of bench_spec / bench_tp JSON, for summary.json."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+    data = _read_json(path)
+    if data is None:
         return None
     keep = ("set", "batch", "tp", "plain_tokens_per_s", "spec_tokens_per_s", "speedup", "accepted_per_verify",
             "same_tokens", "decode_tokens_per_s", "collective_share")

@@ -16,8 +16,8 @@ page size 16 ends 8 tokens into page 62) finds, among the cached children of its
 hit page, one whose first tokens equal its own, and copies the K/V of those tokens
 (`partial_lookup`; the copy is the runner's, see runtime.plan.PrefixCopy). Each keyed
 page, and the partial last page of every prompt prefilled, is listed under its parent's
-key with its computed tokens; the most recent few children of
-a parent are compared, so a lookup costs O(page size) whatever the cache holds.
+key with its computed tokens; the most recent few children of a parent are compared, so
+a lookup costs O(page size) whatever the cache holds.
 
 A page is keyed (`cache_page`) only once its K/V has been computed by work already
 enqueued (the scheduler's rule), so a hit never reads K/V that is still to be

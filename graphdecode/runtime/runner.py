@@ -27,9 +27,9 @@ from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from ..models.loader import load_model
-from .host_memory import keep_freed_host_memory
 from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
+from .host_memory import keep_freed_host_memory
 from .plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging

@@ -13,10 +13,9 @@ Admission: the leader's full pages found in the prefix cache count as computed (
 its last token: it is recomputed for the logits), and so do the first tokens of its next
 page when a cached page there starts with them (a partial hit: its first chunk copies
 their K/V, see plan.PrefixCopy; the source page is held until the step is planned); the
-group then gets every page it
-needs for its tokens, its first sampled token and one window (children share the
-leader's full pages and get their own copy of a partial last page), and rows are
-reserved for it. Its tokens are then prefilled in chunks: per step at most
+group then gets every page it needs for its tokens, its first sampled token and one
+window (children share the leader's full pages and get their own copy of a partial last
+page), and rows are reserved for it. Its tokens are then prefilled in chunks: per step at most
 `max_num_batched_tokens` prefill tokens over all groups, oldest group first. The decode
 window of the running rows launches in every step regardless, so a long prompt never
 stalls them. The last chunk samples the first token of every sequence of the group,
@@ -40,8 +39,9 @@ the host has seen the token after their last one (a token's K/V is written when 
 fed back). A request admitted later in the same step may therefore hit pages that this
 step's prefill computes: its chunk comes after theirs in the same forward, whose every
 layer writes all of the batch's K/V before any of it attends (and makes its partial-hit
-copies in between), and everything of a later step follows in stream order. So a hit never reads K/V that is not yet written,
-and 200 requests arriving together with one long prefix compute it once.
+copies in between), and everything of a later step follows in stream order. So a hit
+never reads K/V that is not yet written, and 200 requests arriving together with one
+long prefix compute it once.
 """
 
 from __future__ import annotations
