@@ -126,3 +126,37 @@ def test_unknown_argument_and_bad_model(tmp_path):
         AsyncLLM(str(tmp_path), max_model_length=5)
     with pytest.raises(ValueError, match="model"):
         AsyncLLM(str(tmp_path / "nope"), threads=1)
+
+
+def test_a_request_starts_when_generate_is_called_and_a_dropped_one_is_aborted(engine):
+    """Inside a running loop the request goes to the core at once (a server hands over a burst
+    without waiting for its responses to start); a stream dropped unread aborts its request."""
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main():
+        before = (await engine.stats())["requests_finished"]
+        stream = engine.generate("Started before anyone reads", short, request_id="eager")
+        for _ in range(200):  # it runs to its end with nobody reading it
+            if (await engine.stats())["requests_finished"] > before:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the request did not run before its stream was read")
+        outs = [out async for out in stream]  # every delta was kept for the late reader
+        assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 3
+
+        generated = (await engine.stats())["generated_tokens"]
+        dropped = engine.generate("Nobody will read this", SamplingParams(max_tokens=200, ignore_eos=True),
+                                  request_id="dropped")
+        del dropped
+        for _ in range(200):
+            stats = await engine.stats()
+            if stats["requests_finished"] >= before + 2 and not engine.load.get("running"):
+                break
+            await asyncio.sleep(0.02)
+        return stats, stats["generated_tokens"] - generated
+
+    stats, generated = asyncio.run(asyncio.wait_for(main(), 120))
+    assert engine.num_unfinished == 0
+    assert engine.load["running"] == 0
+    assert generated < 200  # the dropped request was aborted, not left to run its 200 tokens

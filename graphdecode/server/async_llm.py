@@ -13,6 +13,14 @@ requests down one pipe, and a reader thread hands each step's deltas to the asyn
 queue of the request they belong to. Cancelling a consumer (task cancelled, client
 gone, `aclose()`) aborts its request, which frees its row and pages in the core.
 `load` holds the core's latest gauges (running, waiting, ...), for metrics.
+
+A request goes to the core when `generate` is called inside a running event loop, not
+when its stream is first read: a server answering a burst of requests hands each one to
+the core as soon as it is validated, instead of after every other handler of the burst
+has run (bench_serve at 256 clients: the first request reached the core 80 ms sooner,
+TTFT p50 597 ms against 706 ms over three alternating runs). A sender thread writes
+what is queued for the core as one message per wake-up, so a burst costs a few pickles
+and pipe writes rather than one per request.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import sys
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncIterator
 
 from ..config import EngineConfig
 from ..outputs import RequestOutput
@@ -47,19 +54,98 @@ class EngineDeadError(RuntimeError):
 def _send_requests(outbox: queue.SimpleQueue, pipe, engine_ref) -> None:
     """Sender thread: writes queued messages to the core's pipe, in order, until None (shutdown).
 
+    Each write is the list of everything queued by then (the core takes them in order).
     It holds the AsyncLLM only weakly, so dropping the engine still shuts the core down.
     """
     while True:
-        message = outbox.get()
-        if message is None:
-            return
+        batch = [outbox.get()]
+        while batch[-1] is not None:
+            try:
+                batch.append(outbox.get_nowait())
+            except queue.Empty:
+                break
+        stop = batch[-1] is None
+        if stop:
+            batch.pop()
         try:
-            pipe.send(message)
+            if batch:
+                pipe.send(batch)
         except (OSError, ValueError) as exc:  # the core closed its end: it died (the reader reports it too)
             engine = engine_ref()
             if engine is not None and not engine._closed:
                 engine.dead = engine.dead or f"the engine core process exited ({exc})"
             return
+        if stop:
+            return
+
+
+class RequestStream:
+    """The deltas of one request, as an async iterator (what `AsyncLLM.generate` returns).
+
+    Cancelling the task that reads it, `aclose()`, or dropping it unfinished aborts the
+    request. The last delta has finished=True; after it the iteration stops.
+    """
+
+    __slots__ = ("request_id", "_engine", "_queue", "_message", "_state", "__weakref__")
+
+    def __init__(self, engine: AsyncLLM, request_id: str, message: tuple):
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue | None = None
+        self._message = message
+        self._state = "new"  # new -> running -> done
+
+    def _start(self) -> None:
+        engine = self._engine
+        engine._start_reader()
+        if self.request_id in engine._queues:
+            raise ValueError(f"request_id: {self.request_id!r} is already in use")
+        self._queue = asyncio.Queue()
+        engine._queues[self.request_id] = self._queue
+        self._state = "running"
+        engine._send(self._message)
+
+    def _end(self, abort: bool) -> None:
+        if self._state != "running":
+            self._state = "done"
+            return
+        self._state = "done"
+        engine = self._engine
+        engine._queues.pop(self.request_id, None)
+        if abort and engine.dead is None and not engine._closed:
+            engine._send(("abort", self.request_id))
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._state == "new":
+            self._start()
+        if self._state == "done":
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self._end(abort=True)
+            raise
+        if isinstance(item, Exception):
+            self._end(abort=True)
+            raise item
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request if it is unfinished; the iteration stops."""
+        self._end(abort=True)
+
+    async def aclose(self) -> None:
+        """Stop reading; an unfinished request is aborted."""
+        self._end(abort=True)
+
+    def __del__(self):
+        if getattr(self, "_state", "done") == "running":
+            self._end(abort=True)
 
 
 class AsyncLLM:
@@ -118,11 +204,12 @@ class AsyncLLM:
         return self.tokenizer
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Validate now (ValueError / TypeError naming the field), run when iterated.
+                 request_id: str | None = None) -> RequestStream:
+        """Validate now (ValueError / TypeError naming the field) and send the request to the core.
 
         Returns an async iterator of deltas; the last has finished=True. Stopping the
-        iteration early (cancel, aclose) aborts the request.
+        iteration early (cancel, aclose, dropping the iterator) aborts the request.
+        Called with no event loop running, the request starts when first read.
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -135,25 +222,13 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.inputs.prepare(request_id, text, ids, sampling_params, arrival=0)  # the engine's own checks
-        return self._run(request_id, text, ids, sampling_params)
-
-    async def _run(self, request_id, text, ids, params) -> AsyncIterator[RequestOutput]:
-        self._start_reader()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        finished = False
+        stream = RequestStream(self, request_id, ("add", request_id, text, ids, sampling_params))
         try:
-            self._send(("add", request_id, text, ids, params))
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished and self.dead is None and not self._closed:
-                self._send(("abort", request_id))
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return stream  # no loop yet: it starts when first read
+        stream._start()
+        return stream
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", str(request_id)))

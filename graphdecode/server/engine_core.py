@@ -6,9 +6,9 @@ interpreter: nothing of the parent's __main__ is re-imported) so that nothing of
 between two window launches: this process does nothing but read requests, step, and
 send each step's deltas (vLLM V1's EngineCore pattern, over multiprocessing pipes).
 
-Messages in (tuples): first ("init", model, engine_args, threads); then
-("add", request_id, prompt_text, prompt_token_ids, params),
-("abort", request_id), ("stats",), ("shutdown",).
+Messages in: first ("init", model, engine_args, threads); then lists of tuples (what
+the sender had queued, in order): ("add", request_id, prompt_text, prompt_token_ids,
+params), ("abort", request_id), ("stats",), ("shutdown",).
 Messages out: ("ready", EngineConfig) or ("failed", message) once at start;
 ("outputs", [RequestOutput deltas], load) after every step that produced some, where
 load is a small dict (running, waiting, preemptions, windows, tokens in / out);
@@ -40,6 +40,24 @@ def _load(engine) -> dict:
     }
 
 
+def _handle(engine, message: tuple, outputs) -> bool:
+    """Apply one message from the serving side; False for shutdown."""
+    kind = message[0]
+    if kind == "shutdown":
+        return False
+    if kind == "add":
+        _, request_id, text, ids, params = message
+        try:
+            engine.add_prepared(engine.prepare(text, ids, params, request_id))
+        except ValueError as exc:
+            outputs.send(("rejected", request_id, str(exc)))
+    elif kind == "abort":
+        engine.abort_request(message[1])
+    elif kind == "stats":
+        outputs.send(("stats", engine.stats()))
+    return True
+
+
 def run_engine_core(requests, outputs, model: str, engine_args: dict, threads: int | None) -> None:
     """Process entry point. `requests`/`outputs`: the two ends of multiprocessing pipes."""
     import torch
@@ -61,20 +79,8 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict, threads: i
             idle = not engine.has_unfinished()
             if requests.poll(None if idle else 0):
                 while True:  # take everything that is waiting, then step
-                    message = requests.recv()
-                    kind = message[0]
-                    if kind == "shutdown":
-                        return
-                    if kind == "add":
-                        _, request_id, text, ids, params = message
-                        try:
-                            engine.add_prepared(engine.prepare(text, ids, params, request_id))
-                        except ValueError as exc:
-                            outputs.send(("rejected", request_id, str(exc)))
-                    elif kind == "abort":
-                        engine.abort_request(message[1])
-                    elif kind == "stats":
-                        outputs.send(("stats", engine.stats()))
+                    if not all(_handle(engine, message, outputs) for message in requests.recv()):
+                        return  # shutdown
                     if not requests.poll(0):
                         break
             if engine.has_unfinished():

@@ -8,11 +8,12 @@ events or not), GET /v1/models, GET /health, GET /metrics (Prometheus).
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request is parsed, validated, tokenized and handed to
-`AsyncLLM.generate` (which runs the engine's own checks) before its response starts,
-so a bad one is a 400 naming the field and costs the engine nothing. One engine
-request per prompt: n > 1 is one request with SamplingParams(n=...), prefilled once.
-SSE chunks are plain dicts through json.dumps. A client that goes away mid-stream
-has its engine iterator closed, which aborts its request and frees its pages.
+`AsyncLLM.generate` (which runs the engine's own checks, then sends it to the core at
+once) before its response starts, so a bad one is a 400 naming the field and costs the
+engine nothing. One engine request per prompt: n > 1 is one request with
+SamplingParams(n=...), prefilled once. SSE chunks are plain dicts through json.dumps.
+A client that goes away mid-stream has its engine iterator closed, which aborts its
+request and frees its pages.
 
 SIGTERM (or Ctrl+C): new requests get 503 and /health turns 503, running requests
 finish (at most --shutdown-timeout seconds, then they are aborted), uvicorn closes,
@@ -133,7 +134,7 @@ class OpenAIServer:
                 f"completion). Please reduce the length of the prompt or {max_tokens_param}.", param=max_tokens_param)
 
     def _start(self, prompt: dict, params: SamplingParams, request_id: str, renames: dict):
-        """AsyncLLM.generate: validates now (a 400 by name), runs when iterated."""
+        """AsyncLLM.generate: validates (a 400 by name) and sends the request to the core now."""
         try:
             return self.engine.generate(prompt, params, request_id=request_id)
         except EngineDeadError:
@@ -245,9 +246,14 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         renames = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
         streams = []
-        for i, (text, ids) in enumerate(parsed):
-            prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-            streams.append((f"{rid}-{i}", self._start(prompt, params, f"{rid}-{i}", renames)))
+        try:
+            for i, (text, ids) in enumerate(parsed):
+                prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+                streams.append((f"{rid}-{i}", self._start(prompt, params, f"{rid}-{i}", renames)))
+        except BaseException:
+            for _, stream in streams:  # the prompts before the bad one were sent to the core already
+                stream.cancel()
+            raise
         prompt_lens = [len(ids) for _, ids in parsed]
         echo = None
         if req.echo:
