@@ -160,6 +160,25 @@ def test_logprobs_in_each_endpoints_format(client, llm):
         assert t.bytes == list(t.token.encode())
 
 
+def test_raw_sse_stream_is_well_formed(server, llm):
+    """The byte stream itself: `data: <json>` events, each ended by a blank line; the finish,
+    then the usage chunk (no choices), then `data: [DONE]`, and nothing after."""
+    want = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0].outputs[0]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 9, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    raw = httpx.post(f"{server}/v1/completions", json=body, timeout=60).content
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-2]]
+    assert all(e.startswith(b"data: {") for e in events[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+    assert all(c["usage"] is None for c in chunks[:-1] if "usage" in c)
+    content = [c["choices"][0] for c in chunks[:-1]]
+    assert "".join(c["text"] for c in content) == want.text
+    assert content[-1]["finish_reason"] == "length" and not any(c["finish_reason"] for c in content[:-1])
+
+
 def test_128_concurrent_streaming_clients(server, llm):
     prompts = [f"Client {i} asks: what comes next?" for i in range(128)]
     want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
