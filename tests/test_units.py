@@ -154,3 +154,53 @@ def test_cpu_runner_keeps_freed_host_memory(tiny_models, monkeypatch):
     monkeypatch.setattr(runner, "keep_freed_host_memory", lambda: called.append(True) or True)
     LLM(tiny_models["llama_gqa_llama3"], max_model_len=64)
     assert called == [True]
+
+
+def test_freeze_startup_heap_keeps_the_heap_out_of_collections_but_collects_new_garbage():
+    import gc
+    import weakref
+
+    from graphdecode.runtime.gc_heap import freeze_startup_heap
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    long_lived = [{"i": i} for i in range(50_000)]
+    before_freeze = cycle()  # garbage made during start-up is collected, not frozen
+    try:
+        frozen = freeze_startup_heap()
+        assert before_freeze() is None
+        assert frozen >= len(long_lived)
+        assert gc.get_freeze_count() == frozen
+        after_freeze = cycle()  # what is made later is collected as before
+        gc.collect()
+        assert after_freeze() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_engine_core_freezes_its_heap_before_it_reports_ready(tiny_models, monkeypatch):
+    import multiprocessing
+    import threading
+
+    from graphdecode.server import engine_core
+
+    events = []
+    monkeypatch.setattr(engine_core, "freeze_startup_heap", lambda: events.append("frozen") or 0)
+    core_in, requests = multiprocessing.Pipe(duplex=False)
+    outputs, core_out = multiprocessing.Pipe(duplex=False)
+    thread = threading.Thread(target=engine_core.run_engine_core,
+                              args=(core_in, core_out, tiny_models["llama_gqa_llama3"], {"max_model_len": 64}, None))
+    thread.start()
+    try:
+        kind, _ = outputs.recv()
+        events.append(kind)
+    finally:
+        requests.send([("shutdown",)])
+        thread.join(60)
+    assert events == ["frozen", "ready"]

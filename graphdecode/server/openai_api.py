@@ -39,6 +39,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
+from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, EngineDeadError
 from .metrics import ServerMetrics
@@ -606,6 +607,7 @@ def serve(args) -> int:
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)
         server = DrainingServer(config, app.state.server, args.shutdown_timeout)
+        freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
         print(f"graphdecode: serving {name!r} (max_model_len {engine.config.max_model_len}) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         server.run()
