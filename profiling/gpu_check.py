@@ -19,6 +19,10 @@ happens it says how far the check got. A compact table is printed last.
   bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1 and 8
   bench_tp             TP=1 vs TP=2 (profiling/bench_tp.py); skipped with fewer than two GPUs
                        (both write their numbers into summary.json only: $OUT holds 8 files at most)
+  bench_serve          the OpenAI server beside in-process generate (profiling/bench_serve.py),
+                       llama-3.2-1b shape, 1/64/256 streaming clients over 4 client processes;
+                       numbers in summary.json only; not started with less budget left than its
+                       estimated need (GPU_CHECK_SERVE_NEED_S, 150 s): run it with --only bench_serve
   bench_compiled       the same with torch.compile, buckets 1,16; skipped (not started) when less
                        budget is left than its estimated need (GPU_CHECK_COMPILED_NEED_S, 90 s)
 
@@ -27,7 +31,7 @@ Options: --only STAGE[,STAGE] (env always runs; `pytest` = every pytest_* stage)
 
 Knobs (environment): OUT, PYTHON, GPU_CHECK_BUDGET_S, GPU_CHECK_LIMIT_<STAGE> (a stage's own
 limit, seconds), GPU_CHECK_TEST_TIMEOUT_S (pytest-timeout per test, 90), GPU_CHECK_COMPILED_NEED_S,
-GPU_CHECK_KIT_DIR (.gpu/gpu-kit). Test hooks: GPU_CHECK_FAIL=STAGE[,STAGE] replaces those stages
+GPU_CHECK_SERVE_NEED_S, GPU_CHECK_KIT_DIR (.gpu/gpu-kit). Test hooks: GPU_CHECK_FAIL=STAGE[,STAGE] replaces those stages
 by a command that fails; GPU_CHECK_SLEEP=STAGE:SECONDS[,...] by one that sleeps.
 """
 
@@ -54,7 +58,7 @@ PYTEST_FILES = {
     "pytest_graphs": "tests/test_gpu_graphs.py",
     "pytest_hf_parity": "tests/test_gpu_hf_parity.py",
 }
-STAGES = ("env", "kit", "build", *PYTEST_FILES, "bench", "bench_spec", "bench_tp", "bench_compiled")
+STAGES = ("env", "kit", "build", *PYTEST_FILES, "bench", "bench_spec", "bench_tp", "bench_serve", "bench_compiled")
 ALIASES = {"pytest": tuple(PYTEST_FILES)}
 # Each stage's own limit (seconds), before it is cut to what is left of the budget.
 LIMITS = {
@@ -69,9 +73,12 @@ LIMITS = {
     "bench_compiled": 150,
     "bench_spec": 60,
     "bench_tp": 90,
+    "bench_serve": 240,
 }
 DEFAULT_BUDGET_S = 300
-COMPILED_NEED_S = 90  # estimated need of bench_compiled: not started with less budget left
+# Estimated needs (seconds): these stages are not started with less budget left. In a dry run
+# bench_compiled rehearses the skip (its need is more than the budget) and bench_serve runs.
+NEEDS = {"bench_compiled": ("GPU_CHECK_COMPILED_NEED_S", 90), "bench_serve": ("GPU_CHECK_SERVE_NEED_S", 150)}
 MIN_STAGE_S = 5  # a stage is not started with less budget left
 TEST_TIMEOUT_S = 90
 GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTERM, then SIGKILL
@@ -223,6 +230,24 @@ def side_bench_points(path: str) -> dict | None:
     points = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in p.items() if k in keep}
               for p in data.get("points", [])]
     return {"points": points, "speedup": data.get("speedup"), "same_tokens": data.get("same_tokens")}
+
+
+def serve_points(path: str) -> dict | None:
+    """The key numbers of a bench_serve JSON, for summary.json."""
+    data = _read_json(path)
+    if data is None:
+        return None
+
+    def r(value):
+        return round(value, 3) if isinstance(value, float) else value
+
+    points = [{"clients": p["clients"], "served_tokens_per_s": r(p["served"]["tokens_per_s"]),
+               "in_process_tokens_per_s": r((p.get("in_process") or {}).get("tokens_per_s")),
+               "ratio": r(p.get("served_over_in_process")), "ttft_p50_s": r(p["served"]["ttft_p50_s"]),
+               "itl_p99_s": r(p["served"]["itl_p99_s"]),
+               "itl_p99_over_window_mean": r(p.get("itl_p99_over_window_mean"))}
+              for p in data.get("points", [])]
+    return {"points": points, "goals": {k: r(v) for k, v in data.get("goals", {}).items()}, "model": data.get("model")}
 
 
 class Check:
@@ -379,6 +404,10 @@ class Check:
                 elif "tp" in p:
                     lines.append(f"{'':<22}TP={p['tp']} batch={p['batch']}: {p['decode_tokens_per_s']:.0f} tok/s, "
                                  f"collectives {100 * p['collective_share']:.0f}%")
+                elif "clients" in p:  # served vs in-process
+                    lines.append(f"{'':<22}{p['clients']} clients: served {p['served_tokens_per_s']:.0f} / in-process "
+                                 f"{p['in_process_tokens_per_s']:.0f} tok/s = {p['ratio']}, "
+                                 f"p99 ITL / window {p['itl_p99_over_window_mean']}")
         bad = [n for n, st in s["stages"].items() if st["status"] in ("failed", "timeout", "killed")]
         lines.append(f"result: {'OK' if not bad else 'FAILED: ' + ', '.join(bad)}; OUT={self.out}")
         lines.append("files: " + ", ".join(s.get("out_files", [])))
@@ -407,7 +436,8 @@ class Check:
             notes.append("no junit XML")
         bench = st.get("bench")
         if bench is not None:
-            notes.append(f"{len(bench['points'])} points, attention {bench.get('attention_backend')}")
+            notes.append(f"{len(bench['points'])} points"
+                         + (f", attention {bench['attention_backend']}" if bench.get("attention_backend") else ""))
         elif name.startswith("bench") and st["status"] not in ("pending", "skipped"):
             notes.append("no bench JSON")
         return "; ".join(notes)
@@ -433,11 +463,15 @@ class Check:
             self.say(f"=== [{name}] skipped: budget spent")
             self.write_summary()
             return
-        if name == "bench_compiled":
-            need = _env_seconds("GPU_CHECK_COMPILED_NEED_S", self.budget + 1 if self.dry else COMPILED_NEED_S)
+        if name in NEEDS:
+            var, need = NEEDS[name]
+            dry_need = self.budget + 1 if name == "bench_compiled" else 0
+            need = _env_seconds(var, dry_need if self.dry else need)
             if self.left() < need:
-                reason = f"needs ~{need:.0f}s (GPU_CHECK_COMPILED_NEED_S), {max(self.left(), 0):.0f}s left"
-                if self.dry and "GPU_CHECK_COMPILED_NEED_S" not in os.environ:
+                reason = f"needs ~{need:.0f}s ({var}), {max(self.left(), 0):.0f}s left"
+                if name == "bench_serve":
+                    reason += "; run it with --only bench_serve"
+                if self.dry and var not in os.environ:
                     reason += " (a dry run rehearses this skip)"
                 record.update(status="skipped", seconds=0, reason=reason)
                 self.say(f"=== [{name}] skipped: {record['reason']}")
@@ -476,10 +510,10 @@ class Check:
             if os.path.isfile(xml):
                 record["xml"] = os.path.basename(xml)
                 record["tests"] = junit_counts(xml)
-        elif name in ("bench_spec", "bench_tp"):  # their JSON stays in the work dir: $OUT holds 8 files at most
+        elif name in ("bench_spec", "bench_tp", "bench_serve"):  # their JSON stays in the work dir ($OUT: 8 files)
             path = os.path.join(self.work, name + ".json")
             if os.path.isfile(path):
-                record["bench"] = side_bench_points(path)
+                record["bench"] = (serve_points if name == "bench_serve" else side_bench_points)(path)
         elif name.startswith("bench"):
             prefix = os.path.join(self.out, "bench_buckets" + ("_compiled" if name == "bench_compiled" else ""))
             for extra in (prefix + ".png", prefix + ".json.tmp"):  # keep $OUT to few files
@@ -649,6 +683,14 @@ class Check:
                  else ["--device", "cuda", "--batches", "1,16"])
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_tp.py"), *sizes,
                 "--out", os.path.join(self.work, "bench_tp")]
+        return self.verdict(self.run(argv, limit))
+
+    def stage_bench_serve(self, limit: float) -> dict:
+        """The OpenAI server beside in-process generate (profiling/bench_serve.py): issue 10's goals on a GPU."""
+        sizes = (["--clients", "1,2", "--max-tokens", "8", "-k", "2"] if self.dry
+                 else ["--preset", "llama-3.2-1b", "--device", "cuda", "--client-procs", "4", "--clients", "1,64,256"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_serve.py"), *sizes,
+                "--repeats", "1" if self.dry else "2", "--out", os.path.join(self.work, "bench_serve")]
         return self.verdict(self.run(argv, limit))
 
     # ------------------------------------------------------------------ main

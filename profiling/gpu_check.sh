@@ -3,7 +3,7 @@
 # The stages are run by profiling/gpu_check.py (its docstring and docs/gpu.md say what each proves):
 #
 #   env  kit  build  pytest_advance_step  pytest_flashinfer  pytest_graphs  pytest_hf_parity
-#   bench  bench_compiled
+#   bench  bench_spec  bench_tp  bench_serve  bench_compiled
 #
 # each in its own process group under its own time limit, cut to what is left of the budget
 # (GPU_CHECK_BUDGET_S, default 300 s, so that a failed run can be rerun at once in the same

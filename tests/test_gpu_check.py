@@ -19,9 +19,10 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_graphs", "pytest_hf_parity",
-          "bench", "bench_spec", "bench_tp", "bench_compiled"]
+          "bench", "bench_spec", "bench_tp", "bench_serve", "bench_compiled"]
 PYTEST_STAGES = {name: f"tests/test_gpu_{name[len('pytest_'):]}.py" for name in STAGES if name.startswith("pytest_")}
-HOOKS = ("GPU_CHECK_FAIL", "GPU_CHECK_SLEEP", "GPU_CHECK_BUDGET_S", "GPU_CHECK_COMPILED_NEED_S", "GPU_CHECK_KIT_DIR")
+HOOKS = ("GPU_CHECK_FAIL", "GPU_CHECK_SLEEP", "GPU_CHECK_BUDGET_S", "GPU_CHECK_COMPILED_NEED_S",
+         "GPU_CHECK_SERVE_NEED_S", "GPU_CHECK_KIT_DIR")
 
 
 def _env(out, **extra) -> dict:
@@ -77,6 +78,11 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert all(p["same_tokens"] for p in spec["bench"]["points"])
     tp = stages["bench_tp"]  # rehearsed on CPU (gloo); on a one-GPU machine it is skipped
     assert tp["status"] == "ok" and [p["tp"] for p in tp["bench"]["points"]] == [1, 2] and tp["bench"]["same_tokens"]
+    serve = stages["bench_serve"]  # the server beside in-process generate, its numbers in summary.json only
+    assert serve["status"] == "ok" and [p["clients"] for p in serve["bench"]["points"]] == [1, 2]
+    assert all(p["served_tokens_per_s"] > 0 and p["in_process_tokens_per_s"] > 0 and p["ratio"] > 0
+               for p in serve["bench"]["points"])
+    assert "2 clients: served" in proc.stdout
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
     assert compiled["status"] == "skipped" and "GPU_CHECK_COMPILED_NEED_S" in compiled["reason"]
