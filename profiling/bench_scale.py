@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from graphdecode import LLM, SamplingParams  # noqa: E402
 from graphdecode.bench_common import machine_info, resolve_model, rss_bytes, write_json  # noqa: E402
+from graphdecode.runtime.gc_heap import freeze_startup_heap  # noqa: E402
 
 
 def one_token_words(tokenizer) -> list[str]:
@@ -215,8 +216,7 @@ def main(argv=None) -> dict:
     if args.warmup:
         run_point(llm, args.warmup, args)
     if args.gc == "freeze":
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
     for count in counts:
         profile = args.profile if args.profile and count == max(counts) else None
         runs = [run_point(llm, count, args, profile) for _ in range(args.repeats)]

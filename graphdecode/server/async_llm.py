@@ -106,10 +106,9 @@ class RequestStream:
         engine._send(self._message)
 
     def _end(self, abort: bool) -> None:
-        if self._state != "running":
-            self._state = "done"
+        was_running, self._state = self._state == "running", "done"
+        if not was_running:
             return
-        self._state = "done"
         engine = self._engine
         engine._queues.pop(self.request_id, None)
         if abort and engine.dead is None and not engine._closed:
