@@ -94,3 +94,25 @@ def test_probe_allows_jit_only_with_nvcc(probe_env, monkeypatch):
     (tmp / "cuda" / "bin" / "nvcc").write_text("")
     monkeypatch.setenv("CUDA_HOME", str(tmp / "cuda"))
     assert probe.flashinfer_unavailable_reason(64, torch.bfloat16) is None  # flashinfer compiles it at first use
+
+
+def test_gpu_tests_skip_through_the_engines_probe(probe_env, monkeypatch):
+    """The GPU tests' `require_flashinfer` asks the same probe: with the gpu-kit's bf16 modules
+    and JIT off, fp16 skips (it used to fail the stage with the engine's ValueError), bf16 runs,
+    and under gpu_check a combination the kit promises fails instead of skipping."""
+    from conftest import require_flashinfer
+
+    probe, tmp = probe_env
+    monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")
+    _install(tmp / "aot", probe.kernel_module_name(64, torch.bfloat16))
+    monkeypatch.delenv("GRAPHDECODE_REQUIRE_FLASHINFER", raising=False)
+    require_flashinfer(64, torch.bfloat16)  # runs
+    with pytest.raises(pytest.skip.Exception, match="head_dim 64 torch.float16.*FLASHINFER_DISABLE_JIT"):
+        require_flashinfer(64, "float16")
+    with pytest.raises(ValueError, match="head_dim 64"):  # where the engine refuses, the test skipped
+        choose_attention_backend("flashinfer", CUDA, torch.float16, 64)
+    monkeypatch.setenv("GRAPHDECODE_REQUIRE_FLASHINFER", "1")
+    with pytest.raises(pytest.skip.Exception):
+        require_flashinfer(64, torch.float16)  # not in the kit: still a skip
+    with pytest.raises(pytest.fail.Exception, match="gpu-kit promises FlashInfer for head_dim 128"):
+        require_flashinfer(128, torch.bfloat16)  # in the kit's list but missing: a broken kit fails

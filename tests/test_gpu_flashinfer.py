@@ -9,10 +9,9 @@ a ragged causal batch over shuffled pages. The kit ships bf16 kernels for head_d
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import require_flashinfer
 
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
@@ -25,19 +24,27 @@ TOL = dict(rtol=2e-2, atol=2e-2)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def flashinfer_module():
-    if os.environ.get("GRAPHDECODE_REQUIRE_FLASHINFER") == "1":
-        import flashinfer  # gpu_check.sh: a missing kit must fail, not skip
-
-        return flashinfer
-    return pytest.importorskip("flashinfer")
-
-
-@pytest.fixture(scope="module", autouse=True)
 def cuda_kernel():
     from graphdecode.compiled import cuda_kernels
 
     cuda_kernels.register()
+
+
+def assert_padded_ctas_masked(wrapper, rows: int) -> None:
+    """flashinfer issue #4002: a CUDA-graph plan launches a padded grid (padded_batch_size CTAs
+    per KV head, more than the scheduled blocks) and, before the fix, padded CTAs read stale
+    schedule entries when split-KV was off. 0.7.2.post1's plan allocates `block_valid_mask`
+    for every CUDA-graph plan and its run binds it (docs/gpu.md); check that this plan has it
+    and that it marks exactly a prefix of scheduled blocks, at least one per row.
+    PrefillPlanInfo fields: [0] padded_batch_size, [12] block_valid_mask_offset,
+    [13] enable_cuda_graph, [14] split_kv."""
+    info = [int(x) for x in wrapper._plan_info]
+    padded, offset, cuda_graph, split_kv = info[0], info[12], info[13], info[14]
+    assert cuda_graph == 1 and split_kv == 0, info
+    assert offset != 0, f"no block_valid_mask in a CUDA-graph plan: {info}"
+    mask = wrapper._pin_memory_int_workspace_buffer[offset:offset + padded].view(torch.bool)
+    scheduled = int(mask.sum())
+    assert rows <= scheduled <= padded and bool(mask[:scheduled].all()), (scheduled, padded)
 
 
 def make_caches(num_pages, page_size, num_kv_heads, head_dim, seed):
@@ -66,6 +73,7 @@ def make_state(rows, lengths, done_rows, max_pages, page_size, num_pages, seed):
     [(1, [1], ()), (8, [1, 15, 16, 17, 200, 31], (3,)), (64, [3, 600] * 20, (5, 6))],
 )
 def test_decode_planned_once_follows_growing_lengths(num_heads, num_kv_heads, head_dim, bucket, lengths, done_rows):
+    require_flashinfer(head_dim, torch.bfloat16)
     from graphdecode.attention.flashinfer_backend import FlashInferBackend
 
     page_size, max_pages = 16, 48  # up to 768 tokens per row
@@ -75,6 +83,7 @@ def test_decode_planned_once_follows_growing_lengths(num_heads, num_kv_heads, he
     ref = TorchAttentionBackend(ref_caches, num_heads, num_kv_heads, head_dim)
     state = make_state(bucket, lengths, done_rows, max_pages, page_size, num_pages, seed=bucket)
     fi.plan_decode(bucket, state.decode_metadata(bucket, max_pages))
+    assert_padded_ctas_masked(fi._decode_wrappers[bucket], bucket)
     state.advance(bucket, state.input_ids[:bucket], page_size, advance=False)
     g = torch.Generator("cuda").manual_seed(0)
 
@@ -117,6 +126,7 @@ def test_decode_planned_once_follows_growing_lengths(num_heads, num_kv_heads, he
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", SHAPES)
 def test_prefill_matches_the_torch_reference(num_heads, num_kv_heads, head_dim):
+    require_flashinfer(head_dim, torch.bfloat16)
     from graphdecode.attention.flashinfer_backend import FlashInferBackend
 
     page_size, num_pages = 16, 128

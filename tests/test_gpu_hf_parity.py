@@ -40,6 +40,7 @@ import time
 
 import pytest
 import torch
+from conftest import require_flashinfer
 from hf_parity_models import (
     CPU_SMALL,
     GPU_D64,
@@ -198,7 +199,8 @@ def test_gpu_fp32_greedy_equals_transformers(model_dirs, recorder, model):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["d64", "d128"])
-def test_gpu_bf16_flashinfer_teacher_forced_on_transformers(model_dirs, flashinfer_ready, recorder, model):
+def test_gpu_bf16_flashinfer_teacher_forced_on_transformers(model_dirs, recorder, model):
+    require_flashinfer(SPECS[model].head_dim, torch.bfloat16)
     check_teacher_forced(model_dirs(model), SPECS[model], "cuda", recorder, TF_PROMPT_LENGTHS,
                          TF_CONTINUATION, attention_backend="flashinfer", cuda_graphs=True, compile=False)
 
@@ -237,15 +239,24 @@ def check_speculative_equals_plain(path: str, spec, device: str, **engine) -> di
                                                                                 ignore_eos=True))]
     stats = fast.stats()
     assert got == want
+    if device == "cuda" and engine.get("attention_backend") == "flashinfer":
+        from test_gpu_flashinfer import assert_padded_ctas_masked
+
+        verify = fast.engine.runner.backend._verify_wrappers  # bucket -> the planned verify wrapper
+        for bucket, wrapper in verify.items():
+            assert_padded_ctas_masked(wrapper, bucket)
+        stats["verify_plans_masked"] = len(verify)
     assert stats["spec_accepted_tokens"] > 0 and stats["spec_windows"] > 0
     return stats
 
 
 @pytest.mark.gpu
-def test_gpu_speculative_graphs_give_the_plain_tokens(model_dirs, flashinfer_ready, recorder):
+def test_gpu_speculative_graphs_give_the_plain_tokens(model_dirs, recorder):
     """bf16 FlashInfer in CUDA graphs: the verify forward (BatchPrefill, q_len = d + 1) against decode."""
+    require_flashinfer(GPU_D64.head_dim, torch.bfloat16)
     stats = check_speculative_equals_plain(model_dirs("d64"), GPU_D64, "cuda", attention_backend="flashinfer",
                                            cuda_graphs=True, compile=False)
+    assert stats["verify_plans_masked"] > 0  # every verify graph plan carries block_valid_mask (issue #4002)
     recorder("accepted_per_verify", stats["spec_mean_accepted_per_verify"])
 
 
