@@ -32,6 +32,8 @@ import time
 import torch
 
 from .bench_common import (
+    add_compile_arg,
+    compile_option,
     copy_bandwidth,
     cuda_sync,
     machine_info,
@@ -57,7 +59,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point; the fastest is kept")
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     p.add_argument("--baseline-compile", action="store_true", help="let transformers torch.compile (CUDA)")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="engine torch.compile")
+    add_compile_arg(p)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
     from .cache import cache_root
 
@@ -156,11 +158,10 @@ def _add_bandwidth(point: dict, sizes: dict, copy_bytes_per_s: float | None) -> 
 def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_prefix: str) -> None:
     from . import LLM
 
-    compile_flag = {"auto": None, "on": True, "off": False}[args.compile]
     for k in _ints(args.steps):
         llm = LLM(
             model_dir, device=str(device), dtype=args.dtype, buckets=sorted(set(_ints(args.buckets))),
-            num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, compile=compile_flag,
+            num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, **compile_option(args),
             enable_prefix_caching=False,  # the repeated runs of a point must prefill alike
         )
         sizes = _engine_sizes(llm, args.prompt_len, args.gen_len)

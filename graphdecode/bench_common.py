@@ -17,6 +17,22 @@ import time
 import torch
 
 
+COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
+
+
+def add_compile_arg(parser) -> None:
+    """--compile auto|on|off: the engine's torch.compile (auto: EngineConfig's default, on on CUDA).
+    gpu_check passes it to every bench, so a dry run and the GPU run take the same settings."""
+    parser.add_argument("--compile", choices=list(COMPILE_CHOICES), default="auto",
+                        help="engine torch.compile (auto: EngineConfig's default: on on CUDA, off on CPU)")
+
+
+def compile_option(args) -> dict:
+    """The engine argument for --compile: {} for auto (EngineConfig decides), else {"compile": bool}."""
+    flag = COMPILE_CHOICES[args.compile]
+    return {} if flag is None else {"compile": flag}
+
+
 def resolve_model(model: str | None, preset: str | None, device: str | None = None) -> tuple[str, str]:
     """(directory, display name): --model wins, else --preset, else the built-in default model."""
     if model is not None and preset is not None:

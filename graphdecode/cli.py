@@ -59,6 +59,12 @@ def _field_default(cls, name: str):
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -96,6 +102,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest sequence, prompt + output (default: EngineConfig's: the model's "
                         "max_position_embeddings)")
+    p.add_argument("--compile", type=_on_off, default=None, metavar="{on,off}",
+                   help="torch.compile the decode forward (default: EngineConfig's: on on CUDA, off on CPU)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"],
                    help="(default: EngineConfig's: flashinfer on CUDA when it can run, else torch)")
     p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=None,
@@ -113,7 +121,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
-                   "max_model_len", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
+                   "max_model_len", "compile", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
                    "max_num_batched_tokens", "speculative_config")
 
 

@@ -50,7 +50,14 @@ import torch  # noqa: E402
 
 from graphdecode import LLM, SamplingParams  # noqa: E402
 from graphdecode.bench_clients import MODEL_NAME, ClientPool  # noqa: E402
-from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
+from graphdecode.bench_common import (  # noqa: E402
+    add_compile_arg,
+    compile_option,
+    machine_info,
+    random_prompt_ids,
+    resolve_model,
+    write_json,
+)
 from graphdecode.models import load_model_config  # noqa: E402
 from graphdecode.runtime.gc_heap import freeze_startup_heap  # noqa: E402
 from graphdecode.server.launch import start_server, stop_server  # noqa: E402
@@ -118,6 +125,8 @@ def start(model_dir: str, args, engine_args: dict, log_path: str) -> tuple[subpr
            "--max-batch-size", str(engine_args["max_batch_size"]), "--max-model-len", str(engine_args["max_model_len"])]
     if args.device:
         cmd += ["--device", args.device]
+    if "compile" in engine_args:
+        cmd += ["--compile", "on" if engine_args["compile"] else "off"]
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -319,6 +328,7 @@ def main(argv=None) -> dict:
     p.add_argument("--pin", action="store_true",
                    help="give the measured engine CPU 0 to itself, the server and client the other CPUs (Linux)")
     p.add_argument("--skip-in-process", action="store_true", help="only the served runs")
+    add_compile_arg(p)
     p.add_argument("--url", default=None,
                    help="benchmark a server already running there (started with the same engine options and "
                         f"--served-model-name {MODEL_NAME}) instead of starting one")
@@ -342,7 +352,7 @@ def main(argv=None) -> dict:
         else:
             prompts, lengths = text_prompts(tokenizer, prompts)
     engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
-                       max_model_len=max(lengths) + args.max_tokens + 8)
+                       max_model_len=max(lengths) + args.max_tokens + 8, **compile_option(args))
     if args.device:
         engine_args["device"] = args.device
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from graphdecode.bench_common import machine_info, write_json  # noqa: E402
+from graphdecode.bench_common import add_compile_arg, compile_option, machine_info, write_json  # noqa: E402
 
 PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
            "the members agreed to fund the children's reading room, to repair the roof before winter, and to "
@@ -104,6 +104,7 @@ def main(argv=None) -> dict:
     p.add_argument("-d", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating); the fastest kept")
     p.add_argument("--threads", type=int, default=1)
+    add_compile_arg(p)
     p.add_argument("--out", default="profiling/out/bench_spec")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -117,7 +118,7 @@ def main(argv=None) -> dict:
         args.model = smollm2_dir()
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(device=args.device, num_decode_steps=args.k, max_batch_size=max(batches), max_model_len=1024,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, **compile_option(args))
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config={"method": "ngram", "num_speculative_tokens": args.d}, **common)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -24,7 +24,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
+from graphdecode.bench_common import (  # noqa: E402
+    add_compile_arg,
+    compile_option,
+    machine_info,
+    random_prompt_ids,
+    resolve_model,
+    write_json,
+)
 from graphdecode.models.parallel import TPGroup  # noqa: E402
 
 _collective_seconds = [0.0]
@@ -50,7 +57,8 @@ def measure(model_dir: str, args, tp: int, batch: int) -> dict:
     from graphdecode import LLM, SamplingParams
 
     with LLM(model_dir, device=args.device, tensor_parallel_size=tp, buckets=[batch], num_decode_steps=args.k,
-             max_model_len=args.prompt_len + args.gen_len + args.k + 8, enable_prefix_caching=False) as llm:
+             max_model_len=args.prompt_len + args.gen_len + args.k + 8, enable_prefix_caching=False,
+             **compile_option(args)) as llm:
         vocab = llm.config.model_config.vocab_size
         prompts = [{"prompt_token_ids": p} for p in random_prompt_ids(batch, args.prompt_len, vocab, seed=3)]
         greedy = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
@@ -89,6 +97,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("-k", type=int, default=8)
+    add_compile_arg(p)
     p.add_argument("--out", default="profiling/out/bench_tp")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # one thread per rank: the workers use the driver's count

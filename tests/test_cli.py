@@ -117,7 +117,7 @@ def test_broken_weights_and_long_prompts_are_one_line(capsys, text_model, tmp_pa
 
 def test_argparse_errors_exit_2_before_any_model(no_model_load, capsys):
     for argv in (["generate", "--page-size", "0"], ["generate", "-k", "x"], ["generate", "--stream", "--json"],
-                 ["bench", "--prompt-len", "nope"]):
+                 ["bench", "--prompt-len", "nope"], ["generate", "--compile", "maybe"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2
@@ -216,3 +216,23 @@ def test_bench_writes_under_the_cache_dir_and_prints_where(capsys, tiny_models, 
     assert f"[bench] results written to {expected}" in out
     assert os.path.isfile(expected)
     assert os.listdir(work) == []  # nothing in the current directory, no profiling/
+
+
+def test_compile_option_reaches_the_engine(monkeypatch, text_model):
+    """--compile on|off is passed to LLM as compile=True/False; without it EngineConfig decides."""
+    import graphdecode
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def fake_llm(model, **options):
+        seen.append(options)
+        raise Built
+
+    monkeypatch.setattr(graphdecode, "LLM", fake_llm)
+    for flag in (["--compile", "on"], ["--compile", "off"], []):
+        with pytest.raises(Built):
+            main(["generate", "--model", text_model, *flag, "Hi"])
+    assert [options.get("compile", "default") for options in seen] == [True, False, "default"]
