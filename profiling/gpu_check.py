@@ -1,44 +1,55 @@
 #!/usr/bin/env python3
 """The GPU check's driver (entry point: `bash profiling/gpu_check.sh`, which also does --prepare).
 
-Runs the stages below in order, each in its own process group under its own time limit,
-cut to what is left of the budget (GPU_CHECK_BUDGET_S, default 300 s); a failed or timed-out
-stage does not stop the next. $OUT/summary.json is rewritten when each stage starts and
-ends, and on SIGTERM/SIGINT (the running stage's processes are stopped first), so whatever
-happens it says how far the check got. A compact table is printed last.
+Runs the stages below in order of value per second, each in its own process group under its
+own time limit cut to what is left of the budget (--budget S, GPU_CHECK_BUDGET_S, default
+420 s). A stage is not started with less budget left than its estimated need (skipped, with
+the --only command that runs it); one stopped because the budget ran out is `cut`, not
+failed; one that hit its own limit is a `timeout` (a failure). A failed stage does not stop
+the next. $OUT/summary.json is rewritten when each stage starts and ends, and on
+SIGTERM/SIGINT (the running stage's processes are stopped first), so whatever happens it
+says how far the check got. A compact table is printed last, ending with the exact command
+that reruns what failed, was cut or did not fit.
 
   env                  versions, nvidia-smi, nvcc (CUDA must be available, except in a dry run)
   kit                  unpack and apply .gpu/gpu-kit, import flashinfer; then profiling/kit_check.py
-                       (informational: its failure does not fail the stage)
+                       (informational: its failure does not fail the stage). A dry run only
+                       rehearses it (skipped: the kit's packages are cp312 builds for the GPU machine)
   build                csrc/ with nvcc into graphdecode/_kernels (dry run: into a scratch folder)
-  pytest_advance_step  pytest -m gpu, one process and one junit XML (pytest_<name>.xml) per file,
-  pytest_flashinfer      cheapest first, so a sticky CUDA error or a timeout loses one file
-  pytest_graphs
-  pytest_hf_parity     (skipped when the file does not exist)
-  bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, compile off
-  bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1 and 8
-  bench_tp             TP=1 vs TP=2 (profiling/bench_tp.py); skipped with fewer than two GPUs
-                       (both write their numbers into summary.json only: $OUT holds 8 files at most)
+  pytest_advance_step  pytest, one process per stage, cheapest first, so a sticky CUDA error
+  pytest_flashinfer      or a timeout loses one stage's results; junit XML in the work folder,
+  pytest_hf_parity       counts, per-test durations, failures' first lines in summary.json
+  bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, --compile off
+  pytest_graphs        tests/test_gpu_graphs.py without the `compile` cases (no inductor compile)
+  pytest_compile       the `compile` cases (real inductor compiles), late because they are slow
+  bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1
+                       and 8, --compile off
+  bench_tp             TP=1 vs TP=2 (profiling/bench_tp.py), --compile off; skipped with fewer than two GPUs
   bench_serve          the OpenAI server beside in-process generate (profiling/bench_serve.py),
-                       llama-3.2-1b shape, 1/64/256 streaming clients over 4 client processes;
-                       numbers in summary.json only; not started with less budget left than its
-                       estimated need (GPU_CHECK_SERVE_NEED_S, 150 s): run it with --only bench_serve
-  bench_compiled       the same with torch.compile, buckets 1,16; skipped (not started) when less
-                       budget is left than its estimated need (GPU_CHECK_COMPILED_NEED_S, 90 s)
+                       llama-3.2-1b shape, 1/64/256 streaming clients over 4 client processes,
+                       --compile off; its server packages come as wheels from .gpu/wheels when the
+                       machine lacks them (--prepare downloads them), else it is skipped naming them
+  bench_compiled       the bucket sweep with --compile on, buckets 1,16
+  (bench_spec, bench_tp and bench_serve write their numbers into summary.json only: $OUT holds
+  gpu_check.log, summary.json, bench_buckets.json and bench_buckets_compiled.json; the device
+  returns 8 files at most)
 
-Options: --only STAGE[,STAGE] (env always runs; `pytest` = every pytest_* stage), --dry-run
-(every stage rehearsed on CPU with CPU stand-ins; see docs/gpu.md).
+Options: --only STAGE[,STAGE] (env always runs; `pytest` = every pytest_* stage), --budget S,
+--dry-run (every stage rehearsed on CPU with CPU stand-ins; see docs/gpu.md).
 
 Knobs (environment): OUT, PYTHON, GPU_CHECK_BUDGET_S, GPU_CHECK_LIMIT_<STAGE> (a stage's own
-limit, seconds), GPU_CHECK_TEST_TIMEOUT_S (pytest-timeout per test, 90), GPU_CHECK_COMPILED_NEED_S,
-GPU_CHECK_SERVE_NEED_S, GPU_CHECK_KIT_DIR (.gpu/gpu-kit). Test hooks: GPU_CHECK_FAIL=STAGE[,STAGE] replaces those stages
-by a command that fails; GPU_CHECK_SLEEP=STAGE:SECONDS[,...] by one that sleeps.
+limit, seconds), GPU_CHECK_NEED_<STAGE> (its estimated need), GPU_CHECK_TEST_TIMEOUT_S
+(pytest-timeout per test, 90), GPU_CHECK_KIT_DIR (.gpu/gpu-kit), GPU_CHECK_WHEELS_DIR
+(.gpu/wheels). Test hooks: GPU_CHECK_FAIL=STAGE[,STAGE] replaces those stages by a command that
+fails; GPU_CHECK_SLEEP=STAGE:SECONDS[,...] by one that sleeps; GPU_CHECK_REQUIRE=STAGE:MOD[+MOD]
+adds Python modules a stage requires.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import shutil
@@ -48,41 +59,44 @@ import sys
 import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ET
+
+from gpu_check_report import bench_points, junit_report, serve_points, side_bench_points, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PYTEST_FILES = {
-    "pytest_advance_step": "tests/test_gpu_advance_step.py",
-    "pytest_flashinfer": "tests/test_gpu_flashinfer.py",
-    "pytest_graphs": "tests/test_gpu_graphs.py",
-    "pytest_hf_parity": "tests/test_gpu_hf_parity.py",
+PYTEST_STAGES = {  # stage: (test file, marker expression)
+    "pytest_advance_step": ("tests/test_gpu_advance_step.py", "gpu"),
+    "pytest_flashinfer": ("tests/test_gpu_flashinfer.py", "gpu"),
+    "pytest_hf_parity": ("tests/test_gpu_hf_parity.py", "gpu"),
+    "pytest_graphs": ("tests/test_gpu_graphs.py", "gpu and not compile"),
+    "pytest_compile": ("tests/test_gpu_graphs.py", "gpu and compile"),
 }
-STAGES = ("env", "kit", "build", *PYTEST_FILES, "bench", "bench_spec", "bench_tp", "bench_serve", "bench_compiled")
-ALIASES = {"pytest": tuple(PYTEST_FILES)}
-# Each stage's own limit (seconds), before it is cut to what is left of the budget.
-LIMITS = {
-    "env": 30,
-    "kit": 60,
-    "build": 90,
-    "pytest_advance_step": 60,
-    "pytest_flashinfer": 60,
-    "pytest_graphs": 120,
-    "pytest_hf_parity": 90,
-    "bench": 120,
-    "bench_compiled": 150,
-    "bench_spec": 60,
-    "bench_tp": 90,
-    "bench_serve": 240,
+# Per stage, in the order they run (value per second): its own limit, its estimated need on the
+# GPU and in a dry run (seconds). A stage is not started with less budget left than its need;
+# a dry-run need of None rehearses that skip (a need above any budget).
+PLAN = {
+    "env": (30, 10, 5),
+    "kit": (60, 25, 10),
+    "build": (90, 40, 10),
+    "pytest_advance_step": (60, 30, 10),
+    "pytest_flashinfer": (60, 30, 10),
+    "pytest_hf_parity": (90, 60, 10),
+    "bench": (120, 60, 20),
+    "pytest_graphs": (120, 75, 10),
+    "pytest_compile": (150, 90, 10),
+    "bench_spec": (90, 45, 20),
+    "bench_tp": (90, 60, 30),
+    "bench_serve": (240, 150, 40),
+    "bench_compiled": (150, 90, None),
 }
-DEFAULT_BUDGET_S = 300
-# Estimated needs (seconds): these stages are not started with less budget left. The last field
-# says what a dry run does: True rehearses the skip (a need above the budget), False runs the stage.
-NEEDS = {"bench_compiled": ("GPU_CHECK_COMPILED_NEED_S", 90, True),
-         "bench_serve": ("GPU_CHECK_SERVE_NEED_S", 150, False)}
-MIN_STAGE_S = 5  # a stage is not started with less budget left
+STAGES = tuple(PLAN)
+ALIASES = {"pytest": tuple(PYTEST_STAGES)}
+DEFAULT_BUDGET_S = 420
 TEST_TIMEOUT_S = 90
 GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTERM, then SIGKILL
+# Python modules a stage needs beyond the GPU machine's image; missing ones are installed from
+# the carried wheels (.gpu/wheels, downloaded by --prepare), else the stage is skipped naming them.
+REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client")}
 
 BENCH_REAL = ["--preset", "llama-3.2-1b", "--device", "cuda", "--dtype", "bfloat16", "--steps", "8",
               "--prompt-len", "128", "--gen-len", "128", "--no-baseline"]
@@ -156,6 +170,16 @@ def _hooks(name: str) -> dict:
     return hooks
 
 
+def _require_hooks() -> dict:
+    """GPU_CHECK_REQUIRE=bench_serve:a+b -> {"bench_serve": ("a", "b")}."""
+    hooks = {}
+    for item in os.environ.get("GPU_CHECK_REQUIRE", "").split(","):
+        stage, _, modules = item.strip().partition(":")
+        if stage:
+            hooks[stage] = tuple(m for m in modules.split("+") if m)
+    return hooks
+
+
 def parse_only(text: str | None) -> list[str] | None:
     if text is None:
         return None
@@ -173,84 +197,6 @@ def parse_only(text: str | None) -> list[str] | None:
     return ["env"] + [s for s in STAGES if s in names and s != "env"]
 
 
-def junit_counts(path: str) -> dict | None:
-    """passed/failed/errors/skipped and the failed tests' names from a junit XML (None if unreadable)."""
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
-        return None
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failed = []
-    for case in root.iter("testcase"):
-        cls = case.get("classname", "").rpartition(".")[2]
-        name = f"{cls}::{case.get('name')}" if cls else str(case.get("name"))
-        if case.find("failure") is not None:
-            counts["failed"] += 1
-            failed.append(name)
-        elif case.find("error") is not None:
-            counts["errors"] += 1
-            failed.append(name)
-        elif case.find("skipped") is not None:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
-    return {**counts, "failed_tests": failed}
-
-
-def _read_json(path: str) -> dict | None:
-    """A bench's JSON, or None when it is missing or unreadable (a stage that did not get that far)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def bench_points(path: str) -> dict | None:
-    """tokens/s and ms/step per point of a bench JSON (written after every point, so partial runs count)."""
-    data = _read_json(path)
-    if data is None:
-        return None
-    points = [
-        {"k": p.get("k"), "batch": p.get("batch"), "bucket": p.get("bucket"),
-         "tokens_per_s": round(p["tokens_per_s"], 1), "ms_per_decode_step": round(p["ms_per_decode_step"], 3)}
-        for p in data.get("points", []) if "tokens_per_s" in p and "ms_per_decode_step" in p
-    ]
-    config = data.get("engine_config", {})
-    return {"points": points, "attention_backend": config.get("attention_backend"),
-            "capture_seconds": config.get("capture_seconds"), "model": data.get("model_name")}
-
-
-def side_bench_points(path: str) -> dict | None:
-    """The key numbers of bench_spec / bench_tp JSON, for summary.json."""
-    data = _read_json(path)
-    if data is None:
-        return None
-    keep = ("set", "batch", "tp", "plain_tokens_per_s", "spec_tokens_per_s", "speedup", "accepted_per_verify",
-            "same_tokens", "decode_tokens_per_s", "collective_share")
-    points = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in p.items() if k in keep}
-              for p in data.get("points", [])]
-    return {"points": points, "speedup": data.get("speedup"), "same_tokens": data.get("same_tokens")}
-
-
-def serve_points(path: str) -> dict | None:
-    """The key numbers of a bench_serve JSON, for summary.json."""
-    data = _read_json(path)
-    if data is None:
-        return None
-
-    def r(value):
-        return round(value, 3) if isinstance(value, float) else value
-
-    points = [{"clients": p["clients"], "served_tokens_per_s": r(p["served"]["tokens_per_s"]),
-               "in_process_tokens_per_s": r((p.get("in_process") or {}).get("tokens_per_s")),
-               "ratio": r(p.get("served_over_in_process")), "ttft_p50_s": r(p["served"]["ttft_p50_s"]),
-               "itl_p99_s": r(p["served"]["itl_p99_s"]),
-               "itl_p99_over_window_mean": r(p.get("itl_p99_over_window_mean"))}
-              for p in data.get("points", [])]
-    return {"points": points, "goals": {k: r(v) for k, v in data.get("goals", {}).items()}, "model": data.get("model")}
-
-
 class Check:
     def __init__(self, args):
         self.dry = args.dry_run
@@ -259,10 +205,16 @@ class Check:
         os.makedirs(self.out, exist_ok=True)
         self.work = tempfile.mkdtemp(prefix="gpu_check_")
         self.python = os.environ.get("PYTHON") or sys.executable
-        self.budget = _env_seconds("GPU_CHECK_BUDGET_S", DEFAULT_BUDGET_S)
+        self.budget = args.budget if args.budget is not None else _env_seconds("GPU_CHECK_BUDGET_S",
+                                                                               DEFAULT_BUDGET_S)
         self.kit_dir = os.environ.get("GPU_CHECK_KIT_DIR") or os.path.join(ROOT, ".gpu", "gpu-kit")
+        self.wheels_dir = os.environ.get("GPU_CHECK_WHEELS_DIR") or os.path.join(ROOT, ".gpu", "wheels")
         self.fail_hooks = _hooks("GPU_CHECK_FAIL")
         self.sleep_hooks = _hooks("GPU_CHECK_SLEEP")
+        extra = _require_hooks()
+        self.requires = {name: REQUIRES.get(name, ()) + extra.get(name, ()) for name in STAGES}
+        self.needs = {name: self.stage_need(name) for name in STAGES}
+        self.wheel_site = None  # where the carried wheels were installed (for the stages that require them)
         self.t0 = time.monotonic()
         self.log = open(os.path.join(self.out, "gpu_check.log"), "wb")
         self.lock = threading.Lock()
@@ -284,7 +236,7 @@ class Check:
             "terminated": None,
             "ok": None,
             "elapsed_s": 0.0,
-            "stages": {name: {"status": "pending"} for name in STAGES},
+            "stages": {name: {"status": "pending", "need_s": self.needs[name]} for name in STAGES},
         }
 
     # ------------------------------------------------------------------ output
@@ -384,69 +336,27 @@ class Check:
         os.replace(tmp, path)
 
     def table(self) -> str:
-        s = self.summary
-        lines = ["=" * 78,
-                 f"gpu_check summary{' (DRY RUN)' if s['dry_run'] else ''}: {s['elapsed_s']:.0f}s of a "
-                 f"{s['budget_s']:.0f}s budget{', TERMINATED by ' + s['terminated'] if s['terminated'] else ''}",
-                 f"{'stage':<20} {'status':<12} {'secs':>5}  notes"]
-        for name, st in s["stages"].items():
-            status = st["status"] + (f" rc={st['rc']}" if st["status"] == "failed" and st.get("rc") else "")
-            lines.append(f"{name:<20} {status:<12} {st.get('seconds', 0):>5.0f}  {self._notes(name, st)}"[:160])
-            for test in (st.get("tests") or {}).get("failed_tests", [])[:8]:
-                lines.append(f"{'':<22}FAILED {test}"[:160])
-            for p in (st.get("bench") or {}).get("points", []):
-                if "k" in p:  # the bucket sweeps
-                    lines.append(f"{'':<22}k={p['k']} batch={p['batch']}: {p['tokens_per_s']:.0f} tok/s, "
-                                 f"{p['ms_per_decode_step']:.3f} ms/step")
-                elif "set" in p:  # speculative vs plain
-                    lines.append(f"{'':<22}{p['set']} batch={p['batch']}: {p['plain_tokens_per_s']:.0f} -> "
-                                 f"{p['spec_tokens_per_s']:.0f} tok/s ({p['speedup']:.2f}x), "
-                                 f"{p['accepted_per_verify']:.2f} accepted/verify, same tokens {p['same_tokens']}")
-                elif "tp" in p:
-                    lines.append(f"{'':<22}TP={p['tp']} batch={p['batch']}: {p['decode_tokens_per_s']:.0f} tok/s, "
-                                 f"collectives {100 * p['collective_share']:.0f}%")
-                elif "clients" in p:  # served vs in-process
-                    lines.append(f"{'':<22}{p['clients']} clients: served {p['served_tokens_per_s']:.0f} / in-process "
-                                 f"{p['in_process_tokens_per_s']:.0f} tok/s = {p['ratio']}, "
-                                 f"p99 ITL / window {p['itl_p99_over_window_mean']}")
-        bad = [n for n, st in s["stages"].items() if st["status"] in ("failed", "timeout", "killed")]
-        lines.append(f"result: {'OK' if not bad else 'FAILED: ' + ', '.join(bad)}; OUT={self.out}")
-        lines.append("files: " + ", ".join(s.get("out_files", [])))
-        lines.append("=" * 78)
-        return "\n".join(lines)
-
-    @staticmethod
-    def _notes(name: str, st: dict) -> str:
-        notes = []
-        if st.get("reason"):
-            notes.append(st["reason"])
-        env = st.get("env")
-        if env:
-            notes.append(f"python {env.get('python')} torch {env.get('torch')} cuda {env.get('cuda')} "
-                         f"{env.get('gpu', 'no GPU')}")
-        if st.get("flashinfer"):
-            notes.append(f"flashinfer {st['flashinfer']}")
-        check = st.get("check")
-        if check:
-            notes.append(f"kit check (info): {check['status']}, {check['passed']} PASS {len(check['failed'])} FAIL")
-        tests = st.get("tests")
-        if tests:
-            notes.append(f"{tests['passed']} passed {tests['failed']} failed {tests['errors']} errors "
-                         f"{tests['skipped']} skipped")
-        elif name.startswith("pytest_") and st["status"] not in ("pending", "skipped"):
-            notes.append("no junit XML")
-        bench = st.get("bench")
-        if bench is not None:
-            notes.append(f"{len(bench['points'])} points"
-                         + (f", attention {bench['attention_backend']}" if bench.get("attention_backend") else ""))
-        elif name.startswith("bench") and st["status"] not in ("pending", "skipped"):
-            notes.append("no bench JSON")
-        return "; ".join(notes)
+        return table(self.summary, self.out, self.needs, self.left())
 
     # ------------------------------------------------------------------ stages
     def stage_limit(self, name: str) -> float:
-        own = _env_seconds(f"GPU_CHECK_LIMIT_{name.upper()}", _env_seconds(f"GPU_CHECK_LIMIT_{name}", LIMITS[name]))
-        return own if name == "env" else min(own, self.left())
+        """The stage's own limit (GPU_CHECK_LIMIT_<STAGE> overrides it)."""
+        own = PLAN[name][0]
+        return _env_seconds(f"GPU_CHECK_LIMIT_{name.upper()}", _env_seconds(f"GPU_CHECK_LIMIT_{name}", own))
+
+    def stage_need(self, name: str) -> float:
+        """The stage's estimated need (GPU_CHECK_NEED_<STAGE> overrides it); a dry run uses the
+        CPU stand-ins' need, or one above the budget where it rehearses the skip."""
+        _, need, dry_need = PLAN[name]
+        if self.dry:
+            need = self.budget + 1 if dry_need is None else dry_need
+        return _env_seconds(f"GPU_CHECK_NEED_{name.upper()}", need)
+
+    def skip(self, name: str, reason: str, rerun: bool = False) -> None:
+        record = self.summary["stages"][name]
+        record.update(status="skipped", reason=reason, seconds=0, **({"rerun": True} if rerun else {}))
+        self.say(f"=== [{name}] skipped: {reason}")
+        self.write_summary()
 
     def run_stage(self, name: str) -> None:
         record = self.summary["stages"][name]
@@ -458,43 +368,40 @@ class Check:
                     self.env, self.kit_ok = kit_env, True
                     record["reason"] += "; the kit's environment was applied for the later stages"
             return
-        limit = self.stage_limit(name)
-        if name != "env" and self.left() < MIN_STAGE_S:
-            record.update(status="skipped", reason=f"budget spent ({max(self.left(), 0):.0f}s left)", seconds=0)
-            self.say(f"=== [{name}] skipped: budget spent")
-            self.write_summary()
-            return
-        if name in NEEDS:
-            var, need, dry_skips = NEEDS[name]
-            if self.dry:
-                need = self.budget + 1 if dry_skips else 0
-            need = _env_seconds(var, need)
-            if self.left() < need:
-                reason = f"needs ~{need:.0f}s ({var}), {max(self.left(), 0):.0f}s left; run it with --only {name}"
-                if self.dry and var not in os.environ:
-                    reason += " (a dry run rehearses this skip)"
-                record.update(status="skipped", seconds=0, reason=reason)
-                self.say(f"=== [{name}] skipped: {record['reason']}")
-                self.write_summary()
-                return
+        need, own, left = self.needs[name], self.stage_limit(name), self.left()
+        if name != "env" and left < need:
+            if self.dry and PLAN[name][2] is None and f"GPU_CHECK_NEED_{name.upper()}" not in os.environ:
+                why = " (a dry run rehearses this skip)"
+            else:
+                why = ""
+            return self.skip(name, f"needs ~{need:.0f}s, {max(left, 0):.0f}s left of the budget{why}; "
+                                   f"run it with --only {name}", rerun=True)
+        missing = self.missing_modules(name)
+        if missing:
+            return self.skip(name, f"Python packages missing here: {', '.join(missing)} (run --prepare, which "
+                                   f"puts their wheels in {os.path.relpath(self.wheels_dir, ROOT)}, and carry it)")
+        limit = own if name == "env" else min(own, left)
         record.update(status="running", limit_s=round(limit), started_s=round(time.monotonic() - self.t0, 1))
         self.write_summary()
-        self.say(f"=== [{name}] start {time.strftime('%H:%M:%S')}, limit {limit:.0f}s, "
-                 f"{self.left():.0f}s left of the budget")
+        self.say(f"=== [{name}] start {time.strftime('%H:%M:%S')}, limit {limit:.0f}s, need ~{need:.0f}s, "
+                 f"{left:.0f}s left of the budget")
         t0 = time.monotonic()
         try:
             if name in self.fail_hooks or name in self.sleep_hooks:
                 result = self.hooked(name, limit)
             else:
-                fn = self.pytest_stage if name in PYTEST_FILES else getattr(self, "stage_" + name)
-                result = fn(name, limit) if name in PYTEST_FILES else fn(limit)
-        except Terminated as exc:
-            record.update(status="killed", reason=f"check terminated by {exc.args[0]} during this stage",
+                fn = self.pytest_stage if name in PYTEST_STAGES else getattr(self, "stage_" + name)
+                result = fn(name, limit) if name in PYTEST_STAGES else fn(limit)
+        except Terminated as exc:  # the check itself was stopped (the device call's limit): cut
+            record.update(status="cut", reason=f"check terminated by {exc.args[0]} during this stage",
                           seconds=round(time.monotonic() - t0, 1))
             self.after_stage(name, record)
             raise
         except Exception as exc:  # noqa: BLE001 - a driver bug in one stage must not stop the others
             result = {"status": "failed", "rc": None, "reason": f"driver error: {type(exc).__name__}: {exc}"}
+        if result["status"] == "timeout" and limit < own:
+            result.update(status="cut", reason=f"the budget ran out after {limit:.0f}s (its own limit is "
+                                                f"{own:.0f}s); run it with --only {name}")
         record.update(result)
         record["seconds"] = round(time.monotonic() - t0, 1)
         self.after_stage(name, record)
@@ -503,13 +410,45 @@ class Check:
                  + (f" ({record['reason']})" if record.get("reason") else "") + f" in {record['seconds']:.0f}s")
         self.write_summary()
 
+    def env_for(self, name: str) -> dict:
+        """The environment of a stage: with the carried wheels first on PYTHONPATH if it requires modules."""
+        if self.wheel_site is None or not self.requires.get(name):
+            return self.env
+        return dict(self.env, PYTHONPATH=self.wheel_site + os.pathsep + self.env["PYTHONPATH"])
+
+    def missing_modules(self, name: str) -> list[str]:
+        """The modules the stage requires that do not import here, after installing the carried
+        wheels if some are missing (once, into the work folder; only the stages that require
+        modules see them, so nothing else runs against other versions than the image's)."""
+        modules = self.requires.get(name, ())
+        if not modules:
+            return []
+        probe = ("import importlib.util, sys; "
+                 "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+
+        def missing() -> list[str]:
+            result = self.run([self.python, "-c", probe, *modules], 30, env=self.env_for(name), capture=True)
+            return (result["lines"] or [""])[-1].split() if result["rc"] == 0 else list(modules)
+
+        absent = missing()
+        wheels = sorted(glob.glob(os.path.join(self.wheels_dir, "*.whl")))
+        if absent and wheels and self.wheel_site is None:
+            site = os.path.join(self.work, "site")
+            self.say(f"{name}: {', '.join(absent)} missing; installing {len(wheels)} carried wheels into {site}")
+            result = self.run([self.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                               "--disable-pip-version-check", "--target", site, *wheels], 120)
+            if result["rc"] == 0:
+                self.wheel_site = site
+                self.summary["stages"][name]["wheels_installed"] = len(wheels)
+                absent = missing()
+        return absent
+
     def after_stage(self, name: str, record: dict) -> None:
         """Key numbers from the stage's files (also after a timeout or a kill)."""
-        if name in PYTEST_FILES:
-            xml = os.path.join(self.out, f"{name}.xml")
+        if name in PYTEST_STAGES:
+            xml = os.path.join(self.work, f"{name}.xml")
             if os.path.isfile(xml):
-                record["xml"] = os.path.basename(xml)
-                record["tests"] = junit_counts(xml)
+                record["tests"] = junit_report(xml)
         elif name in ("bench_spec", "bench_tp", "bench_serve"):  # their JSON stays in the work dir ($OUT: 8 files)
             path = os.path.join(self.work, name + ".json")
             if os.path.isfile(path):
@@ -564,41 +503,53 @@ class Check:
 
     def stage_kit(self, limit: float) -> dict:
         """Apply the kit, then kit_check.py: its "INFO  flashinfer" line proves the import (the
-        stage's status); its kernel checks are informational."""
+        stage's status); its kernel checks are informational. A dry run only rehearses it."""
         deadline = time.monotonic() + limit
         kit = os.path.relpath(self.kit_dir, ROOT)
         have_kit = os.path.isfile(os.path.join(self.kit_dir, "setup.sh"))
-        result = {}
-        if not have_kit and not self.dry:
+        if self.dry:
+            return self._kit_rehearsal(deadline, kit, have_kit)
+        if not have_kit:
             return {"status": "failed", "rc": None, "reason": f"{kit} missing: run --prepare, carry .gpu"}
-        if have_kit:
-            kit_env = self._kit_env(deadline)
-            if kit_env is None:
-                return {"status": "failed", "rc": None, "reason": "the kit's setup.sh failed"}
-            if self.dry:  # the kit's tvm_ffi/nvtx are cp312: a dry run imports the local flashinfer
-                result["setup"] = "ok (not applied in a dry run)"
-            else:
-                self.env = kit_env
+        kit_env = self._kit_env(deadline)
+        if kit_env is None:
+            return {"status": "failed", "rc": None, "reason": "the kit's setup.sh failed"}
+        self.env = kit_env
+        check = self._kit_check(deadline)
+        if check.get("flashinfer") is None:
+            return {**check, "status": "failed" if check["status"] != "timeout" else "timeout",
+                    "reason": "flashinfer does not import with the kit"}
+        self.kit_ok = True
+        result = {**check, "status": "ok", "rc": 0, "source": "gpu-kit"}
+        if check["check"]["status"] != "ok":
+            result["reason"] = "the kit check failed (informational, see the log)"
+        return result
+
+    def _kit_check(self, deadline: float) -> dict:
+        """profiling/kit_check.py under the current environment: the flashinfer it imports and its checks."""
         check = self.run([self.python, os.path.join(ROOT, "profiling", "kit_check.py"), "--kit-dir", self.kit_dir],
                          deadline - time.monotonic(), capture=True)
         lines = check["lines"]
         version = [line.split()[2] for line in lines if line.startswith("INFO  flashinfer ")]
-        if not version:
-            if self.dry and not have_kit:
-                return {"status": "skipped", "rc": check["rc"], "reason": f"no {kit} and no local flashinfer"}
-            return {**result, **self.verdict(check), "status": "failed" if not check["timed_out"] else "timeout",
-                    "reason": "flashinfer does not import" + (" (local)" if self.dry else " with the kit")}
-        self.kit_ok = not self.dry
-        result.update(status="ok", rc=0, flashinfer=version[0], source="local" if self.dry else "gpu-kit")
-        result["check"] = {
-            "status": self.verdict(check)["status"],
-            "rc": check["rc"],
-            "passed": sum(line.startswith("PASS") for line in lines),
-            "failed": [line[6:] for line in lines if line.startswith("FAIL")],
-        }
-        if result["check"]["status"] != "ok":
-            result["reason"] = "the kit check failed (informational, see the log)"
-        return result
+        return {**self.verdict(check), "flashinfer": version[0] if version else None,
+                "check": {"status": self.verdict(check)["status"], "rc": check["rc"],
+                          "passed": sum(line.startswith("PASS") for line in lines),
+                          "failed": [line[6:] for line in lines if line.startswith("FAIL")]}}
+
+    def _kit_rehearsal(self, deadline: float, kit: str, have_kit: bool) -> dict:
+        """A dry run never applies the kit (its tvm_ffi and nvtx are cp312 builds for the GPU
+        machine), prepared or not: the stage is skipped, saying why. What can be rehearsed here
+        is: a prepared kit's setup.sh unpacks, and kit_check.py runs on a local flashinfer."""
+        notes = []
+        if have_kit:
+            notes.append(f"{kit}'s setup.sh " + ("unpacked it" if self._kit_env(deadline) else "FAILED"))
+        else:
+            notes.append(f"no {kit} (prepare it with --prepare before the device call)")
+        check = self._kit_check(deadline)
+        notes.append(f"kit_check.py on the local flashinfer {check['flashinfer']}: {check['check']['passed']} PASS"
+                     if check["flashinfer"] else "no local flashinfer for kit_check.py")
+        return {"status": "skipped", "rc": None, "rehearsal": check,
+                "reason": "a dry run does not apply the kit (cp312 packages for the GPU machine); " + "; ".join(notes)}
 
     def _kit_env(self, deadline: float) -> dict | None:
         """Run the kit's setup.sh and return the environment its output sets (None on failure)."""
@@ -628,14 +579,14 @@ class Check:
         return result
 
     def pytest_stage(self, name: str, limit: float) -> dict:
-        path = PYTEST_FILES[name]
-        xml = os.path.join(self.out, f"{name}.xml")
+        path, marker = PYTEST_STAGES[name]
+        xml = os.path.join(self.work, f"{name}.xml")  # read into summary.json: $OUT keeps to 4 files
         if os.path.exists(xml):
             os.remove(xml)
         if not os.path.isfile(os.path.join(ROOT, path)):
             return {"status": "skipped", "rc": None, "reason": f"{path} missing"}
-        argv = [self.python, "-m", "pytest", path, "-m", "gpu", "-v", "-rfEs", "-p", "no:cacheprovider",
-                f"--junitxml={xml}"]
+        argv = [self.python, "-m", "pytest", path, "-m", marker, "-v", "-rfEs", "--durations=0", "-p",
+                "no:cacheprovider", f"--junitxml={xml}"]
         if self.has_pytest_timeout is None:
             probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytest_timeout') is None)"
             self.has_pytest_timeout = self.run([self.python, "-c", probe], min(20, limit))["rc"] == 0
@@ -671,7 +622,7 @@ class Check:
         sizes = (["--device", "cpu", "--batches", "1", "--max-tokens", "8", "-k", "2", "-d", "3"] if self.dry
                  else ["--device", "cuda", "--batches", "1,8", "--max-tokens", "64"])
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_spec.py"), "--preset", "micro", *sizes,
-                "--repeats", "1", "--out", os.path.join(self.work, "bench_spec")]
+                "--repeats", "1", "--compile", "off", "--out", os.path.join(self.work, "bench_spec")]
         return self.verdict(self.run(argv, limit))
 
     def stage_bench_tp(self, limit: float) -> dict:
@@ -681,7 +632,7 @@ class Check:
             return {"status": "skipped", "rc": None, "reason": f"{gpus} GPU(s) here: tensor parallelism needs 2"}
         sizes = (["--device", "cpu", "--preset", "micro", "--batches", "2", "--gen-len", "4", "-k", "2"] if self.dry
                  else ["--device", "cuda", "--batches", "1,16"])
-        argv = [self.python, os.path.join(ROOT, "profiling", "bench_tp.py"), *sizes,
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_tp.py"), *sizes, "--compile", "off",
                 "--out", os.path.join(self.work, "bench_tp")]
         return self.verdict(self.run(argv, limit))
 
@@ -689,9 +640,9 @@ class Check:
         """The OpenAI server beside in-process generate (profiling/bench_serve.py): issue 10's goals on a GPU."""
         sizes = (["--clients", "1,2", "--max-tokens", "8", "-k", "2"] if self.dry
                  else ["--preset", "llama-3.2-1b", "--device", "cuda", "--client-procs", "4", "--clients", "1,64,256"])
-        argv = [self.python, os.path.join(ROOT, "profiling", "bench_serve.py"), *sizes,
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_serve.py"), *sizes, "--compile", "off",
                 "--repeats", "1" if self.dry else "2", "--out", os.path.join(self.work, "bench_serve")]
-        return self.verdict(self.run(argv, limit))
+        return self.verdict(self.run(argv, limit, env=self.env_for("bench_serve")))
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:
@@ -706,15 +657,16 @@ class Check:
             self.summary["terminated"] = exc.args[0]
             for st in self.summary["stages"].values():
                 if st["status"] == "running":  # terminated between the stage's processes
-                    st.update(status="killed", reason=f"check terminated by {exc.args[0]} during this stage")
+                    st.update(status="cut", reason=f"check terminated by {exc.args[0]} during this stage")
                 elif st["status"] == "pending":
-                    st.update(status="skipped", reason=f"not reached: check terminated by {exc.args[0]}", seconds=0)
+                    st.update(status="skipped", reason=f"not reached: check terminated by {exc.args[0]}", seconds=0,
+                              rerun=True)
             code = 143
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_IGN)
             stages = self.summary["stages"].values()
-            bad = [st for st in stages if st["status"] in ("failed", "timeout", "killed")]
+            bad = [st for st in stages if st["status"] in ("failed", "timeout")]
             self.summary["ok"] = not bad and not self.summary["terminated"]
             self.summary["finished"] = not self.summary["terminated"]
             self.write_summary()
@@ -728,7 +680,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="STAGE[,STAGE]: run only these (env always runs)")
     parser.add_argument("--dry-run", action="store_true", help="rehearse every stage on CPU")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds for the whole check (default: GPU_CHECK_BUDGET_S, else {DEFAULT_BUDGET_S})")
     args = parser.parse_args(argv)
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
     try:
         parse_only(args.only)
     except ValueError as exc:

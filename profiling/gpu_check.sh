@@ -1,34 +1,54 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU (one H200, torch cu130, Python 3.12, no network, no flashinfer).
-# The stages are run by profiling/gpu_check.py (its docstring and docs/gpu.md say what each proves):
+# The stages are run by profiling/gpu_check.py (its docstring and docs/gpu.md say what each proves),
+# in order of value per second:
 #
-#   env  kit  build  pytest_advance_step  pytest_flashinfer  pytest_graphs  pytest_hf_parity
-#   bench  bench_spec  bench_tp  bench_serve  bench_compiled
+#   env  kit  build  pytest_advance_step  pytest_flashinfer  pytest_hf_parity  bench  pytest_graphs
+#   pytest_compile  bench_spec  bench_tp  bench_serve  bench_compiled
 #
 # each in its own process group under its own time limit, cut to what is left of the budget
-# (GPU_CHECK_BUDGET_S, default 300 s, so that a failed run can be rerun at once in the same
-# device slot); a failed or timed-out stage does not stop the next. $OUT/summary.json is
-# rewritten as each stage starts and ends and when the script is terminated; the summary table
-# is printed last. $OUT holds at most 8 files: gpu_check.log, summary.json, pytest_<name>.xml
-# (one per test file), bench_buckets.json, bench_buckets_compiled.json.
+# (--budget S or GPU_CHECK_BUDGET_S, default 420 s). A stage is not started with less budget left
+# than its estimated need; one stopped by the budget is `cut`, not failed. $OUT/summary.json is
+# rewritten as each stage starts and ends and when the script is terminated; the summary table is
+# printed last and ends with the command that reruns what failed, was cut or did not fit. $OUT
+# holds 4 files: gpu_check.log, summary.json, bench_buckets.json, bench_buckets_compiled.json.
 #
-# Before the device call, once per checkout (copies the kit into the git-ignored .gpu/):
-#   bash profiling/gpu_check.sh --prepare            # from /work/shared/gpu-kit, or $GDKIT_SRC
+# Before the device call, once per checkout: copy the kit into the git-ignored .gpu/ and download
+# the server stage's wheels (fastapi, uvicorn, openai, ...; profiling/gpu_wheels.txt) for Python 3.12:
+#   bash profiling/gpu_check.sh --prepare     # the kit from ../shared/gpu-kit, or $GDKIT_SRC
 # The device call (see docs/gpu.md):
-#   run(command="bash profiling/gpu_check.sh", carry=[".gpu"], timeout_s=360)
-# Rerun some stages:  bash profiling/gpu_check.sh --only bench,pytest_graphs   (env always runs)
+#   run(command="bash profiling/gpu_check.sh", carry=[".gpu"], timeout_s=480)
+# Rerun some stages:  bash profiling/gpu_check.sh --only bench,pytest_graphs --budget 200   (env always runs)
 # Rehearse on CPU:    bash profiling/gpu_check.sh --dry-run                    (tests/test_gpu_check.py)
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1
 
 if [ "${1:-}" = "--prepare" ]; then
-  SRC="${GDKIT_SRC:-/work/shared/gpu-kit}"
+  SRC="${GDKIT_SRC:-../shared/gpu-kit}"                 # relative to the repository root
+  KIT="${GPU_CHECK_KIT_DIR:-.gpu/gpu-kit}"
+  WHEELS="${GPU_CHECK_WHEELS_DIR:-.gpu/wheels}"
   [ -f "$SRC/setup.sh" ] || { echo "no gpu-kit at $SRC (set GDKIT_SRC)"; exit 1; }
-  [ -d .gpu/gpu-kit ] && chmod -R u+w .gpu/gpu-kit
-  mkdir -p .gpu && rm -rf .gpu/gpu-kit && cp -r "$SRC" .gpu/gpu-kit && chmod -R u+w .gpu/gpu-kit || exit 1
-  git check-ignore -q .gpu/gpu-kit || echo "warning: .gpu/ is not git-ignored: it would travel twice"
-  du -sh .gpu/gpu-kit
+  [ -d "$KIT" ] && chmod -R u+w "$KIT"
+  mkdir -p "$(dirname "$KIT")" && rm -rf "$KIT" && cp -r "$SRC" "$KIT" && chmod -R u+w "$KIT" || exit 1
+  git check-ignore -q "$KIT" || echo "warning: $KIT is not git-ignored: it would travel twice"
+  du -sh "$KIT"
+  if [ "${GPU_CHECK_NO_WHEELS:-}" = "1" ]; then
+    echo "GPU_CHECK_NO_WHEELS=1: no wheels downloaded (bench_serve skips where its packages are missing)"
+    exit 0
+  fi
+  # bench_serve's packages that the GPU machine's image lacks, pure Python or cp312 manylinux builds;
+  # gpu_check installs them there with pip --no-index --target (no network).
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS" || exit 1
+  if "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$WHEELS" -r profiling/gpu_wheels.txt; then
+    ls "$WHEELS"
+    du -sh "$WHEELS"
+  else
+    echo "warning: the wheels could not be downloaded: bench_serve will be skipped where its packages are missing"
+    rm -rf "$WHEELS"
+  fi
   exit 0
 fi
 

@@ -1,8 +1,12 @@
 """profiling/gpu_check.sh rehearsed on CPU (--dry-run), so a broken script is caught here and not
-in the one device slot: every stage runs with its CPU stand-in, summary.json says what happened,
-a failing or timed-out stage does not stop the next, --only selects stages, and the summary is
-written even when the script is terminated mid-stage. Stages the tests do not need to run for
-real are replaced through the script's GPU_CHECK_FAIL / GPU_CHECK_SLEEP hooks."""
+in the one device slot: every stage runs with its CPU stand-in, with and without a prepared kit;
+summary.json says what happened (each stage's status and need, per-test durations, failures'
+first lines); a failing or timed-out stage does not stop the next; a stage the budget cannot
+hold is skipped and one the budget cuts short is `cut`, not failed; the table ends with the
+command that reruns them; --only selects stages; a stage's missing Python packages come from
+carried wheels or skip it by name; and the summary is written even when the script is
+terminated mid-stage. Stages the tests do not need to run for real are replaced through the
+script's GPU_CHECK_FAIL / GPU_CHECK_SLEEP hooks."""
 
 from __future__ import annotations
 
@@ -18,16 +22,17 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
-STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_graphs", "pytest_hf_parity",
-          "bench", "bench_spec", "bench_tp", "bench_serve", "bench_compiled"]
-PYTEST_STAGES = {name: f"tests/test_gpu_{name[len('pytest_'):]}.py" for name in STAGES if name.startswith("pytest_")}
-HOOKS = ("GPU_CHECK_FAIL", "GPU_CHECK_SLEEP", "GPU_CHECK_BUDGET_S", "GPU_CHECK_COMPILED_NEED_S",
-         "GPU_CHECK_SERVE_NEED_S", "GPU_CHECK_KIT_DIR")
+STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "bench",
+          "pytest_graphs", "pytest_compile", "bench_spec", "bench_tp", "bench_serve", "bench_compiled"]
+PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_compile"]
+HOOKS = ("GPU_CHECK_", "GDKIT_")
 
 
 def _env(out, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(HOOKS) and not k.startswith("GPU_CHECK_LIMIT_")}
-    env.update(OUT=str(out), PYTHON=sys.executable, **{k: str(v) for k, v in extra.items()})
+    env = {k: v for k, v in os.environ.items() if not k.startswith(HOOKS)}
+    # no kit unless a test prepares one (the checkout's own .gpu/ may or may not hold one)
+    env.update(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_KIT_DIR=os.path.join(str(out), "no-kit"))
+    env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
@@ -37,11 +42,6 @@ def _check(out, *args, timeout=120, **extra) -> tuple[subprocess.CompletedProces
     path = os.path.join(out, "summary.json")
     summary = json.load(open(path)) if os.path.isfile(path) else None
     return proc, summary
-
-
-def _flashinfer_importable() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import flashinfer, nvtx, tvm_ffi"], capture_output=True)
-    return probe.returncode == 0
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +58,20 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert list(stages) == STAGES
     assert all(st["status"] in ("ok", "skipped") for st in stages.values()), proc.stdout[-6000:]
     assert proc.returncode == 0 and summary["ok"] and summary["finished"] and summary["dry_run"]
+    assert all(st["need_s"] > 0 for st in stages.values())
     assert stages["env"]["status"] == "ok" and stages["env"]["env"]["torch"]
-    assert stages["kit"]["status"] == ("ok" if _flashinfer_importable() else "skipped")
+    kit = stages["kit"]  # a dry run never applies the kit: skipped, saying why (here: none prepared)
+    assert kit["status"] == "skipped" and "a dry run does not apply the kit" in kit["reason"]
+    assert "no-kit" in kit["reason"] and "--prepare" in kit["reason"]
     assert stages["build"]["status"] == ("ok" if shutil.which("nvcc") else "skipped")
-    for name, path in PYTEST_STAGES.items():
-        if not os.path.isfile(os.path.join(REPO, path)):
-            assert stages[name]["status"] == "skipped" and "missing" in stages[name]["reason"]
-            continue
+    for name in PYTEST_STAGES:
         assert stages[name]["status"] == "ok", name
-        assert os.path.isfile(out / f"{name}.xml") and stages[name]["xml"] == f"{name}.xml"
         tests = stages[name]["tests"]
         assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == 0  # no CUDA: every gpu test skips
+        assert set(tests["skip_reasons"].values()) == {"needs CUDA"} and tests["durations"] == []
+    graphs, compiled = (set(stages[name]["tests"]["skip_reasons"]) for name in ("pytest_graphs", "pytest_compile"))
+    assert compiled and not graphs & compiled  # the compile cases run in their own stage only
+    assert all(name.endswith("-True]") for name in compiled)
     bench = stages["bench"]
     assert bench["status"] == "ok" and bench["json"] == "bench_buckets.json"
     assert [(p["k"], p["batch"]) for p in bench["bench"]["points"]] == [(2, 1), (2, 2)]
@@ -85,10 +88,12 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert "2 clients: served" in proc.stdout
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
-    assert compiled["status"] == "skipped" and "GPU_CHECK_COMPILED_NEED_S" in compiled["reason"]
-    assert len(os.listdir(out)) <= 8 and not any(f.endswith(".png") for f in os.listdir(out))  # the device returns 8
+    assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]
+    assert sorted(os.listdir(out)) == ["bench_buckets.json", "gpu_check.log", "summary.json"]  # the device returns 8
     assert "gpu_check summary (DRY RUN)" in proc.stdout and "result: OK" in proc.stdout
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("====")  # the table is printed last
+    last = proc.stdout.rstrip().splitlines()
+    assert last[-1].startswith("====")  # the table is printed last, the rerun command at its end
+    assert last[-2].startswith("rerun (") and last[-2].endswith("--only bench_compiled --budget 436")
     assert os.path.getsize(out / "gpu_check.log") > 0
 
 
@@ -98,22 +103,103 @@ def test_only_bench_reruns_env_and_bench(tmp_path):
     ran = [name for name, st in summary["stages"].items() if not st.get("reason", "").startswith("not selected")]
     assert ran == ["env", "bench"] and summary["only"] == ["env", "bench"]
     assert summary["stages"]["bench"]["status"] == "ok"
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".xml")]
+    assert "rerun (" not in proc.stdout
 
 
 def test_failed_and_timed_out_stages_do_not_stop_the_next(tmp_path):
     proc, summary = _check(
         tmp_path, "--dry-run", "--only", "kit,build,bench,bench_compiled",
         GPU_CHECK_FAIL="kit", GPU_CHECK_SLEEP="build:60,bench:0,bench_compiled:0", GPU_CHECK_LIMIT_BUILD=1,
-        GPU_CHECK_COMPILED_NEED_S=1,
+        GPU_CHECK_NEED_BENCH_COMPILED=1,
     )
     stages = summary["stages"]
     assert stages["kit"]["status"] == "failed" and stages["kit"]["rc"] == 3
-    assert stages["build"]["status"] == "timeout" and stages["build"]["seconds"] < 15
+    assert stages["build"]["status"] == "timeout" and stages["build"]["seconds"] < 15  # its own limit: a failure
     assert stages["bench"]["status"] == "ok"
     assert stages["bench_compiled"]["status"] == "ok"  # started: enough budget for its (tiny) need
     assert proc.returncode == 1 and summary["ok"] is False and summary["finished"]
     assert "FAILED: kit, build" in proc.stdout
+    rerun = [line for line in proc.stdout.splitlines() if line.startswith("rerun (")]
+    assert len(rerun) == 1 and rerun[0].endswith("bash profiling/gpu_check.sh --dry-run --only kit,build --budget 35")
+
+
+def test_budget_skips_what_it_cannot_hold_and_cuts_without_failing(tmp_path):
+    """A stage whose need exceeds the budget left is not started; one started with less budget
+    than its own limit and stopped by the budget is `cut`: not a failure, but in the rerun."""
+    proc, summary = _check(
+        tmp_path, "--dry-run", "--only", "build,bench,bench_spec", "--budget", "25",
+        GPU_CHECK_SLEEP="build:0,bench:120,bench_spec:0", GPU_CHECK_NEED_BUILD=1, GPU_CHECK_NEED_BENCH=1,
+        GPU_CHECK_NEED_BENCH_SPEC=500,
+    )
+    stages = summary["stages"]
+    assert summary["budget_s"] == 25 and stages["build"]["status"] == "ok", proc.stdout[-3000:]
+    assert stages["bench"]["status"] == "cut" and stages["bench"]["seconds"] < 30
+    assert "budget ran out" in stages["bench"]["reason"] and "--only bench" in stages["bench"]["reason"]
+    spec = stages["bench_spec"]
+    assert spec["status"] == "skipped" and spec["rerun"] and spec["need_s"] == 500 and "needs ~500s" in spec["reason"]
+    assert proc.returncode == 0 and summary["ok"] and summary["finished"]  # nothing failed
+    assert "cut by the budget: bench" in proc.stdout
+    assert "--only bench,bench_spec --budget 516" in proc.stdout.rstrip().splitlines()[-2]
+    bad = subprocess.run(["bash", SCRIPT, "--dry-run", "--budget", "0"], env=_env(tmp_path), capture_output=True,
+                         text=True, check=False)
+    assert bad.returncode == 2 and "--budget must be a positive number" in bad.stderr
+
+
+def _fake_wheel(folder, module: str) -> None:
+    """A pure-Python wheel holding one module (what --prepare downloads for bench_serve, in small)."""
+    import zipfile
+
+    dist = f"{module}-1.0.dist-info"
+    with zipfile.ZipFile(folder / f"{module}-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{module}.py", "VALUE = 42\n")
+        whl.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+        whl.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{dist}/RECORD", "")
+
+
+def test_missing_stage_packages_come_from_carried_wheels_or_skip_by_name(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    common = dict(GPU_CHECK_SLEEP="bench_serve:0", GPU_CHECK_WHEELS_DIR=wheels,
+                  GPU_CHECK_REQUIRE="bench_serve:gdcheck_carried_mod")
+    proc, summary = _check(tmp_path / "none", "--dry-run", "--only", "bench_serve", **common)
+    serve = summary["stages"]["bench_serve"]
+    assert serve["status"] == "skipped" and "gdcheck_carried_mod" in serve["reason"] and "--prepare" in serve["reason"]
+    assert "fastapi" not in serve["reason"]  # the server's own packages are installed here
+    assert proc.returncode == 0
+    _fake_wheel(wheels, "gdcheck_carried_mod")
+    proc, summary = _check(tmp_path / "carried", "--dry-run", "--only", "bench_serve", **common)
+    serve = summary["stages"]["bench_serve"]
+    assert serve["status"] == "ok" and serve["wheels_installed"] == 1, proc.stdout[-2000:]
+
+
+def test_a_prepared_kit_is_rehearsed_not_applied(tmp_path):
+    """--prepare copies the kit (from GDKIT_SRC, else ../shared/gpu-kit beside the checkout); a dry
+    run of a prepared checkout runs its setup.sh but reports the stage skipped, saying why, even
+    where flashinfer does not import locally (kit_check.py finds none)."""
+    src = tmp_path / "kit-src"
+    src.mkdir()
+    (src / "setup.sh").write_text('echo "unpacking (fake kit)" >&2\necho "export GDKIT_FAKE=1"\n')
+    kit = tmp_path / "gpu" / "gpu-kit"
+    prep = subprocess.run(["bash", SCRIPT, "--prepare"], capture_output=True, text=True, check=False,
+                          env=_env(tmp_path, GDKIT_SRC=src, GPU_CHECK_KIT_DIR=kit, GPU_CHECK_NO_WHEELS=1))
+    assert prep.returncode == 0 and (kit / "setup.sh").is_file(), prep.stdout + prep.stderr
+    no_flashinfer = tmp_path / "shadow"
+    no_flashinfer.mkdir()
+    (no_flashinfer / "flashinfer.py").write_text("raise ImportError('no flashinfer on this machine')\n")
+    proc, summary = _check(tmp_path / "out", "--dry-run", "--only", "kit", GPU_CHECK_KIT_DIR=kit,
+                           PYTHONPATH=no_flashinfer)
+    stage = summary["stages"]["kit"]
+    assert stage["status"] == "skipped" and "setup.sh unpacked it" in stage["reason"], stage
+    assert "no local flashinfer" in stage["reason"]
+    assert proc.returncode == 0 and summary["ok"]
+    default = subprocess.run(["bash", SCRIPT, "--prepare"], capture_output=True, text=True, check=False,
+                             env=_env(tmp_path, GPU_CHECK_KIT_DIR=tmp_path / "default" / "gpu-kit",
+                                      GPU_CHECK_NO_WHEELS=1))
+    if os.path.isfile(os.path.join(REPO, "..", "shared", "gpu-kit", "setup.sh")):
+        assert default.returncode == 0 and (tmp_path / "default" / "gpu-kit" / "setup.sh").is_file()
+    else:
+        assert default.returncode == 1 and "no gpu-kit at ../shared/gpu-kit" in default.stdout
 
 
 def test_unknown_stage_is_a_clear_error(tmp_path):
@@ -141,9 +227,36 @@ def test_summary_is_written_when_terminated_mid_stage(tmp_path):
     summary = json.loads(summary_path.read_text())
     assert proc.returncode == 143 and summary["terminated"] == "SIGTERM" and not summary["finished"]
     assert summary["stages"]["env"]["status"] == "ok"
-    assert summary["stages"]["build"]["status"] == "killed"
+    assert summary["stages"]["build"]["status"] == "cut"  # the check itself was stopped: not a failure
     assert summary["stages"]["bench"]["status"] == "skipped" and "terminated" in summary["stages"]["bench"]["reason"]
     assert "TERMINATED by SIGTERM" in output
     sleeper = int(log_path.read_text().split("sleeping (GPU_CHECK_SLEEP) pid")[1].split()[0])
     with pytest.raises(ProcessLookupError):  # the stage's process group was stopped with it
         os.kill(sleeper, 0)
+
+
+def test_junit_report_gives_durations_failure_lines_and_skip_reasons(tmp_path, monkeypatch):
+    """What summary.json and the table say of a pytest stage, read from a real junit XML."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "profiling"))
+    from gpu_check_report import junit_report
+
+    (tmp_path / "test_sample.py").write_text(
+        "import time, pytest\n"
+        "def test_slow():\n    time.sleep(0.3)\n"
+        "def test_wrong():\n    assert [1, 2] == [1, 3], 'tokens differ'\n"
+        "def test_broken():\n    raise ValueError(\"attention_backend 'flashinfer' cannot run here\")\n"
+        "def test_absent():\n    pytest.skip('FlashInfer cannot run head_dim 64 torch.float16 here')\n")
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "test_sample.py", f"--junitxml={xml}", "-q", "-p",
+                    "no:cacheprovider"], cwd=tmp_path, capture_output=True, check=False)
+    report = junit_report(str(xml))
+    assert (report["passed"], report["failed"], report["skipped"]) == (1, 2, 1)
+    assert report["failed_tests"] == ["test_sample::test_wrong", "test_sample::test_broken"]
+    wrong, broken = (report["failures"][name] for name in report["failed_tests"])
+    assert wrong.startswith("AssertionError: tokens differ") and "test_sample.py:5" in wrong
+    assert broken.startswith("ValueError: attention_backend 'flashinfer' cannot run here")
+    assert "test_sample.py:7: ValueError" in broken
+    assert report["skip_reasons"] == {"test_sample::test_absent": "FlashInfer cannot run head_dim 64 torch.float16 here"}
+    names = [name for name, _ in report["durations"]]  # the tests that ran, slowest first
+    assert names[0] == "test_sample::test_slow" and len(names) == 3 and report["durations"][0][1] >= 0.3
+    assert junit_report(str(tmp_path / "missing.xml")) is None
