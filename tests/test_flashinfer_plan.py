@@ -244,3 +244,29 @@ def test_decode_forward_through_the_op_compiles_fullgraph(tiny_models):
     written = caches_c[0][:, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[slots]
     assert not torch.equal(written, untouched[0][:, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[slots])
     assert rows == ids.numel()
+
+
+def test_the_gpu_tests_padded_cta_check_reads_plan_info_as_flashinfer_writes_it():
+    """conftest.assert_padded_ctas_masked (run on every decode and verify graph plan on the GPU)
+    checked here on plan infos laid out as flashinfer 0.7.2.post1's PrefillPlanInfo::ToVector."""
+    from types import SimpleNamespace
+
+    from conftest import assert_padded_ctas_masked
+
+    def wrapper(padded, offset, scheduled, cuda_graph=1, split_kv=0, hole=None):
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        buf[offset:offset + scheduled] = 1
+        if hole is not None:
+            buf[offset + hole] = 0
+        info = [padded, 8, 0, 16, 64, 128, 192, 0, 0, 256, 0, 0, offset, cuda_graph, split_kv]
+        return SimpleNamespace(_plan_info=info, _pin_memory_int_workspace_buffer=buf)
+
+    assert_padded_ctas_masked(wrapper(padded=33, offset=1024, scheduled=1), rows=1)  # B=1, 8 KV heads
+    assert_padded_ctas_masked(wrapper(padded=159, offset=2048, scheduled=128), rows=128)
+    bad = [(wrapper(33, 0, 1), 1),  # no block_valid_mask (the #4002 bug)
+           (wrapper(33, 1024, 1, cuda_graph=0), 1), (wrapper(33, 1024, 1, split_kv=1), 1),
+           (wrapper(33, 1024, 4, hole=1), 4),  # the valid blocks are not a prefix
+           (wrapper(33, 1024, 1), 2)]  # fewer scheduled blocks than rows
+    for plan, rows in bad:
+        with pytest.raises(AssertionError):
+            assert_padded_ctas_masked(plan, rows=rows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import require_flashinfer
+from conftest import assert_padded_ctas_masked, require_flashinfer
 
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
@@ -28,23 +28,6 @@ def cuda_kernel():
     from graphdecode.compiled import cuda_kernels
 
     cuda_kernels.register()
-
-
-def assert_padded_ctas_masked(wrapper, rows: int) -> None:
-    """flashinfer issue #4002: a CUDA-graph plan launches a padded grid (padded_batch_size CTAs
-    per KV head, more than the scheduled blocks) and, before the fix, padded CTAs read stale
-    schedule entries when split-KV was off. 0.7.2.post1's plan allocates `block_valid_mask`
-    for every CUDA-graph plan and its run binds it (docs/gpu.md); check that this plan has it
-    and that it marks exactly a prefix of scheduled blocks, at least one per row.
-    PrefillPlanInfo fields: [0] padded_batch_size, [12] block_valid_mask_offset,
-    [13] enable_cuda_graph, [14] split_kv."""
-    info = [int(x) for x in wrapper._plan_info]
-    padded, offset, cuda_graph, split_kv = info[0], info[12], info[13], info[14]
-    assert cuda_graph == 1 and split_kv == 0, info
-    assert offset != 0, f"no block_valid_mask in a CUDA-graph plan: {info}"
-    mask = wrapper._pin_memory_int_workspace_buffer[offset:offset + padded].view(torch.bool)
-    scheduled = int(mask.sum())
-    assert rows <= scheduled <= padded and bool(mask[:scheduled].all()), (scheduled, padded)
 
 
 def make_caches(num_pages, page_size, num_kv_heads, head_dim, seed):

@@ -40,7 +40,7 @@ import time
 
 import pytest
 import torch
-from conftest import require_flashinfer
+from conftest import assert_padded_ctas_masked, require_flashinfer
 from hf_parity_models import (
     CPU_SMALL,
     GPU_D64,
@@ -240,8 +240,6 @@ def check_speculative_equals_plain(path: str, spec, device: str, **engine) -> di
     stats = fast.stats()
     assert got == want
     if device == "cuda" and engine.get("attention_backend") == "flashinfer":
-        from test_gpu_flashinfer import assert_padded_ctas_masked
-
         verify = fast.engine.runner.backend._verify_wrappers  # bucket -> the planned verify wrapper
         for bucket, wrapper in verify.items():
             assert_padded_ctas_masked(wrapper, bucket)
