@@ -27,7 +27,7 @@ class BuildPyWithKernels(build_py):
         package_root = os.path.join(HERE if editable else self.build_lib, "graphdecode")
         if not editable:  # ship the sources so a first-use build can find them
             os.makedirs(os.path.join(package_root, "_csrc"), exist_ok=True)
-            for name in kb.SOURCES:
+            for name in kb.SOURCES + kb.CPU_SOURCES:
                 shutil.copy(os.path.join(src, name), os.path.join(package_root, "_csrc", name))
         if kb.find_nvcc() is None:
             print("graphdecode: nvcc not found, CUDA kernels will be built at first use on a GPU")

@@ -237,3 +237,27 @@ def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
         state.positions[:3] += 2  # as if each live row accepted one draft
         state.seq_lens[:3] += 2
     assert len(kernels.plans) == 1
+
+
+def test_attention_variants_are_refused_by_name_not_run_wrong(kernels):
+    """The FlashInfer plans take no window, soft-cap or sinks yet: a model whose layers have
+    them is refused at construction (the torch backend runs them)."""
+    from graphdecode.attention.spec import AttentionSpec
+
+    FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec()])  # the default runs
+    for spec in (AttentionSpec(sliding_window=4), AttentionSpec(soft_cap=30.0), AttentionSpec(sinks=torch.ones(H))):
+        with pytest.raises(ValueError, match="attention variants.*layers \\[0\\]"):
+            FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[spec])
+
+
+def test_importing_a_backend_registers_the_ops_it_calls():
+    """Each backend module imports its ops module itself (no other import may be relied on)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, graphdecode.attention.flashinfer_backend, graphdecode.attention.torch_backend; "
+            "ops = torch.ops.graphdecode; "
+            "assert all(hasattr(ops, n) for n in ('flashinfer_decode', 'flashinfer_prefill', 'flashinfer_verify', "
+            "'cpu_paged_decode', 'cpu_paged_verify'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from paged_reference import csr_attention
 
-from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend, flashinfer_ops
+from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend, flashinfer_ops, handles
 from graphdecode.attention.flashinfer_plan import decode_plan_csr, prefill_csr
 from graphdecode.attention.kv_cache import allocate_kv_caches
 from graphdecode.compiled.advance_step import advance_step_reference
@@ -171,13 +171,13 @@ class _Named:
 
 def test_backend_handles_are_distinct_and_weak():
     a, b = _Named(), _Named()
-    ha, hb = flashinfer_ops.register_backend(a), flashinfer_ops.register_backend(b)
-    assert ha != hb and flashinfer_ops.backend_for(ha) is a
+    ha, hb = handles.register_backend(a), handles.register_backend(b)
+    assert ha != hb and handles.backend_for(ha) is a
     del a
     gc.collect()
     with pytest.raises(RuntimeError):
-        flashinfer_ops.backend_for(ha)  # a dead engine leaves nothing behind
-    assert flashinfer_ops.backend_for(hb) is b
+        handles.backend_for(ha)  # a dead engine leaves nothing behind
+    assert handles.backend_for(hb) is b
 
 
 def test_ops_have_shape_only_fake_implementations():
@@ -194,7 +194,7 @@ class OpRoutedReference(TorchAttentionBackend):
 
     def __init__(self, *args):
         super().__init__(*args)
-        self.handle = flashinfer_ops.register_backend(self)
+        self.handle = handles.register_backend(self)
         self.meta = None  # the DecodeMetadata of the call in flight (test-only plumbing)
 
     def decode(self, layer, q, k, v, meta):

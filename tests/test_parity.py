@@ -129,3 +129,21 @@ def test_greedy_parity_through_stream(tiny_models, model):
         (c,) = delta.outputs
         got.setdefault(delta.request_id, []).extend(c.token_ids)
     assert [got[str(i)] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernel", "gathering_reference"])
+def test_parity_with_and_without_the_cpu_kernel(tiny_models, kernels):
+    """Both CPU decode paths (pages read in place by the kernel; the gathering reference a
+    machine without a C++ compiler runs) give transformers' tokens, with chunked prefill
+    (SDPA after earlier chunks) and a compiled window."""
+    path = tiny_models["qwen2_tied"]
+    prompts = random_prompts(8, LENGTHS, seed=11)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    for extra in ({"max_num_batched_tokens": 48}, {"compile": True}):
+        llm = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8, **extra)
+        backend = llm.engine.runner.backend
+        if not kernels:
+            backend.kernels = None  # as cpu_kernels() leaves it where nothing can build the kernel
+        assert backend.reads_pages_in_place == (kernels and backend.kernels is not None)
+        assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+        assert llm.stats()["cpu_attention_kernels"] == backend.reads_pages_in_place

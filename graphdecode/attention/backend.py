@@ -13,17 +13,23 @@ from dataclasses import dataclass
 import torch
 
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
+from .spec import AttentionSpec
 
 
 class AttentionBackend(ABC):
     name = "abstract"
+    reads_pages_in_place = False  # True: decode reads each row's pages where they lie (no gathered width)
 
-    def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
+                 specs: list[AttentionSpec] | None = None):
         self.kv_caches = kv_caches
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.specs = list(specs) if specs is not None else [AttentionSpec()] * len(kv_caches)  # one per layer
+        if len(self.specs) != len(kv_caches):
+            raise ValueError(f"specs: {len(self.specs)} attention specs for {len(kv_caches)} layers")
 
     def plan_prefill(self, meta: PrefillMetadata) -> None:
         """Host-side preparation before a prefill forward (no-op by default)."""

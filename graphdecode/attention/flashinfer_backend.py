@@ -43,10 +43,11 @@ import importlib
 import numpy as np
 import torch
 
+from . import flashinfer_ops  # noqa: F401 - registers the graphdecode::flashinfer_* ops this backend calls
 from .backend import AttentionBackend
-from .flashinfer_ops import register_backend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
 from .flashinfer_probe import SUPPORTED_DTYPES
+from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 
@@ -60,8 +61,13 @@ def _pinned(array: np.ndarray) -> torch.Tensor:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES):
-        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim)
+    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES,
+                 specs=None):
+        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
+        variants = [i for i, spec in enumerate(self.specs) if not spec.is_default]
+        if variants:  # window_left / logits_soft_cap / sinks: not wired to the plans yet
+            raise ValueError(f"attention_backend 'flashinfer' does not run this model's attention variants "
+                             f"(sliding window, soft-cap, sinks or scale at layers {variants[:8]}); use 'torch'")
         self.flashinfer = importlib.import_module("flashinfer")
         self.device = torch.device(device)  # CUDA (EngineConfig checks); tests dry-run it on CPU
         self.dtype = kv_caches[0].dtype

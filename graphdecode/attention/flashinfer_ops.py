@@ -1,39 +1,17 @@
 """FlashInfer attention as torch.library custom ops, so torch.compile sees one opaque op.
 
-A custom op cannot take a Python object, so the op names its backend by an integer
-handle. `register_backend` hands out the handle (the FlashInferBackend constructor
-calls it and keeps the handle); the op looks the backend up in a weak registry, so
-an engine that goes away takes its entry with it.
-
-Each op writes the new K/V into the layer's paged cache by slot, then attends. The
-cache write is invisible to torch.compile (the cache is not an op argument): the op
-is opaque and every call's output is used, so it is never reordered past its
-consumer nor dropped, and the cache (one tensor per layer, owned by the backend)
-never goes through functionalization, which could copy it.
+The backend is named by an integer handle (attention/handles.py). Each op writes the
+new K/V into the layer's paged cache by slot, then attends. The cache write is
+invisible to torch.compile (the cache is not an op argument): the op is opaque and
+every call's output is used, so it is never reordered past its consumer nor dropped,
+and the cache never goes through functionalization, which could copy it.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
-_BACKENDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> backend
-_HANDLES = itertools.count(1)
-
-
-def register_backend(backend) -> int:
-    handle = next(_HANDLES)
-    _BACKENDS[handle] = backend
-    return handle
-
-
-def backend_for(handle: int):
-    backend = _BACKENDS.get(handle)
-    if backend is None:
-        raise RuntimeError(f"graphdecode: no live FlashInfer backend with handle {handle}")
-    return backend
+from .handles import backend_for
 
 
 @torch.library.custom_op("graphdecode::flashinfer_prefill", mutates_args=())

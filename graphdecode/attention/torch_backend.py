@@ -1,90 +1,255 @@
-"""Torch reference attention over the paged cache: runs on CPU and GPU.
+"""Torch attention over the paged cache: what CPU runs use, and the oracle FlashInfer is tested against.
 
-It is the backend CPU runs use and the oracle the FlashInfer backend is tested
-against. Decode has two forms of the same arithmetic:
+Prefill (every device) is `scaled_dot_product_attention`'s flash kernels, not a
+materialised score matrix: a fresh sequence attends its own chunk's K/V causally (no
+gather); a chunk after cached or earlier tokens gathers those once and, on CPU, runs two
+flash calls, the earlier keys unmasked and the chunk's own square causally, merged by
+their log-sum-exps (so no mask is built either); sinks scale the merged output by
+sigmoid(lse - sink). Sliding windows build a mask in query blocks of `MASK_BLOCK` rows,
+which bounds its memory; soft-capped layers run the CPU kernel (or, elsewhere, the
+reference) since SDPA has no soft-cap.
+
+Decode and verify on CPU read the pages in place with the CPU kernel
+(attention/cpu_kernels.py, csrc/cpu_attention.cpp): no per-step copy of the KV. Under
+torch.compile they go through the opaque `graphdecode::cpu_paged_*` ops (attention/
+cpu_ops.py), which write the step's K/V and attend, so the cache never enters the graph.
+
+The reference (CUDA, or a CPU without a C++ compiler) gathers pages:
 
 * padded: every row gathers the W pages its block-table view holds and masks past its
-  length (the only form inside torch.compile and CUDA graphs: static shapes);
-* ragged (`DecodeMetadata.ragged`, chosen by the runner for eager CPU windows whose
-  rows' lengths differ a lot): the pages FlashInfer's CSR metadata lists (`kv_indptr`,
-  `kv_indices`, `kv_last_page_len`, kept by advance_step) are gathered once, and a
-  softmax per row runs over its own tokens only, so such a window's cost follows the
-  rows' real lengths: one 4,000-token row no longer makes 32 short rows gather 4,000
-  keys each. For rows of similar length its index work costs more than the padding
-  saves (micro, batch 64: 0.53 s against 0.31 s), hence the choice.
+  length (the only form inside CUDA graphs: static shapes);
+* ragged (`DecodeMetadata.ragged`, chosen by the runner for eager CPU windows without the
+  kernel whose rows' lengths differ a lot): the pages FlashInfer's CSR metadata lists are
+  gathered once, and a softmax per row runs over its own tokens only.
+
+Every path takes the layer's AttentionSpec (sliding window, soft-cap, scale, sinks).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from . import cpu_ops  # noqa: F401 - registers the graphdecode::cpu_paged_* ops compiled windows call
 from .backend import AttentionBackend
+from .cpu_kernels import cpu_kernels
+from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
+from .spec import AttentionSpec
+
+MASK_BLOCK = 1024  # query rows per masked SDPA call: a mask holds at most MASK_BLOCK x keys entries
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash_with_lse(q, k, v, scale: float, causal: bool, mask=None):
+    """q [1, H, L, D], k/v [1, H_kv, S, D] (strided views are fine) -> (out [1, H, L, D], lse [1, H, L])."""
+    return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _merge(parts):
+    """Outputs of attention over disjoint key sets, with their log-sum-exps, as one attention."""
+    if len(parts) == 1:
+        return parts[0]
+    (o1, l1), (o2, l2) = parts
+    lse = torch.logaddexp(l1, l2)
+    out = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    return out.to(o1.dtype), lse
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, specs: list[AttentionSpec] | None = None):
+        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
+        kernels = cpu_kernels() if kv_caches[0].device.type == "cpu" else None
+        self.kernels = kernels if kernels is not None and kv_caches[0].dtype in kernels.supported_dtypes else None
+        self.handle = register_backend(self)  # for the compiled ops
+
+    @property
+    def reads_pages_in_place(self) -> bool:
+        """Decode reads each row's pages where they lie (no gathered width to choose)."""
+        return self.kernels is not None
+
+    # ---------------------------------------------------------------- prefill
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
         if meta.copy_src is not None:
             copy_slots(kv, meta.copy_src, meta.copy_dst)
-        page_size = kv.shape[2]
+        spec = self.specs[layer]
         out = torch.empty_like(q)
         start = 0
         for g, (q_len, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            num_pages = -(-kv_len // page_size)
-            pages = meta.block_table[g, :num_pages].long()
-            keys = kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
-            values = kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
-            # query i sits at position kv_len - q_len + i and sees keys up to it
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-            k_pos = torch.arange(kv_len, device=q.device)
-            mask = k_pos[None, :] > q_pos[:, None]  # [q_len, kv_len]
-            out[start : start + q_len] = self._attend(q[None, start : start + q_len], keys[None], values[None], mask[None])[0]
-            start += q_len
+            end = start + q_len
+            if spec.soft_cap is not None and self.kernels is not None:  # SDPA has no soft-cap
+                positions = torch.arange(kv_len - q_len, kv_len, device=q.device)[None]
+                self._kernel(out[start:end][None], q[start:end][None], kv, meta.block_table[g : g + 1], spec,
+                             positions=positions)
+            elif kv_len == q_len and meta.copy_src is None:  # a fresh sequence: its keys are this chunk's own
+                out[start:end] = self._attend_chunk(spec, q[start:end], k[start:end], v[start:end], 0)
+            else:
+                keys, values = self._gather(kv, meta.block_table[g], kv_len)
+                out[start:end] = self._attend_chunk(spec, q[start:end], keys, values, kv_len - q_len)
+            start = end
         return out
 
-    def _attend(self, q, keys, values, hidden):
+    def _gather(self, kv, pages_row, kv_len: int):
+        page_size = kv.shape[2]
+        pages = pages_row[: -(-kv_len // page_size)].long()
+        keys = kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        values = kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        return keys, values
+
+    def _attend_chunk(self, spec: AttentionSpec, q, keys, values, offset: int) -> torch.Tensor:
+        """q [L, H, D] at positions offset..offset+L-1 over keys/values [offset + L, H_kv, D] -> [L, H, D]."""
+        if spec.soft_cap is not None or (spec.sinks is not None and (_FLASH_CPU is None or not q.device.type == "cpu")):
+            return self._reference_chunk(spec, q, keys, values, offset)
+        scale = spec.scale_for(self.head_dim)
+        qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, keys, values))  # [1, heads, len, D] views
+        length = q.shape[0]
+        if q.device.type == "cpu" and _FLASH_CPU is not None:
+            if spec.sliding_window is None:  # no mask: the chunk's causal square, then the keys before it
+                parts = [_flash_with_lse(qh, kh[:, :, offset:], vh[:, :, offset:], scale, causal=True)]
+                if offset > 0:
+                    parts.append(_flash_with_lse(qh, kh[:, :, :offset], vh[:, :, :offset], scale, causal=False))
+                out, lse = _merge(parts)
+            else:
+                blocks = [self._window_block(spec, qh, kh, vh, offset, i, min(length, i + MASK_BLOCK), scale)
+                          for i in range(0, length, MASK_BLOCK)]
+                out, lse = torch.cat([b[0] for b in blocks], dim=2), torch.cat([b[1] for b in blocks], dim=2)
+            if spec.sinks is not None:
+                out = out * torch.sigmoid(lse - spec.sinks.to(lse.device)[None, :, None])[..., None].to(out.dtype)
+            return out[0].transpose(0, 1)
+        out = torch.empty_like(qh)
+        for i in range(0, length, MASK_BLOCK):  # elsewhere: one masked SDPA per block of queries
+            i1 = min(length, i + MASK_BLOCK)
+            lo, visible = self._block_mask(spec, offset, i, i1, q.device)
+            out[:, :, i:i1] = F.scaled_dot_product_attention(qh[:, :, i:i1], kh[:, :, lo : offset + i1],
+                                                             vh[:, :, lo : offset + i1], attn_mask=visible,
+                                                             scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    @staticmethod
+    def _block_mask(spec: AttentionSpec, offset: int, i0: int, i1: int, device):
+        """Queries i0..i1-1 (positions offset + i) over keys lo..offset+i1-1: (lo, visible [rows, keys])."""
+        lo = 0 if spec.sliding_window is None else max(0, offset + i0 - spec.window_left)
+        q_pos = torch.arange(offset + i0, offset + i1, device=device)[:, None]
+        k_pos = torch.arange(lo, offset + i1, device=device)[None, :]
+        visible = k_pos <= q_pos
+        if spec.sliding_window is not None:
+            visible &= k_pos >= q_pos - spec.window_left
+        return lo, visible
+
+    def _window_block(self, spec, qh, kh, vh, offset, i0, i1, scale):
+        lo, visible = self._block_mask(spec, offset, i0, i1, qh.device)
+        mask = torch.zeros(visible.shape, dtype=qh.dtype).masked_fill_(~visible, float("-inf"))
+        return _flash_with_lse(qh[:, :, i0:i1], kh[:, :, lo : offset + i1], vh[:, :, lo : offset + i1], scale,
+                               causal=False, mask=mask)
+
+    def _reference_chunk(self, spec, q, keys, values, offset: int) -> torch.Tensor:
+        """The materialised reference (soft-cap, or sinks without the CPU flash kernel), in query blocks."""
+        out = torch.empty_like(q)
+        for i in range(0, q.shape[0], MASK_BLOCK):
+            i1 = min(q.shape[0], i + MASK_BLOCK)
+            lo, visible = self._block_mask(spec, offset, i, i1, q.device)
+            out[i:i1] = self._attend(q[None, i:i1], keys[None, lo : offset + i1], values[None, lo : offset + i1],
+                                     ~visible[None], spec)[0]
+        return out
+
+    # ------------------------------------------------------------ the reference
+    def _attend(self, q, keys, values, hidden, spec: AttentionSpec | None = None):
         """q [B, Q, H, D], keys/values [B, L, H_kv, D], hidden [B, Q, L] (True = masked) -> [B, Q, H, D]."""
+        spec = spec or AttentionSpec()
         batch, queries = q.shape[:2]
         groups = self.num_heads // self.num_kv_heads
         qg = q.reshape(batch, queries, self.num_kv_heads, groups, self.head_dim).float()
-        scores = torch.einsum("bqhgd,blhd->bhgql", qg, keys.float()) * self.scale
+        scores = torch.einsum("bqhgd,blhd->bhgql", qg, keys.float()) * spec.scale_for(self.head_dim)
+        if spec.soft_cap is not None:
+            scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
         scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if spec.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # one more logit per head that attends nothing
+            sink = spec.sinks.float().view(1, self.num_kv_heads, groups, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("bhgql,blhd->bqhgd", probs, values.float())
         return out.reshape(q.shape).to(q.dtype)
 
+    def _window_hidden(self, spec: AttentionSpec, hidden, key_positions, query_positions):
+        """Also hide the keys a sliding window leaves out (query_positions broadcast as [B, Q, 1])."""
+        if spec.sliding_window is None:
+            return hidden
+        return hidden | (key_positions < query_positions - spec.window_left)
+
+    # ------------------------------------------------------------ decode, verify
+    def _kernel(self, out, q, kv, block_table, spec: AttentionSpec, positions=None, seq_lens=None):
+        self.kernels.paged_attention(
+            out, q.contiguous(), kv, block_table, positions=positions, seq_lens=seq_lens,
+            scale=spec.scale_for(self.head_dim), window_left=spec.window_left, soft_cap=spec.soft_cap or 0.0,
+            sinks=None if spec.sinks is None else spec.sinks.float().contiguous(),
+        )
+
+    def run_paged_decode(self, layer, q, k, v, slot_mapping, seq_lens, block_table) -> torch.Tensor:
+        """The CPU kernel's decode step: write this step's K/V, attend each row's pages in place."""
+        kv = self.kv_caches[layer]
+        write_kv(kv, k, v, slot_mapping)
+        out = torch.empty_like(q)
+        self._kernel(out[:, None], q[:, None], kv, block_table, self.specs[layer], seq_lens=seq_lens)
+        return out
+
+    def run_paged_verify(self, layer, q, k, v, slot_mapping, query_positions, block_table) -> torch.Tensor:
+        kv = self.kv_caches[layer]
+        write_kv(kv, k, v, slot_mapping)
+        rows, queries = query_positions.shape
+        out = torch.empty_like(q)
+        shape = (rows, queries, self.num_heads, self.head_dim)
+        self._kernel(out.view(shape), q.reshape(shape), kv, block_table, self.specs[layer],
+                     positions=query_positions.contiguous())
+        return out
+
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
+        if self.kernels is not None:
+            args = (q, k, v, meta.slot_mapping, meta.seq_lens, meta.block_table)
+            if torch.compiler.is_compiling():
+                return torch.ops.graphdecode.cpu_paged_decode(*args, self.handle, layer)
+            return self.run_paged_decode(layer, *args)
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
+        spec = self.specs[layer]
         if meta.ragged:
-            return self._decode_ragged(kv, q, meta)
+            return self._decode_ragged(kv, q, meta, spec)
         rows = q.shape[0]
         pages = meta.block_table.long()  # [B, W]
         keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
         values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
         positions = torch.arange(keys.shape[1], device=q.device)
         hidden = positions[None, None, :] >= meta.seq_lens[:, None, None]  # [B, 1, W*P]
-        return self._attend(q[:, None], keys, values, hidden)[:, 0]
+        hidden = self._window_hidden(spec, hidden, positions, meta.seq_lens[:, None, None] - 1)
+        return self._attend(q[:, None], keys, values, hidden, spec)[:, 0]
 
     def verify(self, layer, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
         """Q queries per row over the W pages of its block-table view, masked causally by position."""
+        if self.kernels is not None:
+            args = (q, k, v, meta.slot_mapping, meta.query_positions, meta.block_table)
+            if torch.compiler.is_compiling():
+                return torch.ops.graphdecode.cpu_paged_verify(*args, self.handle, layer)
+            return self.run_paged_verify(layer, *args)
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, meta.slot_mapping)
+        spec = self.specs[layer]
         rows, queries = meta.query_positions.shape
         pages = meta.block_table.long()  # [B, W]
         keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
         values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
         positions = torch.arange(keys.shape[1], device=q.device)
-        hidden = positions[None, None, :] > meta.query_positions[:, :, None]  # [B, Q, W*P]
-        out = self._attend(q.view(rows, queries, self.num_heads, self.head_dim), keys, values, hidden)
+        query_positions = meta.query_positions[:, :, None]
+        hidden = positions[None, None, :] > query_positions  # [B, Q, W*P]
+        hidden = self._window_hidden(spec, hidden, positions, query_positions)
+        out = self._attend(q.view(rows, queries, self.num_heads, self.head_dim), keys, values, hidden, spec)
         return out.reshape(rows * queries, self.num_heads, self.head_dim)
 
-    def _decode_ragged(self, kv, q, meta: DecodeMetadata) -> torch.Tensor:
+    def _decode_ragged(self, kv, q, meta: DecodeMetadata, spec: AttentionSpec) -> torch.Tensor:
         """q [B, H, D] over each row's own pages (CSR), one segment softmax per row."""
         rows, page_size = q.shape[0], kv.shape[2]
         pages_per_row = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).long()  # [B]
@@ -96,15 +261,26 @@ class TorchAttentionBackend(AttentionBackend):
         last_page[meta.kv_indptr[1:].long() - 1] = True
         valid = torch.where(last_page, meta.kv_last_page_len.long()[row_of_page], page_size)  # tokens per page
         row = row_of_page.repeat_interleave(page_size)  # [N_tokens]
-        keep = torch.arange(page_size).repeat(len(pages)) < valid.repeat_interleave(page_size)
+        in_page = torch.arange(page_size).repeat(len(pages))
+        keep = in_page < valid.repeat_interleave(page_size)
+        if spec.sliding_window is not None:  # the token's position in its row vs the row's query
+            first_page = meta.kv_indptr[:-1].long()[row_of_page]
+            position = ((torch.arange(len(pages)) - first_page) * page_size).repeat_interleave(page_size) + in_page
+            keep &= position >= (meta.seq_lens.long() - 1)[row] - spec.window_left
         row, keys, values = row[keep], keys[keep].float(), values[keep].float()
         groups = self.num_heads // self.num_kv_heads
         qg = q.reshape(rows, self.num_kv_heads, groups, self.head_dim).float()
-        scores = torch.einsum("thgd,thd->thg", qg[row], keys) * self.scale  # [N, H_kv, G]
-        peak = scores.new_full((rows, self.num_kv_heads, groups), float("-inf"))
+        scores = torch.einsum("thgd,thd->thg", qg[row], keys) * spec.scale_for(self.head_dim)  # [N, H_kv, G]
+        if spec.soft_cap is not None:
+            scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
+        sinks = None if spec.sinks is None else spec.sinks.float().view(1, self.num_kv_heads, groups)
+        peak = scores.new_full((rows, self.num_kv_heads, groups), float("-inf")) if sinks is None else \
+            sinks.expand(rows, -1, -1).clone()
         peak = peak.scatter_reduce(0, row[:, None, None].expand_as(scores), scores, "amax")
         weights = torch.exp(scores - peak[row])
         total = weights.new_zeros(rows, self.num_kv_heads, groups).index_add(0, row, weights)
+        if sinks is not None:
+            total = total + torch.exp(sinks - peak)
         out = weights.new_zeros(rows, self.num_kv_heads, groups, self.head_dim)
         out = out.index_add(0, row, weights[..., None] * values[:, :, None, :])
         return (out / total[..., None]).reshape(q.shape).to(q.dtype)

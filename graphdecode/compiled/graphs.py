@@ -93,7 +93,8 @@ class WindowGraphs:
         """Without graphs: run bucket 1 and the smallest larger bucket once, so a compiled
         forward compiles now rather than in a user's first windows (the state is restored)."""
         saved = self.state.snapshot()
-        width = min(2, self.state.max_pages)  # eager windows gather >= 2 pages: see Scheduler._kv_width
+        # the width real windows pass: every column where pages are read in place, else >= 2 (runner._kv_width)
+        width = self.state.max_pages if self.backend.reads_pages_in_place else min(2, self.state.max_pages)
         for bucket in self.buckets[:2]:
             self._window(bucket, GREEDY, width)
         self.state.restore(saved)

@@ -1,4 +1,4 @@
-"""Building csrc/ with nvcc: shared by setup.py (install time) and the loader (first use).
+"""Building csrc/: shared by setup.py (install time) and the loaders (first use).
 
 No torch import here: setup.py loads this file on its own, in a build environment
 that may have no torch. The library is plain CUDA with an extern "C" ABI, linked
@@ -8,6 +8,10 @@ The sources also hold a host entry point (`graphdecode_advance_step_host`) that 
 the kernels' per-row code in a plain loop. It is in the nvcc library and, where nvcc
 is absent, builds alone with the system C++ compiler (`build_host`): `host_library`
 gives the tests one or the other, so CI checks the kernels' logic without a GPU.
+
+The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place) are
+plain C++ built with the system compiler for the machine they run on (`build_cpu`,
+-march=native), at first use, into the cache (graphdecode/attention/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import subprocess
 LIB_NAME = "libgraphdecode_kernels.so"
 HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point only, no kernels
 SOURCES = ("advance_step.cu",)
+CPU_LIB_NAME = "libgraphdecode_cpu.so"
+CPU_SOURCES = ("cpu_attention.cpp",)
+# -fopenmp-simd: the `omp simd` loops vectorise without an OpenMP runtime (torch brings its own);
+# -fno-math-errno: tanh/floor need no errno, so they vectorise too
+CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wall")
 DEFAULT_ARCH_FLAGS = (
     "-gencode", "arch=compute_90,code=sm_90",
     "-gencode", "arch=compute_90,code=compute_90",  # embedded PTX for newer GPUs
@@ -30,17 +39,17 @@ def package_dir() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def source_dir() -> str | None:
+def source_dir(sources: tuple[str, ...] = SOURCES) -> str | None:
     """csrc/ of a source checkout, or the copy setup.py puts into the package."""
     for candidate in (os.path.join(os.path.dirname(package_dir()), "csrc"), os.path.join(package_dir(), "_csrc")):
-        if all(os.path.isfile(os.path.join(candidate, s)) for s in SOURCES):
+        if all(os.path.isfile(os.path.join(candidate, s)) for s in sources):
             return candidate
     return None
 
 
-def source_hash(src_dir: str) -> str:
+def source_hash(src_dir: str, sources: tuple[str, ...] = SOURCES) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
+    for name in sources:
         with open(os.path.join(src_dir, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
@@ -109,6 +118,21 @@ def build_host(out_path: str, src_dir: str, cxx: str | None = None) -> str:
         cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall", "-o", tmp,
         "-x", "c++", *(os.path.join(src_dir, s) for s in SOURCES),
     ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{os.path.basename(cxx)} failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def build_cpu(out_path: str, src_dir: str, cxx: str | None = None) -> str:
+    """Compile the CPU kernels for this machine into out_path, atomically."""
+    cxx = cxx or find_cxx()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX or put g++ on PATH)")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    tmp = f"{out_path}.{os.getpid()}.tmp"
+    cmd = [cxx, *CPU_FLAGS, "-o", tmp, *(os.path.join(src_dir, s) for s in CPU_SOURCES)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{os.path.basename(cxx)} failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")

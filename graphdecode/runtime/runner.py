@@ -35,12 +35,12 @@ from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
 
 
-def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device):
+def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device, specs=None):
     if name == "flashinfer":
         from ..attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device)
-    return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim)
+        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device, specs=specs)
+    return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=specs)
 
 
 class ModelRunner:
@@ -55,6 +55,7 @@ class ModelRunner:
             self.device = torch.device("cuda", tp.rank)  # rank r runs on cuda:r
         self.page_size = config.page_size
         if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # this process's (a rank's) torch threads
             keep_freed_host_memory()  # CPU windows reuse freed memory instead of faulting it in again
         if self.device.type == "cuda":
             cuda_kernels.register()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
@@ -65,7 +66,7 @@ class ModelRunner:
             config.torch_dtype, self.device,
         )
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
-                                    self.device)
+                                    self.device, getattr(self.model, "attention_specs", None))
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
             config.num_decode_steps, config.max_logprobs, self.device,
@@ -147,16 +148,21 @@ class ModelRunner:
             self._row_pages[growth.row] = growth.start + len(growth.pages)
 
     def _ragged(self, bucket: int, width: int) -> bool:
-        """Eager CPU windows attend ragged when padding to the longest row would more than
-        double the pages gathered (compiled forwards and graphs keep static shapes)."""
-        if self.windows.compiled or self.windows.use_graphs or self.device.type != "cpu":
+        """Eager CPU windows of the gathering reference attend ragged when padding to the longest
+        row would more than double the pages gathered (compiled forwards and graphs keep static
+        shapes; the CPU kernel reads each row's own pages anyway)."""
+        if self.windows.compiled or self.windows.use_graphs or self.device.type != "cpu" \
+                or self.backend.reads_pages_in_place:
             return False
         return bucket * width > 2 * int(self._row_pages[:bucket].sum())
 
     def _kv_width(self) -> int:
         """Pages an eager torch-attention window gathers per row: the longest block table,
         rounded up to a power of two, and at least 2 (a compiled forward specialises a
-        dimension of size 1, so width 1 would compile again). Graphs use every column."""
+        dimension of size 1, so width 1 would compile again). Graphs, and a backend that
+        reads pages in place, take every column (static shapes, nothing gathered)."""
+        if self.backend.reads_pages_in_place:
+            return self.state.max_pages
         longest = int(self._row_pages.max())
         return min(max(2, 1 << max(longest - 1, 0).bit_length()), self.state.max_pages)
 

@@ -1,0 +1,246 @@
+// Paged attention on the CPU, reading the KV pages in place (no per-step gather).
+//
+// Plain C++17 with an extern "C" ABI (raw pointers, no torch headers), built at first use by
+// graphdecode/attention/cpu_kernels.py with the system C++ compiler for this machine
+// (-O3 -march=native) and called through ctypes / the graphdecode::cpu_paged_attention op.
+//
+// One call attends Q queries per row for B rows: query j of row b sits at position
+// positions[b, j] (or, given seq_lens instead, Q = 1 at seq_lens[b] - 1: a decode step
+// after its own K/V is written) and sees the keys at positions [start, pos] of that row, where start is
+// max(0, pos - window_left) (window_left < 0: 0), read through the row's block table from
+// the cache [num_pages, 2, P, H_kv, D] (NHD, K then V per page). Decode is Q = 1 at the
+// row's current position; speculative verify is Q = d + 1 consecutive positions; a prefill
+// chunk is Q = its tokens. The variants are parameters, as the model families need them:
+//   scale       scores = q.k * scale
+//   soft_cap    > 0: scores = soft_cap * tanh(scores / soft_cap) (Gemma 2)
+//   sinks       [H] float or null: a learned logit per query head in the softmax's
+//               denominator, attending nothing (gpt-oss)
+//   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
+// Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
+// Each (row, KV head) computes its scores once, a softmax per query, then one pass over V:
+// K and V are each read once per call, straight from the pages.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#define GRAPHDECODE_CPU_ABI_VERSION 1
+
+namespace {
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {
+  uint32_t bits = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = uint16_t((bits >> 16) | 0x40u);  // NaN stays NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = uint16_t(bits >> 16);
+}
+
+// exp(x) for x <= 0 (scores minus their row's peak): 2^n * e^r with |r| <= ln2 / 2 and Cephes'
+// expf polynomial (about 1 ulp), branch-free so loops over it vectorise; below -87, 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+struct Args {
+  const void* q;
+  const void* kv;
+  const int32_t* block_table;
+  const int64_t* positions;
+  const int32_t* seq_lens;
+  void* out;
+  int64_t rows, queries, heads, kv_heads, head_dim, page_size, width, num_pages, bt_stride;
+  float scale;
+  int64_t window_left;
+  float soft_cap;
+  const float* sinks;
+};
+
+// Per-call scratch, sized once per call: the visible key range of each query, the scaled
+// queries, K and V rows as float32 (bf16 converted once), and the scores.
+struct Scratch {
+  std::vector<int64_t> lo, hi;
+  std::vector<float> q, keys, values, scores;
+  std::vector<const float*> k_rows, v_rows;
+};
+
+// DIM > 0: head_dim known at compile time (64, 128), so the per-query loops unroll and
+// their accumulators stay in registers; DIM == 0: any head_dim up to 512.
+template <typename T, int DIM>
+void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
+  const int64_t D = DIM > 0 ? DIM : a.head_dim;
+  const int64_t P = a.page_size, G = a.heads / a.kv_heads, Q = a.queries, NQ = Q * G;
+  const int64_t max_keys = a.width * P;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kv = static_cast<const T*>(a.kv);
+  T* out = static_cast<T*>(a.out);
+  const int64_t token_stride = a.kv_heads * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
+
+  int64_t first = max_keys, last = -1;
+  for (int64_t j = 0; j < Q; ++j) {
+    const int64_t at = a.positions ? a.positions[b * Q + j] : int64_t(a.seq_lens[b]) - 1;
+    const int64_t pos = std::min<int64_t>(std::max<int64_t>(at, 0), max_keys - 1);
+    w.lo[j] = a.window_left >= 0 ? std::max<int64_t>(0, pos - a.window_left) : 0;
+    w.hi[j] = pos;
+    first = std::min(first, w.lo[j]);
+    last = std::max(last, pos);
+  }
+  const int64_t span = last - first + 1;
+  for (int64_t j = 0; j < Q; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + ((b * Q + j) * a.heads + h * G + g) * D;
+      float* dst = w.q.data() + (j * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = load(src + d) * a.scale;
+    }
+  // the span's K and V rows, straight from their pages (float32) or converted once (bf16)
+  w.k_rows.resize(span);
+  w.v_rows.resize(span);
+  if (!std::is_same<T, float>::value) {
+    w.keys.resize(span * D);
+    w.values.resize(span * D);
+  }
+  for (int64_t t = first; t <= last; ++t) {
+    int64_t page = a.block_table[b * a.bt_stride + t / P];
+    if (page < 0 || page >= a.num_pages) page = 0;  // a stale or bad entry reads the scratch page
+    const T* k = kv + page * page_stride + (t % P) * token_stride + h * D;
+    const T* v = k + v_offset;
+    if (std::is_same<T, float>::value) {
+      w.k_rows[t - first] = reinterpret_cast<const float*>(k);
+      w.v_rows[t - first] = reinterpret_cast<const float*>(v);
+    } else {
+      float* kf = w.keys.data() + (t - first) * D;
+      float* vf = w.values.data() + (t - first) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kf[d] = load(k + d);
+        vf[d] = load(v + d);
+      }
+      w.k_rows[t - first] = kf;
+      w.v_rows[t - first] = vf;
+    }
+  }
+  // scores [NQ, span], softmax per query (its head's sink in the denominator), probs @ V
+  w.scores.resize(NQ * span);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < Q; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = j * G + g;
+      const float* qv = w.q.data() + n * D;
+      float* s = w.scores.data() + n * span;
+      for (int64_t t = 0; t < span; ++t) {
+        if (t + first < w.lo[j] || t + first > w.hi[j]) {
+          s[t] = neg_inf;
+          continue;
+        }
+        const float* k = w.k_rows[t];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
+        s[t] = a.soft_cap > 0.f ? a.soft_cap * std::tanh(dot / a.soft_cap) : dot;
+      }
+      const float sink = a.sinks ? a.sinks[h * G + g] : neg_inf;
+      float peak = sink;
+      for (int64_t t = 0; t < span; ++t) peak = std::max(peak, s[t]);
+      float total = a.sinks ? exp_nonpositive(sink - peak) : 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < span; ++t) {
+        s[t] = exp_nonpositive(s[t] - peak);
+        total += s[t];
+      }
+      const float inv = 1.f / total;
+      float acc[DIM > 0 ? DIM : 512];
+      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+      for (int64_t t = 0; t < span; ++t) {
+        const float p = s[t];
+        if (p == 0.f) continue;
+        const float* v = w.v_rows[t];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
+      }
+      T* dst = out + ((b * Q + j) * a.heads + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) store(dst + d, acc[d] * inv);
+    }
+}
+
+template <typename T, int DIM>
+void attend(const Args& a) {
+  Scratch w;
+  w.lo.resize(a.queries);
+  w.hi.resize(a.queries);
+  w.q.resize(a.queries * (a.heads / a.kv_heads) * a.head_dim);
+  for (int64_t b = 0; b < a.rows; ++b)
+    for (int64_t h = 0; h < a.kv_heads; ++h) attend_row_head<T, DIM>(a, b, h, w);
+}
+
+template <typename T>
+void attend_any(const Args& a) {
+  if (a.head_dim == 64) {
+    attend<T, 64>(a);
+  } else if (a.head_dim == 128) {
+    attend<T, 128>(a);
+  } else {
+    attend<T, 0>(a);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int graphdecode_cpu_abi_version() { return GRAPHDECODE_CPU_ABI_VERSION; }
+
+// q [rows, queries, heads, head_dim] and out (same shape) contiguous; block_table [rows, >= width]
+// with row stride bt_stride; positions [rows, queries] int64, or null and seq_lens [rows] int32
+// with queries == 1. Returns 0, or 1 for arguments it cannot take (nothing is written then).
+int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t* block_table, int64_t bt_stride,
+                                    const int64_t* positions, const int32_t* seq_lens, void* out, int64_t rows,
+                                    int64_t queries, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                    int64_t page_size, int64_t width, int64_t num_pages, float scale,
+                                    int64_t window_left, float soft_cap, const float* sinks, int32_t dtype) {
+  if (!q || !kv || !block_table || !out || (!positions && (!seq_lens || queries != 1)) || rows < 0 ||
+      queries < 1 || kv_heads < 1 ||
+      heads < kv_heads || heads % kv_heads != 0 || head_dim < 1 || head_dim > 512 || page_size < 1 ||
+      width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f)
+    return 1;
+  Args a{q, kv, block_table, positions, seq_lens, out, rows, queries, heads, kv_heads, head_dim, page_size,
+         width, num_pages, bt_stride, scale, window_left, soft_cap, sinks};
+  if (dtype == kFloat32) {
+    attend_any<float>(a);
+  } else if (dtype == kBFloat16) {
+    attend_any<uint16_t>(a);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"
