@@ -117,12 +117,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help=f"prefill tokens per engine step; longer prompts are chunked "
                         f"({config('max_num_batched_tokens')})")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads (small models: 1 is fastest)")
+    p.add_argument("--cpu-threads", "--threads", dest="cpu_threads", type=_positive_int, default=None,
+                   help=f"torch threads of a CPU engine ({config('cpu_threads')}: more than the idle cores "
+                        f"makes every matmul wait)")
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
                    "max_model_len", "compile", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
-                   "max_num_batched_tokens", "speculative_config")
+                   "max_num_batched_tokens", "speculative_config", "cpu_threads")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -163,11 +165,8 @@ def _sampling_params(args):
 
 def _engine_options(args) -> tuple[str, dict]:
     """(model directory, engine options given), checked by building an EngineConfig: no weights are read."""
-    import torch
-
     from .config import EngineConfig
 
-    torch.set_num_threads(args.threads)
     given = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None}
     model = args.model
     if model is None:

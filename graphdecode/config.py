@@ -84,6 +84,10 @@ class EngineConfig:
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
     speculative_config: dict | None = None  # {"method": "ngram", "num_speculative_tokens": d, ...}; None: off
+    # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). One by
+    # default: threads beyond the cores that are idle make every small matmul wait for a descheduled
+    # thread (2 threads on a busy 2-core machine ran 20x slower than 1); raise it when the cores are yours.
+    cpu_threads: int = 1
 
     # resolved in __post_init__
     model_config: ModelConfig = field(init=False, repr=False)
@@ -123,6 +127,7 @@ class EngineConfig:
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
+        _pos_int("cpu_threads", self.cpu_threads)
         speculative = _check_speculative(self.speculative_config, self.page_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

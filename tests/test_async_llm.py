@@ -13,7 +13,7 @@ import pytest
 from graphdecode import LLM, SamplingParams
 from graphdecode.server import AsyncLLM, EngineDeadError
 
-ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=16, threads=1)
+ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=16, cpu_threads=1)
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -125,7 +125,7 @@ def test_unknown_argument_and_bad_model(tmp_path):
     with pytest.raises(TypeError, match="max_model_length"):
         AsyncLLM(str(tmp_path), max_model_length=5)
     with pytest.raises(ValueError, match="model"):
-        AsyncLLM(str(tmp_path / "nope"), threads=1)
+        AsyncLLM(str(tmp_path / "nope"), cpu_threads=1)
 
 
 def test_a_request_starts_when_generate_is_called_and_a_dropped_one_is_aborted(engine):

@@ -149,12 +149,11 @@ def _field_default(cls, name):
 
 def test_help_shows_defaults(capsys, tmp_path, monkeypatch):
     text = _help(capsys, "generate")
-    for name in ("num_decode_steps", "page_size"):
+    for name in ("num_decode_steps", "page_size", "cpu_threads"):
         assert f"default: EngineConfig's, {_field_default(EngineConfig, name)}" in text
     for name in ("max_tokens", "top_p", "top_k", "n"):
         assert f"default: SamplingParams', {_field_default(SamplingParams, name)}" in text
     assert "default: 0, greedy" in text and "with -n > 1" in text  # the one departure, and why
-    assert "(default: 1)" in text  # --threads, the CLI's own
     assert "(default: None)" not in text
 
     monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path))
@@ -218,8 +217,9 @@ def test_bench_writes_under_the_cache_dir_and_prints_where(capsys, tiny_models, 
     assert os.listdir(work) == []  # nothing in the current directory, no profiling/
 
 
-def test_compile_option_reaches_the_engine(monkeypatch, text_model):
-    """--compile on|off is passed to LLM as compile=True/False; without it EngineConfig decides."""
+def test_compile_and_thread_options_reach_the_engine(monkeypatch, text_model):
+    """--compile on|off is passed to LLM as compile=True/False, --cpu-threads (alias --threads) as
+    cpu_threads; without them EngineConfig decides."""
     import graphdecode
 
     seen = []
@@ -232,7 +232,8 @@ def test_compile_option_reaches_the_engine(monkeypatch, text_model):
         raise Built
 
     monkeypatch.setattr(graphdecode, "LLM", fake_llm)
-    for flag in (["--compile", "on"], ["--compile", "off"], []):
+    for flag in (["--compile", "on"], ["--compile", "off"], [], ["--cpu-threads", "3"], ["--threads", "2"]):
         with pytest.raises(Built):
             main(["generate", "--model", text_model, *flag, "Hi"])
-    assert [options.get("compile", "default") for options in seen] == [True, False, "default"]
+    assert [options.get("compile", "default") for options in seen] == [True, False, "default", "default", "default"]
+    assert [options.get("cpu_threads", "default") for options in seen] == ["default"] * 3 + [3, 2]

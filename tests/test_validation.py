@@ -183,6 +183,8 @@ BAD_CONFIG = [
     (dict(cuda_graphs=True, device="cpu"), "cuda_graphs"),
     (dict(num_pages=3, max_model_len=256), "num_pages"),
     (dict(max_model_len=100_000), "max_model_len"),
+    (dict(cpu_threads=0), "cpu_threads"),
+    (dict(cpu_threads=1.5), "cpu_threads"),
 ]
 
 
@@ -195,3 +197,19 @@ def test_engine_config_names_the_field(tiny_models, kwargs, field):
 def test_missing_model_directory(tmp_path):
     with pytest.raises(ValueError, match="model"):
         LLM(str(tmp_path / "nope"))
+
+
+def test_cpu_threads_is_one_engine_argument_and_stats_say_it(tiny_models):
+    """The engine sets its own torch threads from EngineConfig.cpu_threads (default 1, which
+    cannot oversubscribe a busy machine), and stats() reports what is in effect."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # whatever the process had: the default engine still takes one
+        llm = LLM(tiny_models["llama_head_dim"], max_model_len=64, max_batch_size=2)
+        assert llm.config.cpu_threads == 1 and llm.stats()["cpu_threads"] == 1 == torch.get_num_threads()
+        llm = LLM(tiny_models["llama_head_dim"], max_model_len=64, max_batch_size=2, cpu_threads=2)
+        assert llm.stats()["cpu_threads"] == 2
+    finally:
+        torch.set_num_threads(before)

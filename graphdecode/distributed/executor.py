@@ -74,10 +74,9 @@ class TPExecutor:
         ctx = mp.get_context("spawn")
         self._workers = []
         self._lifelines = []  # the driver's ends of one pipe per worker: EOF there tells it the driver is gone
-        threads = torch.get_num_threads()
         for rank in range(1, self.world_size):
             watched, kept = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_worker, args=(rank, self.world_size, port, config, watched, threads),
+            proc = ctx.Process(target=run_worker, args=(rank, self.world_size, port, config, watched),
                                name=f"graphdecode-tp{rank}", daemon=True)
             proc.start()
             watched.close()

@@ -22,9 +22,9 @@ def _exit_when_driver_is_gone(watched) -> None:
     os._exit(1)
 
 
-def run_worker(rank: int, world_size: int, port: int, config, watched, threads: int) -> None:
+def run_worker(rank: int, world_size: int, port: int, config, watched) -> None:
     threading.Thread(target=_exit_when_driver_is_gone, args=(watched,), daemon=True).start()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(config.cpu_threads)  # before init: the runner sets it again on CPU
     from ..runtime.runner import ModelRunner
     from .executor import init_rank
 

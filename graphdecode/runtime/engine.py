@@ -259,4 +259,6 @@ class Engine:
         out["padding_fraction"] = 1 - s.live_rows / s.window_rows if s.window_rows else 0.0
         out["spec_mean_accepted_per_verify"] = s.spec_accepted_tokens / s.spec_verifies if s.spec_verifies else 0.0
         out["spec_window_share"] = s.spec_windows / s.windows if s.windows else 0.0
+        out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
+        out["cpu_attention_kernels"] = self.runner.backend.reads_pages_in_place  # CPU: pages read in place
         return out

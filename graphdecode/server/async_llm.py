@@ -148,7 +148,7 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, *, threads: int | None = None, **engine_args):
+    def __init__(self, model: str | None = None, **engine_args):
         valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
         unknown = [name for name in engine_args if name not in valid]
         if unknown:
@@ -167,7 +167,7 @@ class AsyncLLM:
         )
         core_requests.close()
         core_outputs.close()
-        self._requests.send(("init", str(model), engine_args, threads))
+        self._requests.send(("init", str(model), engine_args))
         ready = self._outputs.poll(START_TIMEOUT_S)
         try:
             kind, payload = self._outputs.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S:.0f} s")

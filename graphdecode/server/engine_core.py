@@ -6,7 +6,7 @@ interpreter: nothing of the parent's __main__ is re-imported) so that nothing of
 between two window launches: this process does nothing but read requests, step, and
 send each step's deltas (vLLM V1's EngineCore pattern, over multiprocessing pipes).
 
-Messages in: first ("init", model, engine_args, threads); then lists of tuples (what
+Messages in: first ("init", model, engine_args); then lists of tuples (what
 the sender had queued, in order): ("add", request_id, prompt_text, prompt_token_ids,
 params), ("abort", request_id), ("stats",), ("shutdown",).
 Messages out: ("ready", EngineConfig) or ("failed", message) once at start;
@@ -59,12 +59,9 @@ def _handle(engine, message: tuple, outputs) -> bool:
     return True
 
 
-def run_engine_core(requests, outputs, model: str, engine_args: dict, threads: int | None) -> None:
-    """Process entry point. `requests`/`outputs`: the two ends of multiprocessing pipes."""
-    import torch
-
-    if threads:
-        torch.set_num_threads(threads)
+def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
+    """Process entry point. `requests`/`outputs`: the two ends of multiprocessing pipes. The engine
+    sets its own torch threads (EngineConfig.cpu_threads)."""
     try:
         from ..config import EngineConfig
         from ..runtime.engine import Engine
@@ -107,11 +104,11 @@ def main(argv=None) -> None:
     in_fd, out_fd = (int(x) for x in (argv or sys.argv[1:]))
     requests, outputs = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
     try:
-        kind, model, engine_args, threads = requests.recv()
+        kind, model, engine_args = requests.recv()
     except (EOFError, OSError):
         return
     assert kind == "init"
-    run_engine_core(requests, outputs, model, engine_args, threads)
+    run_engine_core(requests, outputs, model, engine_args)
 
 
 if __name__ == "__main__":

@@ -600,7 +600,7 @@ def serve(args) -> int:
     model, options = _engine_options(args)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else DEFAULT_MODEL_NAME)
-    engine = AsyncLLM(model, threads=args.threads, **options)
+    engine = AsyncLLM(model, **options)
     try:
         app = build_app(engine, name)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
