@@ -161,7 +161,8 @@ def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_p
     for k in _ints(args.steps):
         llm = LLM(
             model_dir, device=str(device), dtype=args.dtype, buckets=sorted(set(_ints(args.buckets))),
-            num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, **compile_option(args),
+            num_decode_steps=k, max_model_len=args.prompt_len + args.gen_len, cpu_threads=args.threads,
+            **compile_option(args),
             enable_prefix_caching=False,  # the repeated runs of a point must prefill alike
         )
         sizes = _engine_sizes(llm, args.prompt_len, args.gen_len)

@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     for k in [int(x) for x in args.steps.split(",")]:
         windows = max(2, args.measured_steps // k)
         llm = LLM(model_dir, device=args.device, max_batch_size=max(batches), num_decode_steps=k,
-                  max_model_len=args.prompt_len + k * (windows + args.warm + 2) + 2)
+                  max_model_len=args.prompt_len + k * (windows + args.warm + 2) + 2, cpu_threads=args.threads)
         result["machine"] = machine_info(llm.config.torch_device, args.threads)
         result["device"] = llm.config.torch_device.type
         measure(llm, min(batches), k, args.prompt_len, 2, 1)  # warm-up

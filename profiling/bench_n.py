@@ -77,7 +77,8 @@ def main(argv=None) -> dict:
     model_dir, model_name = resolve_model(args.model, preset, args.device)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_batch_size=max(ns),
               num_decode_steps=args.num_decode_steps, max_model_len=args.prompt_len + max(max_tokens) + 1,
-              enable_prefix_caching=False)  # every run prefills the prompt: this measures the n > 1 fork
+              enable_prefix_caching=False,  # every run prefills the prompt: this measures the n > 1 fork
+              cpu_threads=args.threads)
     prompt_ids = random_prompt_ids(1, args.prompt_len, llm.config.model_config.vocab_size)[0]
     prompt = {"prompt_token_ids": prompt_ids}
     result = {

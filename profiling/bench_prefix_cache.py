@@ -34,7 +34,7 @@ def _percentile(values: list[float], q: float) -> float:
 def run_mode(model_dir: str, args, prompts: list[list[int]], caching: bool) -> dict:
     llm = LLM(model_dir, device=args.device, page_size=args.page_size, max_batch_size=args.max_batch_size,
               max_model_len=args.prefix_len + args.suffix_len + args.max_tokens + 8,
-              enable_prefix_caching=caching)
+              enable_prefix_caching=caching, cpu_threads=args.threads)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)  # warm-up (first use of every path)
     before = llm.stats()

@@ -204,7 +204,8 @@ def main(argv=None) -> dict:
     preset = args.preset or (None if args.model else "micro")
     model_dir, model_name = resolve_model(args.model, preset, args.device)
     llm = LLM(model_dir, device=args.device, max_batch_size=args.max_batch_size,
-              num_decode_steps=args.num_decode_steps, max_model_len=args.prompt_len + args.output_len + 1)
+              num_decode_steps=args.num_decode_steps, max_model_len=args.prompt_len + args.output_len + 1,
+              cpu_threads=args.threads)
     counts = [int(x) for x in args.num_prompts.split(",") if x.strip()]
     result = {
         "bench": "scale",

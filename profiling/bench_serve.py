@@ -352,7 +352,8 @@ def main(argv=None) -> dict:
         else:
             prompts, lengths = text_prompts(tokenizer, prompts)
     engine_args = dict(num_decode_steps=args.k, max_batch_size=max(args.clients),
-                       max_model_len=max(lengths) + args.max_tokens + 8, **compile_option(args))
+                       max_model_len=max(lengths) + args.max_tokens + 8, cpu_threads=args.threads,
+                       **compile_option(args))
     if args.device:
         engine_args["device"] = args.device
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
         args.model = smollm2_dir()
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(device=args.device, num_decode_steps=args.k, max_batch_size=max(batches), max_model_len=1024,
-                  enable_prefix_caching=False, **compile_option(args))
+                  enable_prefix_caching=False, cpu_threads=args.threads, **compile_option(args))
     plain = LLM(args.model, **common)
     spec = LLM(args.model, speculative_config={"method": "ngram", "num_speculative_tokens": args.d}, **common)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -29,7 +29,8 @@ from graphdecode.models import load_model_config  # noqa: E402
 
 def run_budget(model_dir: str, args, budget: int, streams: list[list[int]], long_prompt: list[int]) -> dict:
     llm = LLM(model_dir, device=args.device, max_batch_size=args.streams + 1, num_decode_steps=args.k,
-              max_model_len=args.long_len + 64, max_num_batched_tokens=budget, enable_prefix_caching=False)
+              max_model_len=args.long_len + 64, max_num_batched_tokens=budget, enable_prefix_caching=False,
+              cpu_threads=args.threads)
     engine = llm.engine
     stream_params = SamplingParams(temperature=0, max_tokens=args.long_len, ignore_eos=True)
     running = [engine.add_request({"prompt_token_ids": p}, stream_params) for p in streams]

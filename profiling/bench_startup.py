@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters
 args = json.loads(sys.argv[1])
 t1 = time.perf_counter()
 llm = LLM(args["model"], device=args["device"], dtype=args["dtype"], compile=args["compile"],
-          buckets=args["buckets"], max_model_len=256)
+          buckets=args["buckets"], max_model_len=256, cpu_threads=int(sys.argv[2]))
 t2 = time.perf_counter()
 stats = llm.stats()
 prompts = [{"prompt_token_ids": [5 + i, 17, 33, 48][: 1 + i % 4]} for i in range(5)]
