@@ -133,9 +133,10 @@ def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int,
 
 
 def _engine_sizes(llm, prompt_len: int, gen_len: int) -> dict:
+    from .config import model_weight_bytes
+
     cfg = llm.config.model_config
-    model = llm.engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model_weight_bytes(cfg, llm.config.torch_dtype)  # read once a step, packed or dense
     kv = llm.engine.runner.kv_caches
     kv_bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv[0].element_size()
     return {

@@ -241,7 +241,7 @@ class EngineConfig:
         if device.type == "cpu":
             return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1)
         free, total = torch.cuda.mem_get_info(device)
-        weights = _weight_bytes(cfg, dtype) // tp
+        weights = model_weight_bytes(cfg, dtype) // tp
         budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
         return max(min(wanted, budget // per_page), max_pages + 1)
 
@@ -304,7 +304,8 @@ def choose_attention_backend(requested: str | None, device: torch.device, dtype:
     return requested
 
 
-def _weight_bytes(cfg: ModelConfig, dtype) -> int:
+def model_weight_bytes(cfg: ModelConfig, dtype) -> int:
+    """The checkpoint's weights in `dtype`: what a decode step reads once (whatever layout holds them)."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
     per_layer = attn + 3 * h * i

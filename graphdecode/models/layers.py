@@ -36,6 +36,8 @@ class FusedLinear(nn.Linear):
     loader fills the fused weight from the unfused checkpoint tensors directly.
     """
 
+    packed = None  # a cpu_linear.PackedWeight once prepack_cpu_linears ran (CPU)
+
     def __init__(self, in_features: int, shards: dict[str, ShardSpec], bias: bool):
         super().__init__(in_features, sum(s.stop - s.start for s in shards.values()), bias=bias)
         self.shard_specs = dict(shards)
@@ -44,6 +46,9 @@ class FusedLinear(nn.Linear):
         for name, spec in shards.items():
             self.shard_offsets[name] = (offset, spec.stop - spec.start)
             offset += spec.stop - spec.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x, self.bias) if self.packed is not None else F.linear(x, self.weight, self.bias)
 
     def load_shard(self, param: nn.Parameter, shard: str, loaded: torch.Tensor) -> None:
         offset, size = self.shard_offsets[shard]

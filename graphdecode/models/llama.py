@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: RotaryEmbedding | None = None
+        self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
 
     def init_rotary(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight
@@ -123,4 +124,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size)
+        return ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size, self.packed_head)

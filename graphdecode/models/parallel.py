@@ -88,6 +88,8 @@ def padded_vocab(vocab_size: int, tp: TPGroup) -> int:
 class RowParallelLinear(nn.Module):
     """y = x W^T (+ b): x holds this rank's input columns; the partial sums are all-reduced."""
 
+    packed = None  # a cpu_linear.PackedWeight once prepack_cpu_linears ran (CPU)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
         super().__init__()
         self.tp = tp
@@ -98,7 +100,7 @@ class RowParallelLinear(nn.Module):
         self.tp_specs = {"weight": ShardSpec(1, self.in_spec.start, self.in_spec.stop, in_features)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.packed(x) if self.packed is not None else F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -135,9 +137,9 @@ class ParallelLMHead(nn.Module):
         self.tp_specs = {"weight": ShardSpec(0, tp.rank * per, (tp.rank + 1) * per, vocab_size)}
 
     @staticmethod
-    def logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup, vocab_size: int) -> torch.Tensor:
-        """[R, hidden] -> [R, vocab] float32, identical on every rank."""
-        local = F.linear(hidden, weight).float()
+    def logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGroup, vocab_size: int, packed=None) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab] float32, identical on every rank (packed: the weight prepacked, CPU)."""
+        local = (packed(hidden) if packed is not None else F.linear(hidden, weight)).float()
         if tp.size == 1:
             return local
         return tp.all_gather_last(local)[:, :vocab_size]

@@ -26,6 +26,7 @@ from ..compiled.graphs import WindowGraphs
 from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
+from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
@@ -121,7 +122,8 @@ class ModelRunner:
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""
         return {
-            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())
+            + packed_bytes(self.model),
             "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches),
         }
 

@@ -1,0 +1,101 @@
+"""Prepacked oneDNN weights for the CPU's linears (what inductor's `freezing` does, in eager too).
+
+A CPU decode step is mostly matmuls of a few rows by each weight. aten's `linear`
+re-reads the row-major weight every call; oneDNN's blocked layout, made once at load
+(`torch.ops.mkldnn._reorder_linear_weight`) and used by `_linear_pointwise`, runs the
+same product 1.2-1.6x faster in fp32 from 4 rows up, and 1.3-2x faster in bf16 at any row
+count (AMX / avx512_bf16), measured per SmolLM2 shape with profiling/bench_cpu.py's
+linear probe. For one or two rows (fp32 GEMV) aten's dense kernel is faster, so fp32
+keeps the dense weight beside the packed one (one more copy of the linear weights: the
+price of batch 1 staying at its best); bf16 keeps only the packed one.
+
+`prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
+gate_up, o / down projection and the LM head a `PackedWeight`; their forwards call it.
+Under torch.compile the call goes through the opaque `graphdecode::packed_linear` op
+(inductor cannot take an oneDNN tensor as a graph constant), named by an integer handle,
+so the compiled window fuses everything around the matmuls and keeps the packed ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DENSE_ROWS = 2  # fp32: up to this many rows, aten's dense GEMV is faster than the packed GEMM
+_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> PackedWeight
+_HANDLES = itertools.count(1)
+
+
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class PackedWeight:
+    """y = x W^T (+ b) with W in oneDNN's layout; fp32 also keeps W dense for 1-2 rows."""
+
+    def __init__(self, weight: torch.Tensor):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.dense = weight if weight.dtype == torch.float32 else None
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self
+
+    @property
+    def nbytes(self) -> int:
+        dense = self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
+        return self.packed.numel() * self.packed.element_size() + dense
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.graphdecode.packed_linear(x, bias, self.handle, self.out_features)
+        return self.run(x, bias)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] <= DENSE_ROWS:
+            return F.linear(x, self.dense, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("graphdecode::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:
+    weight = _PACKED.get(handle)
+    if weight is None:
+        raise RuntimeError(f"graphdecode: no live packed weight with handle {handle}")
+    return weight.run(x, bias)
+
+
+@packed_linear.register_fake
+def _(x, bias, handle, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def prepack_cpu_linears(model: nn.Module) -> None:
+    """Give every linear (FusedLinear, RowParallelLinear) and the LM head a PackedWeight.
+
+    A bf16 linear's dense weight is released (the packed one is all it runs); fp32 keeps it
+    (for 1-2 rows). The LM head packs the embedding when they are tied; the embedding stays."""
+    from .layers import FusedLinear
+    from .parallel import RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (FusedLinear, RowParallelLinear)):
+            module.packed = PackedWeight(module.weight)
+            if module.packed.dense is None:
+                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    model.packed_head = PackedWeight(head.weight)
+    if not model.config.tie_word_embeddings and model.packed_head.dense is None:
+        head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes the packed weights hold beyond the model's parameters (fp32: their dense twins are parameters)."""
+    weights = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    weights += [model.packed_head] if getattr(model, "packed_head", None) is not None else []
+    return sum(w.packed.numel() * w.packed.element_size() for w in weights)
