@@ -94,7 +94,7 @@ struct Scratch {
   std::vector<const float*> k_rows, v_rows;
 };
 
-// DIM > 0: head_dim known at compile time (64, 128), so the per-query loops unroll and
+// DIM > 0: head_dim known at compile time (32, 64, 80, 96, 128, 256), so the per-query loops unroll and
 // their accumulators stay in registers; DIM == 0: any head_dim up to 512.
 template <typename T, int DIM>
 void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
@@ -148,24 +148,56 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
       w.v_rows[t - first] = vf;
     }
   }
-  // scores [NQ, span], softmax per query (its head's sink in the denominator), probs @ V
+  // raw dots [NQ, span]. With 4+ queries per KV head: TILE keys at a time, transposed once into
+  // a tile, so each query's TILE dots are D broadcast multiply-adds across it (no horizontal
+  // sums); with fewer the transpose costs more than it saves: one dot per key and query.
+  constexpr int64_t TILE = 16;
   w.scores.resize(NQ * span);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < Q; ++j)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = j * G + g;
+  if (NQ < 4) {
+    for (int64_t n = 0; n < NQ; ++n) {
       const float* qv = w.q.data() + n * D;
       float* s = w.scores.data() + n * span;
       for (int64_t t = 0; t < span; ++t) {
-        if (t + first < w.lo[j] || t + first > w.hi[j]) {
-          s[t] = neg_inf;
-          continue;
-        }
         const float* k = w.k_rows[t];
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
-        s[t] = a.soft_cap > 0.f ? a.soft_cap * std::tanh(dot / a.soft_cap) : dot;
+        s[t] = dot;
+      }
+    }
+  }
+  float tile[(DIM > 0 ? DIM : 512) * TILE];
+  for (int64_t t0 = 0; NQ >= 4 && t0 < span; t0 += TILE) {
+    const int64_t keys = std::min<int64_t>(TILE, span - t0);
+    for (int64_t j = 0; j < TILE; ++j) {
+      const float* k = j < keys ? w.k_rows[t0 + j] : nullptr;
+      for (int64_t d = 0; d < D; ++d) tile[d * TILE + j] = k ? k[d] : 0.f;
+    }
+    for (int64_t n = 0; n < NQ; ++n) {
+      const float* qv = w.q.data() + n * D;
+      float dots[TILE] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qv[d];
+        const float* row = tile + d * TILE;
+#pragma omp simd
+        for (int64_t j = 0; j < TILE; ++j) dots[j] += qd * row[j];
+      }
+      float* s = w.scores.data() + n * span + t0;
+      for (int64_t j = 0; j < keys; ++j) s[j] = dots[j];
+    }
+  }
+  // per query: hide what it does not see, soft-cap, softmax (its head's sink in the denominator), probs @ V
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < Q; ++j)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = j * G + g;
+      float* s = w.scores.data() + n * span;
+      for (int64_t t = 0; t < span; ++t) {
+        if (t + first < w.lo[j] || t + first > w.hi[j]) {
+          s[t] = neg_inf;
+        } else if (a.soft_cap > 0.f) {
+          s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
+        }
       }
       const float sink = a.sinks ? a.sinks[h * G + g] : neg_inf;
       float peak = sink;
@@ -203,12 +235,14 @@ void attend(const Args& a) {
 
 template <typename T>
 void attend_any(const Args& a) {
-  if (a.head_dim == 64) {
-    attend<T, 64>(a);
-  } else if (a.head_dim == 128) {
-    attend<T, 128>(a);
-  } else {
-    attend<T, 0>(a);
+  switch (a.head_dim) {  // the common head sizes unrolled; any other through the generic loop
+    case 32: return attend<T, 32>(a);
+    case 64: return attend<T, 64>(a);
+    case 80: return attend<T, 80>(a);
+    case 96: return attend<T, 96>(a);
+    case 128: return attend<T, 128>(a);
+    case 256: return attend<T, 256>(a);
+    default: return attend<T, 0>(a);
   }
 }
 

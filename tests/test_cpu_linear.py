@@ -49,10 +49,19 @@ def test_compiled_calls_go_through_the_opaque_op():
         torch.ops.graphdecode.packed_linear(x, None, handle, 48)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cpu_model_is_packed_at_load(tiny_models, dtype):
+def test_small_fp32_weights_stay_dense(tiny_models):
+    """A 64-wide model's fp32 weights are far below FP32_PACK_MIN: nothing is packed."""
     from graphdecode import LLM
 
+    model = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4).engine.runner.model
+    assert model.packed_head is None and all(getattr(m, "packed", None) is None for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
+    from graphdecode import LLM
+
+    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's fp32 weights count as large
     llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4)
     model = llm.engine.runner.model
     layer = model.model.layers[0]

@@ -204,3 +204,27 @@ def test_engine_core_freezes_its_heap_before_it_reports_ready(tiny_models, monke
         requests.send([("shutdown",)])
         thread.join(60)
     assert events == ["frozen", "ready"]
+
+
+def test_advance_without_csr_runs_only_the_per_row_step():
+    """A backend that reads block tables directly (the CPU kernel) skips the CSR scan: the
+    per-row fields equal the full step's, the CSR metadata is left as it was."""
+    from graphdecode.compiled.decode_state import DecodeState
+
+    def state():
+        s = DecodeState(8, 6, 2, 4, 2, "cpu")
+        g = torch.Generator().manual_seed(0)
+        s.block_table.copy_(torch.randperm(48, generator=g).add(1).int().view(8, 6))
+        s.positions.copy_(torch.tensor([0, 3, 15, 16, 31, 40, 7, 2]))
+        s.seq_lens.copy_(s.positions.int() + 1)
+        s.done[6] = True
+        s.kv_indptr.fill_(-7)
+        return s
+
+    full, light = state(), state()
+    sampled = torch.arange(100, 108)
+    for s, csr in ((full, True), (light, False)):
+        s.advance(8, sampled, 8, advance=True, csr=csr)
+    for name in ("input_ids", "positions", "seq_lens", "slot_mapping"):
+        assert torch.equal(getattr(full, name), getattr(light, name)), name
+    assert (light.kv_indptr == -7).all() and not (full.kv_indptr == -7).all()

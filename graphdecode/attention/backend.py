@@ -20,6 +20,11 @@ class AttentionBackend(ABC):
     name = "abstract"
     reads_pages_in_place = False  # True: decode reads each row's pages where they lie (no gathered width)
 
+    @property
+    def needs_csr(self) -> bool:
+        """Whether decode reads advance_step's CSR metadata (kv_indptr/indices/last_page_len)."""
+        return not self.reads_pages_in_place
+
     def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
                  specs: list[AttentionSpec] | None = None):
         self.kv_caches = kv_caches

@@ -14,6 +14,10 @@ For every row b of a bucket (all tensors are views of the first B rows):
 advance=False only recomputes slot_mapping and the CSR metadata: the window runs it
 once at its start, after the host may have admitted rows or grown block tables.
 
+`advance_rows_reference` is the same step without the CSR metadata, for a backend that
+reads block tables directly (the CPU kernel): on CPU the CSR scan over B x max_pages
+entries was 13% of a small model's decode step.
+
 This file holds the torch reference (what CPU runs and what the CUDA kernel in
 csrc/advance_step.cu is tested against) and the `graphdecode::advance_step` custom
 op, so torch.compile and graph capture see one opaque op; the CUDA implementation is
@@ -41,17 +45,10 @@ def advance_step_reference(
     page_size: int,
     advance: bool,
 ) -> None:
+    advance_rows_reference(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping, page_size,
+                           advance)
     rows, max_pages = block_table.shape
     active = ~done
-    if advance:
-        input_ids.copy_(torch.where(active, sampled, input_ids))
-        positions.add_(active.to(positions.dtype))
-        seq_lens.add_(active.to(seq_lens.dtype))
-    page_index = torch.div(positions, page_size, rounding_mode="floor").clamp(max=max_pages - 1)
-    page = block_table.gather(1, page_index[:, None])[:, 0].to(torch.int64)
-    slot = page * page_size + positions - page_index * page_size
-    slot_mapping.copy_(torch.where(active, slot, SCRATCH_SLOT))
-
     num_pages = torch.where(active, torch.div(seq_lens + page_size - 1, page_size, rounding_mode="floor"), 1)
     ends = torch.cumsum(num_pages, dim=0).to(torch.int32)  # [B]
     kv_indptr[0] = 0
@@ -64,6 +61,21 @@ def advance_step_reference(
     page_at = block_table[row, col]
     kv_indices.copy_(torch.where(in_range, torch.where(active[row], page_at, 0), kv_indices))
     kv_last_page_len.copy_(torch.where(active, seq_lens - (num_pages - 1) * page_size, 1))
+
+
+def advance_rows_reference(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
+                           page_size: int, advance: bool) -> None:
+    """The per-row part: input_ids, positions, seq_lens (advance) and slot_mapping."""
+    max_pages = block_table.shape[1]
+    active = ~done
+    if advance:
+        input_ids.copy_(torch.where(active, sampled, input_ids))
+        positions.add_(active.to(positions.dtype))
+        seq_lens.add_(active.to(seq_lens.dtype))
+    page_index = torch.div(positions, page_size, rounding_mode="floor").clamp(max=max_pages - 1)
+    page = block_table.gather(1, page_index[:, None])[:, 0].to(torch.int64)
+    slot = page * page_size + positions - page_index * page_size
+    slot_mapping.copy_(torch.where(active, slot, SCRATCH_SLOT))
 
 
 @torch.library.custom_op(

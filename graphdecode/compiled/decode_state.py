@@ -32,6 +32,7 @@ import torch
 
 from ..attention.metadata import DecodeMetadata
 from . import advance_step as _advance_step  # noqa: F401  (registers the graphdecode::advance_step op)
+from .advance_step import advance_rows_reference
 from .sampler import COUNT_MASK, SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
@@ -160,7 +161,14 @@ class DecodeState:
             ragged=ragged,
         )
 
-    def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool) -> None:
+    def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool, csr: bool = True) -> None:
+        """advance_step on the bucket's rows; csr=False (a CPU backend that reads block tables
+        directly) leaves the CSR metadata alone and runs only the per-row part."""
+        if not csr and self.block_table.device.type == "cpu":
+            advance_rows_reference(sampled, self.done[:bucket], self.block_table[:bucket], self.input_ids[:bucket],
+                                   self.positions[:bucket], self.seq_lens[:bucket], self.slot_mapping[:bucket],
+                                   page_size, advance)
+            return
         torch.ops.graphdecode.advance_step(
             sampled,
             self.done[:bucket],

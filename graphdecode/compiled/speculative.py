@@ -149,7 +149,8 @@ def speculative_window(
         drafted += num_drafts.to(torch.int32)
         accepted += torch.minimum(num_accepted, emit - 1).clamp(min=0).to(torch.int32)
         rounds += live.to(torch.int32)
-    state.advance(bucket, state.input_ids[rows], page_size, advance=False)  # slot mapping, CSR: for what comes next
+    # slot mapping (and the CSR where the backend reads it): for what comes next
+    state.advance(bucket, state.input_ids[rows], page_size, advance=False, csr=backend.needs_csr)
     state.out_count[rows] = count.to(torch.int32)
     state.spec_drafted[rows] = drafted
     state.spec_accepted[rows] = accepted

@@ -61,10 +61,11 @@ def decode_window(
     rows = slice(0, bucket)
     ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width, ragged))
     # the host may have admitted rows or grown block tables since the last window
-    state.advance(bucket, state.input_ids[rows], page_size, advance=False)
+    csr = backend.needs_csr
+    state.advance(bucket, state.input_ids[rows], page_size, advance=False, csr=csr)
     state.out_count[rows] = num_decode_steps
     for step in range(num_decode_steps):
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1
         tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])
-        state.advance(bucket, tokens, page_size, advance=True)
+        state.advance(bucket, tokens, page_size, advance=True, csr=csr)

@@ -7,7 +7,9 @@ same product 1.2-1.6x faster in fp32 from 4 rows up, and 1.3-2x faster in bf16 a
 count (AMX / avx512_bf16), measured per SmolLM2 shape with profiling/bench_cpu.py's
 linear probe. For one or two rows (fp32 GEMV) aten's dense kernel is faster, so fp32
 keeps the dense weight beside the packed one (one more copy of the linear weights: the
-price of batch 1 staying at its best); bf16 keeps only the packed one.
+price of batch 1 staying at its best); bf16 keeps only the packed one. A small fp32 weight
+(under FP32_PACK_MIN elements, e.g. a 256-wide model's) is not packed: there the packed
+call's fixed cost (~15 us) outweighs what it saves.
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection and the LM head a `PackedWeight`; their forwards call it.
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 DENSE_ROWS = 2  # fp32: up to this many rows, aten's dense GEMV is faster than the packed GEMM
+FP32_PACK_MIN = 1 << 19  # fp32 weights with fewer elements stay dense only
 _PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> PackedWeight
 _HANDLES = itertools.count(1)
 
@@ -83,15 +86,19 @@ def prepack_cpu_linears(model: nn.Module) -> None:
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
 
+    def worth_packing(weight: torch.Tensor) -> bool:
+        return weight.dtype != torch.float32 or weight.numel() >= FP32_PACK_MIN
+
     for module in model.modules():
-        if isinstance(module, (FusedLinear, RowParallelLinear)):
+        if isinstance(module, (FusedLinear, RowParallelLinear)) and worth_packing(module.weight):
             module.packed = PackedWeight(module.weight)
             if module.packed.dense is None:
                 module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
     head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
-    model.packed_head = PackedWeight(head.weight)
-    if not model.config.tie_word_embeddings and model.packed_head.dense is None:
-        head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
+    if worth_packing(head.weight):
+        model.packed_head = PackedWeight(head.weight)
+        if not model.config.tie_word_embeddings and model.packed_head.dense is None:
+            head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
 
 
 def packed_bytes(model: nn.Module) -> int:
