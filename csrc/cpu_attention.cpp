@@ -148,12 +148,12 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
       w.v_rows[t - first] = vf;
     }
   }
-  // raw dots [NQ, span]. With 4+ queries per KV head: TILE keys at a time, transposed once into
-  // a tile, so each query's TILE dots are D broadcast multiply-adds across it (no horizontal
-  // sums); with fewer the transpose costs more than it saves: one dot per key and query.
-  constexpr int64_t TILE = 16;
+  // raw dots [NQ, span]. With 8+ queries per KV head (verify, prefill): TILE keys at a time,
+  // transposed once into a tile, so each query's TILE dots are D broadcast multiply-adds across
+  // it (no horizontal sums); with fewer the transpose costs what it saves: one dot per key and query.
+  constexpr int64_t TILE = 16, TILE_QUERIES = 8;
   w.scores.resize(NQ * span);
-  if (NQ < 4) {
+  if (NQ < TILE_QUERIES) {
     for (int64_t n = 0; n < NQ; ++n) {
       const float* qv = w.q.data() + n * D;
       float* s = w.scores.data() + n * span;
@@ -167,7 +167,7 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     }
   }
   float tile[(DIM > 0 ? DIM : 512) * TILE];
-  for (int64_t t0 = 0; NQ >= 4 && t0 < span; t0 += TILE) {
+  for (int64_t t0 = 0; NQ >= TILE_QUERIES && t0 < span; t0 += TILE) {
     const int64_t keys = std::min<int64_t>(TILE, span - t0);
     for (int64_t j = 0; j < TILE; ++j) {
       const float* k = j < keys ? w.k_rows[t0 + j] : nullptr;
@@ -192,16 +192,15 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t n = j * G + g;
       float* s = w.scores.data() + n * span;
-      for (int64_t t = 0; t < span; ++t) {
-        if (t + first < w.lo[j] || t + first > w.hi[j]) {
-          s[t] = neg_inf;
-        } else if (a.soft_cap > 0.f) {
-          s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
-        }
-      }
+      const int64_t lo = w.lo[j] - first, hi = w.hi[j] - first;  // this query's keys: [lo, hi] of the span
+      std::fill(s, s + lo, neg_inf);
+      std::fill(s + hi + 1, s + span, neg_inf);
+      if (a.soft_cap > 0.f)
+        for (int64_t t = lo; t <= hi; ++t) s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
       const float sink = a.sinks ? a.sinks[h * G + g] : neg_inf;
       float peak = sink;
-      for (int64_t t = 0; t < span; ++t) peak = std::max(peak, s[t]);
+#pragma omp simd reduction(max : peak)
+      for (int64_t t = lo; t <= hi; ++t) peak = std::max(peak, s[t]);
       float total = a.sinks ? exp_nonpositive(sink - peak) : 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < span; ++t) {
