@@ -264,3 +264,21 @@ def test_decode_forward_with_the_kernel_compiles_fullgraph(tiny_models):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     for ce, cc in zip(caches_e, caches_c):
         assert torch.equal(ce, cc)
+
+
+@pytest.mark.parametrize("spec_name", ["default", "sinks", "window", "scale"])
+def test_fresh_sequences_of_one_length_batch_into_one_flash_call(spec_name, monkeypatch):
+    """Runs of fresh equal-length sequences (3 of 7 tokens, then 2 of 3 around a cached one)
+    attend in one batched call each; the result is the per-sequence one."""
+    calls = []
+    real = torch_backend._flash_with_lse
+    monkeypatch.setattr(torch_backend, "_flash_with_lse", lambda q, *a, **kw: calls.append(q.shape[0]) or
+                        real(q, *a, **kw))
+    rows, spec, q, k, v, meta, want = _prefill_case(spec_name, torch.float32, cached=[0, 0, 0, 5, 0, 0],
+                                                    new=[7, 7, 7, 4, 3, 3])
+    got = rows.backend(spec, kernels=True).prefill(0, q, k, v, meta)
+    torch.testing.assert_close(got.double(), want, **_tol(torch.float32))
+    if spec.sliding_window is None:
+        assert calls[0] == 3 and 2 in calls  # the two runs, batched
+    else:
+        assert set(calls) == {1}  # windows take the masked per-sequence path

@@ -79,8 +79,21 @@ class TorchAttentionBackend(AttentionBackend):
             copy_slots(kv, meta.copy_src, meta.copy_dst)
         spec = self.specs[layer]
         out = torch.empty_like(q)
-        start = 0
-        for g, (q_len, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        lens = list(zip(meta.query_lens_host, meta.seq_lens_host))
+        start, g = 0, 0
+        while g < len(lens):
+            q_len, kv_len = lens[g]
+            run = self._fresh_run(spec, lens, g, meta.copy_src is None and q.device.type == "cpu")
+            if run > 1:  # fresh sequences of one length: one batched flash call
+                end = start + run * q_len
+                shape = (run, q_len, self.num_heads, self.head_dim)
+                kv_shape = (run, q_len, self.num_kv_heads, self.head_dim)
+                qh, kh, vh = (t[start:end].view(s).transpose(1, 2) for t, s in ((q, shape), (k, kv_shape),
+                                                                                 (v, kv_shape)))
+                o, lse = _flash_with_lse(qh, kh, vh, spec.scale_for(self.head_dim), causal=True)
+                out[start:end].view(shape).copy_(self._with_sinks(spec, o, lse).transpose(1, 2))
+                start, g = end, g + run
+                continue
             end = start + q_len
             if spec.soft_cap is not None and self.kernels is not None:  # SDPA has no soft-cap
                 positions = torch.arange(kv_len - q_len, kv_len, device=q.device)[None]
@@ -91,8 +104,27 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 keys, values = self._gather(kv, meta.block_table[g], kv_len)
                 out[start:end] = self._attend_chunk(spec, q[start:end], keys, values, kv_len - q_len)
-            start = end
+            start, g = end, g + 1
         return out
+
+    @staticmethod
+    def _fresh_run(spec: AttentionSpec, lens, g: int, allowed: bool) -> int:
+        """How many sequences from g on are fresh (no cached keys) with g's length: they batch into
+        one causal flash call (CPU, no window or soft-cap, no partial-hit copies in the batch)."""
+        if not allowed or _FLASH_CPU is None or spec.sliding_window is not None or spec.soft_cap is not None:
+            return 1
+        q_len = lens[g][0]
+        run = 0
+        while g + run < len(lens) and lens[g + run] == (q_len, q_len):
+            run += 1
+        return run
+
+    @staticmethod
+    def _with_sinks(spec: AttentionSpec, out, lse):
+        """Attention whose softmax also had each head's sink logit: out * sigmoid(lse - sink)."""
+        if spec.sinks is None:
+            return out
+        return out * torch.sigmoid(lse - spec.sinks.to(lse.device)[None, :, None])[..., None].to(out.dtype)
 
     def _gather(self, kv, pages_row, kv_len: int):
         page_size = kv.shape[2]
@@ -118,9 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
                 blocks = [self._window_block(spec, qh, kh, vh, offset, i, min(length, i + MASK_BLOCK), scale)
                           for i in range(0, length, MASK_BLOCK)]
                 out, lse = torch.cat([b[0] for b in blocks], dim=2), torch.cat([b[1] for b in blocks], dim=2)
-            if spec.sinks is not None:
-                out = out * torch.sigmoid(lse - spec.sinks.to(lse.device)[None, :, None])[..., None].to(out.dtype)
-            return out[0].transpose(0, 1)
+            return self._with_sinks(spec, out, lse)[0].transpose(0, 1)
         out = torch.empty_like(qh)
         for i in range(0, length, MASK_BLOCK):  # elsewhere: one masked SDPA per block of queries
             i1 = min(length, i + MASK_BLOCK)
