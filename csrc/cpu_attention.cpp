@@ -17,8 +17,8 @@
 //               denominator, attending nothing (gpt-oss)
 //   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
 // Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
-// Each (row, KV head) computes its scores once, a softmax per query, then one pass over V:
-// K and V are each read once per call, straight from the pages.
+// Each row computes its scores once, a softmax per query, then one pass over V: K and V are
+// each read once per call, straight from the pages, a key's KV heads together.
 
 #include <algorithm>
 #include <cmath>
@@ -86,25 +86,28 @@ struct Args {
   const float* sinks;
 };
 
-// Per-call scratch, sized once per call: the visible key range of each query, the scaled
-// queries, K and V rows as float32 (bf16 converted once), and the scores.
+// Per-call scratch, grown as needed and reused row after row: the visible key range of each
+// query, the scaled queries, each key's K and V rows (all KV heads; bf16 converted once),
+// the scores and the output accumulators.
 struct Scratch {
   std::vector<int64_t> lo, hi;
-  std::vector<float> q, keys, values, scores;
+  std::vector<float> q, keys, values, scores, acc;
   std::vector<const float*> k_rows, v_rows;
 };
 
-// DIM > 0: head_dim known at compile time (32, 64, 80, 96, 128, 256), so the per-query loops unroll and
-// their accumulators stay in registers; DIM == 0: any head_dim up to 512.
+// One row b, every head: keys are visited in position order and each key's K (then V) row of
+// all KV heads is read once, contiguously, for all the row's queries (the page layout holds a
+// token's KV heads side by side). DIM > 0: head_dim known at compile time (32, 64, 80, 96,
+// 128, 256), so the per-query loops unroll; DIM == 0: any head_dim up to 512.
 template <typename T, int DIM>
-void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
+void attend_row(const Args& a, int64_t b, Scratch& w) {
   const int64_t D = DIM > 0 ? DIM : a.head_dim;
-  const int64_t P = a.page_size, G = a.heads / a.kv_heads, Q = a.queries, NQ = Q * G;
+  const int64_t P = a.page_size, H = a.heads, HKV = a.kv_heads, G = H / HKV, Q = a.queries, NQ = Q * H;
   const int64_t max_keys = a.width * P;
   const T* q = static_cast<const T*>(a.q);
   const T* kv = static_cast<const T*>(a.kv);
   T* out = static_cast<T*>(a.out);
-  const int64_t token_stride = a.kv_heads * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
+  const int64_t token_stride = HKV * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
 
   int64_t first = max_keys, last = -1;
   for (int64_t j = 0; j < Q; ++j) {
@@ -116,36 +119,37 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
     last = std::max(last, pos);
   }
   const int64_t span = last - first + 1;
-  for (int64_t j = 0; j < Q; ++j)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + ((b * Q + j) * a.heads + h * G + g) * D;
-      float* dst = w.q.data() + (j * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = load(src + d) * a.scale;
-    }
-  // the span's K and V rows, straight from their pages (float32) or converted once (bf16)
+  // query n = j * H + head (head = kv_head * G + g), scaled, as float32
+  for (int64_t n = 0; n < NQ; ++n) {
+    const T* src = q + (b * NQ + n) * D;
+    float* dst = w.q.data() + n * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = load(src + d) * a.scale;
+  }
+  // each key's K and V rows of all KV heads: straight from the page (float32) or converted once (bf16)
   w.k_rows.resize(span);
   w.v_rows.resize(span);
   if (!std::is_same<T, float>::value) {
-    w.keys.resize(span * D);
-    w.values.resize(span * D);
+    w.keys.resize(span * token_stride);
+    w.values.resize(span * token_stride);
   }
-  for (int64_t t = first; t <= last; ++t) {
-    int64_t page = a.block_table[b * a.bt_stride + t / P];
+  for (int64_t t = 0; t < span; ++t) {
+    const int64_t pos = first + t;
+    int64_t page = a.block_table[b * a.bt_stride + pos / P];
     if (page < 0 || page >= a.num_pages) page = 0;  // a stale or bad entry reads the scratch page
-    const T* k = kv + page * page_stride + (t % P) * token_stride + h * D;
+    const T* k = kv + page * page_stride + (pos % P) * token_stride;
     const T* v = k + v_offset;
     if (std::is_same<T, float>::value) {
-      w.k_rows[t - first] = reinterpret_cast<const float*>(k);
-      w.v_rows[t - first] = reinterpret_cast<const float*>(v);
+      w.k_rows[t] = reinterpret_cast<const float*>(k);
+      w.v_rows[t] = reinterpret_cast<const float*>(v);
     } else {
-      float* kf = w.keys.data() + (t - first) * D;
-      float* vf = w.values.data() + (t - first) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        kf[d] = load(k + d);
-        vf[d] = load(v + d);
+      float* kf = w.keys.data() + t * token_stride;
+      float* vf = w.values.data() + t * token_stride;
+      for (int64_t i = 0; i < token_stride; ++i) {
+        kf[i] = load(k + i);
+        vf[i] = load(v + i);
       }
-      w.k_rows[t - first] = kf;
-      w.v_rows[t - first] = vf;
+      w.k_rows[t] = kf;
+      w.v_rows[t] = vf;
     }
   }
   // raw dots [NQ, span]. With 8+ queries per KV head (verify, prefill): TILE keys at a time,
@@ -153,73 +157,89 @@ void attend_row_head(const Args& a, int64_t b, int64_t h, Scratch& w) {
   // it (no horizontal sums); with fewer the transpose costs what it saves: one dot per key and query.
   constexpr int64_t TILE = 16, TILE_QUERIES = 8;
   w.scores.resize(NQ * span);
-  if (NQ < TILE_QUERIES) {
-    for (int64_t n = 0; n < NQ; ++n) {
-      const float* qv = w.q.data() + n * D;
-      float* s = w.scores.data() + n * span;
-      for (int64_t t = 0; t < span; ++t) {
-        const float* k = w.k_rows[t];
-        float dot = 0.f;
+  if (Q * G < TILE_QUERIES) {
+    for (int64_t t = 0; t < span; ++t)
+      for (int64_t h = 0; h < HKV; ++h) {
+        const float* k = w.k_rows[t] + h * D;
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t n = j * H + h * G + g;
+            const float* qv = w.q.data() + n * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
-        s[t] = dot;
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
+            w.scores[n * span + t] = dot;
+          }
       }
-    }
-  }
-  float tile[(DIM > 0 ? DIM : 512) * TILE];
-  for (int64_t t0 = 0; NQ >= TILE_QUERIES && t0 < span; t0 += TILE) {
-    const int64_t keys = std::min<int64_t>(TILE, span - t0);
-    for (int64_t j = 0; j < TILE; ++j) {
-      const float* k = j < keys ? w.k_rows[t0 + j] : nullptr;
-      for (int64_t d = 0; d < D; ++d) tile[d * TILE + j] = k ? k[d] : 0.f;
-    }
-    for (int64_t n = 0; n < NQ; ++n) {
-      const float* qv = w.q.data() + n * D;
-      float dots[TILE] = {};
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qv[d];
-        const float* row = tile + d * TILE;
+  } else {
+    float tile[(DIM > 0 ? DIM : 512) * TILE];
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t t0 = 0; t0 < span; t0 += TILE) {
+        const int64_t keys = std::min<int64_t>(TILE, span - t0);
+        for (int64_t i = 0; i < TILE; ++i) {
+          const float* k = i < keys ? w.k_rows[t0 + i] + h * D : nullptr;
+          for (int64_t d = 0; d < D; ++d) tile[d * TILE + i] = k ? k[d] : 0.f;
+        }
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t n = j * H + h * G + g;
+            const float* qv = w.q.data() + n * D;
+            float dots[TILE] = {};
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = qv[d];
+              const float* row = tile + d * TILE;
 #pragma omp simd
-        for (int64_t j = 0; j < TILE; ++j) dots[j] += qd * row[j];
+              for (int64_t i = 0; i < TILE; ++i) dots[i] += qd * row[i];
+            }
+            float* s = w.scores.data() + n * span + t0;
+            for (int64_t i = 0; i < keys; ++i) s[i] = dots[i];
+          }
       }
-      float* s = w.scores.data() + n * span + t0;
-      for (int64_t j = 0; j < keys; ++j) s[j] = dots[j];
-    }
   }
-  // per query: hide what it does not see, soft-cap, softmax (its head's sink in the denominator), probs @ V
+  // per query: hide what it does not see, soft-cap, softmax (its head's sink in the denominator)
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < Q; ++j)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = j * G + g;
-      float* s = w.scores.data() + n * span;
-      const int64_t lo = w.lo[j] - first, hi = w.hi[j] - first;  // this query's keys: [lo, hi] of the span
-      std::fill(s, s + lo, neg_inf);
-      std::fill(s + hi + 1, s + span, neg_inf);
-      if (a.soft_cap > 0.f)
-        for (int64_t t = lo; t <= hi; ++t) s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
-      const float sink = a.sinks ? a.sinks[h * G + g] : neg_inf;
-      float peak = sink;
+  for (int64_t n = 0; n < NQ; ++n) {
+    const int64_t j = n / H, head = n % H;
+    float* s = w.scores.data() + n * span;
+    const int64_t lo = w.lo[j] - first, hi = w.hi[j] - first;  // this query's keys: [lo, hi] of the span
+    std::fill(s, s + lo, neg_inf);
+    std::fill(s + hi + 1, s + span, neg_inf);
+    if (a.soft_cap > 0.f)
+      for (int64_t t = lo; t <= hi; ++t) s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
+    const float sink = a.sinks ? a.sinks[head] : neg_inf;
+    float peak = sink;
 #pragma omp simd reduction(max : peak)
-      for (int64_t t = lo; t <= hi; ++t) peak = std::max(peak, s[t]);
-      float total = a.sinks ? exp_nonpositive(sink - peak) : 0.f;
+    for (int64_t t = lo; t <= hi; ++t) peak = std::max(peak, s[t]);
+    float total = a.sinks ? exp_nonpositive(sink - peak) : 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < span; ++t) {
-        s[t] = exp_nonpositive(s[t] - peak);
-        total += s[t];
-      }
-      const float inv = 1.f / total;
-      float acc[DIM > 0 ? DIM : 512];
-      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-      for (int64_t t = 0; t < span; ++t) {
-        const float p = s[t];
-        if (p == 0.f) continue;
-        const float* v = w.v_rows[t];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * v[d];
-      }
-      T* dst = out + ((b * Q + j) * a.heads + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) store(dst + d, acc[d] * inv);
+    for (int64_t t = 0; t < span; ++t) {
+      s[t] = exp_nonpositive(s[t] - peak);
+      total += s[t];
     }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t t = 0; t < span; ++t) s[t] *= inv;
+  }
+  // out = probs @ V, each key's V rows read once for every query
+  w.acc.assign(NQ * D, 0.f);
+  for (int64_t t = 0; t < span; ++t)
+    for (int64_t h = 0; h < HKV; ++h) {
+      const float* v = w.v_rows[t] + h * D;
+      for (int64_t j = 0; j < Q; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t n = j * H + h * G + g;
+          const float p = w.scores[n * span + t];
+          if (p == 0.f) continue;
+          float* o = w.acc.data() + n * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+        }
+    }
+  for (int64_t n = 0; n < NQ; ++n) {
+    T* dst = out + (b * NQ + n) * D;
+    const float* src = w.acc.data() + n * D;
+    for (int64_t d = 0; d < D; ++d) store(dst + d, src[d]);
+  }
 }
 
 template <typename T, int DIM>
@@ -227,9 +247,8 @@ void attend(const Args& a) {
   Scratch w;
   w.lo.resize(a.queries);
   w.hi.resize(a.queries);
-  w.q.resize(a.queries * (a.heads / a.kv_heads) * a.head_dim);
-  for (int64_t b = 0; b < a.rows; ++b)
-    for (int64_t h = 0; h < a.kv_heads; ++h) attend_row_head<T, DIM>(a, b, h, w);
+  w.q.resize(a.queries * a.heads * a.head_dim);
+  for (int64_t b = 0; b < a.rows; ++b) attend_row<T, DIM>(a, b, w);
 }
 
 template <typename T>
