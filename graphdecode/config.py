@@ -86,7 +86,8 @@ class EngineConfig:
     speculative_config: dict | None = None  # {"method": "ngram", "num_speculative_tokens": d, ...}; None: off
     # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). One by
     # default: threads beyond the cores that are idle make every small matmul wait for a descheduled
-    # thread (2 threads on a busy 2-core machine ran 20x slower than 1); raise it when the cores are yours.
+    # thread (2 threads on a busy 2-core machine: small matmuls up to 100x slower than 1, the API
+    # at 2 tok/s instead of 38 in issue 19's report); raise it when the cores are yours.
     cpu_threads: int = 1
 
     # resolved in __post_init__

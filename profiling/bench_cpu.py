@@ -9,9 +9,12 @@ One run, same model, dtype and thread count for both:
   (graphdecode.bench's point: decode = full run - prefill-only run), eager and compiled,
   against `generate(cache_implementation="static")`; rows whose tokens equal
   transformers' are counted (fp32: all should);
-* peak RSS of each side (every (side, dtype, mode) runs in a subprocess of its own);
+* peak RSS of each side (every (side, dtype, mode) runs in a subprocess of its own; the
+  sides alternate for `--rounds` rounds, so drift on a shared machine hits both alike);
 * attention alone: one decode layer read in place by the CPU kernel against the torch
-  reference's gather, batch 1/16/64.
+  reference's gather, batch 1/16/64;
+* linears alone: SmolLM2's shapes by row count, aten's dense weight against the prepacked
+  oneDNN one (models/cpu_linear.py).
 
     python profiling/bench_cpu.py                               # SmolLM2-135M, fp32 and bf16
     python profiling/bench_cpu.py --preset default --prefill 512 --batches 1,16 --dtypes float32
@@ -168,8 +171,33 @@ def attention_probe(args) -> dict:
     return {"points": points}
 
 
+def linear_probe(args) -> dict:
+    """SmolLM2's linear shapes (qkv, gate_up, down, LM head) by row count: aten's dense linear
+    against the prepacked oneDNN weight (models/cpu_linear.py)."""
+    import torch.nn.functional as F
+
+    from graphdecode.models.cpu_linear import PackedWeight
+
+    dtype = getattr(torch, args.dtype)
+    points = []
+    for name, (k, n) in {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576),
+                         "lm_head": (576, 49152)}.items():
+        weight = torch.randn(n, k).to(dtype)
+        packed = PackedWeight(weight)
+        for rows in (1, 4, 16, 64, 512):
+            x = torch.randn(rows, k).to(dtype)
+            repeats = 3 if n * rows > 10**7 else 20
+            dense = _best(lambda i: F.linear(x, weight), repeats) * 1000
+            prepacked = _best(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], ""),
+                              repeats) * 1000
+            points.append({"shape": name, "rows": rows, "dense_ms": dense, "packed_ms": prepacked})
+            print(f"[bench_cpu] linear {args.dtype} {name} rows {rows}: dense {dense:.3f} ms, "
+                  f"packed {prepacked:.3f} ms ({dense / prepacked:.2f}x)", flush=True)
+    return {"points": points}
+
+
 WORKERS = {"engine-prefill": engine_prefill, "hf-prefill": hf_prefill, "engine-decode": engine_decode,
-           "hf-decode": hf_decode, "attention": attention_probe}
+           "hf-decode": hf_decode, "attention": attention_probe, "linear": linear_probe}
 
 
 def worker_main(args) -> None:
@@ -193,6 +221,17 @@ def _spawn(args, worker: str, dtype: str, mode: str = "eager") -> dict:
     return json.loads(lines[-1][len(MARK):])
 
 
+def _best_of(kept: dict | None, new: dict, key: str, value: str, better) -> dict:
+    """Merge two runs of one worker: the better value per point, the larger peak RSS."""
+    if kept is None:
+        return new
+    old = {p[key]: p for p in kept["points"]}
+    points = [p if old.get(p[key]) is None or better(p[value], old[p[key]][value]) == p[value] else old[p[key]]
+              for p in new["points"]]
+    return {**new, "points": points, "peak_rss_bytes": max(kept["peak_rss_bytes"], new["peak_rss_bytes"]),
+            "runs": kept.get("runs", 1) + 1}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HuggingFace model directory (default: SmolLM2-135M-Instruct)")
@@ -204,8 +243,10 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=48)
     p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
-    p.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest kept")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: prefill, decode, attention")
+    p.add_argument("--repeats", type=int, default=2, help="runs per point within a process; the fastest kept")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="processes per side, alternating graphdecode and transformers; the fastest kept")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: prefill, decode, attention, linear")
     p.add_argument("--out", default="profiling/out/bench_cpu")
     # worker mode (internal)
     p.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
@@ -233,13 +274,22 @@ def main(argv=None) -> dict:
         entry = result["dtypes"][dtype] = {}
         if "attention" not in skip:
             entry["attention"] = _spawn(args, "attention", dtype)
-        if "prefill" not in skip:
-            entry["prefill"] = {"graphdecode": _spawn(args, "engine-prefill", dtype),
-                                "transformers": _spawn(args, "hf-prefill", dtype)}
-        if "decode" not in skip:
-            entry["decode"] = {mode: _spawn(args, "engine-decode", dtype, mode) for mode in args.modes.split(",")}
-            entry["decode"]["transformers"] = _spawn(args, "hf-decode", dtype)
-        write_json(args.out + ".json", result)
+        if "linear" not in skip:
+            entry["linear"] = _spawn(args, "linear", dtype)
+        # the two sides alternate, a process each, round after round (the fastest of each kept): a
+        # shared machine drifts by 10-15% over minutes, which must not land on one side only
+        for _ in range(args.rounds):
+            if "prefill" not in skip:
+                prefill = entry.setdefault("prefill", {})
+                for side, worker in (("graphdecode", "engine-prefill"), ("transformers", "hf-prefill")):
+                    prefill[side] = _best_of(prefill.get(side), _spawn(args, worker, dtype), "tokens", "seconds", min)
+            if "decode" not in skip:
+                decode = entry.setdefault("decode", {})
+                runs = [(mode, "engine-decode", mode) for mode in args.modes.split(",")]
+                for side, worker, mode in runs + [("transformers", "hf-decode", "eager")]:
+                    decode[side] = _best_of(decode.get(side), _spawn(args, worker, dtype, mode), "batch",
+                                            "decode_tokens_per_s", max)
+            write_json(args.out + ".json", result)
     print(format_table(result))
     print(f"(wrote {args.out}.json)")
     return result
@@ -275,6 +325,9 @@ def format_table(result: dict) -> str:
         if runs:
             lines.append(f"{dtype:<9} peak RSS MB: "
                          + ", ".join(f"{name} {run['peak_rss_bytes'] / 2**20:.0f}" for name, run in runs.items()))
+        for point in (entry.get("linear") or {}).get("points", []):
+            lines.append(f"{dtype:<9} linear {point['shape']} rows {point['rows']}: dense {point['dense_ms']:.3f} ms, "
+                         f"packed {point['packed_ms']:.3f} ms ({point['dense_ms'] / point['packed_ms']:.2f}x)")
         for point in (entry.get("attention") or {}).get("points", []):
             lines.append(f"{dtype:<9} attention batch {point['batch']} context {point['context']}: "
                          + ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in point.items() if k.endswith("_ms")))

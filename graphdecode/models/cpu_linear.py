@@ -3,9 +3,10 @@
 A CPU decode step is mostly matmuls of a few rows by each weight. aten's `linear`
 re-reads the row-major weight every call; oneDNN's blocked layout, made once at load
 (`torch.ops.mkldnn._reorder_linear_weight`) and used by `_linear_pointwise`, runs the
-same product 1.2-1.6x faster in fp32 from 4 rows up, and 1.3-2x faster in bf16 at any row
-count (AMX / avx512_bf16), measured per SmolLM2 shape with profiling/bench_cpu.py's
-linear probe. For one or two rows (fp32 GEMV) aten's dense kernel is faster, so fp32
+same product faster: per SmolLM2 shape (profiling/bench_cpu.py's linear probe,
+2026-12-01), fp32 1.1-1.9x at 4-16 rows and 1.0-1.2x at 64, bf16 1.3-2.3x up to 64 rows
+(AMX / avx512_bf16); at 512 rows (prefill) they are about even. For one or two rows (fp32
+GEMV) aten's dense kernel is faster (0.65-0.93x packed), so fp32
 keeps the dense weight beside the packed one (one more copy of the linear weights: the
 price of batch 1 staying at its best); bf16 keeps only the packed one. A small fp32 weight
 (under FP32_PACK_MIN elements, e.g. a 256-wide model's) is not packed: there the packed
