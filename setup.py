@@ -29,6 +29,12 @@ class BuildPyWithKernels(build_py):
             os.makedirs(os.path.join(package_root, "_csrc"), exist_ok=True)
             for name in kb.SOURCES + kb.CPU_SOURCES:
                 shutil.copy(os.path.join(src, name), os.path.join(package_root, "_csrc", name))
+        if kb.find_cxx() is not None:  # the CPU kernels, for the CPU installing (else: at first use)
+            try:
+                kb.build_cpu(os.path.join(package_root, "_kernels", kb.cpu_library_key(src), kb.CPU_LIB_NAME), src)
+                print("graphdecode: built the CPU attention kernels")
+            except Exception as exc:  # an install must not fail because the C++ compiler did
+                print(f"graphdecode: warning: building the CPU kernels failed, they will be built at first use:\n{exc}")
         if kb.find_nvcc() is None:
             print("graphdecode: nvcc not found, CUDA kernels will be built at first use on a GPU")
             return

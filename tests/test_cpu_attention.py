@@ -282,3 +282,30 @@ def test_fresh_sequences_of_one_length_batch_into_one_flash_call(spec_name, monk
         assert calls[0] == 3 and 2 in calls  # the two runs, batched
     else:
         assert set(calls) == {1}  # windows take the masked per-sequence path
+
+
+@needs_kernels
+def test_the_kernel_loads_from_the_package_before_the_cache(tmp_path, monkeypatch):
+    """pip install builds the kernels for the installing CPU into the package; first use takes
+    that library, and builds into the cache only without one. GRAPHDECODE_CPU_KERNELS=0: none."""
+    import shutil
+
+    from graphdecode.attention import cpu_kernels as module
+    from graphdecode.compiled import kernel_build
+
+    built = module.cpu_kernels().path
+    src = kernel_build.source_dir(kernel_build.CPU_SOURCES)
+    key = kernel_build.cpu_library_key(src)
+    package = tmp_path / "package"  # an installed package: its sources beside it, its library inside
+    shutil.copytree(src, tmp_path / "csrc")
+    (package / "_kernels" / key).mkdir(parents=True)
+    shutil.copy(built, package / "_kernels" / key / kernel_build.CPU_LIB_NAME)
+    monkeypatch.setattr(kernel_build, "package_dir", lambda: str(package))
+    module.cpu_kernels.cache_clear()
+    try:
+        assert module.cpu_kernels().path == str(package / "_kernels" / key / kernel_build.CPU_LIB_NAME)
+        module.cpu_kernels.cache_clear()
+        monkeypatch.setenv("GRAPHDECODE_CPU_KERNELS", "0")
+        assert module.cpu_kernels() is None
+    finally:
+        module.cpu_kernels.cache_clear()

@@ -7,20 +7,20 @@ rows, fp32: 3.6 ms a layer gathered, 0.7 ms read in place; batch 64, 300 tokens:
 straight from the pages through each row's block table, in float32 arithmetic, with the
 attention variants (sliding window, soft-cap, sinks) as parameters.
 
-`cpu_kernels()` builds the library at first use with the system C++ compiler for this CPU
-(`kernel_build.build_cpu`, -march=native) into `$GRAPHDECODE_CACHE/kernels/<source hash>-cpu-
-<cpu hash>/`, and returns a `CpuKernels` (or None, with one warning saying why, where no
-compiler works; GRAPHDECODE_CPU_KERNELS=0 turns it off): the torch reference then runs.
+`cpu_kernels()` loads the library that `pip install` built for this CPU into the package
+(`graphdecode/_kernels/<source hash>-cpu-<cpu hash>/`), else builds it at first use with the
+system C++ compiler (`kernel_build.build_cpu`, -march=native, a few seconds) into
+`$GRAPHDECODE_CACHE/kernels/<same key>/`, and returns a `CpuKernels` (or None, with one
+warning saying why, where no compiler works; GRAPHDECODE_CPU_KERNELS=0 turns it off): the
+torch reference then runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
 
 import torch
 
@@ -31,17 +31,6 @@ logger = logging.getLogger("graphdecode")
 ABI_VERSION = 1
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-
-
-def _cpu_tag() -> str:
-    """This CPU's model and instruction-set flags: a -march=native build is only for such a CPU."""
-    text = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            text += "".join(line for line in f if line.startswith(("model name", "flags")))[:8192]
-    except OSError:
-        text += platform.processor()
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 class CpuKernels:
@@ -86,8 +75,11 @@ def cpu_kernels() -> CpuKernels | None:
     try:
         if src is None:
             raise RuntimeError("csrc/cpu_attention.cpp is not available")
-        key = f"{kernel_build.source_hash(src, kernel_build.CPU_SOURCES)}-cpu-{_cpu_tag()}"
+        key = kernel_build.cpu_library_key(src)
+        packaged = os.path.join(kernel_build.package_dir(), "_kernels", key, kernel_build.CPU_LIB_NAME)
         path = os.path.join(cache_root(), "kernels", key, kernel_build.CPU_LIB_NAME)
+        if os.path.isfile(packaged):
+            return CpuKernels(packaged)
         if not os.path.isfile(path):
             kernel_build.build_cpu(path, src)
         return CpuKernels(path)

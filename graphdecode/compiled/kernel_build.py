@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 
@@ -123,6 +124,22 @@ def build_host(out_path: str, src_dir: str, cxx: str | None = None) -> str:
         raise RuntimeError(f"{os.path.basename(cxx)} failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")
     os.replace(tmp, out_path)
     return out_path
+
+
+def cpu_tag() -> str:
+    """This CPU's model and instruction-set flags: a -march=native build is only for such a CPU."""
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text += "".join(line for line in f if line.startswith(("model name", "flags")))[:8192]
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cpu_library_key(src_dir: str) -> str:
+    """The folder name of the CPU kernels built from these sources for this CPU."""
+    return f"{source_hash(src_dir, CPU_SOURCES)}-cpu-{cpu_tag()}"
 
 
 def build_cpu(out_path: str, src_dir: str, cxx: str | None = None) -> str:
