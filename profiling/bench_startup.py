@@ -44,6 +44,7 @@ print("RESULT " + json.dumps({
     "import_s": t1 - t0,
     "construct_s": t2 - t1,
     "compile_s": stats["compile_seconds"],
+    "warm_start": stats["compile_warm_start"],
     "capture_s": stats["capture_seconds"],
     "first_generate_s": time.perf_counter() - t2,
     "fx_cache_hits": counters["inductor"]["fxgraph_cache_hit"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -228,3 +230,26 @@ def test_advance_without_csr_runs_only_the_per_row_step():
     for name in ("input_ids", "positions", "seq_lens", "slot_mapping"):
         assert torch.equal(getattr(full, name), getattr(light, name)), name
     assert (light.kv_indptr == -7).all() and not (full.kv_indptr == -7).all()
+
+
+def test_stats_say_whether_a_compiled_start_was_warm(tiny_models, tmp_path):
+    """A process whose compiles all find their code in the on-disk cache is a warm start; the
+    first process on an empty cache is not; an eager engine says None."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, torch; torch.set_num_threads(1); from graphdecode import LLM; "
+            "s = LLM(sys.argv[1], compile=True, max_model_len=64, buckets=[2]).stats(); "
+            "print(json.dumps([s['compile_seconds'], s['compile_warm_start']]))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # empty: the first is cold
+
+    def start():
+        proc = subprocess.run([sys.executable, "-c", code, tiny_models["llama_head_dim"]], env=env,
+                              capture_output=True, text=True, check=False, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    (cold_s, cold), (_, warm) = start(), start()
+    assert cold_s > 0 and cold is False and warm is True
+    assert LLM(tiny_models["llama_head_dim"], max_model_len=64, buckets=[2]).stats()["compile_warm_start"] is None

@@ -63,15 +63,25 @@ class CompiledForward:
         self._compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.compile_seconds = 0.0
         self.compiles = 0
+        self.cache_hits = 0  # compiles whose inductor graph came from the on-disk cache (a warm start)
+        self.cache_misses = 0
+
+    @property
+    def warm_start(self) -> bool | None:
+        """True when every compile so far found its code in the on-disk cache; None before any."""
+        return None if not self.compiles else self.cache_misses == 0
 
     def __call__(self, input_ids, positions, ctx):
         _mark_batch_dims(input_ids, positions, ctx)
         before = _compiled_graphs()
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         start = time.perf_counter()
         out = self._compiled(input_ids, positions, ctx)
         if _compiled_graphs() != before:
             self.compile_seconds += time.perf_counter() - start
             self.compiles += _compiled_graphs() - before
+            self.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
+            self.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
         return out
 
 

@@ -70,6 +70,7 @@ class EngineStats:
     staging_flushes: int = 0
     staging_seconds_blocked: float = 0.0  # waiting for a staging buffer's previous copy (two flushes old)
     compile_seconds: float = 0.0  # torch.compile (dynamo + inductor), at construction or lazily
+    compile_warm_start: bool | None = None  # every compile's code came from the on-disk cache (None: no compile)
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, compile time excluded
     graphs_captured: int = 0
     graph_memory_bytes: int = 0
@@ -247,6 +248,7 @@ class Engine:
         s.staging_flushes = self.runner.staging.num_flushes
         s.staging_seconds_blocked = self.runner.staging.seconds_blocked
         s.compile_seconds = self.runner.windows.compile_seconds
+        s.compile_warm_start = getattr(self.runner.windows.logits_fn, "warm_start", None)
         s.capture_seconds = self.runner.windows.capture_seconds
         s.graphs_captured = len(self.runner.windows.graphs)
         s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
