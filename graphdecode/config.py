@@ -31,6 +31,8 @@ ATTENTION_BACKENDS = ("torch", "flashinfer")
 CPU_KV_BUDGET_BYTES = 2 << 30
 GPU_MEMORY_FRACTION = 0.85
 TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 logger = logging.getLogger("graphdecode")
 
@@ -77,7 +79,16 @@ class EngineConfig:
     seed: int = 0
     max_num_batched_tokens: int = 8192  # prefill tokens per engine step (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # logprobs / prompt_logprobs per token a request may ask for; -1: no cap, logprobs=-1 gives the
+    # whole vocabulary (the device's logprob buffers then hold vocab_size entries per row and step)
     max_logprobs: int = 20
+    # what logprobs report (vLLM's names): the model's log-softmax ("raw_logprobs") or logits
+    # ("raw_logits"), or either after logit_bias, bad words, allowed_token_ids, penalties, min_tokens,
+    # temperature and top-k/top-p/min-p ("processed_logprobs", "processed_logits")
+    logprobs_mode: str = "raw_logprobs"
+    # "fcfs": admission in arrival order; "priority": lowest `priority` value first (then arrival),
+    # and preemption takes the lowest-priority work first
+    scheduling_policy: str = "fcfs"
     max_stop_ids: int = 16
     max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
@@ -95,6 +106,7 @@ class EngineConfig:
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
     max_pages_per_seq: int = field(init=False)
+    logprobs_width: int = field(init=False)  # logprob entries per row and step on the device
     num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
     prompt_lookup_max: int = field(init=False)
     prompt_lookup_min: int = field(init=False)
@@ -122,7 +134,14 @@ class EngineConfig:
         _pos_int("num_pages", self.num_pages, allow_none=True)
         _pos_int("max_model_len", self.max_model_len, allow_none=True)
         _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _pos_int("max_logprobs", self.max_logprobs)
+        if self.max_logprobs != -1:
+            _pos_int("max_logprobs", self.max_logprobs)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
         _pos_int("max_stop_ids", self.max_stop_ids)
         _pos_int("max_logit_bias", self.max_logit_bias)
         _pos_int("max_bad_words", self.max_bad_words)
@@ -180,6 +199,7 @@ class EngineConfig:
             "max_batch_size": max_batch_size,
             "buckets": buckets,
             "max_pages_per_seq": max_pages,
+            "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, cfg.vocab_size),
             **speculative,
         }
         for name, value in resolved.items():

@@ -1,7 +1,8 @@
 """SamplingParams: what a request asks for, validated when it is made.
 
-Mirrors vLLM's names and meanings. Every bad value raises ValueError naming the
-field, before the engine sees the request.
+Mirrors vLLM's names and meanings, mutability included. Every wrong type raises
+TypeError and every bad value ValueError, naming the field, when the params are built
+and again when a request is submitted (on the engine's own copy, `submitted()`).
 
 Penalties (all applied on the device, inside the decode window, in this order, the
 order of vLLM and transformers):
@@ -14,8 +15,11 @@ order of vLLM and transformers):
 * `frequency_penalty` and `presence_penalty` (in [-2, 2]; OpenAI): subtract
   count * frequency_penalty + (count > 0) * presence_penalty, counting OUTPUT tokens only;
 * then min_tokens' stop masking, temperature and the filters.
-Logprobs stay raw (the model's log_softmax, before all of this), which is vLLM's
-default (`logprobs_mode="raw_logprobs"`).
+`allowed_token_ids` (a non-empty list) masks every other token first, on the device too.
+What logprobs report is the engine's `logprobs_mode`: by default raw (the model's
+log_softmax, before all of this), which is vLLM's default ("raw_logprobs").
+`logprobs=0` gives the sampled token's logprob alone; -1 the whole vocabulary (on an
+engine with max_logprobs=-1).
 
 Outputs: `prompt_logprobs` (N: each prompt token's logprob given the ones before it,
 plus the top N; None for the first token; computed in prefill, so such a request
@@ -50,8 +54,38 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
+def _type_error(name: str, expected: str, value) -> TypeError:
+    return TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _int(name: str, value, expected: str = "an integer") -> None:
+    if not _is_int(value):
+        raise _type_error(name, expected, value)
+
+
+def _number(name: str, value) -> None:
+    """A real number, finite: NaN and infinities are values no field accepts."""
+    if not _is_number(value):
+        raise _type_error(name, "a number", value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _int_list(name: str, value) -> None:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
+        raise _type_error(name, "a list of integer token ids", value)
+    if any(t < 0 for t in value):
+        raise ValueError(f"{name} must hold token ids >= 0, got {list(value)!r}")
+
+
+@dataclass(slots=True)
 class SamplingParams:
+    """Mutable like vLLM's (`params.max_tokens = 10` takes effect for requests submitted
+    after it); validated when built and again, on the engine's own copy, when a request
+    is submitted. A wrong type is a TypeError and a bad value a ValueError, both naming the
+    field (plain checks, not asserts: they hold under `python -O` too). An unknown
+    attribute is an AttributeError (slots), so a misspelt field never goes unnoticed."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -71,6 +105,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.DELTA
@@ -79,75 +114,112 @@ class SamplingParams:
     _bad_words_token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if not _is_int(self.n) or self.n < 1:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field (TypeError for a wrong type, ValueError for a bad value, each
+        naming the field); normalises `output_kind` to the enum."""
+        _int("n", self.n)
+        if self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or not self.temperature >= 0:
+        _number("temperature", self.temperature)
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        _number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        _int("top_k", self.top_k)
+        if self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disable it), got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if self.seed is not None:
+            _int("seed", self.seed, "an integer or None")
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, "an integer or None")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is not None:
-            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+                raise _type_error("stop", "a string or a list of strings", self.stop)
+            if not all(stops):  # vLLM's rule, for the API and the server alike
+                raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}")
         if self.stop_token_ids is not None:
-            ids = self.stop_token_ids
-            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
-                raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
-        try:
-            object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
-        except ValueError:
-            kinds = ", ".join(k.value for k in RequestOutputKind)
-            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}") from None
+            _int_list("stop_token_ids", self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value, "an integer or None")
+                if value < -1:
+                    raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
+                                     f"or None, got {value!r}")
+        if isinstance(self.output_kind, str):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                kinds = ", ".join(k.value for k in RequestOutputKind)
+                raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}") from None
+        else:
+            raise _type_error("output_kind", "a RequestOutputKind or its name", self.output_kind)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        rep = self.repetition_penalty
-        if not _is_number(rep) or not math.isfinite(rep) or not rep > 0:
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 disables it), got {rep!r}")
+                raise _type_error(name, "a bool", getattr(self, name))
+        _number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
+            _number(name, value)
+            if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+                raise _type_error("logit_bias", "a dict of token id -> bias", self.logit_bias)
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
-                    raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {token!r}")
-                if not _is_number(bias) or not -100 <= bias <= 100:
+                _int("logit_bias", token, "a dict keyed by integer token ids")
+                if token < 0:
+                    raise ValueError(f"logit_bias: keys must be token ids >= 0, got {token!r}")
+                _number(f"logit_bias[{token}]", bias)
+                if not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {bias!r}")
         if self.bad_words is not None:
             words = self.bad_words
-            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+                raise _type_error("bad_words", "a list of strings", words)
+            if not all(w.strip() for w in words):
                 raise ValueError(f"bad_words must be a list of non-blank strings, got {words!r}")
+        if self.allowed_token_ids is not None:
+            _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
 
         if not self.detokenize and stops:
             raise ValueError("stop: stop strings need text; they cannot be used with detokenize=False")
 
     def clone(self) -> SamplingParams:
-        """An independent copy (vLLM's SamplingParams.clone)."""
-        return dataclasses.replace(
-            self, stop=list(self.stop) if isinstance(self.stop, list) else self.stop,
-            stop_token_ids=list(self.stop_token_ids) if self.stop_token_ids is not None else None,
-            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
-            bad_words=list(self.bad_words) if self.bad_words is not None else None,
-        )
+        """An independent copy (vLLM's SamplingParams.clone): containers copied, not re-validated."""
+        new = object.__new__(SamplingParams)
+        for name in _FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, (list, dict)):
+                value = value.copy()
+            object.__setattr__(new, name, value)
+        return new
+
+    def submitted(self) -> SamplingParams:
+        """The engine's private copy of these params for one submission, validated again
+        (a field set after construction is checked here, naming the field)."""
+        new = self.clone()
+        new.verify()
+        return new
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -177,3 +249,6 @@ class SamplingParams:
     def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...]:
         """bad_words as token id sequences (empty until the engine has tokenized them)."""
         return self._bad_words_token_ids or ()
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

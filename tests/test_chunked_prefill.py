@@ -108,14 +108,14 @@ def test_preempting_a_partially_prefilled_group(tiny_models):
         llm = LLM(path, **common, **extra)
         engine = llm.engine
         preempted_prefilling = 0
-        preempt = engine.scheduler._preempt_newest
+        preempt = engine.scheduler._preempt
 
         def counting():
             nonlocal preempted_prefilling
             preempted_prefilling += bool(engine.scheduler.prefilling)
             preempt()
 
-        engine.scheduler._preempt_newest = counting
+        engine.scheduler._preempt = counting
         requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
         for _ in range(4):
             engine.step()

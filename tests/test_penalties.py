@@ -121,7 +121,8 @@ def hf_generate_rep(path, prompts, max_new_tokens, penalty):
     (dict(bad_words=[3]), "bad_words"),
 ])
 def test_bad_values_raise_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    # a wrong type is a TypeError, a bad value a ValueError (test_validation checks which is which)
+    with pytest.raises((ValueError, TypeError), match=field):
         SamplingParams(**kwargs)
 
 
@@ -442,7 +443,7 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_models):
     # 19 usable pages for 6 sequences growing to 5-7 pages: running sequences are preempted mid-output
     tight = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=16, num_pages=20)
     preempted = []
-    scheduler, preempt = tight.engine.scheduler, tight.engine.scheduler._preempt_newest
+    scheduler, preempt = tight.engine.scheduler, tight.engine.scheduler._preempt
 
     def recording():
         if not scheduler.prefilling:
@@ -450,7 +451,7 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_models):
             preempted.append((seq.request.params.needs_penalties, seq.num_output_tokens))
         preempt()
 
-    scheduler._preempt_newest = recording
+    scheduler._preempt = recording
     assert _tokens(tight.generate(_ids(prompts), params)) == want
     assert any(penalized and produced > 0 for penalized, produced in preempted), preempted
 

@@ -22,16 +22,100 @@ BAD_PARAMS = [
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\]"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(output_kind="sometimes"), "output_kind"),
+]
+
+WRONG_TYPES = [
     (dict(seed=1.5), "seed"),
     (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(stop=123), "stop"),
+    (dict(stop=["a", 1]), "stop"),
+    (dict(stop_token_ids="x"), "stop_token_ids"),
+    (dict(stop_token_ids=[1, 2.0]), "stop_token_ids"),
+    (dict(bad_words={"a", "b"}), "bad_words"),
+    (dict(bad_words="word"), "bad_words"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(allowed_token_ids={3, 4}), "allowed_token_ids"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(max_tokens=10.0), "max_tokens"),
+    (dict(n=True), "n"),
+    (dict(logprobs=1.0), "logprobs"),
+    (dict(output_kind=3), "output_kind"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,field", BAD_PARAMS)
 def test_sampling_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as info:
         SamplingParams(**kwargs)
+    assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("kwargs,field", WRONG_TYPES)
+def test_wrong_types_are_type_errors_naming_the_field(kwargs, field):
+    with pytest.raises(TypeError, match=f"^{field}") as info:
+        SamplingParams(**kwargs)
+    assert type(info.value) is TypeError
+
+
+def test_checks_hold_under_python_O():
+    """The checks are plain raises, not asserts: `python -O` keeps them."""
+    import subprocess
+    import sys
+
+    code = ("from graphdecode import SamplingParams\n"
+            "for kw in ({'temperature': float('inf')}, {'stop': 123}):\n"
+            "    try:\n        SamplingParams(**kw)\n    except (TypeError, ValueError) as e:\n"
+            "        print(type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["ValueError", "TypeError"], out.stderr
+
+
+def test_sampling_params_are_mutable_and_checked_again_at_submission(llm):
+    params = SamplingParams(temperature=0, max_tokens=4)
+    params.max_tokens = 7  # takes effect, like vLLM's
+    params.seed = 100
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    params.top_p = 2.0  # set after construction: caught when the request is submitted, by name
+    with pytest.raises(ValueError, match=r"prompts\[0\]: top_p must be in \(0, 1\]"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    params.top_p = 1.0
+    params.stop = 5
+    with pytest.raises(TypeError, match=r"prompts\[0\]: stop must be a string"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, params)
+    with pytest.raises(AttributeError):
+        params.max_token = 3  # a misspelt field is an error, not a silent new attribute
+
+
+def test_params_changed_after_submission_do_not_reach_the_request(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5)
+    request = engine.add_request({"prompt_token_ids": [5, 6, 7]}, params)
+    params.max_tokens = 1  # the engine holds its own copy
+    while engine.has_unfinished():
+        engine.step()
+    assert request.seqs[0].num_output_tokens == 5
+
+
+def test_max_tokens_beyond_the_context_is_rejected_like_the_server(llm):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: max_tokens is too large: 200\. This model's maximum "
+                                         r"context length is 128 tokens and the prompt has 3 tokens"):
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200))
+    # exactly filling the context is fine, and ends with "length" at max_model_len
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=125, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 125 and out.outputs[0].finish_reason == "length"
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,23 @@ A variant is chosen by the host per window from what the rows need (like vLLM's
 all_greedy), by one function (`RowCounts.variant`): GREEDY skips the noise, SAMPLE
 adds temperature + noise, FILTERED also applies min_p / top_k / top_p (a sort over
 the vocabulary); logprobs only when a row asks; stop ids masked (min_tokens) only
-when a row has min_tokens; the penalty path (logit_bias, bad_words, repetition,
-presence and frequency penalties) only when a row has one of them.
+when a row has min_tokens; the allowed-token masks only when a row has
+allowed_token_ids; the penalty path (logit_bias, bad_words, repetition, presence and
+frequency penalties) only when a row has one of them.
 
-Order of logit processing (vLLM's and transformers'), after the raw logprobs:
+Order of logit processing (vLLM's), after the raw logprobs:
+0. allowed_token_ids: every other token masked (-inf), from the row's packed bitmask
+   (compiled/token_mask.py);
 1. logit_bias added, bad words masked (-inf on a word's last token when the row's last
    output tokens are the word's other tokens; one-token words always);
 2. repetition penalty over prompt and output tokens: positive logits divided by it,
    negative ones multiplied;
 3. frequency / presence penalties over output tokens: - count * f - (count > 0) * p;
 4. min_tokens: stop ids masked;
-5. temperature, filters, Gumbel noise (GREEDY: argmax).
-Logprobs are computed before step 1 (raw), which is vLLM's default (`raw_logprobs`).
+5. temperature (greedy rows: 1), filters, Gumbel noise (GREEDY: argmax).
+What logprobs report is the engine's `logprobs_mode` (vLLM's names): "raw_logprobs"
+(the default) and "raw_logits" are taken before step 0; "processed_logprobs" and
+"processed_logits" after step 5's temperature and filters (before the noise).
 
 Token counts per row live in the decode state as one int16 [B_max, V] buffer
 (`token_counts`): bits 0..13 count the row's output tokens (saturating at 16383),
@@ -39,6 +44,8 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
+from .token_mask import TokenMaskUnpacker
 
 _M32 = 0xFFFFFFFF
 
@@ -70,6 +77,7 @@ class SamplerVariant:
     num_logprobs: int = 0  # 0 = no logprobs, else the engine's max_logprobs
     mask_stops: bool = False  # some row has min_tokens: stop ids are masked until it is reached
     penalties: bool = False  # some row has logit_bias, bad_words or a repetition/presence/frequency penalty
+    allowed_ids: bool = False  # some row has allowed_token_ids: the rows' token masks apply
     speculative: bool = False  # the window drafts and verifies (compiled/speculative.py); the host decides
 
 
@@ -82,7 +90,7 @@ class RowCounts:
 
     def __init__(self, max_logprobs: int, params=()):
         self.max_logprobs = max_logprobs
-        self.sampled = self.filtered = self.logprobs = self.min_tokens = self.penalized = 0
+        self.sampled = self.filtered = self.logprobs = self.min_tokens = self.penalized = self.restricted = 0
         for p in params:
             self.add(p)
 
@@ -92,6 +100,7 @@ class RowCounts:
         self.logprobs += sign * (params.logprobs is not None)
         self.min_tokens += sign * (params.min_tokens > 0)
         self.penalized += sign * params.needs_penalties
+        self.restricted += sign * (params.allowed_token_ids is not None)
 
     def remove(self, params) -> None:
         self.add(params, -1)
@@ -99,7 +108,8 @@ class RowCounts:
     def variant(self) -> SamplerVariant:
         mode = SamplerMode.FILTERED if self.filtered else SamplerMode.SAMPLE if self.sampled else SamplerMode.GREEDY
         return SamplerVariant(
-            mode, self.max_logprobs if self.logprobs else 0, self.min_tokens > 0, self.penalized > 0
+            mode, self.max_logprobs if self.logprobs else 0, self.min_tokens > 0, self.penalized > 0,
+            allowed_ids=self.restricted > 0,
         )
 
 
@@ -125,6 +135,9 @@ class SamplingRows:
     bias_values: torch.Tensor | None = None  # [R, L] float32
     bad_words: torch.Tensor | None = None  # [R, W, T] int64: token sequences right-aligned, -1 padded
     recent: torch.Tensor | None = None  # [R, T] int64: the last T output tokens, newest last; -1 = none
+    # allowed_token_ids (only read by variants with allowed_ids)
+    restricted: torch.Tensor | None = None  # [R] bool: the row's mask applies
+    allowed_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32 packed mask
 
 
 @dataclass
@@ -182,45 +195,56 @@ def make_vocab_keys(vocab_size: int, device) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device):
+    def __init__(self, vocab_size: int, device, logprobs_mode: str = "raw_logprobs"):
         self.vocab_keys = make_vocab_keys(vocab_size, device)  # [V] int32
+        self.masks = TokenMaskUnpacker(vocab_size, device)
+        self.logprobs_mode = logprobs_mode  # engine-wide: fixed for every window and graph
 
     def __call__(self, logits, rows: SamplingRows, next_pos, variant: SamplerVariant = GREEDY):
         """logits [R, V] float32 (masked in place), next_pos [R] int64 (index of the token sampled).
 
         Returns (tokens [R] int64, LogprobsOut | None).
         """
-        logprobs = _logprobs(logits, variant.num_logprobs) if variant.num_logprobs else None
+        raw = None
+        if variant.num_logprobs and self.logprobs_mode.startswith("raw"):
+            raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
+        if variant.allowed_ids:
+            allowed = self.masks.allowed_tokens(rows.allowed_words) | ~rows.restricted[:, None]
+            logits.masked_fill_(~allowed, float("-inf"))
         if variant.penalties:
             logits = apply_penalties(logits, rows)
         if variant.mask_stops:
             _mask_stop_ids_(logits, rows, next_pos)
         greedy = logits.argmax(dim=-1)
         if variant.mode == SamplerMode.GREEDY:
-            tokens = greedy
+            tokens, processed = greedy, logits
         else:
             temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
-            scaled = logits / temperature[:, None]
+            processed = logits / temperature[:, None]
             if variant.mode == SamplerMode.FILTERED:
-                scaled = _filter(scaled, rows)
+                processed = _filter(processed, rows)
             u = uniform_noise(rows.seed, next_pos, self.vocab_keys)
             gumbel = -torch.log(-torch.log(u))
-            sampled = (scaled + gumbel).argmax(dim=-1)
+            sampled = (processed + gumbel).argmax(dim=-1)
             tokens = torch.where(rows.temperature > 0, sampled, greedy)
-        if logprobs is None:
+        if not variant.num_logprobs:
             return tokens, None
-        full, top_logprobs, top_ids = logprobs
-        sampled_lp = full.gather(1, tokens[:, None])[:, 0]
-        rank = (full > sampled_lp[:, None]).sum(dim=-1) + 1
-        return tokens, LogprobsOut(sampled_lp, rank, top_ids, top_logprobs)
+        if raw is not None:
+            values = raw
+        elif self.logprobs_mode == "processed_logprobs":
+            values = torch.log_softmax(processed, dim=-1)
+        else:
+            values = processed
+        return tokens, _logprobs_out(values, tokens, variant.num_logprobs)
 
 
-def _logprobs(logits, num: int):
-    """Raw logprobs (before penalties, min_tokens, temperature and filters), as vLLM reports them
-    by default (logprobs_mode "raw_logprobs")."""
-    full = torch.log_softmax(logits, dim=-1)
-    top_logprobs, top_ids = full.topk(num, dim=-1)
-    return full, top_logprobs, top_ids
+def _logprobs_out(values, tokens, num: int) -> LogprobsOut:
+    """The sampled token's value and 1-based rank, and the top `num`, of values [R, V] (log
+    probabilities or logits, as logprobs_mode says)."""
+    top_values, top_ids = values.topk(num, dim=-1)
+    sampled = values.gather(1, tokens[:, None])[:, 0]
+    rank = (values > sampled[:, None]).sum(dim=-1) + 1
+    return LogprobsOut(sampled, rank, top_ids, top_values)
 
 
 def apply_penalties(logits, rows: SamplingRows):

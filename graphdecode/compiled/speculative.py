@@ -92,7 +92,7 @@ def speculative_window(
     device = state.input_ids.device
     offsets = torch.arange(queries, device=device)
     flat_rows = torch.arange(bucket, device=device).repeat_interleave(queries)  # [B * Q]
-    params = state.sampling_rows(flat_rows)
+    params = state.sampling_rows(flat_rows, allowed=variant.allowed_ids)
     max_page = state.max_pages - 1
     count = torch.zeros(bucket, dtype=torch.int64, device=device)
     drafted = torch.zeros(bucket, dtype=torch.int32, device=device)

@@ -108,17 +108,19 @@ class Engine:
         self._stats = EngineStats()
 
     # ------------------------------------------------------------- requests
-    def prepare(self, prompt_text, prompt_ids, params, request_id=None) -> Request:
-        """Validate and build a request without adding it (raises ValueError)."""
+    def prepare(self, prompt_text, prompt_ids, params, request_id=None, priority: int = 0,
+                verified: bool = False) -> Request:
+        """Validate and build a request without adding it (raises ValueError or TypeError).
+        verified: params is already a checked private copy (SamplingParams.submitted())."""
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival)
+        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified)
 
-    def add_request(self, prompt, params=None, request_id=None) -> Request:
+    def add_request(self, prompt, params=None, request_id=None, priority: int = 0) -> Request:
         (text, ids), = self.inputs.tokenize_all([prompt])
-        request = self.prepare(text, ids, params, request_id)
+        request = self.prepare(text, ids, params, request_id, priority)
         self.add_prepared(request)
         return request
 

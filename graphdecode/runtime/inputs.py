@@ -166,22 +166,28 @@ class InputProcessor:
             return [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts)]
         return self.tokenizer(texts)["input_ids"]
 
-    def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int) -> Request:
+    def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int,
+                priority: int = 0, verified: bool = False) -> Request:
+        """verified: `params` is already this submission's private, checked copy
+        (SamplingParams.submitted()); otherwise the copy is made and checked here."""
         cfg = self.config
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not verified:
+            params = params.submitted()  # the engine's own copy: later changes by the caller do not reach it
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {type(priority).__name__} {priority!r}")
+        if priority != 0 and cfg.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but priority scheduling is not enabled "
+                             f"(scheduling_policy={cfg.scheduling_policy!r}; use scheduling_policy='priority')")
         if not prompt_ids:
             raise ValueError("prompt: the prompt is empty (no tokens)")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_ids) >= cfg.max_model_len:
-            raise ValueError(
-                f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len "
-                f"({cfg.max_model_len})"
-            )
+        self.check_length(len(prompt_ids), params.max_tokens)
         stop_token_ids = tuple(params.stop_token_ids or ())
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
@@ -191,10 +197,19 @@ class InputProcessor:
             raise ValueError(
                 f"stop_token_ids: {len(stop_ids)} stop ids (with EOS) exceed max_stop_ids ({cfg.max_stop_ids})"
             )
-        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
-            raise ValueError(f"logprobs: {params.logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > cfg.max_logprobs:
-            raise ValueError(f"prompt_logprobs: {params.prompt_logprobs} exceeds max_logprobs ({cfg.max_logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is None:
+                continue
+            if cfg.max_logprobs != -1 and (asked == -1 or asked > cfg.max_logprobs):
+                shown = "the whole vocabulary (-1)" if asked == -1 else asked
+                raise ValueError(f"{name}: {shown} exceeds max_logprobs ({cfg.max_logprobs}; -1 lifts the cap)")
+            if asked == -1 or asked > self.vocab_size:
+                setattr(params, name, self.vocab_size)  # on the engine's copy: every token of the vocabulary
+        if params.allowed_token_ids is not None:
+            bad = next((t for t in params.allowed_token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.logit_bias:
             if len(params.logit_bias) > cfg.max_logit_bias:
                 raise ValueError(
@@ -204,8 +219,6 @@ class InputProcessor:
             if bad is not None:
                 raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.bad_words:
-            from dataclasses import replace
-
             if self.tokenizer is None:
                 raise ValueError("bad_words: the model directory has no tokenizer to turn them into token ids")
             if len(params.bad_words) > cfg.max_bad_words:
@@ -229,7 +242,7 @@ class InputProcessor:
                             f"bad_words: {word!r} gives token id {bad}, outside the vocabulary [0, {self.vocab_size})"
                         )
                     sequences.append(tuple(ids))
-            params = replace(params, _bad_words_token_ids=tuple(sequences))  # a copy: the caller's stays as it is
+            params._bad_words_token_ids = tuple(sequences)  # on the engine's copy: the caller's stays as it is
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
         max_len = cfg.max_model_len
@@ -238,7 +251,7 @@ class InputProcessor:
         if self.group_pages(len(prompt_ids), params.n, max_len) > cfg.num_pages - 1:
             raise ValueError(f"n: {params.n} sequences of this prompt do not fit in the KV cache ({cfg.num_pages} pages)")
 
-        request = Request(request_id, prompt_text, list(prompt_ids), params, arrival,
+        request = Request(request_id, prompt_text, list(prompt_ids), params, arrival, priority=priority,
                           metrics=RequestMetrics(arrival_time=time.time()))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has none
@@ -260,6 +273,21 @@ class InputProcessor:
             )
             self._next_seq_id += 1
         return request
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """The one context-length rule (the API's and the server's, vLLM's): the prompt leaves
+        room to generate, and the prompt plus max_tokens, when given, fits in max_model_len."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens leave no room to generate within max_model_len ({limit}): "
+                f"this model's maximum context length is {limit} tokens"
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise ValueError(
+                f"max_tokens is too large: {max_tokens}. This model's maximum context length is {limit} tokens "
+                f"and the prompt has {num_prompt_tokens} tokens ({max_tokens} > {limit} - {num_prompt_tokens})"
+            )
 
     def _detokenizer(self, prompt_ids, params) -> Detokenizer | None:
         if self.tokenizer is None or not params.detokenize:

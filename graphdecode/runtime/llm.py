@@ -77,14 +77,16 @@ class LLM:
         """The model's (transformers) tokenizer, or None for a model directory without one."""
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
         use_tqdm: a progress bar of finished requests (default: on for more than 8 prompts
-        when stderr is a terminal).
+        when stderr is a terminal). priority: one integer per prompt (lower runs first) for
+        an engine with scheduling_policy="priority".
         """
         with _cyclic_gc_paused():
-            requests = self._add(prompts, sampling_params)
+            requests = self._add(prompts, sampling_params, priority)
             if use_tqdm is None:
                 use_tqdm = len(requests) > 8 and sys.stderr.isatty()
             with tqdm(total=len(requests), unit="req", desc="generate", disable=not use_tqdm) as bar:
@@ -99,7 +101,7 @@ class LLM:
             return [final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template.
 
         messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
@@ -120,9 +122,9 @@ class LLM:
             )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, priority: list[int] | None = None) -> Iterator[RequestOutput]:
         """Yield RequestOutput deltas of these prompts' requests as windows are pythonized.
 
         OpenAI semantics: a delta carries one request's new tokens per sequence (with its
@@ -134,7 +136,7 @@ class LLM:
         default, as above), "cumulative" (everything so far, each time it changes) or
         "final_only" (one output, when it finishes).
         """
-        requests = self._add(prompts, sampling_params)
+        requests = self._add(prompts, sampling_params, priority)
         queue = DeltaQueue()
         by_id = {r.request_id: r for r in requests}
         for r in requests:
@@ -185,11 +187,13 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def _add(self, prompts, sampling_params) -> list[Request]:
+    def _add(self, prompts, sampling_params, priority=None) -> list[Request]:
         """Validate every prompt first; only then add them all (a bad one adds nothing).
 
         Errors name the argument and the prompt's index: `prompts[2]: ...`,
         `sampling_params[1] must be ...` (TypeError for a wrong type, ValueError for a bad value).
+        Each distinct SamplingParams object is copied and checked once per call (its
+        `submitted()` copy), however many prompts share it.
         """
         if isinstance(prompts, (str, dict)):
             prompt_list = [prompts]
@@ -217,13 +221,25 @@ class LLM:
                 "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, "
                 f"got {type(sampling_params).__name__}{hint}"
             )
+        if priority is None:
+            priorities = [0] * len(prompt_list)
+        elif isinstance(priority, (list, tuple)) and len(priority) == len(prompt_list):
+            priorities = list(priority)
+        else:
+            given = (f"{len(priority)} given" if isinstance(priority, (list, tuple))
+                     else f"got {type(priority).__name__}")
+            raise TypeError(f"priority must be a list of integers, one per prompt ({len(prompt_list)}); {given}")
         parsed = self.engine.inputs.tokenize_all(prompt_list)
+        copies: dict[int, SamplingParams] = {}  # id(params) -> this call's checked copy
         requests = []
-        for i, ((text, ids), params) in enumerate(zip(parsed, params_list)):
+        for i, ((text, ids), params, prio) in enumerate(zip(parsed, params_list, priorities)):
             try:
-                requests.append(self.engine.prepare(text, ids, params))
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
+                copy = copies.get(id(params))
+                if copy is None:
+                    copy = copies[id(params)] = params.submitted()
+                requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
         for request in requests:
             self.engine.add_prepared(request)
         return requests

@@ -20,6 +20,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, on_finish):
         self.tokenizer = tokenizer
         self.on_finish = on_finish  # (sequence) -> None: frees its row and pages
+        self._pieces: dict[int, str] = {}  # token id -> its decoded text
 
     def process(self, readout, decode: bool, result: WindowResult, stats) -> list[Sequence]:
         """readout: the step's Readout records; `decode`: a window ran, and each row wrote
@@ -86,19 +87,23 @@ class OutputProcessor:
         return len(taken)
 
     def _logprobs(self, seq: Sequence, result: WindowResult, row: int, first: int, count: int) -> None:
+        """The sampled token first (with its rank), then the top `logprobs` not already in
+        (vLLM's layout: logprobs=0 gives the sampled token alone, the whole vocabulary at -1)."""
         wanted = seq.request.params.logprobs
         piece = self._piece if seq.request.params.detokenize else _no_text
         tokens = seq.token_ids[seq.num_tokens - count :]
+        columns = slice(first, first + count)
+        sampled = result.lp_sampled[row, columns].tolist()
+        ranks = result.lp_rank[row, columns].tolist()
+        top_ids = result.lp_top_ids[row, columns, :wanted].tolist()
+        top = result.lp_top[row, columns, :wanted].tolist()
         for i, tok in enumerate(tokens):
-            col = first + i
-            lp = float(result.lp_sampled[row, col])
-            entry = {tok: Logprob(lp, int(result.lp_rank[row, col]), piece(tok))}
-            for rank, (tid, tlp) in enumerate(zip(result.lp_top_ids[row, col, :wanted], result.lp_top[row, col, :wanted])):
-                tid = int(tid)
+            entry = {tok: Logprob(sampled[i], ranks[i], piece(tok))}
+            for rank, (tid, tlp) in enumerate(zip(top_ids[i], top[i]), 1):
                 if tid not in entry:
-                    entry[tid] = Logprob(float(tlp), rank + 1, piece(tid))
+                    entry[tid] = Logprob(tlp, rank, piece(tid))
             seq.logprobs.append(entry)
-            seq.cumulative_logprob += lp
+            seq.cumulative_logprob += sampled[i]
 
     def prompt_logprobs(self, readout, results) -> None:
         """Prompt logprobs computed by this step's prefill chunks, onto their requests (in order)."""
@@ -119,7 +124,11 @@ class OutputProcessor:
                 request.prompt_logprobs.append(entry)
 
     def _piece(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+        """A token's text, decoded once per token id (whole-vocabulary logprobs ask for every one)."""
+        text = self._pieces.get(token_id)
+        if text is None and self.tokenizer is not None:
+            text = self._pieces[token_id] = self.tokenizer.decode([token_id])
+        return text
 
 
 def _no_text(token_id: int) -> None:

@@ -70,18 +70,18 @@ class ModelRunner:
                                     self.device, getattr(self.model, "attention_specs", None))
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
-            config.num_decode_steps, config.max_logprobs, self.device,
+            config.num_decode_steps, config.logprobs_width, self.device,
             vocab_size=cfg.vocab_size, max_logit_bias=config.max_logit_bias,
             bad_word_slots=2 * config.max_bad_words, max_bad_word_tokens=config.max_bad_word_tokens,
             spec_tokens=config.num_speculative_tokens,
             history_len=config.max_model_len + config.num_speculative_tokens + 1,
         )
         self.staging = RowStaging(self.state, self.device)
-        self.row_counts = RowCounts(config.max_logprobs)  # what the live rows need of the sampler
+        self.row_counts = RowCounts(config.logprobs_width)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
         self._row_pages = np.zeros(config.max_batch_size, dtype=np.int64)  # block-table length per row
         self._prompt_results: list = []  # this step's prompt logprobs (device tensors), copied out with it
-        self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.sampler = Sampler(cfg.vocab_size, self.device, config.logprobs_mode)
         logits_fn = self.model.decode_logits
         if config.compile:
             logits_fn = CompiledForward(logits_fn)
@@ -233,7 +233,7 @@ class ModelRunner:
         row_list = [row for c in chunks for row in c.sample_rows]
         rows = self._send(np.asarray(row_list, dtype=np.int64))
         next_pos = self._send(np.repeat(np.asarray([c.end for c in chunks], dtype=np.int64), counts))
-        variant = RowCounts(self.config.max_logprobs, (self._row_params[r] for r in row_list)).variant()
+        variant = RowCounts(self.config.logprobs_width, (self._row_params[r] for r in row_list)).variant()
         row_logits = logits[self._send(np.repeat(np.arange(len(chunks)), counts).astype(np.int64))]
         tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, variant, None)
         self.state.input_ids[rows] = tokens

@@ -1,6 +1,6 @@
 """Scheduler: admissions, prefill chunks, lookahead pages, preemption; its plan is its only output.
 
-Sequence-native. State: a deque of waiting groups, the admitted groups still
+Sequence-native. State: a queue of waiting groups (by arrival or by priority), the admitted groups still
 prefilling (admission order), the running sequences by row (admission order), and a
 free-row heap. Per call the work is O(running + admitted + preempted + chunked):
 nothing here walks the waiting queue or finished requests.
@@ -22,12 +22,17 @@ stalls them. The last chunk samples the first token of every sequence of the gro
 which then take their rows and join that same step's window.
 
 Before a window every running sequence holds pages for `num_scheduled_tokens + k`
-tokens, so the device never needs the host inside a window. When pages run out, the
-most recently admitted work is preempted (a prefilling group first, else the newest
-running sequence): it frees its pages (those in the prefix cache stay findable) and goes
-back to the front of the queue; in-flight tokens of a running victim are discarded (its
-row epoch no longer matches) and recomputed, which gives the same tokens because
-sampling noise depends only on (seed, position, token).
+tokens, so the device never needs the host inside a window. When pages run out, work is
+preempted: with scheduling_policy "fcfs" the most recently admitted (a prefilling group
+first, else the newest running sequence), with "priority" the lowest-priority work
+(the highest `priority` value, then the latest arrival, then the latest admission)
+among the prefilling groups and running sequences, an O(running) choice. The victim
+frees its pages (those in the prefix cache stay findable) and goes back to the queue
+(runtime/waiting_queue.py: the front for FCFS, its own place by priority); in-flight
+tokens of a running victim are discarded (its row epoch no longer matches) and
+recomputed, which gives the same tokens because sampling noise depends only on (seed,
+position, token). The waiting queue admits in arrival order (FCFS) or by (priority,
+arrival).
 
 The plan (runtime/plan.py) says all of it to the runner: rows cleared since the last
 plan (finished, aborted, preempted, retired), rows started, block tables grown,
@@ -48,12 +53,12 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from .page_pool import ROOT_KEY, PagePool, page_key
 from .plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .sequence import Sequence
+from .waiting_queue import make_waiting_queue
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -90,7 +95,8 @@ class Scheduler:
         self.pool = pool
         buckets = config.buckets
         self._bucket_of = [next(b for b in buckets if b >= size) for size in range(buckets[-1] + 1)]
-        self.waiting: deque[list[Sequence]] = deque()
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.by_priority = config.scheduling_policy == "priority"
         self.prefilling: dict[int, PrefillGroup] = {}  # leader seq_id -> group, admission order
         self._group_of: dict[int, PrefillGroup] = {}  # seq_id -> its prefilling group
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, oldest admission first
@@ -105,7 +111,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue
     def add(self, group: list[Sequence]) -> None:
-        self.waiting.append(group)
+        self.waiting.push(group)
 
     @property
     def has_work(self) -> bool:
@@ -168,7 +174,7 @@ class Scheduler:
             if need <= 0:
                 continue
             while self.pool.num_free < need and seq.is_running:
-                self._preempt_newest()
+                self._preempt()
                 preempted += 1
             if seq.is_running:
                 start = len(seq.pages)
@@ -184,14 +190,14 @@ class Scheduler:
                 return
             budget -= self._chunk(group, budget, plan)
         while budget > 0 and self.waiting:
-            group = self.waiting[0]
+            group = self.waiting.peek()
             if all(s.is_finished for s in group):  # aborted while waiting
-                self.waiting.popleft()
+                self.waiting.pop()
                 continue
             admitted = self._admit(group)
             if admitted is None:
                 return
-            self.waiting.popleft()
+            self.waiting.pop()
             budget -= self._chunk(admitted, budget, plan)
 
     # -------------------------------------------------------------- admission
@@ -351,23 +357,40 @@ class Scheduler:
         if group is not None and all(s.is_finished for s in group.seqs):  # aborted while prefilling
             self._drop_group(group)
 
-    def _preempt_newest(self) -> None:
-        if self.prefilling:
-            group = next(reversed(self.prefilling.values()))
+    def _preempt(self) -> None:
+        """Preempt one victim (see the module docstring for which)."""
+        group, seq = self._victim()
+        if group is not None:
             self._drop_group(group)
-            for seq in group.seqs:
-                seq.num_computed_tokens = 0
-            self.waiting.appendleft(group.seqs)
+            for s in group.seqs:
+                s.num_computed_tokens = 0
+            self.waiting.push_front(group.seqs)
             _count_preemption(group.seqs[0])
         else:
-            seq = next(reversed(self.running.values()))
             _count_preemption(seq)
             self._release(seq)
             seq.epoch = -1  # tokens of windows in flight are void: they will be recomputed
             seq.num_computed_tokens = 0
             seq.num_scheduled_tokens = seq.num_assured_tokens = seq.num_tokens
-            self.waiting.appendleft([seq])
+            self.waiting.push_front([seq])
         self.num_preemptions += 1
+
+    def _victim(self) -> tuple[PrefillGroup | None, Sequence | None]:
+        """(a prefilling group, None) or (None, a running sequence)."""
+        if not self.by_priority:
+            if self.prefilling:
+                return next(reversed(self.prefilling.values())), None
+            return None, next(reversed(self.running.values()))
+        best, best_key = (None, None), None
+        for group in self.prefilling.values():  # admission order: on ties the later one wins
+            key = (group.seqs[0].request.priority, group.seqs[0].request.arrival)
+            if best_key is None or key >= best_key:
+                best, best_key = (group, None), key
+        for seq in self.running.values():
+            key = (seq.request.priority, seq.request.arrival)
+            if best_key is None or key >= best_key:
+                best, best_key = (None, seq), key
+        return best
 
     def _drop_group(self, group: PrefillGroup) -> None:
         """A prefilling group leaves: its pages go back (cached ones stay findable), its rows unreserved."""

@@ -38,6 +38,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: int
+    priority: int = 0  # scheduling_policy "priority": lower first
     seqs: list["Sequence"] = field(default_factory=list)
     num_finished: int = 0
     metrics: RequestMetrics | None = None

@@ -1,0 +1,38 @@
+"""Packed token bitmasks: which token ids a row may sample, 32 ids per int32 word.
+
+A mask over a V-token vocabulary is ceil(V / 32) int32 words (bit b of word w: token
+32 w + b), so a row's mask is V / 8 bytes on the device (6 KB for a 49k vocabulary),
+uploaded once when the row is admitted. The sampler expands the rows' masks to [R, V]
+booleans with one gather and one shift (`allowed_tokens`), inside the window: static
+shapes, no host involvement. allowed_token_ids uses it today; constraint automata (one
+mask per state) are meant to share it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def num_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def pack_token_ids(token_ids, vocab_size: int) -> np.ndarray:
+    """The mask allowing exactly `token_ids` (each in [0, vocab_size)): [ceil(V / 32)] int32."""
+    bits = np.zeros(num_words(vocab_size) * 32, dtype=bool)
+    bits[np.asarray(list(token_ids), dtype=np.int64)] = True
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
+
+
+class TokenMaskUnpacker:
+    """Per-vocabulary constants of the expansion: each token's word and bit."""
+
+    def __init__(self, vocab_size: int, device):
+        ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+        self.word_of = ids // 32  # [V] int64
+        self.bit_of = (ids % 32).to(torch.int32)  # [V] int32
+
+    def allowed_tokens(self, words: torch.Tensor) -> torch.Tensor:
+        """words [R, ceil(V / 32)] int32 -> [R, V] bool: whether each token's bit is set."""
+        return ((words.index_select(1, self.word_of) >> self.bit_of) & 1).to(torch.bool)
