@@ -77,7 +77,7 @@ def _json_object(text: str) -> dict:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
-    from .config import DEFAULT_MAX_BATCH_SIZE, EngineConfig
+    from .config import DEFAULT_MAX_BATCH_SIZE, LOGPROBS_MODES, SCHEDULING_POLICIES, EngineConfig
 
     def config(name: str) -> str:
         return f"default: EngineConfig's, {_field_default(EngineConfig, name)}"
@@ -120,11 +120,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", "--threads", dest="cpu_threads", type=_positive_int, default=None,
                    help=f"torch threads of a CPU engine ({config('cpu_threads')}: more than the idle cores "
                         f"makes every matmul wait)")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help=f"most logprobs a request may ask for, -1 for no cap ({config('max_logprobs')})")
+    p.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES),
+                   help=f"what logprobs report ({config('logprobs_mode')})")
+    p.add_argument("--scheduling-policy", default=None, choices=list(SCHEDULING_POLICIES),
+                   help=f"admission order: arrival, or the requests' priority ({config('scheduling_policy')})")
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
                    "max_model_len", "compile", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
-                   "max_num_batched_tokens", "speculative_config", "cpu_threads")
+                   "max_num_batched_tokens", "speculative_config", "cpu_threads", "max_logprobs", "logprobs_mode",
+                   "scheduling_policy")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -262,6 +269,15 @@ def _finish_text(c, num_tokens: int, eos: set) -> str:
     return f"finished: {c.finish_reason}, {num_tokens} tokens"
 
 
+def _metrics_prefix(text: str) -> str:
+    from .server.metrics import check_metrics_prefix
+
+    try:
+        return check_metrics_prefix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--metrics-prefix: ")) from None
+
+
 def cmd_serve(args) -> int:
     """The OpenAI-compatible server (graphdecode/server/openai_api.py) until SIGTERM or Ctrl+C."""
     try:
@@ -334,6 +350,12 @@ def main(argv=None) -> int:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
     srv.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    srv.add_argument("--metrics-prefix", type=_metrics_prefix, default="graphdecode:",
+                     help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
+                          "gateways built for vLLM (docs/metrics.md)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=32 << 20, metavar="BYTES",
+                     help="a request body over this many bytes gets HTTP 413 before it is read; 0: no limit "
+                          "(default: 32 MiB, far above any prompt a context window holds)")
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers",

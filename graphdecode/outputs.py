@@ -52,3 +52,6 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None for the first prompt token
     metrics: RequestMetrics | None = None
+    # prompt tokens found in the prefix cache at the request's first admission (vLLM's name);
+    # None until it is admitted, or when the engine does not record it
+    num_cached_tokens: int | None = None

@@ -148,16 +148,17 @@ def _server_metrics(url: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if not sample.labels:
+            labels = {k: v for k, v in sample.labels.items() if k != "model_name"}  # every family has it
+            if not labels:
                 out[sample.name] = sample.value
-            elif sample.name.endswith("_bucket"):
-                out[f"{sample.name}:{sample.labels['le']}"] = sample.value
+            elif sample.name.endswith("_bucket") and set(labels) == {"le"}:
+                out[f"{sample.name}:{labels['le']}"] = sample.value
     return out
 
 
 def _quantile_bound(before: dict, after: dict, name: str, q: float) -> float | None:
     """The upper bound of the histogram bucket holding the q-quantile of what was observed in between."""
-    prefix = f"graphdecode_{name}_seconds_bucket:"
+    prefix = f"graphdecode:{name}_seconds_bucket:"
     buckets = sorted((float(key[len(prefix):]), after[key] - before.get(key, 0)) for key in after
                      if key.startswith(prefix))
     total = buckets[-1][1] if buckets else 0
@@ -168,7 +169,7 @@ def _quantile_bound(before: dict, after: dict, name: str, q: float) -> float | N
 
 
 def _mean_delta(before: dict, after: dict, name: str) -> float | None:
-    key = f"graphdecode_{name}_seconds"
+    key = f"graphdecode:{name}_seconds"
     count = after.get(f"{key}_count", 0) - before.get(f"{key}_count", 0)
     return (after.get(f"{key}_sum", 0) - before.get(f"{key}_sum", 0)) / count if count else None
 
@@ -201,8 +202,8 @@ async def run_served(clients: ClientPool, url: str, proc: subprocess.Popen | Non
         "server_ttft_mean_s": _mean_delta(metrics_before, metrics_after, "time_to_first_token"),
         "server_itl_mean_s": _mean_delta(metrics_before, metrics_after, "inter_token_latency"),
         "server_itl_p99_at_most_s": _quantile_bound(metrics_before, metrics_after, "inter_token_latency", 0.99),
-        "engine_windows": (metrics_after.get("graphdecode_windows_total", 0)
-                           - metrics_before.get("graphdecode_windows_total", 0)),
+        "engine_windows": (metrics_after.get("graphdecode:windows_total", 0)
+                           - metrics_before.get("graphdecode:windows_total", 0)),
         "cpu_s": {"server": cpu_after[0] - cpu_before[0], "engine_core": cpu_after[1] - cpu_before[1],
                   "client": cpu_after[2] - cpu_before[2]},
     }

@@ -183,6 +183,8 @@ def test_serve_bench_smoke(micro_dir, tmp_path):
         assert served["output_tokens"] == in_process["output_tokens"] == 4 * n
         assert served["tokens_per_s"] > 0 and served["ttft_p50_s"] > 0 and served["itl_p99_s"] > 0
         assert in_process["window_mean_s"] > 0 and point["served_over_in_process"] > 0
+        # the server's own view, read from /metrics (its names must match the server's)
+        assert served["server_ttft_mean_s"] > 0 and served["engine_windows"] > 0
     assert list(result["goals"]) == ["served / in-process tokens/s at 3 clients (>= 0.9)"]
 
 

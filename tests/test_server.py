@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -26,6 +25,8 @@ MAX_MODEL_LEN = 1024
 ENGINE = dict(num_decode_steps=4, max_model_len=MAX_MODEL_LEN, max_batch_size=128)
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
+L = f"model_name={MODEL}"  # the label on every /metrics sample
+M = f"{{{L}}}"
 
 
 def _start_server(model: str, log_path, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -68,11 +69,12 @@ def test_models_health_and_metrics_endpoints(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server}/health").status_code == 200
     m = metrics(server)
-    for name in ("graphdecode_num_requests_running", "graphdecode_num_requests_waiting",
-                 "graphdecode_prompt_tokens_total", "graphdecode_generation_tokens_total",
-                 "graphdecode_time_to_first_token_seconds_count", "graphdecode_inter_token_latency_seconds_count",
-                 "graphdecode_preemptions_total", "graphdecode_windows_total", "graphdecode_requests_aborted_total",
-                 "graphdecode_requests_finished_total{finish_reason=length}"):
+    for name in (f"graphdecode:num_requests_running{M}", f"graphdecode:num_requests_waiting{M}",
+                 f"graphdecode:prompt_tokens_total{M}", f"graphdecode:generation_tokens_total{M}",
+                 f"graphdecode:time_to_first_token_seconds_count{M}",
+                 f"graphdecode:inter_token_latency_seconds_count{M}", f"graphdecode:num_preemptions_total{M}",
+                 f"graphdecode:windows_total{M}", f"graphdecode:requests_aborted_total{M}",
+                 f"graphdecode:request_success_total{{finished_reason=length,{L}}}"):
         assert name in m, name
 
 
@@ -138,8 +140,8 @@ def test_n3_streamed_with_seed_equals_unstreamed(server, client, llm):
     want = llm.generate(prompt, SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=10))[0]
     assert [c.text for c in whole.choices] == [c.text for c in want.outputs]
     num_prompt = len(want.prompt_token_ids)
-    assert after["graphdecode_prompt_tokens_total"] - before["graphdecode_prompt_tokens_total"] == num_prompt
-    assert after["graphdecode_prefill_tokens_total"] - before["graphdecode_prefill_tokens_total"] <= num_prompt
+    assert after[f"graphdecode:prompt_tokens_total{M}"] - before[f"graphdecode:prompt_tokens_total{M}"] == num_prompt
+    assert after[f"graphdecode:prefill_tokens_total{M}"] - before[f"graphdecode:prefill_tokens_total{M}"] <= num_prompt
 
 
 def test_logprobs_in_each_endpoints_format(client, llm):
@@ -217,13 +219,15 @@ def test_a_dropped_client_is_aborted_and_frees_its_row(server):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = metrics(server)
-        if (m["graphdecode_requests_aborted_total"] > before["graphdecode_requests_aborted_total"]
-                and m["graphdecode_num_requests_running"] == 0 and m["graphdecode_num_requests_unfinished"] == 0):
+        if (m[f"graphdecode:requests_aborted_total{M}"] > before[f"graphdecode:requests_aborted_total{M}"]
+                and m[f"graphdecode:num_requests_running{M}"] == 0
+                and m[f"graphdecode:num_requests_unfinished{M}"] == 0):
             break
         time.sleep(0.05)
-    assert m["graphdecode_requests_aborted_total"] == before["graphdecode_requests_aborted_total"] + 1
-    assert m["graphdecode_num_requests_running"] == 0
-    generated = m["graphdecode_engine_generated_tokens_total"] - before["graphdecode_engine_generated_tokens_total"]
+    assert m[f"graphdecode:requests_aborted_total{M}"] == before[f"graphdecode:requests_aborted_total{M}"] + 1
+    assert m[f"graphdecode:num_requests_running{M}"] == 0
+    generated = (m[f"graphdecode:engine_generated_tokens_total{M}"]
+                 - before[f"graphdecode:engine_generated_tokens_total{M}"])
     assert generated < 1000  # it did not run to its end
 
 
@@ -241,7 +245,7 @@ BAD = [
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {}, "prompt"),
     ("chat/completions", {"messages": []}, "messages"),
-    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": 5, "content": "hi"}]}, "messages[0].role"),  # any str role is fine
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"messages": CHAT, "n": 0, "stream": True}, "n"),
@@ -276,7 +280,7 @@ def test_bad_requests_are_400s_naming_the_field_and_disturb_nobody(server, clien
     thread.join(60)
     assert result["text"] == want.outputs[0].text
     m = metrics(server)
-    assert m["graphdecode_requests_rejected_total{status=400}"] >= len(BAD)
+    assert m[f"graphdecode:requests_rejected_total{{{L},status=400}}"] >= len(BAD)
 
 
 def test_metrics_parse_and_move(server, client):
@@ -285,13 +289,13 @@ def test_metrics_parse_and_move(server, client):
                               extra_body={"ignore_eos": True})
     after = metrics(server)
     moved = {name: after[name] - before.get(name, 0) for name in after}
-    assert moved["graphdecode_generation_tokens_total"] == 5
-    assert moved["graphdecode_prompt_tokens_total"] > 0
-    assert moved["graphdecode_requests_finished_total{finish_reason=length}"] == 1
-    assert moved["graphdecode_time_to_first_token_seconds_count"] == 1
-    assert moved["graphdecode_e2e_request_latency_seconds_count"] == 1
-    assert moved["graphdecode_windows_total"] >= 1 and moved["graphdecode_engine_generated_tokens_total"] == 5
-    assert after["graphdecode_engine_alive"] == 1
+    assert moved[f"graphdecode:generation_tokens_total{M}"] == 5
+    assert moved[f"graphdecode:prompt_tokens_total{M}"] > 0
+    assert moved[f"graphdecode:request_success_total{{finished_reason=length,{L}}}"] == 1
+    assert moved[f"graphdecode:time_to_first_token_seconds_count{M}"] == 1
+    assert moved[f"graphdecode:e2e_request_latency_seconds_count{M}"] == 1
+    assert moved[f"graphdecode:windows_total{M}"] >= 1 and moved[f"graphdecode:engine_generated_tokens_total{M}"] == 5
+    assert after[f"graphdecode:engine_alive{M}"] == 1
 
 
 def test_sigterm_drains_running_requests_then_exits_0(text_model, tmp_path):

@@ -3,6 +3,8 @@ applies every plan the driver broadcasts, exactly as the driver's runner does.
 
 It leaves its loop on a None plan (shutdown), and exits at once when the pipe from the
 driver reads EOF (the driver died): a watcher thread, so no worker outlives its engine.
+Its first act is a message on `started`: the driver waits for it (a worker that exits
+during its bootstrap, before it gets here, is reported at once; see executor.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def _exit_when_driver_is_gone(watched) -> None:
     os._exit(1)
 
 
-def run_worker(rank: int, world_size: int, port: int, config, watched) -> None:
+def run_worker(rank: int, world_size: int, port: int, config, watched, started) -> None:
+    started.send(os.getpid())
+    started.close()
     threading.Thread(target=_exit_when_driver_is_gone, args=(watched,), daemon=True).start()
     torch.set_num_threads(config.cpu_threads)  # before init: the runner sets it again on CPU
     from ..runtime.runner import ModelRunner

@@ -184,10 +184,10 @@ class InputProcessor:
                              f"(scheduling_policy={cfg.scheduling_policy!r}; use scheduling_policy='priority')")
         if not prompt_ids:
             raise ValueError("prompt: the prompt is empty (no tokens)")
+        self.check_length(len(prompt_ids), params.max_tokens)  # before any O(prompt) scan
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        self.check_length(len(prompt_ids), params.max_tokens)
         stop_token_ids = tuple(params.stop_token_ids or ())
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:

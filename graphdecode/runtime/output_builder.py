@@ -37,6 +37,7 @@ def final_output(request: Request) -> RequestOutput:
         finished=request.finished,
         prompt_logprobs=request.prompt_logprobs,
         metrics=request.metrics,
+        num_cached_tokens=request.num_cached_tokens,
     )
 
 
@@ -85,6 +86,7 @@ def delta_outputs(changed: list[Sequence]) -> list[RequestOutput]:
             out = by_request[id(request)] = RequestOutput(
                 request.request_id, request.prompt, request.prompt_token_ids, [], False,
                 prompt_logprobs=prompt_logprobs, metrics=request.metrics,
+                num_cached_tokens=request.num_cached_tokens,
             )
         out.outputs.append(delta)
         out.finished = request.finished

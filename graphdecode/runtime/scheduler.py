@@ -228,6 +228,8 @@ class Scheduler:
         computed = len(hits) * size + partial
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += computed
+        if leader.request.num_cached_tokens is None:  # vLLM's: the first admission's hits
+            leader.request.num_cached_tokens = computed
         leader.pages = hits + self.pool.allocate(total - len(hits))
         leader.num_computed_tokens = computed
         leader.num_cached_pages = len(hits)

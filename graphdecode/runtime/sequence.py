@@ -44,6 +44,7 @@ class Request:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = None  # [None, {token: Logprob, ...}, ...] as prefill computes them
     prompt_logprobs_streamed: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -203,7 +203,7 @@ class AsyncLLM:
         return self.tokenizer
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None) -> RequestStream:
+                 request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Validate now (ValueError / TypeError naming the field) and send the request to the core.
 
         Returns an async iterator of deltas; the last has finished=True. Stopping the
@@ -220,8 +220,10 @@ class AsyncLLM:
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.inputs.prepare(request_id, text, ids, sampling_params, arrival=0)  # the engine's own checks
-        stream = RequestStream(self, request_id, ("add", request_id, text, ids, sampling_params))
+        # the engine's own checks, on its own copy of the params: that copy is what the core gets, so a
+        # change the caller makes to theirs afterwards never reaches the request
+        request = self.inputs.prepare(request_id, text, ids, sampling_params, arrival=0, priority=priority)
+        stream = RequestStream(self, request_id, ("add", request_id, text, ids, request.params, priority))
         try:
             asyncio.get_running_loop()
         except RuntimeError:

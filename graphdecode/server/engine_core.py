@@ -8,10 +8,11 @@ send each step's deltas (vLLM V1's EngineCore pattern, over multiprocessing pipe
 
 Messages in: first ("init", model, engine_args); then lists of tuples (what
 the sender had queued, in order): ("add", request_id, prompt_text, prompt_token_ids,
-params), ("abort", request_id), ("stats",), ("shutdown",).
+params, priority), ("abort", request_id), ("stats",), ("shutdown",).
 Messages out: ("ready", EngineConfig) or ("failed", message) once at start;
 ("outputs", [RequestOutput deltas], load) after every step that produced some, where
-load is a small dict (running, waiting, preemptions, windows, tokens in / out);
+load is a small dict (running, waiting, preemptions, windows, tokens in / out, KV pages
+in use, prefix-cache lookups, the histogram of tokens per step: see `_load`);
 ("rejected", request_id, message) for an add the engine refused; ("stats", dict).
 A closed input pipe (the parent died) ends the loop too.
 """
@@ -21,16 +22,42 @@ from __future__ import annotations
 import signal
 import sys
 import traceback
+from bisect import bisect_left
 from multiprocessing.connection import Connection
 
 from ..runtime.gc_heap import freeze_startup_heap
 from ..runtime.output_builder import DeltaQueue
 
+# upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets), +Inf after them
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-def _load(engine) -> dict:
+
+class StepTokens:
+    """Histogram of the tokens each engine step handled: prompt tokens it prefilled (prefix-cache
+    hits excluded) plus tokens it generated (that reached the host in it). Steps that handled
+    none are not counted. Cumulative, so a step whose load is never sent is not lost."""
+
+    __slots__ = ("counts", "sum", "_seen")
+
+    def __init__(self):
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # per bucket, not cumulative; the last: +Inf
+        self.sum = 0
+        self._seen = 0
+
+    def after_step(self, engine) -> None:
+        s = engine._stats
+        total = s.prefill_tokens + s.generated_tokens
+        tokens, self._seen = total - self._seen, total
+        if tokens > 0:
+            self.counts[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.sum += tokens
+
+
+def _load(engine, step_tokens: StepTokens | None = None) -> dict:
     """What the serving side reports as gauges and counters (cheap: no walk over requests)."""
-    s, sched = engine._stats, engine.scheduler
-    return {
+    s, sched, pool = engine._stats, engine.scheduler, engine.pool
+    usable = pool.num_pages - 1  # page 0 is the scratch page, held forever
+    load = {
         "running": len(sched.running),
         "waiting": len(sched.waiting) + len(sched.prefilling),
         "preemptions": sched.num_preemptions,
@@ -38,7 +65,17 @@ def _load(engine) -> dict:
         "prefill_tokens": s.prefill_tokens,
         "generated_tokens": s.generated_tokens,
         "requests_finished": s.requests_finished,
+        # vLLM's meanings: sequences in the batch (decoding, or admitted and prefilling), sequences not admitted
+        "num_running_seqs": len(sched.running) + sum(len(g.seqs) for g in sched.prefilling.values()),
+        "num_waiting_seqs": sched.waiting.num_seqs,  # O(1): kept by the queue
+        "kv_pages_in_use": usable - pool.num_free,  # held by a sequence (cached pages nobody holds are free)
+        "kv_pages": usable,
+        "prefix_cache_queries": sched.prefix_cache_queries,
+        "prefix_cache_hits": sched.prefix_cache_hits,
     }
+    if step_tokens is not None:
+        load["iteration_tokens"] = (tuple(step_tokens.counts), step_tokens.sum)
+    return load
 
 
 def _handle(engine, message: tuple, outputs) -> bool:
@@ -47,10 +84,10 @@ def _handle(engine, message: tuple, outputs) -> bool:
     if kind == "shutdown":
         return False
     if kind == "add":
-        _, request_id, text, ids, params = message
+        _, request_id, text, ids, params, priority = message
         try:
-            engine.add_prepared(engine.prepare(text, ids, params, request_id))
-        except ValueError as exc:
+            engine.add_prepared(engine.prepare(text, ids, params, request_id, priority))
+        except (ValueError, TypeError) as exc:
             outputs.send(("rejected", request_id, str(exc)))
     elif kind == "abort":
         engine.abort_request(message[1])
@@ -73,6 +110,7 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
     freeze_startup_heap()  # the model and engine stay out of full collections (a 160 ms stall each)
     outputs.send(("ready", engine.config))
     queue = DeltaQueue()
+    step_tokens = StepTokens()
     try:
         while True:
             idle = not engine.has_unfinished()
@@ -85,8 +123,9 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
             if engine.has_unfinished():
                 for seq in engine.step():
                     queue.push(seq)
+                step_tokens.after_step(engine)
                 if queue:
-                    outputs.send(("outputs", queue.take(), _load(engine)))
+                    outputs.send(("outputs", queue.take(), _load(engine, step_tokens)))
     except (EOFError, OSError, KeyboardInterrupt):
         return  # the parent went away
     except Exception:  # noqa: BLE001 - the parent must learn why its engine died

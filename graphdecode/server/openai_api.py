@@ -4,10 +4,14 @@
     python -m graphdecode.server.openai_api [same options]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events or not), GET /v1/models, GET /health, GET /metrics (Prometheus).
+events or not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
-steps (AsyncLLM). A request is parsed, validated, tokenized and handed to
+steps (AsyncLLM). A body over --max-request-body-bytes is refused with 413 before it is
+read (by its Content-Length, or as soon as a chunked body passes the limit). Large
+bodies are parsed, and long prompts tokenized (chat templates rendered), in a worker
+thread, so /health and the streams of other requests never wait for them. A request is
+parsed, validated, tokenized and handed to
 `AsyncLLM.generate` (which runs the engine's own checks, then sends it to the core at
 once) before its response starts, so a bad one is a 400 naming the field and costs the
 engine nothing. One engine request per prompt: n > 1 is one request with
@@ -23,6 +27,7 @@ the core process is shut down, exit status 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -39,6 +44,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 
+from .. import __version__
+from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, EngineDeadError
@@ -57,6 +64,23 @@ DEFAULT_MODEL_NAME = "graphdecode-default"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies over this many bytes are refused (413) before they are read. 32 MiB holds any single prompt a
+# context window takes many times over (128k tokens as JSON ids is ~1 MB, as text ~0.5-3 MB) and batches of
+# them, while a body of hundreds of MB, which would take seconds and GBs to parse, never reaches the parser.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+# Work done on the event loop only up to these sizes, a few ms at most on a slow core (a worker thread
+# above them; its hop costs ~0.1 ms): JSON token-id lists parse at ~15 MB/s, text tokenizes at ~3 KB/ms,
+# echo offsets take ~4 us per token.
+_INLINE_BODY = 64 << 10  # body bytes parsed inline
+_INLINE_CHARS = 4096  # prompt characters or ids (all prompts, or all message contents) tokenized inline
+_INLINE_TOKENS = 1024  # prompt tokens echoed (decoded, offsets found) inline
+
+
+async def _off_loop(work: int, limit: int, fn, *args):
+    """fn(*args), in a worker thread when `work` exceeds `limit`, so the event loop keeps serving."""
+    if work > limit:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _finite(value: float) -> float:
@@ -77,30 +101,59 @@ class _SSEResponse(StreamingResponse):
 
 
 class _Choice:
-    """What a non-streamed choice accumulates."""
+    """What a choice accumulates (non-streamed), or what a streamed choice has sent so far."""
 
-    __slots__ = ("text", "num_tokens", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("text", "token_ids", "entries", "num_tokens", "offset", "started", "finish_reason", "stop_reason")
 
-    def __init__(self, text: str = ""):
-        self.text = [text] if text else []
-        self.num_tokens = 0
-        self.logprobs: list | None = None
+    def __init__(self):
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.entries: list = []  # logprobs: the engine's entries (completions) or their chat format (chat)
+        self.num_tokens = 0  # streamed: tokens sent
+        self.offset = 0  # streamed completions: text_offset of the next token
+        self.started = False  # streamed: its first chunk went out
         self.finish_reason = None
         self.stop_reason = None
+
+
+class _Job:
+    """One HTTP request's engine requests, and what its response needs besides their outputs."""
+
+    __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "want_logprobs", "top_n",
+                 "as_ids", "token_ids", "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role")
+
+    def __init__(self, rid: str, created: int, streams: list, arrival: float, prompt_ids: list[list[int]],
+                 params: SamplingParams, req, echo):
+        self.rid, self.created, self.streams, self.arrival = rid, created, streams, arrival
+        self.prompt_ids = prompt_ids
+        self.prompt_lens = [len(ids) for ids in prompt_ids]
+        self.n = params.n
+        self.want_logprobs = params.logprobs is not None
+        self.top_n = params.logprobs if params.logprobs is not None else 0
+        self.as_ids = bool(req.return_tokens_as_token_ids)  # tokens as "token_id:123" (vLLM's)
+        self.token_ids = bool(req.return_token_ids)
+        self.include_usage = req.include_usage
+        self.continuous = req.continuous_usage
+        self.echo = echo  # completions: per prompt (text, token offsets) or None; chat: the echoed content
+        self.echo_only = False  # completions: echo with max_tokens 0
+        self.prompt_logprobs = False  # the response carries prompt_logprobs
+        self.role = "assistant"  # chat: the reply's role
 
 
 class OpenAIServer:
     """Request handling, independent of the web framework's routing (see build_app)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str):
+    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None):
         self.engine = engine
         self.model_name = served_model_name
         self.model_json = json.dumps(served_model_name)
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, served_model_name, metrics_prefix)
         self.draining = False
         self.created = int(time.time())
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.config.model_config.vocab_size
+        self.prefix_caching = bool(engine.config.enable_prefix_caching)  # usage reports prompt_tokens_details
 
     # ------------------------------------------------------------- checks
     def health(self) -> tuple[int, str]:
@@ -122,22 +175,20 @@ class OpenAIServer:
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                       max_tokens_param: str) -> None:
-        """vLLM's rule: the prompt, and the prompt plus max_tokens when given, fit in max_model_len."""
-        limit = self.max_model_len
-        if num_prompt_tokens >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room to generate.", param=prompt_param)
-        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} in the "
-                f"completion). Please reduce the length of the prompt or {max_tokens_param}.", param=max_tokens_param)
+        """The engine's one context rule (InputProcessor.check_length, the API's too), checked before
+        any echo work; its error is a 400 naming the request's own field."""
+        try:
+            self.engine.inputs.check_length(num_prompt_tokens, max_tokens)
+        except ValueError as exc:
+            message = str(exc)
+            field = "prompt" if message.startswith("prompt") else "max_tokens"
+            param = prompt_param if field == "prompt" else max_tokens_param
+            raise APIError(param + message[len(field):], param=param) from None
 
-    def _start(self, prompt: dict, params: SamplingParams, request_id: str, renames: dict):
+    def _start(self, prompt: dict, params: SamplingParams, request_id: str, renames: dict, priority: int = 0):
         """AsyncLLM.generate: validates (a 400 by name) and sends the request to the core now."""
         try:
-            return self.engine.generate(prompt, params, request_id=request_id)
+            return self.engine.generate(prompt, params, request_id=request_id, priority=priority)
         except EngineDeadError:
             raise unavailable("the engine is not running") from None
         except (ValueError, TypeError) as exc:
@@ -147,7 +198,7 @@ class OpenAIServer:
     async def _parse(request: Request, model):
         body = await request.body()
         try:
-            return model.model_validate_json(body)
+            return await _off_loop(len(body), _INLINE_BODY, model.model_validate_json, body)
         except ValidationError as exc:
             raise validation_error(exc) from None
 
@@ -227,9 +278,15 @@ class OpenAIServer:
             return Response(status_code=499)  # nobody is listening
         return task.result()
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached: dict | None = None,
+               num_prompts: int = 0) -> dict:
+        """OpenAI's usage; with prefix caching on, prompt_tokens_details.cached_tokens (the prompt tokens
+        found in the cache, over all prompts) once the engine reported it for every prompt."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.prefix_caching and cached is not None and num_prompts and len(cached) == num_prompts:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        return usage
 
     # ------------------------------------------------------------- /v1/completions
     async def completions(self, request: Request) -> Response:
@@ -237,119 +294,202 @@ class OpenAIServer:
         self._check_ready()
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(req.model)
-        params = req.sampling_params()
-        try:
-            parsed = self.engine.inputs.tokenize_all(req.prompts())
+        truncate = req.truncation(self.max_model_len)
+        params = req.sampling_params(self.vocab_size)
+        prompts = req.prompts()
+        try:  # long texts are tokenized in a worker thread: the event loop keeps serving meanwhile
+            size = sum(len(p) if isinstance(p, str) else len(p["prompt_token_ids"]) for p in prompts)
+            parsed = await _off_loop(size, _INLINE_CHARS, self.engine.inputs.tokenize_all, prompts)
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc), param="prompt") from None
+        if truncate is not None:  # vLLM's: the last N tokens; a cut text no longer matches them, the ids stand alone
+            parsed = [(text, ids) if len(ids) <= truncate else (None, ids[-truncate:]) for text, ids in parsed]
         for text, ids in parsed:
             self._check_length(len(ids), params.max_tokens, "prompt", "max_tokens")
+        echo = None
+        if req.echo:  # the echoed text, and where each prompt token starts in it (for text_offset)
+            echo = await _off_loop(sum(len(ids) for _, ids in parsed), _INLINE_TOKENS, self._echoes, parsed,
+                                   params.logprobs is not None)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        renames = {"max_tokens": "max_tokens", "logprobs": "logprobs"}
+        renames = req.renames()
         streams = []
         try:
             for i, (text, ids) in enumerate(parsed):
                 prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-                streams.append((f"{rid}-{i}", self._start(prompt, params, f"{rid}-{i}", renames)))
+                streams.append((f"{rid}-{i}", self._start(prompt, params, f"{rid}-{i}", renames, req.priority)))
         except BaseException:
             for _, stream in streams:  # the prompts before the bad one were sent to the core already
                 stream.cancel()
             raise
-        prompt_lens = [len(ids) for _, ids in parsed]
-        echo = None
-        if req.echo:
-            echo = [text if text is not None else self.tokenizer.decode(ids) for text, ids in parsed]
-        created = int(time.time())
+        job = _Job(rid, int(time.time()), streams, arrival, [ids for _, ids in parsed], params, req, echo)
+        job.echo_only = req.echo_only
+        job.prompt_logprobs = req.wants_prompt_logprobs is not None
         if req.stream:
-            body = self._stream_completion(rid, created, streams, arrival, prompt_lens, params, echo,
-                                           req.include_usage)
-            return _SSEResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await self._unless_client_leaves(
-            request, self._full_completion(rid, created, streams, arrival, prompt_lens, params, echo))
+            return _SSEResponse(self._stream_completion(job), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await self._unless_client_leaves(request, self._full_completion(job))
 
-    def _completion_logprobs(self, c, offset: int) -> tuple[dict, int]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for token_id, entry in zip(c.token_ids, c.logprobs):
+    def _echoes(self, parsed: list, with_offsets: bool) -> list[tuple[str, list[int] | None]]:
+        """Per prompt: the text echo gives back (the prompt as sent; token ids decoded) and, with
+        logprobs, the offset in it where each prompt token starts (None: no consistent offsets)."""
+        tokenizer, out = self.tokenizer, []
+        for text, ids in parsed:
+            options: tuple[bool, ...] = (True, False)  # a text prompt: its special tokens (BOS) take no room
+            if text is None:
+                text, options = (tokenizer.decode(ids) if tokenizer is not None else ""), (False,)
+            offsets = None
+            if with_offsets and tokenizer is not None:
+                for skip_special in options:
+                    offsets = _token_offsets(tokenizer, ids, text, skip_special)
+                    if offsets is not None:
+                        break
+            out.append((text, offsets))
+        return out
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _logprob_lists(self, token_ids, entries, top_n: int, as_ids: bool) -> tuple[list, list, list]:
+        """tokens, token_logprobs, top_logprobs (the sampled token's entry, then up to top_n others)."""
+        tokens, values, top = [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            if entry is None:  # the first prompt token: nothing before it predicts it
+                tokens.append(f"token_id:{token_id}" if as_ids else self._decode_one(token_id))
+                values.append(None)
+                top.append(None)
+                continue
             sampled = entry.get(token_id)
-            piece = _piece(sampled, token_id)
-            tokens.append(piece)
-            token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
-            top.append({_piece(lp, tid): _finite(lp.logprob) for tid, lp in entry.items()})
-            offsets.append(offset)
-            offset += len(piece)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+            tokens.append(_piece(sampled, token_id, as_ids))
+            values.append(_finite(sampled.logprob) if sampled is not None else None)
+            items = entry.items() if top_n < 0 else itertools.islice(entry.items(), top_n + 1)
+            top.append({_piece(lp, tid, as_ids): _finite(lp.logprob) for tid, lp in items})
+        return tokens, values, top
 
-    async def _stream_completion(self, rid, created, streams, arrival, prompt_lens, params, echo, include_usage):
-        head = (f'data: {{"id":"{rid}","object":"text_completion","created":{created},'
+    def _completion_logprobs(self, job: _Job, token_ids, entries, offset: int,
+                             offsets: list[int] | None = None, end: int = 0) -> tuple[dict, int]:
+        """The completions format for these tokens; text_offset from `offsets` (then the next token
+        starts at `end`) or counted on from `offset` by the length of each token's text."""
+        tokens, values, top = self._logprob_lists(token_ids, entries, job.top_n, job.as_ids)
+        if offsets is None:
+            offsets = []
+            for piece in tokens:
+                offsets.append(offset)
+                offset += len(piece)
+        else:
+            offsets, offset = list(offsets), end
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}, offset
+
+    def _echo_logprobs(self, job: _Job, p: int, prompt_logprobs) -> tuple[dict, int]:
+        """The echoed prompt's part of a choice's logprobs (its first token has none)."""
+        text, offsets = job.echo[p]
+        ids = job.prompt_ids[p]
+        entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(ids)
+        return self._completion_logprobs(job, ids, entries, 0, offsets, len(text))
+
+    async def _stream_completion(self, job: _Job):
+        head = (f'data: {{"id":"{job.rid}","object":"text_completion","created":{job.created},'
                 f'"model":{self.model_json},"choices":[').encode()
-        n = params.n
-        want_logprobs = params.logprobs is not None
-        completion_tokens = 0
-        offsets: dict[int, int] = {}
-        echoed: set[int] = set()
+        n, echo, prompt_lens = job.n, job.echo, job.prompt_lens
+        states: dict[int, _Choice] = {}
+        prompt_logprobs: dict[int, list] = {}
+        cached: dict[int, int] = {}
         try:
-            async for p, out in self._outputs(streams, arrival, prompt_lens):
+            async for p, out in self._outputs(job.streams, job.arrival, prompt_lens):
+                if out.prompt_logprobs is not None:  # with the request's first delta
+                    prompt_logprobs[p] = out.prompt_logprobs
+                if out.num_cached_tokens is not None:
+                    cached[p] = out.num_cached_tokens
                 for c in out.outputs:
                     index = p * n + c.index
-                    completion_tokens += len(c.token_ids)
-                    text = c.text
-                    if echo is not None and index not in echoed:
-                        echoed.add(index)
-                        text = echo[p] + text
-                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason}
-                    if not text and not c.token_ids and c.finish_reason is None:
+                    state = states.get(index)
+                    if state is None:
+                        state = states[index] = _Choice()
+                    # echo with max_tokens 0: the one token the engine generated is not returned
+                    text, ids, entries = ("", (), ()) if job.echo_only else (c.text, c.token_ids, c.logprobs)
+                    echo_now = echo is not None and not state.started
+                    if not echo_now and not text and not ids and c.finish_reason is None:
                         continue
                     # (a chunk is sent for new tokens whose text is held back, with text "", as vLLM does)
-                    if want_logprobs and c.token_ids:
-                        choice["logprobs"], offsets[index] = self._completion_logprobs(c, offsets.get(index, 0))
+                    logprobs = None
+                    if job.want_logprobs:
+                        if echo_now:
+                            logprobs, state.offset = self._echo_logprobs(job, p, prompt_logprobs.get(p))
+                        if ids:
+                            part, state.offset = self._completion_logprobs(job, ids, entries, state.offset)
+                            logprobs = _joined(logprobs, part)
+                    if echo_now:
+                        text = echo[p][0] + text
+                    state.num_tokens += len(ids)
+                    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield head + _dumps(choice).encode() + b"]}\n\n"
-            if include_usage:
-                usage = self._usage(sum(prompt_lens), completion_tokens)
+                    if job.token_ids:
+                        if not state.started:
+                            choice["prompt_token_ids"] = job.prompt_ids[p]
+                        choice["token_ids"] = list(ids)
+                    state.started = True
+                    chunk = head + _dumps(choice).encode() + b"]"
+                    if job.continuous:  # vLLM's: this prompt's tokens, this choice's tokens so far
+                        chunk += b',"usage":' + _dumps(self._usage(prompt_lens[p], state.num_tokens)).encode()
+                    yield chunk + b"}\n\n"
+            if job.include_usage:
+                completion_tokens = sum(s.num_tokens for s in states.values())
+                usage = self._usage(sum(prompt_lens), completion_tokens, cached, len(prompt_lens))
                 yield head + b'],"usage":' + _dumps(usage).encode() + b"}\n\n"
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
             yield self._error_event(exc)
         yield _DONE
 
-    async def _full_completion(self, rid, created, streams, arrival, prompt_lens, params, echo) -> Response:
-        n = params.n
-        choices = {}
-        offsets: dict[int, int] = {}
-        for p in range(len(streams)):
-            for i in range(n):
-                choices[p * n + i] = _Choice(echo[p] if echo is not None else "")
-        want_logprobs = params.logprobs is not None
+    async def _full_completion(self, job: _Job) -> Response:
+        n = job.n
+        choices = {p * n + i: _Choice() for p in range(len(job.streams)) for i in range(n)}
+        prompt_logprobs: dict[int, list] = {}
+        cached: dict[int, int] = {}
         try:
-            async for p, out in self._outputs(streams, arrival, prompt_lens):
+            async for p, out in self._outputs(job.streams, job.arrival, job.prompt_lens):
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[p] = out.prompt_logprobs
+                if out.num_cached_tokens is not None:
+                    cached[p] = out.num_cached_tokens
                 for c in out.outputs:
-                    index = p * n + c.index
-                    choice = choices[index]
+                    choice = choices[p * n + c.index]
                     if c.text:
                         choice.text.append(c.text)
-                    choice.num_tokens += len(c.token_ids)
-                    if want_logprobs and c.token_ids:
-                        part, offsets[index] = self._completion_logprobs(c, offsets.get(index, 0))
-                        if choice.logprobs is None:
-                            choice.logprobs = part
-                        else:
-                            for key, values in part.items():
-                                choice.logprobs[key].extend(values)
+                    choice.token_ids.extend(c.token_ids)
+                    if c.logprobs:
+                        choice.entries.extend(c.logprobs)
                     if c.finish_reason is not None:
                         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError:
             raise unavailable("the engine stopped while this request ran") from None
         except ValueError as exc:
             raise APIError(str(exc), param=param_of(str(exc))) from None
+        out_choices, completion_tokens = [], 0
+        for index, choice in sorted(choices.items()):
+            p = index // n
+            text, ids, entries = "".join(choice.text), choice.token_ids, choice.entries
+            if job.echo_only:  # the one token the engine generated is not returned
+                text, ids, entries = "", [], []
+            logprobs = None
+            if job.want_logprobs:
+                offset = 0
+                if job.echo is not None:
+                    logprobs, offset = self._echo_logprobs(job, p, prompt_logprobs.get(p))
+                logprobs = _joined(logprobs, self._completion_logprobs(job, ids, entries, offset)[0])
+            if job.echo is not None:
+                text = job.echo[p][0] + text
+            body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason}
+            if job.prompt_logprobs:
+                body["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs.get(p))
+            if job.token_ids:
+                body["prompt_token_ids"] = job.prompt_ids[p]
+                body["token_ids"] = ids
+            completion_tokens += len(ids)
+            out_choices.append(body)
         body = {
-            "id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-            "choices": [
-                {"index": index, "text": "".join(c.text),
-                 "logprobs": (c.logprobs or _EMPTY_COMPLETION_LOGPROBS) if want_logprobs else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for index, c in sorted(choices.items())
-            ],
-            "usage": self._usage(sum(prompt_lens), sum(c.num_tokens for c in choices.values())),
+            "id": job.rid, "object": "text_completion", "created": job.created, "model": self.model_name,
+            "choices": out_choices,
+            "usage": self._usage(sum(job.prompt_lens), completion_tokens, cached, len(job.streams)),
         }
         return Response(_dumps(body), media_type="application/json")
 
@@ -360,19 +500,26 @@ class OpenAIServer:
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
         conversation = req.conversation()
-        text, ids = self._render_chat(req, conversation)
+        truncate = req.truncation(self.max_model_len)
+        size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
+        text, ids = await _off_loop(size, _INLINE_CHARS, self._render_chat, req, conversation)
+        if truncate is not None and len(ids) > truncate:
+            text, ids = None, ids[-truncate:]
         max_tokens = req.requested_max_tokens()
         self._check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
-        params = req.sampling_params(max_tokens)
+        params = req.sampling_params(max_tokens, self.vocab_size)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        renames = {"max_tokens": req.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages"}
-        streams = [(rid, self._start({"prompt": text, "prompt_token_ids": ids}, params, rid, renames))]
-        created = int(time.time())
+        prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+        streams = [(rid, self._start(prompt, params, rid, req.renames(), req.priority))]
+        role = req.response_role
+        last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
+        echo = last["content"] if req.echo and last["role"] == role else ""
+        job = _Job(rid, int(time.time()), streams, arrival, [ids], params, req, echo)
+        job.role = role
+        job.prompt_logprobs = req.wants_prompt_logprobs is not None
         if req.stream:
-            body = self._stream_chat(rid, created, streams, arrival, len(ids), params, req.include_usage)
-            return _SSEResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await self._unless_client_leaves(
-            request, self._full_chat(rid, created, streams, arrival, len(ids), params))
+            return _SSEResponse(self._stream_chat(job), media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await self._unless_client_leaves(request, self._full_chat(job))
 
     def _render_chat(self, req: ChatCompletionRequest, conversation: list[dict]) -> tuple[str, list[int]]:
         """The conversation through the chat template, tokenized as LLM.chat does."""
@@ -392,81 +539,112 @@ class OpenAIServer:
             raise APIError("messages: the conversation renders to an empty prompt", param="messages")
         return text, ids
 
-    def _chat_logprobs(self, c, top_n: int) -> list[dict]:
+    def _chat_logprobs(self, token_ids, entries, top_n: int, as_ids: bool) -> list[dict]:
         content = []
-        for token_id, entry in zip(c.token_ids, c.logprobs):
+        for token_id, entry in zip(token_ids, entries):
             sampled = entry.get(token_id)
-            piece = _piece(sampled, token_id)
-            top = sorted((lp.rank, tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top_n)
+            piece = _piece(sampled, token_id, as_ids)
+            top = sorted((lp.rank, tid, lp) for tid, lp in entry.items()
+                         if lp.rank is not None and (top_n < 0 or lp.rank <= top_n))
             content.append({
                 "token": piece,
                 "logprob": _finite(sampled.logprob) if sampled is not None else -9999.0,
                 "bytes": list(piece.encode("utf-8", errors="replace")),
                 "top_logprobs": [
-                    {"token": (t := _piece(lp, tid)), "logprob": _finite(lp.logprob),
+                    {"token": (t := _piece(lp, tid, as_ids)), "logprob": _finite(lp.logprob),
                      "bytes": list(t.encode("utf-8", errors="replace"))}
                     for _, tid, lp in top
                 ],
             })
         return content
 
-    async def _stream_chat(self, rid, created, streams, arrival, num_prompt_tokens, params, include_usage):
-        head = (f'data: {{"id":"{rid}","object":"chat.completion.chunk","created":{created},'
+    def _chat_chunk(self, head: bytes, choice: dict, job: _Job, completion_tokens: int, first: bool = False) -> bytes:
+        chunk = head + _dumps(choice).encode() + b"]"
+        if first and job.token_ids:  # vLLM's: the prompt's ids ride on the first chunk of each choice
+            chunk += b',"prompt_token_ids":' + _dumps(job.prompt_ids[0]).encode()
+        if job.continuous:
+            chunk += b',"usage":' + _dumps(self._usage(job.prompt_lens[0], completion_tokens)).encode()
+        return chunk + b"}\n\n"
+
+    async def _stream_chat(self, job: _Job):
+        head = (f'data: {{"id":"{job.rid}","object":"chat.completion.chunk","created":{job.created},'
                 f'"model":{self.model_json},"choices":[').encode()
-        want_logprobs = params.logprobs is not None
-        completion_tokens = 0
+        states = {i: _Choice() for i in range(job.n)}
+        cached: dict[int, int] = {}
         try:
-            for i in range(params.n):  # OpenAI's first chunk of a choice carries the role
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            for i in range(job.n):  # OpenAI's first chunk of a choice carries the role
+                first = {"index": i, "delta": {"role": job.role, "content": ""}, "logprobs": None,
                          "finish_reason": None}
-                yield head + _dumps(first).encode() + b"]}\n\n"
-            async for _, out in self._outputs(streams, arrival, [num_prompt_tokens]):
+                yield self._chat_chunk(head, first, job, 0, first=True)
+            if job.echo:
+                for i in range(job.n):
+                    echoed = {"index": i, "delta": {"content": job.echo}, "logprobs": None, "finish_reason": None}
+                    yield self._chat_chunk(head, echoed, job, 0)
+            async for _, out in self._outputs(job.streams, job.arrival, job.prompt_lens):
+                if out.num_cached_tokens is not None:
+                    cached[0] = out.num_cached_tokens
                 for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": None,
-                              "finish_reason": c.finish_reason}
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    if want_logprobs and c.token_ids:
-                        choice["logprobs"] = {"content": self._chat_logprobs(c, params.logprobs)}
+                    state = states[c.index]
+                    state.num_tokens += len(c.token_ids)
+                    choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": None,
+                              "finish_reason": c.finish_reason}
+                    if job.want_logprobs and c.token_ids:
+                        choice["logprobs"] = {"content": self._chat_logprobs(c.token_ids, c.logprobs, job.top_n,
+                                                                             job.as_ids)}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield head + _dumps(choice).encode() + b"]}\n\n"
-            if include_usage:
-                usage = self._usage(num_prompt_tokens, completion_tokens)
+                    if job.token_ids:
+                        choice["token_ids"] = list(c.token_ids)
+                    yield self._chat_chunk(head, choice, job, state.num_tokens)
+            if job.include_usage:
+                usage = self._usage(job.prompt_lens[0], sum(s.num_tokens for s in states.values()), cached, 1)
                 yield head + b'],"usage":' + _dumps(usage).encode() + b"}\n\n"
         except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
             yield self._error_event(exc)
         yield _DONE
 
-    async def _full_chat(self, rid, created, streams, arrival, num_prompt_tokens, params) -> Response:
-        choices = {i: _Choice() for i in range(params.n)}
-        want_logprobs = params.logprobs is not None
+    async def _full_chat(self, job: _Job) -> Response:
+        choices = {i: _Choice() for i in range(job.n)}
+        prompt_logprobs = None
+        cached: dict[int, int] = {}
         try:
-            async for _, out in self._outputs(streams, arrival, [num_prompt_tokens]):
+            async for _, out in self._outputs(job.streams, job.arrival, job.prompt_lens):
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
+                if out.num_cached_tokens is not None:
+                    cached[0] = out.num_cached_tokens
                 for c in out.outputs:
                     choice = choices[c.index]
                     if c.text:
                         choice.text.append(c.text)
-                    choice.num_tokens += len(c.token_ids)
-                    if want_logprobs and c.token_ids:
-                        choice.logprobs = (choice.logprobs or []) + self._chat_logprobs(c, params.logprobs)
+                    choice.token_ids.extend(c.token_ids)
+                    if job.want_logprobs and c.token_ids:
+                        choice.entries.extend(self._chat_logprobs(c.token_ids, c.logprobs, job.top_n, job.as_ids))
                     if c.finish_reason is not None:
                         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError:
             raise unavailable("the engine stopped while this request ran") from None
         except ValueError as exc:
             raise APIError(str(exc), param=param_of(str(exc), {"prompt": "messages"})) from None
+        out_choices = []
+        for index, c in sorted(choices.items()):
+            choice = {"index": index, "message": {"role": job.role, "content": job.echo + "".join(c.text)},
+                      "logprobs": {"content": c.entries} if job.want_logprobs else None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if job.token_ids:
+                choice["token_ids"] = c.token_ids
+            out_choices.append(choice)
         body = {
-            "id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-            "choices": [
-                {"index": index, "message": {"role": "assistant", "content": "".join(c.text)},
-                 "logprobs": {"content": c.logprobs or []} if want_logprobs else None,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                for index, c in sorted(choices.items())
-            ],
-            "usage": self._usage(num_prompt_tokens, sum(c.num_tokens for c in choices.values())),
+            "id": job.rid, "object": "chat.completion", "created": job.created, "model": self.model_name,
+            "choices": out_choices,
+            "usage": self._usage(job.prompt_lens[0], sum(len(c.token_ids) for c in choices.values()), cached, 1),
         }
+        if job.prompt_logprobs:
+            body["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs)
+        if job.token_ids:
+            body["prompt_token_ids"] = job.prompt_ids[0]
         return Response(_dumps(body), media_type="application/json")
 
     # ------------------------------------------------------------- lifecycle
@@ -485,13 +663,80 @@ class OpenAIServer:
             await asyncio.sleep(0.05)
 
 
-_EMPTY_COMPLETION_LOGPROBS = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-
-def _piece(lp, token_id: int) -> str:
-    if lp is not None and lp.decoded_token is not None:
+def _piece(lp, token_id: int, as_ids: bool = False) -> str:
+    if not as_ids and lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return f"token_id:{token_id}"
+
+
+def _joined(first: dict | None, second: dict) -> dict:
+    """Two parts of one choice's completions logprobs, in order (`first`'s lists are extended)."""
+    if first is None:
+        return second
+    for key, values in second.items():
+        first[key].extend(values)
+    return first
+
+
+def _prompt_logprobs_json(entries) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(tid): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for tid, lp in e.items()}
+            for e in entries]
+
+
+def _token_offsets(tokenizer, ids: list[int], text: str, skip_special: bool) -> list[int] | None:
+    """Where each token starts in `text`, if decoding the ids incrementally gives exactly `text`
+    (else None). A token that adds no text of its own (a skipped special token, the first
+    bytes of a character) starts where the next text does."""
+    detok = Detokenizer(tokenizer.backend_tokenizer, [], skip_special, (), False)
+    offsets = []
+    for token_id in ids:
+        offsets.append(len(detok.text))
+        detok.add([token_id])
+    detok.finish()
+    return offsets if detok.text == text else None
+
+
+def _too_large(limit: int, declared: int | None) -> APIError:
+    size = f" ({declared} bytes)" if declared is not None else ""
+    return APIError(f"the request body{size} is over this server's limit of {limit} bytes "
+                    f"(--max-request-body-bytes)", status=413)
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over `limit` bytes gets 413 before it is read (by its Content-Length), or
+    as soon as the bytes read pass the limit (a chunked body). uvicorn then discards the rest as it
+    arrives, so the client, still sending, gets the answer."""
+
+    def __init__(self, app, limit: int, server: OpenAIServer):
+        self.app, self.limit, self.server = app, limit, server
+
+    async def __call__(self, scope, receive, send):
+        limit = self.limit
+        if scope["type"] != "http" or not limit:
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    await _error_response(_too_large(limit, int(value)), self.server)(scope, receive, send)
+                    return
+                break
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # raised in the handler reading the body: its APIError handler answers
+                    raise _too_large(limit, None)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _error_response(err: APIError, server: OpenAIServer | None = None) -> JSONResponse:
@@ -500,11 +745,15 @@ def _error_response(err: APIError, server: OpenAIServer | None = None) -> JSONRe
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer."""
-    server = OpenAIServer(engine, served_model_name)
+def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None, *,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
+    Bodies over `max_request_body_bytes` get 413 (0: no limit)."""
+    server = OpenAIServer(engine, served_model_name, metrics_prefix)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
+    if max_request_body_bytes:
+        app.add_middleware(_BodyLimit, limit=max_request_body_bytes, server=server)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -539,6 +788,10 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
             "id": served_model_name, "object": "model", "created": server.created, "owned_by": "graphdecode",
             "root": str(config.model), "max_model_len": config.max_model_len,
         }]}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
@@ -598,11 +851,14 @@ def serve(args) -> int:
     from ..cli import _engine_options
 
     model, options = _engine_options(args)
+    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
+    if body_limit < 0:
+        raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {body_limit}")
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else DEFAULT_MODEL_NAME)
     engine = AsyncLLM(model, **options)
     try:
-        app = build_app(engine, name)
+        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=body_limit)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)

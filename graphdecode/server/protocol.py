@@ -58,7 +58,7 @@ class _Base(BaseModel):
 
 class StreamOptions(_Base):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False  # accepted, ignored (vLLM's extension)
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk too (with include_usage)
 
 
 class _SamplingRequest(_Base):
@@ -76,6 +76,7 @@ class _SamplingRequest(_Base):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -87,18 +88,44 @@ class _SamplingRequest(_Base):
     skip_special_tokens: bool | None = None
     bad_words: list[str] | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's rule, only together with include_usage."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """truncate_prompt_tokens resolved: keep the last N prompt tokens (-1: max_model_len; None: no truncation)."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return None
+        if n == -1:
+            return max_model_len
+        if n < 1:
+            raise APIError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {n}",
+                           param="truncate_prompt_tokens")
+        if n > max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({n}) is greater than max_model_len ({max_model_len}); "
+                           f"select a smaller truncation size", param="truncate_prompt_tokens")
+        return n
 
     def _check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported (only best_of = n)", param="best_of")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM's rule: a stream has no place for them
+            raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
-    def _common_params(self) -> dict:
+    def _common_params(self, vocab_size: int | None = None) -> dict:
         """SamplingParams keyword arguments for the fields given (None: SamplingParams' default)."""
         given = {}
         for name in ("n", "temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
@@ -106,10 +133,8 @@ class _SamplingRequest(_Base):
             value = getattr(self, name)
             if value is not None:
                 given[name] = value
-        if self.stop is not None:
-            stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if stops:  # OpenAI accepts [] and "" as no stop
-                given["stop"] = [s for s in stops if s] or None
+        if self.stop is not None:  # [] is no stop; "" is refused by SamplingParams, as by the API (vLLM's rule)
+            given["stop"] = self.stop if self.stop != [] else None
         # penalties, bias and bad words: passed when this engine's SamplingParams has them
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words"):
             value = getattr(self, name)
@@ -123,14 +148,30 @@ class _SamplingRequest(_Base):
         if self.logit_bias:
             if "logit_bias" not in _SAMPLING_FIELDS:
                 raise APIError("logit_bias is not supported by this engine", param="logit_bias")
-            bias = {}
-            for key, value in self.logit_bias.items():
-                try:
-                    bias[int(key)] = value
-                except ValueError:
-                    raise APIError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
-            given["logit_bias"] = bias
+            given["logit_bias"] = logit_bias_ids(self.logit_bias, vocab_size)
         return given
+
+
+def logit_bias_ids(bias: dict[str, float], vocab_size: int | None) -> dict[int, float]:
+    """logit_bias keyed by token id; one 400 naming every bad key (not an integer, negative,
+    outside the vocabulary) rather than the first."""
+    out, bad = {}, []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            bad.append(f"{key!r} (not an integer token id)")
+            continue
+        if token < 0:
+            bad.append(f"{key!r} (negative)")
+        elif vocab_size is not None and token >= vocab_size:
+            bad.append(f"{key!r} (outside the vocabulary [0, {vocab_size}))")
+        else:
+            out[token] = value
+    if bad:
+        raise APIError(f"logit_bias: {len(bad)} invalid key{'s' if len(bad) > 1 else ''}, keys must be token ids: "
+                       + ", ".join(bad), param="logit_bias")
+    return out
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -160,17 +201,39 @@ class CompletionRequest(_SamplingRequest):
                 raise APIError(f"prompt[{i}]: the prompt is empty (no tokens)", param="prompt")
         return [{"prompt_token_ids": ids} for ids in prompt]
 
-    def sampling_params(self) -> SamplingParams:
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM): the prompt alone comes back; the engine generates one token, unreturned."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def wants_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: prompt_logprobs as given, else with echo the prompt gets `logprobs` like the completion."""
+        if self._explicit_prompt_logprobs:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    @property
+    def _explicit_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and not (self.stream and self.prompt_logprobs == 0)
+
+    def renames(self) -> dict[str, str]:
+        """graphdecode's field names -> this request's (prompt_logprobs taken from logprobs is `logprobs`)."""
+        derived = not self._explicit_prompt_logprobs and self.echo and self.logprobs is not None
+        return {"logprobs": "logprobs", "max_tokens": "max_tokens",
+                "prompt_logprobs": "logprobs" if derived else "prompt_logprobs"}
+
+    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
         self._check_unsupported()
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
-        given = self._common_params()
-        given["max_tokens"] = self.max_tokens
+        given = self._common_params(vocab_size)
+        given["max_tokens"] = 1 if self.echo_only else self.max_tokens
         if self.logprobs is not None:
             given["logprobs"] = self.logprobs
-        return build_sampling_params(given, {"logprobs": "logprobs", "max_tokens": "max_tokens"})
+        if self.wants_prompt_logprobs is not None:
+            given["prompt_logprobs"] = self.wants_prompt_logprobs
+        return build_sampling_params(given, self.renames())
 
 
 class TextPart(_Base):
@@ -181,12 +244,12 @@ class TextPart(_Base):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id, ... reach the template
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str  # any role reaches the template as it is ("developer", "tool", "ipython", ...), as in vLLM
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict:
         out = dict(self.__pydantic_extra__ or {})
-        out["role"] = "system" if self.role == "developer" else self.role  # templates know "system"
+        out["role"] = self.role
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
@@ -211,6 +274,21 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool | None = False
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's: "assistant" after a generation prompt, else the last message's role (it is continued)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def wants_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs as given, else with echo top_logprobs (vLLM's rule); a stream never carries them."""
+        if self.stream:
+            return None
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.top_logprobs if self.echo and self.logprobs else None
 
     @property
     def max_tokens_param(self) -> str:
@@ -230,16 +308,23 @@ class ChatCompletionRequest(_SamplingRequest):
                            param="continue_final_message")
         return [m.as_template_dict() for m in self.messages]
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def renames(self) -> dict[str, str]:
+        derived = self.prompt_logprobs is None and self.wants_prompt_logprobs is not None
+        return {"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages",
+                "prompt_logprobs": "top_logprobs" if derived else "prompt_logprobs"}
+
+    def sampling_params(self, max_tokens: int | None, vocab_size: int | None = None) -> SamplingParams:
         """`max_tokens`: the resolved limit (None: up to max_model_len, vLLM's default for chat)."""
         self._check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        given = self._common_params()
+        given = self._common_params(vocab_size)
         given["max_tokens"] = max_tokens
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0
-        return build_sampling_params(given, {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
+        if self.wants_prompt_logprobs is not None:
+            given["prompt_logprobs"] = self.wants_prompt_logprobs
+        return build_sampling_params(given, self.renames())
 
 
 # ------------------------------------------------------------------ errors
