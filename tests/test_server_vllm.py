@@ -306,6 +306,21 @@ def test_one_rule_for_the_api_and_the_server(http, llm):
     assert r.status_code == 200  # [] is no stop, as before
 
 
+def test_allowed_token_ids_field(http, llm):
+    tokenizer = llm.get_tokenizer()
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": "Answer:", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "allowed_token_ids": allowed, "return_token_ids": True}
+    r = http.post("/completions", json=body)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["choices"][0]["token_ids"]
+    want = llm.generate("Answer:", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                  allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert tokens == want and set(tokens) <= set(allowed)
+    r = http.post("/completions", json={**body, "allowed_token_ids": [10**7]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_version(server):
     r = httpx.get(f"{server}/version")
     assert r.status_code == 200

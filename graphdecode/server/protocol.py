@@ -87,6 +87,7 @@ class _SamplingRequest(_Base):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
@@ -129,7 +130,7 @@ class _SamplingRequest(_Base):
         """SamplingParams keyword arguments for the fields given (None: SamplingParams' default)."""
         given = {}
         for name in ("n", "temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
-                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens"):
+                     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None:
                 given[name] = value
