@@ -89,6 +89,11 @@ class EngineConfig:
     # "fcfs": admission in arrival order; "priority": lowest `priority` value first (then arrival),
     # and preemption takes the lowest-priority work first
     scheduling_policy: str = "fcfs"
+    # the device's table store for structured-outputs constraints (runtime/structured_store.py): automaton
+    # states (each ceil(vocab_size / 32) * 4 bytes of mask: 6 KB at a 49k vocabulary) and transition
+    # exceptions (8 bytes each); allocated at the first constrained request
+    structured_max_states: int = 4096
+    structured_max_exceptions: int = 1 << 21
     max_stop_ids: int = 16
     max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
@@ -148,6 +153,8 @@ class EngineConfig:
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
         _pos_int("cpu_threads", self.cpu_threads)
+        _pos_int("structured_max_states", self.structured_max_states)
+        _pos_int("structured_max_exceptions", self.structured_max_exceptions)
         speculative = _check_speculative(self.speculative_config, self.page_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -171,11 +178,8 @@ class EngineConfig:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings})"
             )
-        if cfg.sliding_window is not None and cfg.sliding_window < max_len:
-            raise ValueError(
-                f"sliding_window: the model uses a {cfg.sliding_window}-token sliding window, which is not "
-                f"supported; set max_model_len <= {cfg.sliding_window}"
-            )
+        # sliding windows (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 3) are per-layer
+        # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
@@ -330,5 +334,5 @@ def model_weight_bytes(cfg: ModelConfig, dtype) -> int:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
     per_layer = attn + 3 * h * i
-    count = cfg.num_layers * per_layer + v * h * (1 if cfg.tie_word_embeddings else 2)
+    count = cfg.decoder_layers * per_layer + v * h * (1 if cfg.tie_word_embeddings else 2)
     return count * torch.tensor([], dtype=dtype).element_size()

@@ -74,6 +74,44 @@ MODEL_SPECS = {
         "LlamaForCausalLM",
         dict(COMMON, num_attention_heads=4, num_key_value_heads=4, head_dim=32),
     ),
+    # Qwen3: q/k RMSNorm, explicit head_dim (32, not hidden / heads), untied
+    "qwen3_untied": (
+        "Qwen3ForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
+    # Qwen3, tied, use_sliding_window: layer 0 full (max_window_layers=1), layer 1 a 24-token window
+    "qwen3_tied_swa": (
+        "Qwen3ForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+             use_sliding_window=True, sliding_window=24, max_window_layers=1),
+    ),
+    # Mistral with a 20-token window on every layer
+    "mistral_swa": (
+        "MistralForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=20),
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj, half the head rotates, a 40-token window
+    "phi3_partial_swa": (
+        "Phi3ForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5, sliding_window=40,
+             pad_token_id=0),
+    ),
+    # Phi-4-mini-like: longrope past 64 positions (factor 16 -> attention factor 1.29), 3/4 of the head rotates
+    "phi3_longrope": (
+        "Phi3ForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, original_max_position_embeddings=64,
+             pad_token_id=0, rope_parameters={
+                 "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                 "short_factor": [1.0, 1.05, 1.2, 1.4, 1.7, 2.0], "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 14.0]}),
+    ),
+    # Gemma 3 text: (1 + w) norms, GeGLU, sandwich norms, query_pre_attn_scalar, both soft-caps,
+    # local (16-token window, rope 1e4) / global (rope 1e6) layers
+    "gemma3_text": (
+        "Gemma3TextForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+             sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0),
+    ),
 }
 
 

@@ -239,15 +239,14 @@ def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
     assert len(kernels.plans) == 1
 
 
-def test_attention_variants_are_refused_by_name_not_run_wrong(kernels):
-    """The FlashInfer plans take no window, soft-cap or sinks yet: a model whose layers have
-    them is refused at construction (the torch backend runs them)."""
+def test_sinks_are_refused_by_name_not_run_wrong(kernels):
+    """FlashInfer plans take windows and soft-caps (tests/test_model_families.py), not sinks yet:
+    a model whose layers have them is refused at construction (the torch backend runs them)."""
     from graphdecode.attention.spec import AttentionSpec
 
     FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec()])  # the default runs
-    for spec in (AttentionSpec(sliding_window=4), AttentionSpec(soft_cap=30.0), AttentionSpec(sinks=torch.ones(H))):
-        with pytest.raises(ValueError, match="attention variants.*layers \\[0\\]"):
-            FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[spec])
+    with pytest.raises(ValueError, match="attention variants.*layers \\[0\\]"):
+        FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec(sinks=torch.ones(H))])
 
 
 def test_importing_a_backend_registers_the_ops_it_calls():

@@ -27,6 +27,15 @@ wrapper allocates its own, so a bucket's captured graph always reads its own pla
 K/V are written into the cache by slot (kv_cache.write_kv) inside the attention
 ops (flashinfer_ops.py), before attending. KV layout NHD: [pages, 2, P, H_kv, D].
 
+Attention variants (AttentionSpec): a sliding window, a logits soft-cap and a query
+scale are plan() arguments of FlashInfer's wrappers (`window_left`, `logits_soft_cap`,
+`sm_scale`), fixed per plan; so layers are grouped by variant and every wrapper above
+exists once per variant the model has (Gemma 3: its local and its global layers; most
+models: one). A window or soft-cap needs its own compiled module (flashinfer_probe.py);
+where that module cannot be had (the GPU kit prebuilds only the plain one), those layers
+run the torch reference attention over the same cache, with one log line naming them,
+while the other layers keep FlashInfer. Sinks are refused by name.
+
 Verify (speculative decoding: Q = d + 1 queries per row, causal): one
 BatchPrefillWithPagedKVCacheWrapper per bucket in CUDA-graph mode, planned once with
 split-KV off over fixed buffers (qo_indptr = 0, Q, 2Q, ...; the KV CSR in buffers of
@@ -39,19 +48,28 @@ query with no key to see is what makes NaNs).
 from __future__ import annotations
 
 import importlib
+import logging
 
 import numpy as np
 import torch
 
-from . import flashinfer_ops  # noqa: F401 - registers the graphdecode::flashinfer_* ops this backend calls
+from . import flashinfer_ops, flashinfer_probe  # noqa: F401 - flashinfer_ops registers the ops this backend calls
 from .backend import AttentionBackend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
 from .flashinfer_probe import SUPPORTED_DTYPES
 from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
+from .spec import AttentionSpec
+from .torch_backend import TorchAttentionBackend
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+logger = logging.getLogger("graphdecode")
+
+
+def plan_variant(spec: AttentionSpec) -> tuple[int, float, float | None]:
+    """What a spec changes in a FlashInfer plan: (window_left, logits_soft_cap, sm_scale or None)."""
+    return spec.window_left, float(spec.soft_cap or 0.0), spec.scale
 
 
 def _pinned(array: np.ndarray) -> torch.Tensor:
@@ -64,28 +82,54 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES,
                  specs=None):
         super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
-        variants = [i for i, spec in enumerate(self.specs) if not spec.is_default]
-        if variants:  # window_left / logits_soft_cap / sinks: not wired to the plans yet
-            raise ValueError(f"attention_backend 'flashinfer' does not run this model's attention variants "
-                             f"(sliding window, soft-cap, sinks or scale at layers {variants[:8]}); use 'torch'")
+        sinks = [i for i, spec in enumerate(self.specs) if spec.sinks is not None]
+        if sinks:  # FlashInfer's fa2 paged prefill/decode take no sink logits
+            raise ValueError(f"attention_backend 'flashinfer' does not run these attention variants "
+                             f"(sinks at layers {sinks[:8]}); use 'torch'")
         self.flashinfer = importlib.import_module("flashinfer")
         self.device = torch.device(device)  # CUDA (EngineConfig checks); tests dry-run it on CPU
         self.dtype = kv_caches[0].dtype
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"attention_backend 'flashinfer' needs bfloat16 or float16, got {self.dtype}")
         self.page_size = kv_caches[0].shape[2]
+        self.variants: list[tuple[int, float, float | None]] = []  # the plans' (window_left, soft_cap, scale)
+        self.layer_variant: list[int | None] = []  # per layer: its variant, None where the reference runs it
+        missing: dict[str, list[int]] = {}
+        for layer, spec in enumerate(self.specs):
+            why = flashinfer_probe.variant_unavailable_reason(
+                head_dim, self.dtype, spec.sliding_window is not None, spec.soft_cap is not None)
+            if why is not None:
+                missing.setdefault(why, []).append(layer)
+                self.layer_variant.append(None)
+                continue
+            if plan_variant(spec) not in self.variants:
+                self.variants.append(plan_variant(spec))
+            self.layer_variant.append(self.variants.index(plan_variant(spec)))
+        self.reference = None  # the torch attention of the layers FlashInfer has no kernel for
+        if missing:
+            self.reference = TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=self.specs)
+            layers = sorted(i for group in missing.values() for i in group)
+            logger.warning("graphdecode: FlashInfer runs no sliding-window / soft-capped kernel here for layers %s "
+                           "(%s); the torch reference attention runs them", _short(layers), "; ".join(missing))
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes], shared
-        self._prefill_wrappers = [self._new_prefill_wrapper() for _ in range(2)]
+        self._prefill_wrappers = [[self._new_prefill_wrapper() for _ in range(2)] for _ in self.variants]
         self._prefill_uploads: list[torch.cuda.Event | None] = [None, None]
         self._prefill_next = 0
-        self._prefill_wrapper = None  # the wrapper planned for the current prefill batch
+        self._prefill_planned: list = []  # per variant: the wrapper planned for the current prefill batch
+        self._prefill_wrapper = None  # the first variant's (what a one-variant model runs)
         self._prefill_copies = None  # (src slots, dst slots) of the current prefill batch
-        self._decode_wrappers: dict[int, object] = {}  # bucket -> planned wrapper
+        self._decode_wrappers: dict[int, object] = {}  # bucket -> the first variant's planned wrapper
+        self._decode_by_variant: dict[tuple[int, int], object] = {}  # (bucket, variant) -> planned wrapper
         self._decode_plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # host plan inputs, kept alive
-        self._verify_wrappers: dict[int, object] = {}  # bucket -> planned verify wrapper
+        self._verify_wrappers: dict[int, object] = {}  # bucket -> the first variant's planned verify wrapper
+        self._verify_by_variant: dict[tuple[int, int], object] = {}
         self._verify_buffers: dict[str, torch.Tensor] = {}  # fixed CSR buffers, sized at the first plan
         self._verify_plans: dict[int, tuple] = {}
         self.handle = register_backend(self)
+
+    def _variant_args(self, variant: int) -> dict:
+        window_left, soft_cap, scale = self.variants[variant]
+        return dict(window_left=window_left, logits_soft_cap=soft_cap or None, sm_scale=scale)
 
     # ------------------------------------------------------------------ plans
     def _new_prefill_wrapper(self):
@@ -93,73 +137,83 @@ class FlashInferBackend(AttentionBackend):
 
     def plan_prefill(self, meta: PrefillMetadata) -> None:
         csr = prefill_csr(meta.query_lens_host, meta.seq_lens_host, meta.block_table_host.numpy(), self.page_size)
+        self._prefill_copies = None if meta.copy_src is None else (meta.copy_src, meta.copy_dst)
+        if not self.variants:
+            return  # every layer runs the reference
         index = self._prefill_next
         self._prefill_next ^= 1
         upload = self._prefill_uploads[index]
         if upload is not None:
-            upload.synchronize()  # this wrapper's previous upload has left its pinned buffer
-        wrapper = self._prefill_wrappers[index]
-        wrapper.plan(
-            _pinned(csr.qo_indptr),
-            _pinned(csr.kv_indptr),
-            _pinned(csr.kv_indices),
-            _pinned(csr.kv_last_page_len),
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            causal=True,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
-            seq_lens=_pinned(csr.seq_lens),  # host lengths: plan() reads them without a device copy
-        )
+            upload.synchronize()  # these wrappers' previous uploads have left their pinned buffers
+        inputs = [_pinned(a) for a in (csr.qo_indptr, csr.kv_indptr, csr.kv_indices, csr.kv_last_page_len)]
+        seq_lens = _pinned(csr.seq_lens)  # host lengths: plan() reads them without a device copy
+        self._prefill_planned = []
+        for variant, pair in enumerate(self._prefill_wrappers):
+            wrapper = pair[index]
+            wrapper.plan(
+                *inputs,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                causal=True,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                non_blocking=True,
+                seq_lens=seq_lens,
+                **self._variant_args(variant),
+            )
+            self._prefill_planned.append(wrapper)
+        self._prefill_wrapper = self._prefill_planned[0]
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._prefill_uploads[index] = event
-        self._prefill_wrapper = wrapper
-        self._prefill_copies = None if meta.copy_src is None else (meta.copy_src, meta.copy_dst)
 
     def plan_decode(self, bucket: int, meta: DecodeMetadata) -> None:
-        """Build and plan the bucket's wrapper once; later calls for the bucket do nothing."""
-        if bucket in self._decode_wrappers:
+        """Build and plan the bucket's wrappers (one per variant) once; later calls for the bucket do nothing."""
+        if bucket in self._decode_plans or not self.variants:
             return
         max_pages = meta.block_table.shape[1]
-        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=meta.kv_indptr,  # [B + 1] view of DecodeState.kv_indptr
-            paged_kv_indices_buffer=meta.kv_indices,  # [B * max_pages] view
-            paged_kv_last_page_len_buffer=meta.kv_last_page_len,  # [B] view
-            backend="fa2",
-        )
         plan = decode_plan_csr(bucket, max_pages, self.page_size)
         indptr, last_page_len = _pinned(plan.kv_indptr), _pinned(plan.kv_last_page_len)
-        # plan() copies its inputs into the fixed buffers. Those hold derived metadata that the
-        # window's first advance_step rewrites before any attention reads it, so the worst case
-        # landing there is harmless. Device zeros for the indices keep that copy asynchronous.
-        indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
-        wrapper.plan(
-            indptr,
-            indices,
-            last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
-            disable_split_kv=True,
-        )
-        self._decode_wrappers[bucket] = wrapper
+        for variant in range(len(self.variants)):
+            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=meta.kv_indptr,  # [B + 1] view of DecodeState.kv_indptr
+                paged_kv_indices_buffer=meta.kv_indices,  # [B * max_pages] view
+                paged_kv_last_page_len_buffer=meta.kv_last_page_len,  # [B] view
+                backend="fa2",
+            )
+            # plan() copies its inputs into the fixed buffers. Those hold derived metadata that the window's
+            # first advance_step rewrites before any attention reads it, so the worst case landing there is
+            # harmless (every variant's plan copies the same). Device zeros for the indices keep that copy
+            # asynchronous.
+            indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
+            wrapper.plan(
+                indptr,
+                indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                non_blocking=True,
+                disable_split_kv=True,
+                **self._variant_args(variant),
+            )
+            self._decode_by_variant[bucket, variant] = wrapper
+        self._decode_wrappers[bucket] = self._decode_by_variant[bucket, 0]
         self._decode_plans[bucket] = (indptr, last_page_len)
 
     def plan_verify(self, bucket: int, queries: int, max_rows: int, max_pages: int) -> None:
-        """Build and plan the bucket's verify wrapper once (Q queries per row, causal, no split-KV)."""
-        if bucket in self._verify_wrappers:
+        """Build and plan the bucket's verify wrappers (one per variant) once (Q queries per row, causal,
+        no split-KV)."""
+        if bucket in self._verify_plans:
             return
         if not self._verify_buffers:
             self._verify_buffers = {
@@ -169,30 +223,34 @@ class FlashInferBackend(AttentionBackend):
                 "kv_last_page_len": torch.ones(max_rows, dtype=torch.int32, device=self.device),
             }
         buffers = self._verify_buffers
-        wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            qo_indptr_buf=buffers["qo_indptr"][: bucket + 1],
-            paged_kv_indptr_buf=buffers["kv_indptr"][: bucket + 1],
-            paged_kv_indices_buf=buffers["kv_indices"][: bucket * max_pages],
-            paged_kv_last_page_len_buf=buffers["kv_last_page_len"][:bucket],
-            backend="fa2",
-        )
         plan = decode_plan_csr(bucket, max_pages, self.page_size)  # the worst case the buffers admit
         qo_indptr = _pinned((np.arange(bucket + 1, dtype=np.int64) * queries).astype(np.int32))
         indptr, last_page_len = _pinned(plan.kv_indptr), _pinned(plan.kv_last_page_len)
-        indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
-        wrapper.plan(
-            qo_indptr, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
-            disable_split_kv=True,
-        )
-        self._verify_wrappers[bucket] = wrapper
+        for variant in range(len(self.variants)):
+            wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=buffers["qo_indptr"][: bucket + 1],
+                paged_kv_indptr_buf=buffers["kv_indptr"][: bucket + 1],
+                paged_kv_indices_buf=buffers["kv_indices"][: bucket * max_pages],
+                paged_kv_last_page_len_buf=buffers["kv_last_page_len"][:bucket],
+                backend="fa2",
+            )
+            indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
+            wrapper.plan(
+                qo_indptr, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+                disable_split_kv=True, **self._variant_args(variant),
+            )
+            self._verify_by_variant[bucket, variant] = wrapper
+        self._verify_wrappers[bucket] = self._verify_by_variant[bucket, 0]
         self._verify_plans[bucket] = (qo_indptr, indptr, last_page_len)
 
     def prepare_verify(self, bucket: int, meta: VerifyMetadata, state, page_size: int) -> None:
         """Each row's KV CSR up to its last query, into the fixed buffers (device ops, capturable)."""
+        if not self.variants:
+            return  # only the reference runs, which reads the block table
         buffers, queries = self._verify_buffers, meta.query_positions.shape[1]
         max_pages = state.max_pages
         live = meta.live
@@ -216,12 +274,18 @@ class FlashInferBackend(AttentionBackend):
 
     # ------------------------------------------------------- forward (traced)
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
+        if self.layer_variant[layer] is None:
+            return self.reference.prefill(layer, q, k, v, meta)
         return torch.ops.graphdecode.flashinfer_prefill(q, k, v, meta.slot_mapping, self.handle, layer)
 
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
+        if self.layer_variant[layer] is None:
+            return self.reference.decode(layer, q, k, v, meta)
         return torch.ops.graphdecode.flashinfer_decode(q, k, v, meta.slot_mapping, self.handle, layer)
 
     def verify(self, layer, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
+        if self.layer_variant[layer] is None:
+            return self.reference.verify(layer, q, k, v, meta)
         return torch.ops.graphdecode.flashinfer_verify(q, k, v, meta.slot_mapping, self.handle, layer,
                                                       meta.query_positions.shape[0])
 
@@ -233,12 +297,12 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("FlashInferBackend: prefill before plan_prefill")
         if self._prefill_copies is not None:  # partial prefix hits, after this forward's writes
             copy_slots(kv, *self._prefill_copies)
-        return self._prefill_wrapper.run(q.contiguous(), kv, enable_pdl=False)
+        return self._prefill_planned[self.layer_variant[layer]].run(q.contiguous(), kv, enable_pdl=False)
 
     def run_decode(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, slot_mapping)
-        wrapper = self._decode_wrappers.get(q.shape[0])
+        wrapper = self._decode_by_variant.get((q.shape[0], self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {q.shape[0]} was never planned (plan_decode)")
         return wrapper.run(q.contiguous(), kv, enable_pdl=False)
@@ -246,7 +310,11 @@ class FlashInferBackend(AttentionBackend):
     def run_verify(self, layer, q, k, v, slot_mapping, bucket: int) -> torch.Tensor:
         kv = self.kv_caches[layer]
         write_kv(kv, k, v, slot_mapping)
-        wrapper = self._verify_wrappers.get(bucket)
+        wrapper = self._verify_by_variant.get((bucket, self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {bucket} has no verify plan (plan_verify)")
         return wrapper.run(q.contiguous(), kv, enable_pdl=False)
+
+
+def _short(layers: list[int]) -> str:
+    return str(layers) if len(layers) <= 8 else f"{layers[:8]}... ({len(layers)} layers)"

@@ -10,6 +10,11 @@ milliseconds and never crashes later inside plan().
 `flashinfer_unavailable_reason` returns None when FlashInfer can run, else a sentence
 saying why not; the engine config uses it to fall back to the torch backend (auto
 choice) or to refuse an explicit `attention_backend="flashinfer"` by name.
+
+A sliding window or a logits soft-cap is a template parameter of that module (its name
+says `use_swa_True` / `use_logits_cap_True`), so a model with such layers needs another
+module: `variant_unavailable_reason` asks the same question for it, and the backend runs
+the layers whose variant is missing with the torch reference (one log line says so).
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)  # what flashinfer's fa2 templates are inst
 _PAGED_KV_STRIDE_MODE = "equal"  # our cache holds K and V of a page side by side: equal strides
 
 
-def kernel_module_name(head_dim: int, dtype: torch.dtype) -> str:
-    """The module our wrappers load (BatchPrefill fa2 / BatchDecode with tensor cores)."""
+def kernel_module_name(head_dim: int, dtype: torch.dtype, sliding_window: bool = False,
+                       soft_cap: bool = False) -> str:
+    """The module our wrappers load (BatchPrefill fa2 / BatchDecode with tensor cores) for a variant."""
     from flashinfer.jit.attention import modules
 
     base = modules.get_batch_prefill_uri(
-        "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False, False
+        "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, soft_cap, False
     )
     return modules._get_batch_prefill_module_uri(base, "fa2", _PAGED_KV_STRIDE_MODE, "full")
 
@@ -78,3 +84,21 @@ def flashinfer_unavailable_reason(head_dim: int, dtype: torch.dtype) -> str | No
     if why_not is None:
         return None  # flashinfer compiles it at first use
     return f"no prebuilt kernel module for head_dim {head_dim} and dtype {_name(dtype)} ({name}), and {why_not}"
+
+
+@functools.cache
+def variant_unavailable_reason(head_dim: int, dtype: torch.dtype, sliding_window: bool, soft_cap: bool) -> str | None:
+    """None when the module for this attention variant can be loaded (or compiled) here, else why not.
+    The plain variant is flashinfer_unavailable_reason's question (asked by the engine config)."""
+    if not (sliding_window or soft_cap):
+        return None
+    try:
+        name = kernel_module_name(head_dim, dtype, sliding_window, soft_cap)
+        if _module_present(name):
+            return None
+    except Exception as exc:  # noqa: BLE001 - private helpers of one flashinfer release: never crash the config
+        return f"could not probe flashinfer's kernel modules ({type(exc).__name__}: {exc})"
+    why_not = _can_compile()
+    if why_not is None:
+        return None
+    return f"no prebuilt kernel module {name}, and {why_not}"

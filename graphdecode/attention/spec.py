@@ -5,8 +5,14 @@ Gemma 3 mixes sliding-window and full layers, Gemma 2 soft-caps its logits, gpt-
 adds a learned per-head "sink" logit to the softmax denominator. A model lists one
 spec per layer (data, not branches in the hot loop); prefill, decode and verify take
 them alike. The torch backend implements all of them on the CPU (its paged kernel and
-the SDPA prefill) and in its reference; the FlashInfer backend maps window and soft-cap
-onto its plan arguments where its kernels have them, and refuses what it cannot run.
+the SDPA prefill) and in its reference; the FlashInfer backend maps window, soft-cap and
+scale onto its plan arguments (`window_left`, `logits_soft_cap`, `sm_scale`), runs the
+layers whose kernel module it cannot load with the torch reference, and refuses sinks.
+
+Sliding windows bound what a layer reads, not what the cache holds: a sequence keeps
+all its pages, including those wholly outside every layer's window (the scheduler and
+prefix cache treat a windowed model like any other), so memory is a full-attention
+model's; only the attention work is bounded by the window.
 """
 
 from __future__ import annotations

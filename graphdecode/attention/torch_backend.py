@@ -17,7 +17,9 @@ cpu_ops.py), which write the step's K/V and attend, so the cache never enters th
 The reference (CUDA, or a CPU without a C++ compiler) gathers pages:
 
 * padded: every row gathers the W pages its block-table view holds and masks past its
-  length (the only form inside CUDA graphs: static shapes);
+  length (the only form inside CUDA graphs: static shapes); a sliding-window layer gathers
+  only the ceil((window + Q - 1) / P) + 1 pages its window can reach, from the row's first
+  page in the window on (a static count, so graphs keep one shape);
 * ragged (`DecodeMetadata.ragged`, chosen by the runner for eager CPU windows without the
   kernel whose rows' lengths differ a lot): the pages FlashInfer's CSR metadata lists are
   gathered once, and a softmax per row runs over its own tokens only.
@@ -249,13 +251,10 @@ class TorchAttentionBackend(AttentionBackend):
         spec = self.specs[layer]
         if meta.ragged:
             return self._decode_ragged(kv, q, meta, spec)
-        rows = q.shape[0]
-        pages = meta.block_table.long()  # [B, W]
-        keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
-        values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
-        positions = torch.arange(keys.shape[1], device=q.device)
-        hidden = positions[None, None, :] >= meta.seq_lens[:, None, None]  # [B, 1, W*P]
-        hidden = self._window_hidden(spec, hidden, positions, meta.seq_lens[:, None, None] - 1)
+        last = meta.seq_lens.long() - 1  # [B]: the query's position
+        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, last, 1)  # [B, N*P, ...]
+        hidden = positions[:, None, :] > last[:, None, None]  # [B, 1, N*P]
+        hidden = self._window_hidden(spec, hidden, positions[:, None, :], last[:, None, None])
         return self._attend(q[:, None], keys, values, hidden, spec)[:, 0]
 
     def verify(self, layer, q, k, v, meta: VerifyMetadata) -> torch.Tensor:
@@ -269,15 +268,33 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(kv, k, v, meta.slot_mapping)
         spec = self.specs[layer]
         rows, queries = meta.query_positions.shape
-        pages = meta.block_table.long()  # [B, W]
-        keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)  # [B, W*P, H_kv, D]
-        values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
-        positions = torch.arange(keys.shape[1], device=q.device)
+        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, meta.query_positions[:, 0], queries)
         query_positions = meta.query_positions[:, :, None]
-        hidden = positions[None, None, :] > query_positions  # [B, Q, W*P]
-        hidden = self._window_hidden(spec, hidden, positions, query_positions)
+        hidden = positions[:, None, :] > query_positions  # [B, Q, N*P]
+        hidden = self._window_hidden(spec, hidden, positions[:, None, :], query_positions)
         out = self._attend(q.view(rows, queries, self.num_heads, self.head_dim), keys, values, hidden, spec)
         return out.reshape(rows * queries, self.num_heads, self.head_dim)
+
+    def _gather_rows(self, kv, block_table, spec: AttentionSpec, first_query, queries: int):
+        """The padded reference's keys/values per row and their positions: all W block-table columns,
+        or, for a sliding window narrower than that, only the N columns the window of Q queries from
+        `first_query` [B] can reach (a static N, so graphs keep one shape; columns past W are clamped
+        and their positions, past every query, masked) -> keys/values [B, N*P, H_kv, D], positions [B, N*P]."""
+        rows, width = block_table.shape
+        page_size = kv.shape[2]
+        columns = torch.arange(width, device=block_table.device)[None, :].expand(rows, -1)
+        if spec.sliding_window is not None:
+            span = spec.sliding_window + queries - 1  # positions from the first query's window to the last query
+            count = -(-span // page_size) + 1
+            if count < width:
+                start = torch.div((first_query - spec.window_left).clamp(min=0), page_size, rounding_mode="floor")
+                columns = start[:, None] + torch.arange(count, device=block_table.device)[None, :]
+        pages = block_table.gather(1, columns.clamp(max=width - 1)).long()  # [B, N]
+        keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
+        values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
+        offsets = torch.arange(page_size, device=block_table.device)
+        positions = (columns[:, :, None] * page_size + offsets).reshape(rows, -1)
+        return keys, values, positions
 
     def _decode_ragged(self, kv, q, meta: DecodeMetadata, spec: AttentionSpec) -> torch.Tensor:
         """q [B, H, D] over each row's own pages (CSR), one segment softmax per row."""

@@ -1,4 +1,4 @@
-"""Small building blocks shared by the model files: RMSNorm and fused linears.
+"""Small building blocks shared by the model files: RMSNorm, fused linears, gated activations.
 
 Fused linears (qkv, gate_up) hold several HuggingFace weights side by side; each
 knows where a named shard goes, so the loader can fill them from the unfused
@@ -15,16 +15,22 @@ from .parallel import ShardSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
+    """RMSNorm over the last dim. offset=True is Gemma's: the weight is stored as a delta and the
+    scale is (1 + weight), applied in float32 before the cast back (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers' LlamaRMSNorm: normalise in float32.
+        # Same arithmetic as transformers' LlamaRMSNorm / Gemma3RMSNorm: normalise in float32.
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -57,7 +63,20 @@ class FusedLinear(nn.Linear):
         param.data[offset : offset + size].copy_(loaded)
 
 
-class SiluAndMul(nn.Module):
+class GatedActivation(nn.Module):
+    """act(gate) * up over a fused [gate | up] projection: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh)."""
+
+    def __init__(self, act: str = "silu"):
+        super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act: {act!r} is not supported")
+        self.act = act
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if self.act == "silu":
+            return F.silu(gate) * up
+        return F.gelu(gate, approximate="tanh") * up
+
+
+SiluAndMul = GatedActivation  # the SwiGLU default

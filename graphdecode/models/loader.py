@@ -17,6 +17,10 @@ Every error is a ValueError naming the file and the checkpoint's own tensor name
 Tensor parallelism: a rank reads only its part of each sharded tensor (a ShardSpec on
 the owning module: rows of q/k/v, gate/up and the vocabulary, columns of o_proj and
 down_proj) through safetensors' slices; headers are checked against the full shapes.
+
+Checkpoints that store q/k/v or gate/up fused already (Phi-3's `qkv_proj`, `gate_up_proj`:
+the model class's `fused_checkpoint`) fill each shard from its block of rows of the one
+tensor (q rows first, then k, then v), the same rows per rank as from unfused tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ class _Entry:
     path: str  # the file that holds it
     name: str  # the parameter it fills
     shard: str | None  # its shard of a fused parameter (q, k, v, gate, up), or None
+    offset: int = 0  # a fused checkpoint tensor's rows before this shard's (fused_checkpoint)
+    fused: bool = False  # the checkpoint tensor holds several shards
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -77,7 +83,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
         with _open(path) as f:
             for entry in entries:
                 try:
-                    tensor = _read(f, entry.key, _spec(modules, entry.name, entry.shard))
+                    tensor = _read(f, entry.key, _spec(modules, entry.name, entry.shard), entry.offset, entry.fused)
                 except (SafetensorError, OSError) as e:
                     raise ValueError(f"{path}: tensor {entry.key!r} cannot be read ({e})") from None
                 param = params[entry.name]
@@ -109,7 +115,8 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied):
                     continue
-                name, shard = _target(key, packed)
+                fused = _fused_shards(key, cls, modules)
+                name, shard = (key, None) if fused is not None else _target(key, packed)
                 if name not in params:
                     raise ValueError(
                         f"{path}: tensor {key!r} has no place in {cls.__name__} as config.json describes it "
@@ -122,20 +129,26 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                         f"{path}: tensor {key!r} has dtype {kind}; weights must be floating point "
                         f"({', '.join(_FLOAT_DTYPES)})"
                     )
-                shape, expected = tuple(header.get_shape()), _expected_shape(params[name], modules, name, shard)
+                shape = tuple(header.get_shape())
+                if fused is not None:
+                    shards, rows = fused
+                    expected = (rows, *params[name].shape[1:])
+                else:
+                    shards, expected = [(shard, 0)], _expected_shape(params[name], modules, name, shard)
                 if shape != expected:
                     raise ValueError(f"{path}: tensor {key!r} has shape {shape}, expected {expected} from config.json")
-                if (name, shard) in found:
-                    raise ValueError(f"{path}: tensor {key!r} is also in {found[name, shard].path}")
-                found[name, shard] = _Entry(key, path, name, shard)
-                entries.append(found[name, shard])
+                for shard, offset in shards:
+                    if (name, shard) in found:
+                        raise ValueError(f"{path}: tensor {key!r} is also in {found[name, shard].path}")
+                    found[name, shard] = _Entry(key, path, name, shard, offset, fused is not None)
+                    entries.append(found[name, shard])
         plan.append((path, entries))
     index = os.path.join(model_dir, _INDEX)
     where = index if os.path.isfile(index) else files[0]
     for name in params:
         for shard in _shards(modules, name):
             if (name, shard) not in found:
-                key = _checkpoint_key(name, shard, packed)
+                key = name if _fused_shards(name, cls, modules) is not None else _checkpoint_key(name, shard, packed)
                 hint = (" (if lm_head shares embed_tokens' weights, config.json should say "
                         "\"tie_word_embeddings\": true)") if key == "lm_head.weight" else ""
                 raise ValueError(f"{where}: tensor {key!r} is missing from the checkpoint{hint}")
@@ -175,12 +188,27 @@ def _expected_shape(param, modules: dict, name: str, shard: str | None) -> tuple
     return tuple(shape)
 
 
-def _read(f, key: str, spec: ShardSpec | None) -> torch.Tensor:
-    """The whole tensor, or only this rank's rows / columns (zero-padded past the end)."""
-    if spec is None or (spec.start == 0 and spec.stop == spec.full):
+def _fused_shards(key: str, cls, modules: dict) -> tuple[list[tuple[str, int]], int] | None:
+    """For a tensor of a module the checkpoint stores fused (cls.fused_checkpoint): each shard with
+    its first row in the checkpoint tensor, and the tensor's rows; else None."""
+    owner = _owner(key)
+    shards = cls.fused_checkpoint.get(owner.rsplit(".", 1)[-1])
+    if not shards or owner not in modules:
+        return None
+    specs, out, rows = modules[owner].shard_specs, [], 0
+    for shard in shards:
+        out.append((shard, rows))
+        rows += specs[shard].full
+    return out, rows
+
+
+def _read(f, key: str, spec: ShardSpec | None, offset: int = 0, fused: bool = False) -> torch.Tensor:
+    """The whole tensor, or only this rank's rows / columns (zero-padded past the end); a shard of a
+    fused checkpoint tensor starts `offset` rows in."""
+    if spec is None or (not fused and spec.start == 0 and spec.stop == spec.full):
         return f.get_tensor(key)
     stop = min(spec.stop, spec.full)
-    index = (slice(None),) * spec.dim + (slice(spec.start, max(stop, spec.start)),)
+    index = (slice(None),) * spec.dim + (slice(offset + spec.start, offset + max(stop, spec.start)),)
     part = f.get_slice(key)[index]
     missing = spec.stop - spec.start - part.shape[spec.dim]
     if missing > 0:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,  # same architecture; sliding window checked by the engine config
+    "mistral": LlamaForCausalLM,  # same architecture; its sliding window is a per-layer AttentionSpec
     "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 

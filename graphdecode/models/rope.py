@@ -1,8 +1,17 @@
-"""Rotary position embeddings, with the `llama3` and `linear` frequency scalings.
+"""Rotary position embeddings: the `llama3`, `linear` and `longrope` frequency scalings, partial rotary.
 
 The cos/sin tables are computed once, in float32 exactly as transformers computes
-them (position * inv_freq, then cos/sin, then cast), so positions index a table
-instead of recomputing per step.
+them (position * inv_freq, then cos/sin, times the attention factor, then cast), so
+positions index a table instead of recomputing per step.
+
+Partial rotary (Phi-3's `partial_rotary_factor`): only the first `rotary_dim` dims of
+each head rotate (rotate-half within them); the rest pass through.
+
+longrope keeps two frequency sets, `short_factor` and `long_factor`; which one a
+forward uses depends on the sequence's length, not on the position (models/phi3.py
+explains how the engine reproduces transformers' choice). `RotaryEmbedding(long=True)`
+builds the long set's table, `RotaryEmbedding.stacked` one table holding both, indexed
+by position (short) and position + max_positions (long).
 """
 
 from __future__ import annotations
@@ -14,9 +23,13 @@ import torch
 from .model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (rope.theta**exponents)  # [head_dim / 2] float32
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    dim = rope.rotary_dim(head_dim)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    if rope.rope_type == "longrope":  # transformers' _compute_longrope_parameters
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)  # [dim / 2] float32
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -33,23 +46,44 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables [max_positions, head_dim] in the model dtype, on the model device."""
+    """cos/sin tables [max_positions, rotary_dim] in the model dtype, on the model device."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype, device):
-        inv_freq = inverse_frequencies(rope, head_dim)
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype, device, long: bool = False):
+        inv_freq = inverse_frequencies(rope, head_dim, long)
         positions = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2] float32
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim / 2] float32
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)  # [max_positions, head_dim]
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if rope.attention_factor != 1.0:
+            cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+        self.cos = cos.to(device=device, dtype=dtype)  # [max_positions, rotary_dim]
+        self.sin = sin.to(device=device, dtype=dtype)
+        self.rotary_dim = inv_freq.numel() * 2
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+
+    @classmethod
+    def stacked(cls, short: RotaryEmbedding, long: RotaryEmbedding) -> RotaryEmbedding:
+        """One table of both: rows [0, max_positions) short, [max_positions, 2 max_positions) long."""
+        both = object.__new__(cls)
+        both.cos, both.sin = torch.cat([short.cos, long.cos]), torch.cat([short.sin, long.sin])
+        both.rotary_dim, both.head_dim, both.max_positions = short.rotary_dim, short.head_dim, short.max_positions
+        return both
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, H_kv, D], positions: [T] int64 -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        """q: [T, H, D], k: [T, H_kv, D], positions: [T] int64 (table rows) -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.rotary_dim == self.head_dim:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate_part(q, cos, sin, self.rotary_dim), _rotate_part(k, cos, sin, self.rotary_dim)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_part(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)

@@ -1,0 +1,206 @@
+"""The decoder every family is built from: attention, gated MLP, norms, the causal LM around them.
+
+A family is a small file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py) that picks
+variants of these parts; nothing here branches on model_type. The variants:
+
+* attention (`Attention`): q/k RMSNorm over head_dim before rotary (`qk_norm`), the
+  layer's sliding window, soft-cap and query scale (an `AttentionSpec` the backends
+  take, listed per layer by `attention_specs`), the rope it rotates with (partial
+  rotary lives in the RotaryEmbedding: Phi-3 rotates only the first dims);
+* MLP (`GatedMLP`): the activation of the gated pair, SwiGLU or GeGLU;
+* norms: `norm_offset` (Gemma's (1 + weight) RMSNorm) and `sandwich_norms` (Gemma's
+  norm after attention and around the MLP, besides the input norm);
+* embeddings scaled by sqrt(hidden_size) (`embed_scale`), logits soft-capped
+  (ModelConfig.final_soft_cap).
+
+Parameter names follow HuggingFace (`model.layers.N.self_attn...`), except that
+q/k/v live in one fused `qkv_proj` and gate/up in one `gate_up_proj`; the loader
+fills them from the unfused checkpoint tensors (`packed_modules`), or, for a
+checkpoint that stores them fused already (Phi-3), from row blocks of its own fused
+tensors (`fused_checkpoint`).
+
+forward() takes flattened tokens `[T]` and a ForwardContext that owns the paged
+KV cache and the attention metadata, so the same module serves ragged prefill,
+batched decode and speculative verify.
+
+Tensor parallelism (models/parallel.py): with a TPGroup of N ranks each rank holds
+its query heads, its KV heads (replicated when there are fewer than N), its share of
+the MLP's intermediate size and a block of the vocabulary; o_proj and down_proj
+all-reduce, the embedding all-reduces, the logits are all-gathered. q/k norms act
+per head, so each rank applies the whole (replicated) weight to its own heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+from .layers import FusedLinear, GatedActivation, RMSNorm
+from .model_config import SLIDING, ModelConfig
+from .parallel import ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, kv_heads_spec, local_kv_heads
+from .parallel import split as split_rows
+from .rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged cache. Variants are parameters: qk_norm (RMSNorm over head_dim
+    on q and k before rotary; norm_offset: Gemma's), and the AttentionSpec the backend runs the
+    layer with (sliding window, soft-cap, query scale)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, *, qk_norm: bool = False,
+                 norm_offset: bool = False, spec: AttentionSpec | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads // tp.size  # this rank's
+        self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
+        self.head_dim = cfg.head_dim
+        self.spec = spec or AttentionSpec()
+        q_spec = split_rows(cfg.num_heads * cfg.head_dim, tp)
+        kv_spec = kv_heads_spec(cfg.num_kv_heads, cfg.head_dim, tp)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_spec, "k": kv_spec, "v": kv_spec}, cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp)
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset)
+
+    def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx, kv_layer: int | None = None) -> torch.Tensor:
+        """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = ctx.attend(self.layer_idx if kv_layer is None else kv_layer, q, k, v)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused; act: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, act: str = "silu"):
+        super().__init__()
+        rows = split_rows(cfg.intermediate_size, tp)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": rows, "up": rows}, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.act = GatedActivation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, *, spec: AttentionSpec,
+                 norm_offset: bool = False, sandwich_norms: bool = False):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset, spec=spec)
+        self.mlp = GatedMLP(cfg, tp, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.sandwich_norms = sandwich_norms
+        if sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+
+    def forward(self, positions, hidden, rotary, ctx, kv_layer: int | None = None):
+        attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, ctx, kv_layer)
+        if not self.sandwich_norms:  # Llama: pre-norms only
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn)  # Gemma: each block's output normed too
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool,
+                 sandwich_norms: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, spec=specs[i], norm_offset=norm_offset, sandwich_norms=sandwich_norms)
+            for i in range(cfg.decoder_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+
+
+class DecoderForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused module name, shard)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+    # fused module name -> its shards in checkpoint row order, for checkpoints that store them fused
+    fused_checkpoint: dict[str, tuple[str, ...]] = {}
+    norm_offset = False  # (1 + weight) RMSNorms (Gemma)
+    sandwich_norms = False  # norms after attention and around the MLP (Gemma)
+    embed_scale = False  # embeddings times sqrt(hidden_size) (Gemma)
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)],
+                                  self.norm_offset, self.sandwich_norms)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.rotaries: list[RotaryEmbedding] = []  # each decoder layer's (shared tables)
+        self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
+        self._embed_scale = None
+
+    def layer_spec(self, layer: int) -> AttentionSpec:
+        """Decoder layer `layer`'s attention variant, from the config."""
+        cfg = self.config
+        return AttentionSpec(sliding_window=cfg.layer_window(layer), soft_cap=cfg.attn_soft_cap, scale=cfg.attn_scale)
+
+    @property
+    def attention_specs(self) -> list[AttentionSpec]:
+        """One spec per KV-cache layer (what the attention backend is built with)."""
+        return [layer.self_attn.spec for layer in self.model.layers]
+
+    @property
+    def rotary(self) -> RotaryEmbedding | None:
+        return self.rotaries[0] if self.rotaries else None
+
+    def init_rotary(self, max_positions: int) -> None:
+        weight = self.model.embed_tokens.weight
+        cfg = self.config
+        tables, self.rotaries = {}, []
+        for i in range(cfg.decoder_layers):
+            local = cfg.local_rope is not None and cfg.layer_types and cfg.layer_types[i] == SLIDING
+            rope = cfg.local_rope if local else cfg.rope
+            if rope not in tables:
+                tables[rope] = RotaryEmbedding(rope, cfg.head_dim, max_positions, weight.dtype, weight.device)
+            self.rotaries.append(tables[rope])
+        if self.embed_scale:  # transformers: a float32 tensor of sqrt(hidden_size), cast to the weights' dtype
+            self._embed_scale = torch.tensor(cfg.hidden_size**0.5).to(device=weight.device, dtype=weight.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        return hidden * self._embed_scale if self._embed_scale is not None else hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
+        hidden = self.embed(input_ids)
+        for layer, rotary in zip(self.model.layers, self.rotaries):
+            hidden = layer(positions, hidden, rotary, ctx)
+        return self.model.norm(hidden)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
+        return self.compute_logits(self.forward(input_ids, positions, ctx))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
+        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        logits = ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size, self.packed_head)
+        cap = self.config.final_soft_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

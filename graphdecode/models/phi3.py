@@ -1,0 +1,103 @@
+"""Phi-3 / Phi-3.5-mini / Phi-4-mini: Llama's decoder with fused checkpoint tensors, partial rotary
+and longrope.
+
+* The checkpoint stores `self_attn.qkv_proj` ([q | k | v] rows) and `mlp.gate_up_proj`
+  ([gate | up] rows) fused; the loader reads each shard's block of rows straight into our
+  own fused linears (`fused_checkpoint`), so with tensor parallelism a rank reads its
+  query heads, its KV heads and its halves of gate and up, as it does from unfused
+  checkpoints.
+* `partial_rotary_factor` (Phi-4-mini: 0.75): only the first dims of each head rotate.
+* No biases; the sliding window, when config.json has one, is every layer's.
+
+longrope, as transformers' generate runs it
+-------------------------------------------
+transformers picks the short or the long frequencies per forward by the sequence's
+length: long when `max(position) + 1 > original_max_position_embeddings`, for every
+position of that forward, with cos and sin scaled by the attention factor
+(sqrt(1 + ln(factor) / ln(original)) unless config.json gives one) in both cases. A
+prompt longer than the original length is therefore prefilled with the long factors
+throughout; a shorter one with the short factors. And when generation crosses the
+original length, Phi3ForCausalLM.prepare_inputs_for_generation drops the KV cache and
+recomputes the whole sequence with the long factors.
+
+That recomputation is a causal forward over the same tokens, so its K/V at position p
+is exactly what a forward that had used the long factors from the start computes at p.
+This model therefore runs two streams through the same weights, stacked along the
+token dimension (one matmul per linear: a decode step still reads every weight once):
+the short stream attends KV-cache layers 0..L-1, the long stream layers L..2L-1, and the
+hidden state at position p is the long stream's when p >= original_max_position_embeddings
+(the forward that predicts token p + 1 has seen p + 1 > original tokens), else the short
+stream's. Both streams' K/V are functions of the token prefix only, so prefix caching,
+chunked prefill, preemption and speculative verify keep the exact tokens. The cost is
+twice the KV cache and twice the activations' FLOPs; it is paid only when the context can
+cross the original length: config.json's max_position_embeddings decides the cache
+layers (ModelConfig.num_layers = 2L), and with max_model_len <= original length the
+long stream never runs (its cache layers stay unused).
+
+Prompt logprobs follow the same rule per position (each is what generate computes for
+the token after it), so a prompt longer than the original length has short-factor
+logprobs before that length, where one transformers forward over the whole prompt
+would use the long factors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decoder import DecoderForCausalLM
+from .model_config import ModelConfig
+from .parallel import TPGroup
+from .rope import RotaryEmbedding
+
+
+class _TwoStreams:
+    """A ForwardContext for stacked [short; long] rows: each half attends its own KV-cache layers."""
+
+    def __init__(self, ctx, layers: int):
+        self.ctx = ctx
+        self.layers = layers
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        half = q.shape[0] // 2
+        short = self.ctx.attend(layer, q[:half], k[:half], v[:half])
+        long = self.ctx.attend(layer + self.layers, q[half:], k[half:], v[half:])
+        return torch.cat([short, long])
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    packed_modules = {}  # nothing to fuse on the way in: the checkpoint's tensors are fused already
+    fused_checkpoint = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__(cfg, tp)
+        self.two_streams = False  # set by init_rotary: whether the long stream runs
+        self._streams_rotary = None
+        self._long_offset = 0
+
+    @property
+    def attention_specs(self):
+        specs = super().attention_specs
+        return specs * 2 if self.config.long_rope_streams else specs  # the long stream's cache layers
+
+    def init_rotary(self, max_positions: int) -> None:
+        super().init_rotary(max_positions)
+        cfg = self.config
+        self.two_streams = cfg.long_rope_streams and max_positions > cfg.rope.original_max_position_embeddings
+        if self.two_streams:
+            weight = self.model.embed_tokens.weight
+            long = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, weight.dtype, weight.device, long=True)
+            self._streams_rotary = RotaryEmbedding.stacked(self.rotary, long)
+            self._long_offset = max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        if not self.two_streams:
+            return super().forward(input_ids, positions, ctx)
+        tokens = input_ids.shape[0]
+        hidden = self.embed(input_ids)
+        hidden = torch.cat([hidden, hidden])  # [2T, hidden]: the short stream, then the long one
+        rows = torch.cat([positions, positions + self._long_offset])  # rows of the stacked cos/sin table
+        streams = _TwoStreams(ctx, self.config.decoder_layers)
+        for layer in self.model.layers:
+            hidden = layer(rows, hidden, self._streams_rotary, streams)
+        long = (positions >= self.config.rope.original_max_position_embeddings)[:, None]
+        return self.model.norm(torch.where(long, hidden[tokens:], hidden[:tokens]))
