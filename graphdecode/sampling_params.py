@@ -106,6 +106,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: object = None  # StructuredOutputsParams: json / regex / choice / json_object
     prompt_logprobs: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.DELTA
@@ -200,6 +201,12 @@ class SamplingParams:
             _int_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+
+        if self.structured_outputs is not None:
+            from .structured.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise _type_error("structured_outputs", "a StructuredOutputsParams", self.structured_outputs)
 
         if not self.detokenize and stops:
             raise ValueError("stop: stop strings need text; they cannot be used with detokenize=False")

@@ -96,7 +96,8 @@ TEST_TIMEOUT_S = 90
 GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTERM, then SIGKILL
 # Python modules a stage needs beyond the GPU machine's image; missing ones are installed from
 # the carried wheels (.gpu/wheels, downloaded by --prepare), else the stage is skipped naming them.
-REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client")}
+REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client"),
+            "pytest_graphs": ("outlines_core",)}  # structured outputs' compiler (the structured-window test)
 
 BENCH_REAL = ["--preset", "llama-3.2-1b", "--device", "cuda", "--dtype", "bfloat16", "--steps", "8",
               "--prompt-len", "128", "--gen-len", "128", "--no-baseline"]

@@ -301,3 +301,39 @@ def test_penalty_steps_never_sync_the_host(tokenized_model):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+
+
+def test_structured_windows_replay_the_eager_tokens_without_syncing(tokenized_model):
+    """Constrained rows mask, sample and advance their automaton inside captured windows: the
+    graphs give the eager tokens, a mixed batch keeps its unconstrained rows, and steady-state
+    steps never sync the host (the tables were uploaded at admission)."""
+    import json
+
+    from graphdecode import SamplingParams
+    from graphdecode.structured import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]}
+    constrained = SamplingParams(temperature=1.0, seed=4, max_tokens=40,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    batch = prompts()
+    params = [constrained if i % 2 else free for i in range(len(batch))]
+    common = dict(attention_backend="torch", dtype="float32", compile=False, num_decode_steps=4, max_batch_size=8)
+    graphed = llm(tokenized_model, cuda_graphs=True, **common)
+    got = [o.outputs[0].token_ids for o in graphed.generate(batch, params)]
+    assert any(v.structured for _, v in graphed.engine.runner.windows.graphs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = [o.outputs[0].token_ids for o in graphed.generate(batch, params)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert again == got
+    texts = [o.outputs[0].text for o in graphed.generate(batch[1::2], constrained)]
+    for text in texts:
+        value = json.loads(text)
+        assert 0 <= value["a"] <= 99 and value["b"] in ("x", "y")
+    del graphed
+    eager = llm(tokenized_model, cuda_graphs=False, **common)
+    assert [o.outputs[0].token_ids for o in eager.generate(batch, params)] == got

@@ -37,7 +37,8 @@ from .sampler import COUNT_MASK, SamplingRows
 from .token_mask import num_words
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done", "penalized", "restricted")
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done", "penalized", "restricted",
+               "constrained", "struct_state")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # Rows with penalties also send, separately, [L bias ids, W * T bad-word tokens, T recent tokens]
 # as integers, L bias values as floats, and their token counts sparsely; rows with
@@ -89,6 +90,10 @@ class DecodeState:
         # allowed_token_ids (token_mask.py): a row's mask applies where `restricted` is set
         self.restricted = buf(rows, dtype=torch.bool)
         self.allowed_words = buf(rows, num_words(vocab_size), dtype=torch.int32, fill=-1)  # [B_max, ceil(V / 32)]
+        # structured outputs: a constrained row's automaton state (a global id into `structured`'s tables)
+        self.constrained = buf(rows, dtype=torch.bool)
+        self.struct_state = buf(rows, dtype=torch.int32)
+        self.structured = None  # StructuredTables, made by the runner at the first constraint
         # outputs: column 0 = token sampled by prefill, columns 1..k = window steps
         self.out_tokens = buf(rows, width, dtype=torch.int64)  # [B_max, 1 + k (d + 1)]
         self.out_lp_sampled = buf(rows, width, dtype=torch.float32)
@@ -103,17 +108,23 @@ class DecodeState:
         self.spec_accepted = buf(rows, dtype=torch.int32)  # [B_max]: ... of which accepted
         self.spec_rounds = buf(rows, dtype=torch.int32)  # [B_max]: verify rounds the row was live in
 
-    def sampling_rows(self, rows, penalties: bool = False, allowed: bool = False) -> SamplingRows:
+    def sampling_rows(self, rows, penalties: bool = False, allowed: bool = False,
+                      structured: bool = False) -> SamplingRows:
         """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill).
         The penalty inputs only when `penalties` (a gather of token_counts is [R, V]), the
-        token masks only when `allowed`."""
+        token masks only when `allowed`, the automaton states and their masks only when
+        `structured`."""
         names = ()
         if penalties:
             names += ("penalized", "repetition_penalty", "presence_penalty", "frequency_penalty", "token_counts",
                       "bias_ids", "bias_values", "bad_words", "recent")
         if allowed:
             names += ("restricted", "allowed_words")
+        if structured:
+            names += ("constrained", "struct_state")
         extra = {name: getattr(self, name)[rows] for name in names}
+        if structured:
+            extra["struct_words"] = self.structured.allowed_words(extra["struct_state"])
         return SamplingRows(
             temperature=self.temperature[rows],
             top_p=self.top_p[rows],

@@ -19,7 +19,9 @@ frequency penalties) only when a row has one of them.
 
 Order of logit processing (vLLM's), after the raw logprobs:
 0. allowed_token_ids: every other token masked (-inf), from the row's packed bitmask
-   (compiled/token_mask.py);
+   (compiled/token_mask.py); then a structured-outputs row's automaton state masks every
+   token its state does not allow (compiled/structured_tables.py), and after sampling
+   the window moves the state by the sampled token;
 1. logit_bias added, bad words masked (-inf on a word's last token when the row's last
    output tokens are the word's other tokens; one-token words always);
 2. repetition penalty over prompt and output tokens: positive logits divided by it,
@@ -78,6 +80,7 @@ class SamplerVariant:
     mask_stops: bool = False  # some row has min_tokens: stop ids are masked until it is reached
     penalties: bool = False  # some row has logit_bias, bad_words or a repetition/presence/frequency penalty
     allowed_ids: bool = False  # some row has allowed_token_ids: the rows' token masks apply
+    structured: bool = False  # some row has a structured-outputs constraint: its automaton masks and advances
     speculative: bool = False  # the window drafts and verifies (compiled/speculative.py); the host decides
 
 
@@ -91,6 +94,7 @@ class RowCounts:
     def __init__(self, max_logprobs: int, params=()):
         self.max_logprobs = max_logprobs
         self.sampled = self.filtered = self.logprobs = self.min_tokens = self.penalized = self.restricted = 0
+        self.constrained = 0
         for p in params:
             self.add(p)
 
@@ -101,6 +105,7 @@ class RowCounts:
         self.min_tokens += sign * (params.min_tokens > 0)
         self.penalized += sign * params.needs_penalties
         self.restricted += sign * (params.allowed_token_ids is not None)
+        self.constrained += sign * (params.structured_outputs is not None)
 
     def remove(self, params) -> None:
         self.add(params, -1)
@@ -109,7 +114,7 @@ class RowCounts:
         mode = SamplerMode.FILTERED if self.filtered else SamplerMode.SAMPLE if self.sampled else SamplerMode.GREEDY
         return SamplerVariant(
             mode, self.max_logprobs if self.logprobs else 0, self.min_tokens > 0, self.penalized > 0,
-            allowed_ids=self.restricted > 0,
+            allowed_ids=self.restricted > 0, structured=self.constrained > 0,
         )
 
 
@@ -138,6 +143,10 @@ class SamplingRows:
     # allowed_token_ids (only read by variants with allowed_ids)
     restricted: torch.Tensor | None = None  # [R] bool: the row's mask applies
     allowed_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32 packed mask
+    # structured outputs (only read by variants with structured)
+    constrained: torch.Tensor | None = None  # [R] bool: the row follows an automaton
+    struct_state: torch.Tensor | None = None  # [R] int32: its state
+    struct_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: that state's allowed tokens
 
 
 @dataclass
@@ -210,6 +219,9 @@ class Sampler:
             raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
         if variant.allowed_ids:
             allowed = self.masks.allowed_tokens(rows.allowed_words) | ~rows.restricted[:, None]
+            logits.masked_fill_(~allowed, float("-inf"))
+        if variant.structured:
+            allowed = self.masks.allowed_tokens(rows.struct_words) | ~rows.constrained[:, None]
             logits.masked_fill_(~allowed, float("-inf"))
         if variant.penalties:
             logits = apply_penalties(logits, rows)

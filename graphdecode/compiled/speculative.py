@@ -20,13 +20,18 @@ Because the noise depends only on (seed, position, token), the token sampled at 
 position is the token plain decoding samples there whenever the drafts before it are
 accepted: speculation changes speed, never output. Rows without a match still run
 (static shapes) and emit one token. Windows whose rows need penalties (token counts
-that would have to include each draft) run the plain variant.
+that would have to include each draft) run the plain variant. A structured-outputs row
+samples each position under the automaton state its drafts before it lead to (a draft
+its state does not allow cannot equal the allowed token sampled there, so it is
+rejected), and its state then moves over the tokens it emitted.
 
 Shapes are static (bucket B, Q = d + 1), so a speculative window is captured as one
 CUDA graph per bucket like a plain one.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -93,6 +98,10 @@ def speculative_window(
     offsets = torch.arange(queries, device=device)
     flat_rows = torch.arange(bucket, device=device).repeat_interleave(queries)  # [B * Q]
     params = state.sampling_rows(flat_rows, allowed=variant.allowed_ids)
+    tables = state.structured if variant.structured else None
+    if tables is not None:
+        constrained = state.constrained[rows]
+        params = dataclasses.replace(params, constrained=constrained.repeat_interleave(queries))
     max_page = state.max_pages - 1
     count = torch.zeros(bucket, dtype=torch.int64, device=device)
     drafted = torch.zeros(bucket, dtype=torch.int32, device=device)
@@ -118,6 +127,15 @@ def speculative_window(
         backend.prepare_verify(bucket, meta, state, page_size)
         logits = logits_fn(tokens.reshape(-1), query_pos.reshape(-1), ForwardContext(backend, verify=meta))
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
+        if tables is not None:  # each position's automaton state: the row's, moved over the drafts before it
+            before = state.struct_state[rows]
+            walk = [before]
+            for j in range(d):
+                moved = tables.advance(walk[-1], drafts[:, j])
+                walk.append(torch.where(moved >= 0, moved.to(torch.int32), walk[-1]))
+            position_states = torch.stack(walk, dim=1)  # [B, Q]
+            flat = position_states.reshape(-1)
+            params = dataclasses.replace(params, struct_state=flat, struct_words=tables.allowed_words(flat))
         sampled, logprobs = sampler(logits, params, next_pos, variant)
         sampled = sampled.view(bucket, queries)
         # accept drafts while each equals the token sampled at its position
@@ -142,6 +160,11 @@ def speculative_window(
         # advance each row by its own count
         last = sampled.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
         state.input_ids[rows] = torch.where(emit > 0, last, state.input_ids[rows])
+        if tables is not None:  # the state after the emitted tokens (accepted drafts, then the sampled one)
+            last_state = position_states.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
+            moved = tables.advance(last_state, last)
+            after = torch.where(moved >= 0, moved.to(torch.int32), last_state)
+            state.struct_state[rows] = torch.where((emit > 0) & constrained, after, before)
         state.positions[rows] += emit
         state.seq_lens[rows] += emit.to(torch.int32)
         state.done[rows] |= live & stopping.any(dim=1)

@@ -29,7 +29,7 @@ def sample_into(
 ) -> torch.Tensor:
     """Sample R rows, write output column `column` and the done flags; returns tokens [R].
     With penalties, live rows' token counts and recent tokens take the sampled token."""
-    params = state.sampling_rows(rows, variant.penalties, variant.allowed_ids)
+    params = state.sampling_rows(rows, variant.penalties, variant.allowed_ids, variant.structured)
     tokens, logprobs = sampler(logits, params, next_pos, variant)
     if done_before is None:
         done_before = torch.zeros_like(tokens, dtype=torch.bool)
@@ -41,6 +41,10 @@ def sample_into(
     state.done[rows] = stop_check(tokens, params, next_pos, done_before)
     if variant.penalties:
         state.record_penalty_tokens(rows, tokens, ~done_before)
+    if variant.structured:  # constrained live rows move by the token they sampled
+        moved = state.structured.advance(params.struct_state, tokens)
+        keep = done_before | ~params.constrained | (moved < 0)
+        state.struct_state[rows] = torch.where(keep, params.struct_state, moved.to(torch.int32))
     if state.history is not None:
         state.record_history(rows, next_pos, tokens, ~done_before)
     return tokens

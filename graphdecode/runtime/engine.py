@@ -31,6 +31,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy
+from .structured_store import StructuredStore
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -98,6 +99,7 @@ class Engine:
             raise
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
+        self.structured = StructuredStore(config.structured_max_states, config.structured_max_exceptions)
         self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)  # speculative or plain, per window
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
@@ -124,7 +126,19 @@ class Engine:
         self.add_prepared(request)
         return request
 
+    def place_tables(self, request: Request) -> None:
+        """Give a constrained request's automaton its room in the device's table store (ValueError
+        naming structured_outputs when it does not fit beside the ones in flight)."""
+        if request.automaton is not None and request.placement is None:
+            request.placement = self.structured.acquire(request.automaton)
+
+    def release_tables(self, request: Request) -> None:
+        if request.placement is not None:
+            self.structured.release(request.placement)
+            request.placement = None
+
     def add_prepared(self, request: Request) -> None:
+        self.place_tables(request)
         self.requests[request.request_id] = request
         self.scheduler.add(list(request.seqs))
 
@@ -152,6 +166,7 @@ class Engine:
             with annotate("graphdecode.schedule"):
                 speculative = self.spec_policy.speculate(self.scheduler.bucket)
                 plan = self.scheduler.schedule(speculative)
+                plan.table_uploads = self.structured.take_uploads()  # constraints placed since the last plan
                 if speculative and not (plan.window is not None and plan.window.decode):
                     self.spec_policy.withdraw()  # no decode window this step
             t1 = time.perf_counter()
@@ -219,6 +234,7 @@ class Engine:
         request = seq.request
         request.num_finished += 1
         if request.finished:
+            self.release_tables(request)
             self.requests.pop(request.request_id, None)
             self._stats.requests_finished += 1
             if request.metrics is not None:
@@ -265,4 +281,11 @@ class Engine:
         out["spec_window_share"] = s.spec_windows / s.windows if s.windows else 0.0
         out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
         out["cpu_attention_kernels"] = self.runner.backend.reads_pages_in_place  # CPU: pages read in place
+        automata = self.inputs.automata  # structured outputs: compiles (cold / cached) and the device store
+        compiled = automata.stats().as_dict() if automata is not None else {}
+        out["structured_compiles"] = compiled.get("compiled", 0)
+        out["structured_cache_hits"] = compiled.get("memory_hits", 0) + compiled.get("disk_hits", 0)
+        out["structured_compile_seconds"] = compiled.get("compile_seconds", 0.0)
+        out["structured_uploads"] = self.structured.num_uploads
+        out["structured_states_in_use"] = self.structured.states_in_use
         return out

@@ -78,6 +78,7 @@ class InputProcessor:
         self.group_pages = group_pages  # (num_tokens, n, max_len) -> pages needed at admission
         self._next_seq_id = 0
         self._fast_encode: bool | None = None  # decided by a probe at first use
+        self.automata = None  # structured.AutomatonCache, made at the first constrained request
 
     def tokenize_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
         """Parse prompts (str or {"prompt_token_ids"} / {"prompt"} dicts); text is batch-encoded.
@@ -243,6 +244,7 @@ class InputProcessor:
                         )
                     sequences.append(tuple(ids))
             params._bad_words_token_ids = tuple(sequences)  # on the engine's copy: the caller's stays as it is
+        automaton = self._automaton(params.structured_outputs) if params.structured_outputs is not None else None
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
         max_len = cfg.max_model_len
@@ -253,6 +255,7 @@ class InputProcessor:
 
         request = Request(request_id, prompt_text, list(prompt_ids), params, arrival, priority=priority,
                           metrics=RequestMetrics(arrival_time=time.time()))
+        request.automaton = automaton
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has none
         base_seed = seed_key(params.seed) if params.seed is not None else mix64(cfg.seed, arrival)
@@ -273,6 +276,28 @@ class InputProcessor:
             )
             self._next_seq_id += 1
         return request
+
+    def _automaton(self, constraint):
+        """The constraint compiled for this model's tokenizer (cached in memory and on disk)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs: a constraint needs the model's tokenizer, and the model "
+                             "directory has none")
+        from ..structured import AutomatonCache, compile_constraint
+
+        if self.automata is None:
+            self.automata = AutomatonCache()  # this engine's, in memory; the disk cache is shared
+        automaton = compile_constraint(constraint, self.tokenizer, self.vocab_size, self.eos_ids,
+                                       cache=self.automata)
+        cfg = self.config
+        if automaton.num_states > cfg.structured_max_states or \
+                automaton.num_exceptions > cfg.structured_max_exceptions:
+            raise ValueError(
+                f"structured_outputs: the constraint compiles to {automaton.num_states} states and "
+                f"{automaton.num_exceptions} transition exceptions, more than the table store holds "
+                f"(structured_max_states={cfg.structured_max_states}, "
+                f"structured_max_exceptions={cfg.structured_max_exceptions})"
+            )
+        return automaton
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """The one context-length rule (the API's and the server's, vLLM's): the prompt leaves

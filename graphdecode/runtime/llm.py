@@ -240,6 +240,13 @@ class LLM:
                 requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
+        for i, request in enumerate(requests):  # constraint tables first: all of them fit, or nothing is added
+            try:
+                self.engine.place_tables(request)
+            except ValueError as e:
+                for placed in requests[:i]:
+                    self.engine.release_tables(placed)
+                raise ValueError(f"prompts[{i}]: {e}") from None
         for request in requests:
             self.engine.add_prepared(request)
         return requests

@@ -34,6 +34,7 @@ class RowStart:
     # runner stages the row's token counts and recent output tokens (after a preemption too)
     token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
+    structured: object = None  # a constrained row's TablePlacement (runtime/structured_store.py), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,8 @@ class StepPlan:
     window: WindowSpec | None = None
     readout: list[Readout] = field(default_factory=list)
     prompt_readout: list[PromptReadout] = field(default_factory=list)  # chunks with prompt logprobs, in order
+    # constraint tables placed since the last plan (runtime/structured_store.py), uploaded before any row starts
+    table_uploads: list = field(default_factory=list)
 
     @property
     def launches(self) -> bool:

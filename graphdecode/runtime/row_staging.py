@@ -90,9 +90,10 @@ class RowStaging:
         self.num_rows_staged = 0
 
     def set_row(self, row: int, *, position: int, max_len: int, min_len: int, stop_ids, params, seed: int, pages,
-                token_ids=(), num_prompt_tokens: int = 0):
+                token_ids=(), num_prompt_tokens: int = 0, struct_state: int | None = None):
         """`token_ids` (prompt + tokens so far) and `num_prompt_tokens` matter only for params
-        with penalties: they give the row's token counts and recent tokens."""
+        with penalties: they give the row's token counts and recent tokens. `struct_state`:
+        a constrained row's automaton state (global id), None for other rows."""
         ints = self.ints[row]
         ints[_COL["positions"]] = position
         ints[_COL["seq_lens"]] = position + 1
@@ -103,6 +104,8 @@ class RowStaging:
         ints[_COL["done"]] = 0
         ints[_COL["penalized"]] = params.needs_penalties
         ints[_COL["restricted"]] = params.allowed_token_ids is not None
+        ints[_COL["constrained"]] = struct_state is not None
+        ints[_COL["struct_state"]] = struct_state or 0
         ints[len(INT_COLUMNS) :] = -1
         ints[len(INT_COLUMNS) : len(INT_COLUMNS) + len(stop_ids)] = stop_ids
         self.floats[row] = (params.temperature, params.top_p, params.min_p, params.repetition_penalty,

@@ -24,6 +24,7 @@ from ..compiled import cuda_kernels
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
 from ..compiled.sampler import RowCounts, Sampler
+from ..compiled.structured_tables import StructuredTables
 from ..compiled.torch_compile import CompiledForward
 from ..compiled.window import sample_into
 from ..models.cpu_linear import packed_bytes
@@ -129,6 +130,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------ device rows
     def _apply_rows(self, plan: StepPlan) -> None:
+        for upload in plan.table_uploads:  # before the rows that read them, in stream order
+            if self.state.structured is None:
+                cfg = self.config
+                self.state.structured = StructuredTables(cfg.structured_max_states, cfg.structured_max_exceptions,
+                                                         cfg.model_config.vocab_size, self.device)
+            self.state.structured.upload(upload.placement, upload.automaton)
         for row in plan.cleared_rows:
             params = self._row_params[row]
             if params is not None:
@@ -137,10 +144,14 @@ class ModelRunner:
             self._row_pages[row] = 0
             self.staging.clear_row(row)
         for start in plan.started_rows:
+            struct_state = None
+            if start.structured is not None:  # recomputed from the outputs so far (a resumed row has some)
+                struct_state = self.state.structured.initial_state(
+                    start.structured, start.token_ids[start.num_prompt_tokens :])
             self.staging.set_row(
                 start.row, position=start.position, max_len=start.max_len, min_len=start.min_len,
                 stop_ids=start.stop_ids, params=start.params, seed=start.seed, pages=start.pages,
-                token_ids=start.token_ids, num_prompt_tokens=start.num_prompt_tokens,
+                token_ids=start.token_ids, num_prompt_tokens=start.num_prompt_tokens, struct_state=struct_state,
             )
             self.row_counts.add(start.params)
             self._row_params[start.row] = start.params

@@ -305,8 +305,10 @@ class Scheduler:
             stop_ids=seq.stop_ids,
             max_len=seq.max_len,
             min_len=seq.num_prompt_tokens + params.min_tokens,
-            token_ids=tuple(seq.token_ids) if params.needs_penalties or self.speculative else (),
+            token_ids=tuple(seq.token_ids) if params.needs_penalties or self.speculative
+            or seq.request.placement is not None else (),
             num_prompt_tokens=seq.num_prompt_tokens,
+            structured=seq.request.placement,
         ))
         plan.readout.append(Readout(row, seq, seq.epoch, 0))
         return row

@@ -45,6 +45,8 @@ class Request:
     prompt_logprobs: list | None = None  # [None, {token: Logprob, ...}, ...] as prefill computes them
     prompt_logprobs_streamed: bool = False
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
+    automaton: object = None  # its structured-outputs constraint, compiled (structured.TokenAutomaton)
+    placement: object = None  # where the constraint's tables sit on the device while it is in flight
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -1,0 +1,161 @@
+"""StructuredOutputsParams: what a request's output must look like (vLLM's name and fields).
+
+Exactly one of `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
+(a list of strings), `json_object` (True: any JSON object) or `grammar` must be given.
+Everything is checked here, when the params are made, so a bad constraint fails the
+request up front and never reaches the engine:
+
+* `json`: must parse as JSON, be an object, and be a schema outlines-core can turn into
+  a regular expression (its error is passed on, e.g. unsupported keywords or types);
+* `regex`: Rust `regex` syntax (what outlines-core compiles: no lookaround, no
+  backreferences; `\\d`, `\\w` are Unicode-aware), and it must match some string (checked
+  by compiling it over the 256 single bytes: about as long as building its DFA);
+* `choice`: a non-empty list (or tuple) of strings;
+* `json_object`: True (False is the same as not giving it);
+* `grammar` (EBNF / Lark): not supported, rejected with a ValueError; never ignored.
+
+Wrong types raise TypeError, bad values ValueError; every message starts with
+`structured_outputs.<field>`. `key()` is a stable string naming the constraint (the
+compile cache's key; property order in a schema is kept, since it orders the output).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+FIELDS = ("json", "regex", "choice", "json_object", "grammar")
+
+_BYTE_VOCAB = None
+
+
+def _byte_vocabulary():
+    """outlines-core's Vocabulary of the 256 single bytes: any valid regex compiles over it."""
+    global _BYTE_VOCAB
+    if _BYTE_VOCAB is None:
+        from outlines_core import Vocabulary
+
+        _BYTE_VOCAB = Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+    return _BYTE_VOCAB
+
+
+def check_regex(regex: str, field: str = "regex") -> None:
+    """ValueError unless outlines-core can compile `regex` and it matches some string."""
+    from outlines_core import Index
+
+    try:
+        Index(regex, _byte_vocabulary())
+    except ValueError as e:
+        msg = str(e)
+        if "incompatible with the regex" in msg:
+            raise ValueError(f"structured_outputs.{field}: the regular expression matches no string") from None
+        try:
+            re.compile(regex)
+        except re.error as pe:
+            raise ValueError(f"structured_outputs.{field}: invalid regular expression: {pe}") from None
+        raise ValueError(
+            f"structured_outputs.{field}: unsupported regular expression ({msg}); the syntax is Rust `regex`: "
+            "no lookaround, no backreferences"
+        ) from None
+
+
+def _schema_text(schema) -> str:
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+    elif isinstance(schema, dict):
+        parsed = schema
+    else:
+        raise TypeError(
+            f"structured_outputs.json: expected a JSON schema as a dict or a string, got {type(schema).__name__}")
+    if not isinstance(parsed, dict):
+        raise ValueError(f"structured_outputs.json: a JSON schema must be an object, got {type(parsed).__name__}")  # noqa: TRY004 (a value)
+    try:
+        text = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json: not JSON-serializable: {e}") from None
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        build_regex_from_schema(text)
+    except (ValueError, TypeError) as e:
+        msg = " ".join(str(e).split())
+        raise ValueError(f"structured_outputs.json: unsupported or invalid JSON schema: {msg}") from None
+    return text
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [name for name in FIELDS if self._given(name)]
+        if len(given) != 1:
+            what = "none" if not given else ", ".join(given)
+            raise ValueError(
+                f"structured_outputs: give exactly one of {', '.join(FIELDS)} (got {what})"
+            )
+        field = given[0]
+        if field == "json":
+            key = "json:" + _schema_text(self.json)
+        elif field == "regex":
+            if not isinstance(self.regex, str):
+                raise TypeError(f"structured_outputs.regex: expected a string, got {type(self.regex).__name__}")
+            check_regex(self.regex)
+            key = "regex:" + self.regex
+        elif field == "choice":
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple)):
+                raise TypeError(
+                    f"structured_outputs.choice: expected a list of strings, got {type(self.choice).__name__}"
+                )
+            if not self.choice:
+                raise ValueError("structured_outputs.choice: must not be empty")
+            for i, c in enumerate(self.choice):
+                if not isinstance(c, str):
+                    raise TypeError(f"structured_outputs.choice[{i}]: expected a string, got {type(c).__name__}")
+            key = "choice:" + json.dumps(list(self.choice), ensure_ascii=False)
+        elif field == "json_object":
+            if not isinstance(self.json_object, bool):
+                raise TypeError(
+                    f"structured_outputs.json_object: expected a bool, got {type(self.json_object).__name__}"
+                )
+            key = "json_object"
+        else:
+            if not isinstance(self.grammar, str):
+                raise TypeError(f"structured_outputs.grammar: expected a string, got {type(self.grammar).__name__}")
+            raise ValueError(
+                "structured_outputs.grammar: grammars (EBNF / Lark) are not supported; "
+                "use json, regex, choice or json_object"
+            )
+        object.__setattr__(self, "_key", key)
+
+    def _given(self, name: str) -> bool:
+        value = getattr(self, name)
+        if name == "json_object":
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"structured_outputs.json_object: expected a bool, got {type(value).__name__}")
+            return bool(value)
+        return value is not None
+
+    @property
+    def kind(self) -> str:
+        """Which field was given: 'json', 'regex', 'choice' or 'json_object'."""
+        return self._key.split(":", 1)[0]
+
+    def key(self) -> str:
+        """A stable string naming the constraint, e.g. 'regex:[0-9]+', 'json:{...compact schema...}'."""
+        return self._key
+
+    def schema_text(self) -> str | None:
+        """The JSON schema as compact JSON text (json only)."""
+        return self._key[5:] if self._key.startswith("json:") else None
+
+    def __hash__(self):
+        return hash(self._key)

@@ -1,0 +1,108 @@
+"""The device half of structured outputs: the table store's accounting and the tables' advance
+(a fixed-step binary search over each state's sorted exceptions) against a plain host walk."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from graphdecode.compiled.structured_tables import StructuredTables
+from graphdecode.compiled.token_mask import TokenMaskUnpacker, pack_token_ids
+from graphdecode.runtime.structured_store import RangeAllocator, StructuredStore
+
+
+def random_automaton(key: str, states: int, vocab: int, seed: int):
+    """Tables in TokenAutomaton's layout: per state some allowed tokens, a default next state
+    and sorted exceptions; next_state walks them on the host, plainly."""
+    rng = np.random.default_rng(seed)
+    allowed_ids, default, offsets, tokens, nexts = [], [], [0], [], []
+    for _ in range(states):
+        ids = np.sort(rng.choice(vocab, size=int(rng.integers(1, vocab // 2)), replace=False))
+        allowed_ids.append(ids)
+        default.append(int(rng.integers(0, states)))
+        exc = np.sort(rng.choice(ids, size=int(rng.integers(0, len(ids) + 1)), replace=False))
+        tokens += exc.tolist()
+        nexts += rng.integers(0, states, size=len(exc)).tolist()
+        offsets.append(len(tokens))
+    allowed = np.stack([pack_token_ids(ids, vocab) for ids in allowed_ids])
+
+    def next_state(state: int, token: int) -> int:
+        if token not in set(allowed_ids[state].tolist()):
+            return -1
+        lo, hi = offsets[state], offsets[state + 1]
+        for j in range(lo, hi):
+            if tokens[j] == token:
+                return nexts[j]
+        return default[state]
+
+    return SimpleNamespace(
+        key=key, vocab_size=vocab, initial_state=0, allowed=allowed, default_next=np.asarray(default, np.int32),
+        exc_offsets=np.asarray(offsets, np.int32), exc_tokens=np.asarray(tokens, np.int32),
+        exc_next=np.asarray(nexts, np.int32), num_states=states, num_exceptions=len(tokens),
+        next_state=next_state, allowed_ids=allowed_ids,
+    )
+
+
+def test_range_allocator_first_fit_and_merge():
+    ranges = RangeAllocator(10)
+    a, b, c = ranges.allocate(3), ranges.allocate(3), ranges.allocate(4)
+    assert (a, b, c) == (0, 3, 6) and ranges.allocate(1) is None
+    ranges.free(a, 3)
+    ranges.free(b, 3)
+    assert ranges.allocate(6) == 0 and ranges.num_free == 0
+    assert ranges.allocate(0) == 0  # empty ranges always fit
+
+
+def test_store_shares_evicts_least_recently_unused_and_refuses_by_name():
+    store = StructuredStore(max_states=10, max_exceptions=100)
+    a, b, c = (random_automaton(k, 4, 64, i) for i, k in enumerate("abc"))
+    pa = store.acquire(a)
+    assert store.acquire(a) is pa  # a second user shares it
+    pb = store.acquire(b)
+    assert [u.placement.key for u in store.take_uploads()] == ["a", "b"] and store.take_uploads() == []
+    with pytest.raises(ValueError, match="structured_outputs: no room for this constraint"):
+        store.acquire(c)  # a and b are both in use
+    store.release(pb)
+    pc = store.acquire(c)  # b's room is reused
+    assert pc.state_base == pb.state_base and store.num_evictions == 1
+    store.release(pa)
+    assert store.acquire(a) is pa  # still placed: no new upload
+    assert [u.placement.key for u in store.take_uploads()] == ["c"]
+    with pytest.raises(ValueError, match=r"structured_max_states"):
+        store.acquire(random_automaton("big", 11, 64, 9))
+
+
+@pytest.mark.parametrize("vocab", [64, 100])
+def test_device_advance_and_masks_equal_the_host_walk(vocab):
+    tables = StructuredTables(max_states=40, max_exceptions=4000, vocab_size=vocab, device=torch.device("cpu"))
+    store = StructuredStore(40, 4000)
+    automata = [random_automaton(f"k{i}", 7 + i, vocab, seed=i) for i in range(3)]
+    placements = [store.acquire(a) for a in automata]
+    for upload in store.take_uploads():
+        tables.upload(upload.placement, upload.automaton)
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(300):
+        i = int(rng.integers(0, 3))
+        local = int(rng.integers(0, automata[i].num_states))
+        token = int(rng.choice(automata[i].allowed_ids[local]))
+        rows.append((i, local, token))
+    states = torch.tensor([placements[i].state(local) for i, local, _ in rows], dtype=torch.int32)
+    tokens = torch.tensor([t for _, _, t in rows], dtype=torch.int64)
+    moved = tables.advance(states, tokens).tolist()
+    expected = [placements[i].state(automata[i].next_state(local, t)) for i, local, t in rows]
+    assert moved == expected
+    unpack = TokenMaskUnpacker(vocab, "cpu")
+    masks = unpack.allowed_tokens(tables.allowed_words(states))
+    for (i, local, _), mask in zip(rows[:40], masks):
+        assert mask.nonzero()[:, 0].tolist() == automata[i].allowed_ids[local].tolist()
+    # a row resumed after some outputs starts from the state they lead to
+    i, walk, state = 1, [], 0
+    for _ in range(5):
+        token = int(automata[i].allowed_ids[state][0])
+        walk.append(token)
+        state = automata[i].next_state(state, token)
+    assert tables.initial_state(placements[i], walk) == placements[i].state(state)
