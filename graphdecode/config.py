@@ -91,9 +91,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # the device's table store for structured-outputs constraints (runtime/structured_store.py): automaton
     # states (each ceil(vocab_size / 32) * 4 bytes of mask: 6 KB at a 49k vocabulary) and transition
-    # exceptions (8 bytes each); allocated at the first constrained request
+    # exceptions (8 bytes each: 64 MB at this default); allocated at the first constrained request. A
+    # string with a maxLength costs about maxLength x vocabulary exceptions (each token length leads
+    # elsewhere): SmolLM2, four bounded strings of 16-24 characters: 3.4 million
     structured_max_states: int = 4096
-    structured_max_exceptions: int = 1 << 21
+    structured_max_exceptions: int = 1 << 23
     max_stop_ids: int = 16
     max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)

@@ -2,12 +2,12 @@
 
 One run, one engine, the same k and model for both sides:
 
-* decode tokens/s at each batch: B prompts, each row either constrained by a JSON schema
-  (an 8-field object with a nested object, an enum, an array and free strings: the rows
-  end at EOS when the object is complete) or unconstrained (ignore_eos, the same
-  max_tokens). tokens/s = generated tokens / wall time of the whole run, best of
-  --repeats, the two sides alternating so drift hits both alike; the constrained side's
-  mean output length is reported beside it;
+* decode tokens/s at each batch: B prompts, every row constrained by a JSON schema (an
+  8-field object with a nested object, an enum, an array and free strings: a row ends at
+  EOS when its object is complete), against the same prompts unconstrained, each row
+  generating exactly as many tokens as its constrained twin (ignore_eos). tokens/s =
+  generated tokens / wall time of the whole run, best of --repeats, the two sides
+  alternating so drift hits both alike;
 * the schema's compile time cold (a fresh disk cache) and cached (memory hit, disk hit),
   the automaton's size, and what a cached schema adds to a request's admission (prepare +
   table placement, measured against the same request without the constraint).
@@ -56,6 +56,24 @@ SCHEMA = {
     "required": ["name", "email", "age", "score", "active", "role", "tags", "address"],
 }
 PROMPT = "Write the JSON record of a user of our service:"
+
+
+def with_tokenizer(model_dir: str) -> str:
+    """model_dir itself when it has a tokenizer; else a cached twin (links to its config and
+    weights) with the built-in byte-level BPE tokenizer, so a tokenizer-less preset such as
+    llama-3.2-1b (128k vocabulary) can be constrained: its masks are vocab-wide, while only
+    the tokenizer's 512 ids are ever allowed."""
+    if any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return model_dir
+    from graphdecode.cache import cached_model_dir
+    from graphdecode.default_model import build_tokenizer
+
+    def build(path: str) -> None:
+        for name in os.listdir(model_dir):
+            os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(path, name))
+        build_tokenizer().save_pretrained(path)
+
+    return cached_model_dir(os.path.basename(os.path.normpath(model_dir)) + "-with-tokenizer", build)
 
 
 def _constraint():
@@ -111,15 +129,19 @@ def measure_admission(llm, repeats: int = 200) -> dict:
 
 
 def measure_decode(llm, batch: int, max_tokens: int, repeats: int) -> dict:
+    """The constrained rows run to their EOS; each unconstrained row then generates exactly as
+    many tokens as its constrained twin did (ignore_eos), so both sides do the same work with the
+    same batch shrinking at the same steps, and only the constraint's own cost differs."""
     from graphdecode import SamplingParams
 
     prompts = [f"{PROMPT} (user {i})" for i in range(batch)]
+    constrained = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=_constraint())
+    lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, constrained)]  # compiles, places, warms
     sides = {
-        "unconstrained": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-        "constrained": SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=_constraint()),
+        "unconstrained": [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+        "constrained": constrained,
     }
-    llm.generate(prompts, sides["constrained"])  # compiles, places, and warms both sides' variants
-    llm.generate(prompts, sides["unconstrained"])
+    llm.generate(prompts, sides["unconstrained"])  # warms its variants
     best: dict[str, dict] = {}
     for _ in range(repeats):
         for name, params in sides.items():
@@ -157,6 +179,7 @@ def main(argv=None) -> dict:
         model, name = smollm2_dir(), "SmolLM2-135M-Instruct"
     else:
         model, name = resolve_model(args.model, args.preset, args.device)
+    model = with_tokenizer(model)
     from graphdecode import LLM
 
     batches = [int(b) for b in args.batches.split(",")]

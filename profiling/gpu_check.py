@@ -29,6 +29,8 @@ that reruns what failed, was cut or did not fit.
                        llama-3.2-1b shape, 1/64/256 streaming clients over 4 client processes,
                        --compile off; its server packages come as wheels from .gpu/wheels when the
                        machine lacks them (--prepare downloads them), else it is skipped naming them
+  bench_structured     constrained vs unconstrained decode (profiling/bench_structured.py),
+                       llama-3.2-1b shape with the built-in tokenizer, batch 1/16/64, --compile off
   bench_compiled       the bucket sweep with --compile on, buckets 1,16
   (bench_spec, bench_tp and bench_serve write their numbers into summary.json only: $OUT holds
   gpu_check.log, summary.json, bench_buckets.json and bench_buckets_compiled.json; the device
@@ -60,7 +62,7 @@ import tempfile
 import threading
 import time
 
-from gpu_check_report import bench_points, junit_report, serve_points, side_bench_points, table
+from gpu_check_report import bench_points, junit_report, serve_points, side_bench_points, structured_points, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +89,7 @@ PLAN = {
     "bench_spec": (90, 45, 20),
     "bench_tp": (90, 60, 30),
     "bench_serve": (240, 150, 40),
+    "bench_structured": (120, 60, 30),
     "bench_compiled": (150, 90, None),
 }
 STAGES = tuple(PLAN)
@@ -97,7 +100,8 @@ GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTER
 # Python modules a stage needs beyond the GPU machine's image; missing ones are installed from
 # the carried wheels (.gpu/wheels, downloaded by --prepare), else the stage is skipped naming them.
 REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client"),
-            "pytest_graphs": ("outlines_core",)}  # structured outputs' compiler (the structured-window test)
+            # structured outputs' compiler: the structured-window test and its bench
+            "pytest_graphs": ("outlines_core",), "bench_structured": ("outlines_core",)}
 
 BENCH_REAL = ["--preset", "llama-3.2-1b", "--device", "cuda", "--dtype", "bfloat16", "--steps", "8",
               "--prompt-len", "128", "--gen-len", "128", "--no-baseline"]
@@ -450,10 +454,13 @@ class Check:
             xml = os.path.join(self.work, f"{name}.xml")
             if os.path.isfile(xml):
                 record["tests"] = junit_report(xml)
-        elif name in ("bench_spec", "bench_tp", "bench_serve"):  # their JSON stays in the work dir ($OUT: 8 files)
+        elif name in ("bench_spec", "bench_tp", "bench_serve", "bench_structured"):  # their JSON stays in the work dir
             path = os.path.join(self.work, name + ".json")
             if os.path.isfile(path):
-                record["bench"] = (serve_points if name == "bench_serve" else side_bench_points)(path)
+                if name == "bench_structured":
+                    record["bench"] = structured_points(path)
+                else:
+                    record["bench"] = (serve_points if name == "bench_serve" else side_bench_points)(path)
         elif name.startswith("bench"):
             prefix = os.path.join(self.out, "bench_buckets" + ("_compiled" if name == "bench_compiled" else ""))
             for extra in (prefix + ".png", prefix + ".json.tmp"):  # keep $OUT to few files
@@ -644,6 +651,15 @@ class Check:
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_serve.py"), *sizes, "--compile", "off",
                 "--repeats", "1" if self.dry else "2", "--out", os.path.join(self.work, "bench_serve")]
         return self.verdict(self.run(argv, limit, env=self.env_for("bench_serve")))
+
+    def stage_bench_structured(self, limit: float) -> dict:
+        """Constrained vs unconstrained decode (profiling/bench_structured.py): llama-3.2-1b's shapes
+        (its 128k-vocabulary masks) with the built-in tokenizer, inside CUDA graphs."""
+        sizes = (["--preset", "micro", "--device", "cpu", "--batches", "1,2", "--max-tokens", "16", "-k", "2"]
+                 if self.dry else ["--preset", "llama-3.2-1b", "--device", "cuda", "--batches", "1,16,64"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_structured.py"), *sizes, "--compile", "off",
+                "--repeats", "1" if self.dry else "2", "--out", os.path.join(self.work, "bench_structured")]
+        return self.verdict(self.run(argv, limit, env=self.env_for("bench_structured")))
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:

@@ -111,6 +111,18 @@ def serve_points(path: str) -> dict | None:
     return {"points": points, "goals": {k: _r(v) for k, v in data.get("goals", {}).items()}, "model": data.get("model")}
 
 
+def structured_points(path: str) -> dict | None:
+    """The key numbers of a bench_structured JSON, for summary.json."""
+    data = _read_json(path)
+    if data is None:
+        return None
+    points = [{"batch": int(batch), "unconstrained_tokens_per_s": _r(p["unconstrained"]["tokens_per_s"]),
+               "constrained_tokens_per_s": _r(p["constrained"]["tokens_per_s"]), "ratio": _r(p["ratio"])}
+              for batch, p in data.get("points", {}).items()]
+    return {"points": points, "compile": {k: _r(v) for k, v in data.get("compile", {}).items()},
+            "admission_added_s": _r((data.get("admission") or {}).get("added_s")), "goals": data.get("goals")}
+
+
 def rerun_stages(summary: dict) -> list[str]:
     """Stages worth another call: failed, timed out, cut, or skipped for want of budget."""
     return [name for name, st in summary["stages"].items()
@@ -141,6 +153,9 @@ def _bench_line(p: dict) -> str:
     if "tp" in p:
         return (f"TP={p['tp']} batch={p['batch']}: {p['decode_tokens_per_s']:.0f} tok/s, "
                 f"collectives {100 * p['collective_share']:.0f}%")
+    if "constrained_tokens_per_s" in p:
+        return (f"structured batch={p['batch']}: {p['unconstrained_tokens_per_s']:.0f} -> "
+                f"{p['constrained_tokens_per_s']:.0f} tok/s constrained ({p['ratio']}x)")
     return (f"{p['clients']} clients: served {p['served_tokens_per_s']:.0f} / in-process "
             f"{p['in_process_tokens_per_s']:.0f} tok/s = {p['ratio']}, "
             f"p99 ITL / window {p['itl_p99_over_window_mean']}")

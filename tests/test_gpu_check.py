@@ -23,7 +23,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "bench",
-          "pytest_graphs", "pytest_compile", "bench_spec", "bench_tp", "bench_serve", "bench_compiled"]
+          "pytest_graphs", "pytest_compile", "bench_spec", "bench_tp", "bench_serve", "bench_structured",
+          "bench_compiled"]
 PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_compile"]
 HOOKS = ("GPU_CHECK_", "GDKIT_")
 
@@ -86,6 +87,9 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert all(p["served_tokens_per_s"] > 0 and p["in_process_tokens_per_s"] > 0 and p["ratio"] > 0
                for p in serve["bench"]["points"])
     assert "2 clients: served" in proc.stdout
+    structured = stages["bench_structured"]  # constrained vs unconstrained decode, numbers in summary.json only
+    assert structured["status"] == "ok" and [p["batch"] for p in structured["bench"]["points"]] == [1, 2]
+    assert all(p["constrained_tokens_per_s"] > 0 and p["ratio"] > 0 for p in structured["bench"]["points"])
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
     assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]

@@ -337,3 +337,49 @@ def test_structured_windows_replay_the_eager_tokens_without_syncing(tokenized_mo
     del graphed
     eager = llm(tokenized_model, cuda_graphs=False, **common)
     assert [o.outputs[0].token_ids for o in eager.generate(batch, params)] == got
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory) -> str:
+    """bf16 Mistral, head_dim 64 (a kit kernel), a 24-token sliding window: prompts pass it."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    path = str(tmp_path_factory.mktemp("gpu_models") / "mistral_bf16_swa24")
+    config = MistralConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1,
+        eos_token_id=2, sliding_window=24,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(99)
+        model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "torch"])
+def test_sliding_window_in_graphs_matches_the_fp32_reference_teacher_forced(windowed_model, backend):
+    """The window path in captured graphs (FlashInfer's window_left, or the torch reference where
+    the kit has no window kernel: the backend says which) against the fp32 eager reference."""
+    steps = 12
+    batch = prompts(4)  # 1 to 100 tokens: most pass the 24-token window
+    graphed = llm(windowed_model, attention_backend=backend, dtype="bfloat16", compile=False, cuda_graphs=True,
+                  num_decode_steps=4, max_batch_size=4)
+    assert graphed.engine.runner.model.attention_specs[0].sliding_window == 24
+    outs = graphed.generate(batch, greedy(max_tokens=steps, logprobs=5))
+    del graphed
+    reference = llm(windowed_model, attention_backend="torch", dtype="float32", compile=False, cuda_graphs=False,
+                    max_batch_size=64, num_pages=1024)
+    forced = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:j]}
+              for p, o in zip(batch, outs) for j in range(steps)]
+    ref = reference.generate(forced, greedy(max_tokens=1, logprobs=5))
+    worst = 0.0
+    for i, out in enumerate(outs):
+        for j in range(steps):
+            chosen = out.outputs[0].token_ids[j]
+            got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[j].items()}
+            want = {t: lp.logprob for t, lp in ref[i * steps + j].outputs[0].logprobs[0].items()}
+            assert chosen in want and want[chosen] >= max(want.values()) - TEACHER_TOL, (i, j)
+            for token in got.keys() & want.keys():
+                worst = max(worst, abs(got[token] - want[token]))
+    assert worst <= TEACHER_TOL, f"largest logprob difference {worst:.4f}"

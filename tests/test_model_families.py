@@ -70,6 +70,16 @@ def test_greedy_parity_with_transformers(tiny_models, model):
     assert len(buckets) >= 3, buckets
 
 
+@pytest.mark.parametrize("model", FAMILIES)
+def test_seeded_sampling_does_not_depend_on_batch_company(tiny_models, model):
+    prompts = _prompts(seed=5)[:4]
+    llm = LLM(tiny_models[model], num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=8)
+    params = SamplingParams(temperature=1.0, seed=17, max_tokens=12, ignore_eos=True)
+    alone = [_tokens(llm, [p], params)[0] for p in prompts]
+    assert _tokens(llm, prompts, params) == alone
+    assert _tokens(llm, prompts[::-1], params) == alone[::-1]
+
+
 @pytest.mark.parametrize("model", ["mistral_swa", "gemma3_text"])
 def test_windows_on_the_gathering_reference(tiny_models, model):
     """The torch reference a CUDA torch backend (or a CPU without a compiler) runs: decode and verify

@@ -55,10 +55,17 @@ def _compiled_graphs() -> int:
 class CompiledForward:
     """`fn` compiled once with dynamic shapes; times the calls that compiled."""
 
+    instances = 0  # compiled forwards made in this process
+
     def __init__(self, fn, backend: str = "inductor"):
+        # dynamo's limit counts the entries of one code object across the process, and every model
+        # (each engine, each family built on models/decoder.py) shares its forward's code objects:
+        # room for _ENTRIES more per compiled forward, raised, never lowered
+        CompiledForward.instances += 1
         name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-        if getattr(dynamo_config, name) < _ENTRIES:
-            setattr(dynamo_config, name, _ENTRIES)  # raised, never lowered
+        needed = _ENTRIES * CompiledForward.instances
+        if getattr(dynamo_config, name) < needed:
+            setattr(dynamo_config, name, needed)
         self.cache_dir = inductor_cache_dir()
         self._compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
         self.compile_seconds = 0.0

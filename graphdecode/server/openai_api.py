@@ -17,7 +17,10 @@ once) before its response starts, so a bad one is a 400 naming the field and cos
 engine nothing. One engine request per prompt: n > 1 is one request with
 SamplingParams(n=...), prefilled once. SSE chunks are plain dicts through json.dumps.
 A client that goes away mid-stream has its engine iterator closed, which aborts its
-request and frees its pages.
+request and frees its pages. Structured outputs (response_format, structured_outputs,
+guided_*) and tool calls (tools / tool_choice, parsed by tools.py) are described in
+docs/serving.md; a constraint is checked and compiled in a worker thread before the
+request is sent.
 
 SIGTERM (or Ctrl+C): new requests get 503 and /health turns 503, running requests
 finish (at most --shutdown-timeout seconds, then they are aborted), uvicorn closes,
@@ -48,12 +51,16 @@ from .. import __version__
 from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
+from . import tools as tool_calls
 from .async_llm import AsyncLLM, EngineDeadError
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    ConstraintSource,
+    build_constraint,
+    constraint_error,
     model_not_found,
     param_of,
     unavailable,
@@ -120,7 +127,8 @@ class _Job:
     """One HTTP request's engine requests, and what its response needs besides their outputs."""
 
     __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "want_logprobs", "top_n",
-                 "as_ids", "token_ids", "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role")
+                 "as_ids", "token_ids", "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role",
+                 "tool_mode", "tool_name")
 
     def __init__(self, rid: str, created: int, streams: list, arrival: float, prompt_ids: list[list[int]],
                  params: SamplingParams, req, echo):
@@ -138,6 +146,23 @@ class _Job:
         self.echo_only = False  # completions: echo with max_tokens 0
         self.prompt_logprobs = False  # the response carries prompt_logprobs
         self.role = "assistant"  # chat: the reply's role
+        self.tool_mode = None  # chat: None, "auto", "required" or "named" (ChatCompletionRequest.tool_mode)
+        self.tool_name = None  # chat, "named": the function called
+
+    def tool_parser(self):
+        """A fresh parser of one choice's output into content and tool calls (tools.py)."""
+        if self.tool_mode == "auto":
+            return tool_calls.HermesCalls()
+        if self.tool_mode == "required":
+            return tool_calls.RequiredCalls()
+        return tool_calls.NamedCall(self.tool_name)
+
+    def finish_reason(self, engine_reason: str | None, num_calls: int) -> str | None:
+        """OpenAI's: "tool_calls" when the reply's calls are complete ("auto" that made some, or
+        "required"); a named function's call ends with "stop", a cut one with "length"."""
+        if engine_reason == "stop" and num_calls and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return engine_reason
 
 
 class OpenAIServer:
@@ -193,6 +218,36 @@ class OpenAIServer:
             raise unavailable("the engine is not running") from None
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc), param=param_of(str(exc), renames)) from None
+
+    async def _constrain(self, req, params: SamplingParams, renames: dict) -> None:
+        """The request's structured-output constraint (response_format, structured_outputs, guided_*,
+        tool_choice) checked and compiled for this model in a worker thread (0.1-3 s the first time;
+        the event loop keeps serving), then set on `params`; AsyncLLM.generate finds it compiled in the
+        engine's cache. A bad one is a 400 naming the field the client sent."""
+        source = req.constraint_source()
+        if source is None:
+            return
+        inputs = self.engine.inputs
+        if getattr(inputs, "automata", False) is None:  # made here, once: two first compiles share it
+            from ..structured import AutomatonCache
+
+            inputs.automata = AutomatonCache()
+        params.structured_outputs = await asyncio.to_thread(self._compile, req, source)
+        renames["structured_outputs"] = source.error_param or source.param
+
+    def _compile(self, req, source: ConstraintSource):
+        try:
+            constraint = build_constraint(source)
+        except APIError:
+            if source.error_param == "tools":  # tool_choice "required": name the tool whose schema fails
+                for each in req.tool_parameter_sources():
+                    build_constraint(each)
+            raise
+        try:
+            self.engine.inputs._automaton(constraint)  # compiled now, into the engine's cache
+        except (ValueError, TypeError) as exc:
+            raise constraint_error(source, exc) from None
+        return constraint
 
     @staticmethod
     async def _parse(request: Request, model):
@@ -306,12 +361,13 @@ class OpenAIServer:
             parsed = [(text, ids) if len(ids) <= truncate else (None, ids[-truncate:]) for text, ids in parsed]
         for text, ids in parsed:
             self._check_length(len(ids), params.max_tokens, "prompt", "max_tokens")
+        renames = req.renames()
+        await self._constrain(req, params, renames)
         echo = None
         if req.echo:  # the echoed text, and where each prompt token starts in it (for text_offset)
             echo = await _off_loop(sum(len(ids) for _, ids in parsed), _INLINE_TOKENS, self._echoes, parsed,
                                    params.logprobs is not None)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        renames = req.renames()
         streams = []
         try:
             for i, (text, ids) in enumerate(parsed):
@@ -508,15 +564,18 @@ class OpenAIServer:
         max_tokens = req.requested_max_tokens()
         self._check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
         params = req.sampling_params(max_tokens, self.vocab_size)
+        renames = req.renames()
+        await self._constrain(req, params, renames)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-        streams = [(rid, self._start(prompt, params, rid, req.renames(), req.priority))]
+        streams = [(rid, self._start(prompt, params, rid, renames, req.priority))]
         role = req.response_role
         last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
         echo = last["content"] if req.echo and last["role"] == role else ""
         job = _Job(rid, int(time.time()), streams, arrival, [ids], params, req, echo)
         job.role = role
         job.prompt_logprobs = req.wants_prompt_logprobs is not None
+        job.tool_mode, job.tool_name = req.tool_mode, req.named_function
         if req.stream:
             return _SSEResponse(self._stream_chat(job), media_type="text/event-stream", headers=_SSE_HEADERS)
         return await self._unless_client_leaves(request, self._full_chat(job))
@@ -527,6 +586,9 @@ class OpenAIServer:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         kwargs = dict(req.chat_template_kwargs or {})
+        tools = req.template_tools()
+        if tools is not None:
+            kwargs.setdefault("tools", tools)
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         try:
@@ -570,10 +632,12 @@ class OpenAIServer:
         head = (f'data: {{"id":"{job.rid}","object":"chat.completion.chunk","created":{job.created},'
                 f'"model":{self.model_json},"choices":[').encode()
         states = {i: _Choice() for i in range(job.n)}
+        parsers = {i: job.tool_parser() for i in range(job.n)} if job.tool_mode else None
+        first_content = None if job.tool_mode in ("required", "named") else ""  # a reply of calls has no content
         cached: dict[int, int] = {}
         try:
             for i in range(job.n):  # OpenAI's first chunk of a choice carries the role
-                first = {"index": i, "delta": {"role": job.role, "content": ""}, "logprobs": None,
+                first = {"index": i, "delta": {"role": job.role, "content": first_content}, "logprobs": None,
                          "finish_reason": None}
                 yield self._chat_chunk(head, first, job, 0, first=True)
             if job.echo:
@@ -588,8 +652,25 @@ class OpenAIServer:
                         continue
                     state = states[c.index]
                     state.num_tokens += len(c.token_ids)
-                    choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": None,
-                              "finish_reason": c.finish_reason}
+                    finish_reason = c.finish_reason
+                    if parsers is None:
+                        delta = {"content": c.text}
+                    else:  # tools: content and tool calls parsed out of the text as it comes
+                        parser = parsers[c.index]
+                        content, calls = parser.feed(c.text)
+                        if finish_reason is not None:
+                            more, last = parser.finish()
+                            content, calls = content + more, calls + last
+                            finish_reason = job.finish_reason(finish_reason, parser.num_calls)
+                        delta = {}
+                        if content:
+                            delta["content"] = content
+                        if calls:
+                            delta["tool_calls"] = calls
+                        if not delta and finish_reason is None and not job.token_ids and not (
+                                job.want_logprobs and c.token_ids):
+                            continue  # text held back, nothing else to say
+                    choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
                     if job.want_logprobs and c.token_ids:
                         choice["logprobs"] = {"content": self._chat_logprobs(c.token_ids, c.logprobs, job.top_n,
                                                                              job.as_ids)}
@@ -630,9 +711,18 @@ class OpenAIServer:
             raise APIError(str(exc), param=param_of(str(exc), {"prompt": "messages"})) from None
         out_choices = []
         for index, c in sorted(choices.items()):
-            choice = {"index": index, "message": {"role": job.role, "content": job.echo + "".join(c.text)},
+            message = {"role": job.role, "content": job.echo + "".join(c.text)}
+            finish_reason = c.finish_reason
+            if job.tool_mode:  # the same parser the stream uses, fed the whole text
+                parser = job.tool_parser()
+                content, calls = tool_calls.parse_all(parser, "".join(c.text))
+                message["content"] = (job.echo + content) or None
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = job.finish_reason(finish_reason, parser.num_calls)
+            choice = {"index": index, "message": message,
                       "logprobs": {"content": c.entries} if job.want_logprobs else None,
-                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": c.stop_reason}
             if job.token_ids:
                 choice["token_ids"] = c.token_ids
             out_choices.append(choice)

@@ -22,9 +22,10 @@ import dataclasses
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..sampling_params import SamplingParams
+from . import tools as tool_calls
 
 
 class APIError(Exception):
@@ -93,6 +94,38 @@ class _SamplingRequest(_Base):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint_sources(self) -> list[ConstraintSource]:
+        """Every structured-output constraint the request asks for (the server refuses more than one)."""
+        sources = []
+        if self.response_format is not None:
+            source = _response_format_source(self.response_format)
+            if source is not None:
+                sources.append(source)
+        if self.structured_outputs is not None:
+            sources.append(_structured_outputs_source(self.structured_outputs))
+        for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                sources.append(ConstraintSource(name, name, {field: value}))
+        return sources
+
+    def constraint_source(self) -> ConstraintSource | None:
+        """The request's one constraint, or None; a 400 naming the fields when there are several."""
+        sources = self.constraint_sources()
+        if len(sources) > 1:
+            names = ", ".join(s.param for s in sources)
+            raise APIError(f"{sources[1].param}: give at most one structured-output constraint per request "
+                           f"(got {names})", param=sources[1].param)
+        return sources[0] if sources else None
 
     @property
     def include_usage(self) -> bool:
@@ -173,6 +206,90 @@ def logit_bias_ids(bias: dict[str, float], vocab_size: int | None) -> dict[int, 
         raise APIError(f"logit_bias: {len(bad)} invalid key{'s' if len(bad) > 1 else ''}, keys must be token ids: "
                        + ", ".join(bad), param="logit_bias")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSource:
+    """Where a request's constraint comes from: `param` (the field the client sent, what a 400
+    names), `label` (what replaces `structured_outputs.<field>` in the engine's messages; None
+    keeps them: the client sent structured_outputs itself) and StructuredOutputsParams' kwargs."""
+
+    param: str
+    label: str | None
+    kwargs: dict
+    error_param: str | None = None  # what a 400 about the constraint itself names, when not `param`
+
+
+_SO_PREFIX = re.compile(r"^structured_outputs(\.[A-Za-z_]+(\[\d+\])?)?")
+# vLLM's StructuredOutputsParams knobs that do not change what is allowed here (accepted, ignored)
+_SO_IGNORED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+
+
+def constraint_error(source: ConstraintSource, exc: Exception) -> APIError:
+    """A constraint's ValueError / TypeError (which names structured_outputs.<field>) as a 400
+    naming the field the client sent."""
+    message = str(exc)
+    if source.label is None:  # their own structured_outputs: the engine's names are theirs
+        match = _SO_PREFIX.match(message)
+        param = match.group(0) if match else source.param
+        return APIError(message, param=param)
+    rest = _SO_PREFIX.sub("", message, count=1) if _SO_PREFIX.match(message) else ": " + message
+    return APIError(source.label + rest, param=source.error_param or source.param)
+
+
+def build_constraint(source: ConstraintSource):
+    """StructuredOutputsParams of `source` (its checks: schema turned into a regex, regex compiled
+    over bytes), a 400 naming the client's field when they fail."""
+    from ..structured import StructuredOutputsParams
+
+    try:
+        return StructuredOutputsParams(**source.kwargs)
+    except (ValueError, TypeError) as exc:
+        raise constraint_error(source, exc) from None
+
+
+def _response_format_source(fmt: dict) -> ConstraintSource | None:
+    """OpenAI's response_format: text (no constraint), json_object, json_schema {name, schema, strict}."""
+    kind = fmt.get("type")
+    if kind is None:
+        raise APIError("response_format.type: this field is required", param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSource("response_format", "response_format", {"json_object": True})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError("response_format.json_schema: this field is required (an object with name and schema)",
+                           param="response_format")
+        schema = spec.get("schema")
+        if schema is None:
+            raise APIError("response_format.json_schema.schema: this field is required", param="response_format")
+        if not isinstance(schema, dict):
+            raise APIError(f"response_format.json_schema.schema: expected a JSON schema object, "
+                           f"got {type(schema).__name__}", param="response_format")
+        return ConstraintSource("response_format", "response_format.json_schema.schema", {"json": schema})
+    raise APIError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
+
+
+def _structured_outputs_source(spec: dict) -> ConstraintSource:
+    """vLLM's structured_outputs: a dict of StructuredOutputsParams' fields (null ones are not given)."""
+    from ..structured.params import FIELDS
+
+    kwargs = {}
+    for key, value in spec.items():
+        if key in FIELDS:
+            if value is not None:
+                kwargs[key] = value
+        elif key == "structural_tag":
+            if value is not None:
+                raise APIError("structured_outputs.structural_tag: structural tags are not supported; "
+                               "use json, regex, choice or json_object", param="structured_outputs.structural_tag")
+        elif key not in _SO_IGNORED:
+            raise APIError(f"structured_outputs.{key}: unknown field (the fields are {', '.join(FIELDS)})",
+                           param=f"structured_outputs.{key}")
+    return ConstraintSource("structured_outputs", None, kwargs)
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -258,10 +375,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(_Base):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI, still accepted
@@ -269,13 +382,75 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" allows one or more calls either way
     functions: list[Any] | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's extras
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = False
+    # the checked tools (their function definitions) and tool_choice: "none" / "auto" / "required" / a function
+    _functions: list[dict] | None = PrivateAttr(default=None)
+    _tool_choice: str | dict = PrivateAttr(default="none")
+
+    def check_tools(self) -> None:
+        """tools and tool_choice checked (400s naming the field); see tool_mode."""
+        if self.functions:
+            raise APIError("functions (deprecated by OpenAI) is not supported; use tools", param="functions")
+        try:
+            self._functions = tool_calls.check_tools(self.tools) if self.tools else None
+            self._tool_choice = tool_calls.check_tool_choice(self.tool_choice, self._functions)
+        except ValueError as exc:
+            message = str(exc)
+            raise APIError(message, param=message.split(":", 1)[0]) from None
+        if self.tool_mode in ("required", "named") and self.echo:
+            raise APIError("echo cannot be used with tool_choice 'required' or a named function (the reply is "
+                           "tool calls, not content)", param="echo")
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How the reply is read: None (no tools, or tool_choice "none": content), "auto"
+        (<tool_call> blocks parsed out), "required" or "named" (constrained to calls)."""
+        choice = self._tool_choice
+        if isinstance(choice, dict):
+            return "named"
+        return None if choice == "none" else choice
+
+    @property
+    def named_function(self) -> str | None:
+        return self._tool_choice["name"] if isinstance(self._tool_choice, dict) else None
+
+    def constraint_sources(self) -> list[ConstraintSource]:
+        sources = super().constraint_sources()
+        if self.tool_mode == "named":
+            function = self._tool_choice
+            i = next(i for i, f in enumerate(self._functions) if f is function)
+            where = f"tools[{i}].function.parameters"
+            sources.append(ConstraintSource("tool_choice", where, {"json": tool_calls.parameters_schema(function)},
+                                            where))
+        elif self.tool_mode == "required":
+            try:
+                schema = tool_calls.required_schema(self._functions)
+            except ValueError as exc:
+                raise APIError(str(exc), param=str(exc).split(":", 1)[0]) from None
+            sources.append(ConstraintSource("tool_choice", "tools (the calls' schema for tool_choice 'required')",
+                                            {"json": schema}, "tools"))
+        return sources
+
+    def tool_parameter_sources(self) -> list[ConstraintSource]:
+        """Each tool's parameters as a constraint of its own (to find the bad one when the joined
+        schema of tool_choice "required" fails)."""
+        out = []
+        for i, function in enumerate(self._functions or ()):
+            where = f"tools[{i}].function.parameters"
+            out.append(ConstraintSource("tool_choice", where, {"json": tool_calls.parameters_schema(function)},
+                                        where))
+        return out
+
+    def template_tools(self) -> list | None:
+        """The tools as the chat template gets them (as sent; also with tool_choice "none", as vLLM does)."""
+        return self.tools or None
 
     @property
     def response_role(self) -> str:
@@ -299,15 +474,11 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict]:
-        if self.tools or self.functions:
-            raise APIError("tools and function calling are not supported", param="tools" if self.tools else "functions")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(f"response_format {self.response_format.type!r} is not supported (only 'text')",
-                           param="response_format")
+        self.check_tools()
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt cannot both be true",
                            param="continue_final_message")
-        return [m.as_template_dict() for m in self.messages]
+        return tool_calls.template_messages([m.as_template_dict() for m in self.messages])
 
     def renames(self) -> dict[str, str]:
         derived = self.prompt_logprobs is None and self.wants_prompt_logprobs is not None
