@@ -106,3 +106,19 @@ def test_device_advance_and_masks_equal_the_host_walk(vocab):
         walk.append(token)
         state = automata[i].next_state(state, token)
     assert tables.initial_state(placements[i], walk) == placements[i].state(state)
+
+
+def test_in_place_masking_equals_the_expanded_mask():
+    """mask_disallowed_ (the window's four-pass form) against allowed_tokens' expansion, sign bit included."""
+    vocab = 100
+    unpack = TokenMaskUnpacker(vocab, "cpu")
+    rng = np.random.default_rng(3)
+    ids = [np.sort(rng.choice(vocab, size=30, replace=False)) for _ in range(4)]
+    ids[0] = np.array([31, 63, 95, 0])  # every word's sign bit
+    words = torch.from_numpy(np.stack([pack_token_ids(i, vocab) for i in ids]))
+    active = torch.tensor([True, True, False, True])
+    logits = torch.randn(4, vocab)
+    masked = logits.clone()
+    unpack.mask_disallowed_(masked, words, active)
+    expected = torch.where(unpack.allowed_tokens(words) | ~active[:, None], logits, float("-inf"))
+    assert torch.equal(masked, expected)

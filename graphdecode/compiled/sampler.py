@@ -218,11 +218,9 @@ class Sampler:
         if variant.num_logprobs and self.logprobs_mode.startswith("raw"):
             raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
         if variant.allowed_ids:
-            allowed = self.masks.allowed_tokens(rows.allowed_words) | ~rows.restricted[:, None]
-            logits.masked_fill_(~allowed, float("-inf"))
+            self.masks.mask_disallowed_(logits, rows.allowed_words, rows.restricted)
         if variant.structured:
-            allowed = self.masks.allowed_tokens(rows.struct_words) | ~rows.constrained[:, None]
-            logits.masked_fill_(~allowed, float("-inf"))
+            self.masks.mask_disallowed_(logits, rows.struct_words, rows.constrained)
         if variant.penalties:
             logits = apply_penalties(logits, rows)
         if variant.mask_stops:

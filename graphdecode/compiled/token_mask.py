@@ -32,7 +32,14 @@ class TokenMaskUnpacker:
         ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
         self.word_of = ids // 32  # [V] int64
         self.bit_of = (ids % 32).to(torch.int32)  # [V] int32
+        self.bit_value = torch.bitwise_left_shift(torch.ones_like(self.bit_of), self.bit_of)  # [V] int32: 1 << bit
 
     def allowed_tokens(self, words: torch.Tensor) -> torch.Tensor:
         """words [R, ceil(V / 32)] int32 -> [R, V] bool: whether each token's bit is set."""
         return ((words.index_select(1, self.word_of) >> self.bit_of) & 1).to(torch.bool)
+
+    def mask_disallowed_(self, logits: torch.Tensor, words: torch.Tensor, active: torch.Tensor) -> None:
+        """In place: -inf on every token whose bit is clear, in the rows where `active` [R] is set.
+        Four passes over [R, V] (gather, and, compare, fill): the window pays this per step."""
+        clear = (words.index_select(1, self.word_of) & self.bit_value) == 0
+        logits.masked_fill_(clear & active[:, None], float("-inf"))
