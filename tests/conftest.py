@@ -3,9 +3,11 @@ transformers' own greedy output for them (the oracle)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
+import httpx
 import pytest
 import torch
 
@@ -206,3 +208,29 @@ def text_model(model_root):
     if not os.path.isfile(os.path.join(path, "config.json")):
         build_default_model(path)
     return path
+
+
+@contextlib.contextmanager
+def live_server(model: str, log_dir, served_name: str, *extra: str, env: dict | None = None):
+    """`graphdecode serve` on a free loopback port with the tests' common flags (one thread, quiet);
+    yields its URL, and checks it drained and exited 0 afterwards."""
+    from graphdecode.server.launch import start_server, stop_server
+
+    log = os.path.join(str(log_dir), "server.log")
+    proc, url = start_server(["--model", model, "--served-model-name", served_name, "--threads", "1",
+                              "--no-access-log", "--log-level", "warning", *extra], log, timeout_s=180, env=env)
+    try:
+        yield url
+    finally:
+        code = stop_server(proc, 40)
+    assert code == 0, open(log).read()
+
+
+@contextlib.contextmanager
+def api_clients(url: str):
+    """(the real openai client, an httpx client) on a server's /v1."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client, \
+            httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+        yield client, http

@@ -9,12 +9,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from openai import OpenAI
+from conftest import api_clients, live_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from graphdecode.server import metrics as server_metrics
-from graphdecode.server.launch import start_server, stop_server
 from graphdecode.server.metrics import ServerMetrics
 
 MODEL = "test-model"
@@ -30,18 +29,15 @@ REPEATED = "The quick brown fox jumps over the lazy dog while the cat watches fr
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("metrics_server") / "server.log"
-    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
-                              "--no-access-log", "--log-level", "warning", "-k", "4", "--max-model-len", "512",
-                              "--max-batch-size", "8", "--metrics-prefix", P], str(log), timeout_s=180)
-    yield url
-    assert stop_server(proc, 40) == 0, open(log).read()
+    with live_server(text_model, tmp_path_factory.mktemp("metrics_server"), MODEL, "-k", "4", "--max-model-len",
+                     "512", "--max-batch-size", "8", "--metrics-prefix", P) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    with OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
+    with api_clients(server) as (openai_client, _):
+        yield openai_client
 
 
 def scrape(url: str) -> tuple[dict, dict]:

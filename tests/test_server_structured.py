@@ -17,14 +17,13 @@ import re
 import shutil
 import threading
 
-import httpx
 import jsonschema
 import pytest
-from openai import BadRequestError, OpenAI
+from conftest import api_clients, live_server
+from openai import BadRequestError
 from transformers import AutoTokenizer
 
 from graphdecode.server import tools as tool_calls
-from graphdecode.server.launch import start_server, stop_server
 
 MODEL = "structured-model"
 TEMPLATE = (
@@ -69,25 +68,26 @@ def model_dir(text_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server_structured") / "server.log"
     env = {**os.environ, "GRAPHDECODE_CACHE": str(tmp_path_factory.mktemp("cache"))}  # compiles for real
-    proc, url = start_server(["--model", model_dir, "--served-model-name", MODEL, "--threads", "1",
-                              "--no-access-log", "--log-level", "warning", "-k", "4", "--max-model-len", "1024",
-                              "--max-batch-size", "16"], str(log), timeout_s=180, env=env)
-    yield url
-    assert stop_server(proc, 40) == 0, open(log).read()
+    with live_server(model_dir, tmp_path_factory.mktemp("server_structured"), MODEL, "-k", "4", "--max-model-len",
+                     "1024", "--max-batch-size", "16", env=env) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
+def clients(server):
+    with api_clients(server) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"{server}/v1", timeout=60) as c:
-        yield c
+def client(clients):
+    return clients[0]
+
+
+@pytest.fixture(scope="module")
+def http(clients):
+    return clients[1]
 
 
 def _chat(client, stream=False, **kwargs):

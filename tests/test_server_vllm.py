@@ -17,11 +17,10 @@ import time
 import httpx
 import pytest
 import torch
-from openai import OpenAI
+from conftest import api_clients, live_server
 
 import graphdecode
 from graphdecode import LLM, SamplingParams
-from graphdecode.server.launch import start_server, stop_server
 
 MODEL = "vllm-model"
 MAX_MODEL_LEN = 1024
@@ -33,13 +32,10 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server_vllm") / "server.log"
-    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1", "--no-access-log",
-                              "--log-level", "warning", "-k", "4", "--max-model-len", str(MAX_MODEL_LEN),
-                              "--max-batch-size", "32", "--page-size", str(PAGE_SIZE),
-                              "--max-request-body-bytes", str(BODY_LIMIT)], str(log), timeout_s=180)
-    yield url
-    assert stop_server(proc, 40) == 0, open(log).read()
+    with live_server(text_model, tmp_path_factory.mktemp("server_vllm"), MODEL, "-k", "4", "--max-model-len",
+                     str(MAX_MODEL_LEN), "--max-batch-size", "32", "--page-size", str(PAGE_SIZE),
+                     "--max-request-body-bytes", str(BODY_LIMIT)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +49,19 @@ def tokenizer(llm):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as c:
-        yield c
+def clients(server):
+    with api_clients(server) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=f"{server}/v1", timeout=60) as c:
-        yield c
+def client(clients):
+    return clients[0]
+
+
+@pytest.fixture(scope="module")
+def http(clients):
+    return clients[1]
 
 
 def _sse(response: httpx.Response) -> list[dict]:
