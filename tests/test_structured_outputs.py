@@ -46,6 +46,8 @@ def llm(text_model):
 
 def test_json_schema_greedy_and_seeded_outputs_validate(llm):
     outs = llm.generate(PROMPTS, constrained(json=SCHEMA))
+    stats = llm.stats()  # the engine's own cache compiled it (or read it from disk), once for the four prompts
+    assert stats["structured_compiles"] + stats["structured_cache_hits"] >= 1 and stats["structured_uploads"] == 1
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "stop", c

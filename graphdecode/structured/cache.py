@@ -143,28 +143,28 @@ class AutomatonCache:
             _, old = self._lru.popitem(last=False)
             self._bytes -= old.nbytes
 
-    def get(self, params: StructuredOutputsParams, tokenizer, vocab_size: int, eos_token_ids) -> TokenAutomaton:
-        if not isinstance(params, StructuredOutputsParams):
-            raise TypeError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
-        vocab = tokenizer_vocab(tokenizer, vocab_size, eos_token_ids)
-        ident = identity(params, vocab.fingerprint, vocab.vocab_size)
+    def _memory_hit(self, ident: str) -> TokenAutomaton | None:
         with self._lock:
             hit = self._lru.get(ident)
             if hit is not None:
                 self._lru.move_to_end(ident)
                 self._stats.memory_hits += 1
-                return hit
+            return hit
+
+    def get(self, params: StructuredOutputsParams, tokenizer, vocab_size: int, eos_token_ids) -> TokenAutomaton:
+        if not isinstance(params, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
+        vocab = tokenizer_vocab(tokenizer, vocab_size, eos_token_ids)
+        ident = identity(params, vocab.fingerprint, vocab.vocab_size)
+        hit = self._memory_hit(ident)
+        if hit is not None:
+            return hit
         with self._lock:
             building = self._building.setdefault(ident, threading.Lock())
         try:
             with building:  # one compile per identity; the others wait for it and hit memory
-                with self._lock:
-                    hit = self._lru.get(ident)
-                    if hit is not None:
-                        self._lru.move_to_end(ident)
-                        self._stats.memory_hits += 1
-                        return hit
-                return self._load_or_compile(ident, params, vocab)
+                hit = self._memory_hit(ident)
+                return hit if hit is not None else self._load_or_compile(ident, params, vocab)
         finally:
             with self._lock:
                 self._building.pop(ident, None)
@@ -235,7 +235,9 @@ def compile_constraint(params: StructuredOutputsParams, tokenizer, vocab_size: i
     eos_token_ids: the ids that end a sequence (allowed exactly where the constraint is complete).
     Raises ValueError (naming structured_outputs.<field>) if the constraint cannot be compiled.
     """
-    return (cache or _DEFAULT).get(params, tokenizer, vocab_size, eos_token_ids)
+    if cache is None:  # not `cache or ...`: an empty cache is falsy (it has a length)
+        cache = _DEFAULT
+    return cache.get(params, tokenizer, vocab_size, eos_token_ids)
 
 
 def compile_stats() -> CompileStats:
