@@ -226,11 +226,21 @@ def live_server(model: str, log_dir, served_name: str, *extra: str, env: dict | 
     assert code == 0, open(log).read()
 
 
-@contextlib.contextmanager
-def api_clients(url: str):
-    """(the real openai client, an httpx client) on a server's /v1."""
+@pytest.fixture(scope="module")
+def clients(server):
+    """(the real openai client, an httpx client) on the module's `server` fixture's /v1."""
     from openai import OpenAI
 
-    with OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client, \
-            httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+    with OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60) as client, \
+            httpx.Client(base_url=f"{server}/v1", timeout=60) as http:
         yield client, http
+
+
+@pytest.fixture(scope="module")
+def client(clients):
+    return clients[0]
+
+
+@pytest.fixture(scope="module")
+def http(clients):
+    return clients[1]

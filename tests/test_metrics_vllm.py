@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import api_clients, live_server
+from conftest import live_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -32,12 +32,6 @@ def server(text_model, tmp_path_factory):
     with live_server(text_model, tmp_path_factory.mktemp("metrics_server"), MODEL, "-k", "4", "--max-model-len",
                      "512", "--max-batch-size", "8", "--metrics-prefix", P) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with api_clients(server) as (openai_client, _):
-        yield openai_client
 
 
 def scrape(url: str) -> tuple[dict, dict]:

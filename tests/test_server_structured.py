@@ -19,7 +19,7 @@ import threading
 
 import jsonschema
 import pytest
-from conftest import api_clients, live_server
+from conftest import live_server
 from openai import BadRequestError
 from transformers import AutoTokenizer
 
@@ -72,22 +72,6 @@ def server(model_dir, tmp_path_factory):
     with live_server(model_dir, tmp_path_factory.mktemp("server_structured"), MODEL, "-k", "4", "--max-model-len",
                      "1024", "--max-batch-size", "16", env=env) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def clients(server):
-    with api_clients(server) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def client(clients):
-    return clients[0]
-
-
-@pytest.fixture(scope="module")
-def http(clients):
-    return clients[1]
 
 
 def _chat(client, stream=False, **kwargs):

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import api_clients, live_server
+from conftest import live_server
 
 import graphdecode
 from graphdecode import LLM, SamplingParams
@@ -46,22 +46,6 @@ def llm(text_model):
 @pytest.fixture(scope="module")
 def tokenizer(llm):
     return llm.get_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def clients(server):
-    with api_clients(server) as pair:
-        yield pair
-
-
-@pytest.fixture(scope="module")
-def client(clients):
-    return clients[0]
-
-
-@pytest.fixture(scope="module")
-def http(clients):
-    return clients[1]
 
 
 def _sse(response: httpx.Response) -> list[dict]:

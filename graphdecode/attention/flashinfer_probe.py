@@ -74,16 +74,22 @@ def flashinfer_unavailable_reason(head_dim: int, dtype: torch.dtype) -> str | No
         importlib.import_module("flashinfer")
     except Exception as exc:  # noqa: BLE001 - a broken install (missing CUDA libs, ABI) counts as absent
         return f"flashinfer is not importable ({type(exc).__name__}: {exc})"
+    return _module_unavailable_reason(
+        lambda: kernel_module_name(head_dim, dtype),
+        lambda name: f"no prebuilt kernel module for head_dim {head_dim} and dtype {_name(dtype)} ({name})")
+
+
+def _module_unavailable_reason(module_name, missing) -> str | None:
+    """None when the module `module_name()` names is prebuilt here or flashinfer can compile it at
+    first use; else why not (`missing(name)` says which module, then why it cannot be compiled)."""
     try:
-        name = kernel_module_name(head_dim, dtype)
+        name = module_name()
         if _module_present(name):
             return None
     except Exception as exc:  # noqa: BLE001 - private helpers of one flashinfer release: never crash the config
         return f"could not probe flashinfer's kernel modules ({type(exc).__name__}: {exc})"
     why_not = _can_compile()
-    if why_not is None:
-        return None  # flashinfer compiles it at first use
-    return f"no prebuilt kernel module for head_dim {head_dim} and dtype {_name(dtype)} ({name}), and {why_not}"
+    return None if why_not is None else f"{missing(name)}, and {why_not}"
 
 
 @functools.cache
@@ -92,13 +98,5 @@ def variant_unavailable_reason(head_dim: int, dtype: torch.dtype, sliding_window
     The plain variant is flashinfer_unavailable_reason's question (asked by the engine config)."""
     if not (sliding_window or soft_cap):
         return None
-    try:
-        name = kernel_module_name(head_dim, dtype, sliding_window, soft_cap)
-        if _module_present(name):
-            return None
-    except Exception as exc:  # noqa: BLE001 - private helpers of one flashinfer release: never crash the config
-        return f"could not probe flashinfer's kernel modules ({type(exc).__name__}: {exc})"
-    why_not = _can_compile()
-    if why_not is None:
-        return None
-    return f"no prebuilt kernel module {name}, and {why_not}"
+    return _module_unavailable_reason(lambda: kernel_module_name(head_dim, dtype, sliding_window, soft_cap),
+                                      lambda name: f"no prebuilt kernel module {name}")

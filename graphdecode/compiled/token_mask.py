@@ -2,10 +2,10 @@
 
 A mask over a V-token vocabulary is ceil(V / 32) int32 words (bit b of word w: token
 32 w + b), so a row's mask is V / 8 bytes on the device (6 KB for a 49k vocabulary),
-uploaded once when the row is admitted. The sampler expands the rows' masks to [R, V]
-booleans with one gather and one shift (`allowed_tokens`), inside the window: static
-shapes, no host involvement. allowed_token_ids uses it today; constraint automata (one
-mask per state) are meant to share it.
+uploaded once when the row is admitted. The sampler masks the logits of the rows' disallowed
+tokens with one gather, one and, one compare (`mask_disallowed_`), inside the window: static
+shapes, no host involvement. allowed_token_ids and the constraint automata (one mask per
+state, compiled/structured_tables.py) share it.
 """
 
 from __future__ import annotations
@@ -31,12 +31,8 @@ class TokenMaskUnpacker:
     def __init__(self, vocab_size: int, device):
         ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
         self.word_of = ids // 32  # [V] int64
-        self.bit_of = (ids % 32).to(torch.int32)  # [V] int32
-        self.bit_value = torch.bitwise_left_shift(torch.ones_like(self.bit_of), self.bit_of)  # [V] int32: 1 << bit
-
-    def allowed_tokens(self, words: torch.Tensor) -> torch.Tensor:
-        """words [R, ceil(V / 32)] int32 -> [R, V] bool: whether each token's bit is set."""
-        return ((words.index_select(1, self.word_of) >> self.bit_of) & 1).to(torch.bool)
+        bit = (ids % 32).to(torch.int32)
+        self.bit_value = torch.bitwise_left_shift(torch.ones_like(bit), bit)  # [V] int32: 1 << (id % 32)
 
     def mask_disallowed_(self, logits: torch.Tensor, words: torch.Tensor, active: torch.Tensor) -> None:
         """In place: -inf on every token whose bit is clear, in the rows where `active` [R] is set.

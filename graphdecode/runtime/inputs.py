@@ -15,6 +15,7 @@ from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
 from .sequence import Request, Sequence
+from .structured_store import check_capacity
 
 _M64 = (1 << 64) - 1
 
@@ -288,15 +289,7 @@ class InputProcessor:
             self.automata = AutomatonCache()  # this engine's, in memory; the disk cache is shared
         automaton = compile_constraint(constraint, self.tokenizer, self.vocab_size, self.eos_ids,
                                        cache=self.automata)
-        cfg = self.config
-        if automaton.num_states > cfg.structured_max_states or \
-                automaton.num_exceptions > cfg.structured_max_exceptions:
-            raise ValueError(
-                f"structured_outputs: the constraint compiles to {automaton.num_states} states and "
-                f"{automaton.num_exceptions} transition exceptions, more than the table store holds "
-                f"(structured_max_states={cfg.structured_max_states}, "
-                f"structured_max_exceptions={cfg.structured_max_exceptions})"
-            )
+        check_capacity(automaton, self.config.structured_max_states, self.config.structured_max_exceptions)
         return automaton
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:

@@ -79,6 +79,17 @@ class RangeAllocator:
         return sum(length for _, length in self._free)
 
 
+def check_capacity(automaton, max_states: int, max_exceptions: int) -> None:
+    """ValueError naming structured_outputs when the constraint alone exceeds the store."""
+    states, exceptions = automaton.num_states, automaton.num_exceptions
+    if states > max_states or exceptions > max_exceptions:
+        raise ValueError(
+            f"structured_outputs: the constraint compiles to {states} states and {exceptions} transition "
+            f"exceptions, more than the table store holds (structured_max_states={max_states}, "
+            f"structured_max_exceptions={max_exceptions})"
+        )
+
+
 class StructuredStore:
     def __init__(self, max_states: int, max_exceptions: int):
         self.max_states = max_states
@@ -118,13 +129,8 @@ class StructuredStore:
         return sum(self._placed[key].num_states for key in self._users)
 
     def _place(self, automaton) -> TablePlacement:
+        check_capacity(automaton, self.max_states, self.max_exceptions)
         states, exceptions = automaton.num_states, automaton.num_exceptions
-        if states > self.max_states or exceptions > self.max_exceptions:
-            raise ValueError(
-                f"structured_outputs: the constraint compiles to {states} states and {exceptions} transition "
-                f"exceptions; the table store holds {self.max_states} states (structured_max_states) and "
-                f"{self.max_exceptions} exceptions (structured_max_exceptions)"
-            )
         while True:
             state_base = self._states.allocate(states)
             exc_base = self._exceptions.allocate(exceptions) if state_base is not None else None
