@@ -70,6 +70,11 @@ class ForwardContext:
     decode: DecodeMetadata | None = None
     verify: VerifyMetadata | None = None
 
+    def live_tokens(self) -> torch.Tensor:
+        """[T] bool: the rows that are real tokens (padded and finished rows write the scratch slot)."""
+        meta = self.decode if self.decode is not None else self.verify if self.verify is not None else self.prefill
+        return meta.slot_mapping != 0  # advance_step.SCRATCH_SLOT
+
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         if self.decode is not None:
             return self.backend.decode(layer, q, k, v, self.decode)

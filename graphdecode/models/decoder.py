@@ -32,13 +32,17 @@ per head, so each rank applies the whole (replicated) weight to its own heads.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
 from .layers import FusedLinear, GatedActivation, RMSNorm
 from .model_config import SLIDING, ModelConfig
-from .parallel import ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, kv_heads_spec, local_kv_heads
+from .moe import SparseMoE, default_implementation
+from .parallel import (ParallelLMHead, RowParallelLinear, ShardSpec, TPGroup, VocabParallelEmbedding, kv_heads_spec,
+                       local_kv_heads)
 from .parallel import split as split_rows
 from .rope import RotaryEmbedding
 
@@ -66,6 +70,17 @@ class Attention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, norm_offset)
+        if cfg.attn_sinks:  # gpt-oss: one learned logit per query head in the softmax's denominator
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            self.tp_specs = {"sinks": ShardSpec(0, tp.rank * self.num_heads, (tp.rank + 1) * self.num_heads,
+                                                cfg.num_heads)}
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """The spec the backend runs this layer with (the loaded sink logits included)."""
+        if not hasattr(self, "sinks"):
+            return self.spec
+        return replace(self.spec, sinks=self.sinks.detach().float())
 
     def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx, kv_layer: int | None = None) -> torch.Tensor:
         """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""
@@ -100,9 +115,10 @@ class DecoderLayer(nn.Module):
                  norm_offset: bool = False, sandwich_norms: bool = False):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset, spec=spec)
-        self.mlp = GatedMLP(cfg, tp, cfg.hidden_act)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size, tp) if self.sparse else GatedMLP(cfg, tp, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
         self.sandwich_norms = sandwich_norms
         if sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
@@ -110,6 +126,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, rotary, ctx, kv_layer: int | None = None):
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, ctx, kv_layer)
+        if self.sparse:  # an MoE counts the live tokens it routes
+            hidden = hidden + attn
+            return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.live_tokens())
         if not self.sandwich_norms:  # Llama: pre-norms only
             hidden = hidden + attn
             return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -126,7 +145,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, i, tp, spec=specs[i], norm_offset=norm_offset, sandwich_norms=sandwich_norms)
             for i in range(cfg.decoder_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -140,6 +159,8 @@ class DecoderForCausalLM(nn.Module):
     }
     # fused module name -> its shards in checkpoint row order, for checkpoints that store them fused
     fused_checkpoint: dict[str, tuple[str, ...]] = {}
+    checkpoint_renames: dict[str, str] = {}  # checkpoint name fragment -> this engine's (Mixtral's block_sparse_moe)
+    expert_format = None  # an expert_weights.ExpertFormat: how an MoE checkpoint stores its experts
     norm_offset = False  # (1 + weight) RMSNorms (Gemma)
     sandwich_norms = False  # norms after attention and around the MLP (Gemma)
     embed_scale = False  # embeddings times sqrt(hidden_size) (Gemma)
@@ -155,6 +176,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotaries: list[RotaryEmbedding] = []  # each decoder layer's (shared tables)
         self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
         self._embed_scale = None
+        self.expert_tokens: torch.Tensor | None = None  # [MoE layers, E] int64: live tokens routed per expert
 
     def layer_spec(self, layer: int) -> AttentionSpec:
         """Decoder layer `layer`'s attention variant, from the config."""
@@ -164,11 +186,28 @@ class DecoderForCausalLM(nn.Module):
     @property
     def attention_specs(self) -> list[AttentionSpec]:
         """One spec per KV-cache layer (what the attention backend is built with)."""
-        return [layer.self_attn.spec for layer in self.model.layers]
+        return [layer.self_attn.attention_spec for layer in self.model.layers]
 
     @property
     def rotary(self) -> RotaryEmbedding | None:
         return self.rotaries[0] if self.rotaries else None
+
+    @property
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.model.layers if layer.sparse]
+
+    def post_load(self, max_positions: int) -> None:
+        """Device state made once the weights are in: rope tables, the experts' counters and kernels."""
+        self.init_rotary(max_positions)
+        moe = self.moe_layers
+        if moe:
+            weight = self.model.embed_tokens.weight
+            self.expert_tokens = torch.zeros(len(moe), self.config.moe.num_experts, dtype=torch.int64,
+                                             device=weight.device)
+            implementation = default_implementation(weight.device, weight.dtype)
+            for counter, layer in zip(self.expert_tokens, moe):
+                layer.expert_tokens = counter
+                layer.experts.implementation = implementation
 
     def init_rotary(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight

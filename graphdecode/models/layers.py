@@ -16,13 +16,15 @@ from .parallel import ShardSpec
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. offset=True is Gemma's: the weight is stored as a delta and the
-    scale is (1 + weight), applied in float32 before the cast back (transformers' Gemma3RMSNorm)."""
+    scale is (1 + weight), applied in float32 before the cast back (transformers' Gemma3RMSNorm);
+    weight_fp32=True is gpt-oss's: the weight times the float32 normalised value, then the cast."""
 
-    def __init__(self, hidden_size: int, eps: float, offset: bool = False):
+    def __init__(self, hidden_size: int, eps: float, offset: bool = False, weight_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size) if offset else torch.ones(hidden_size))
         self.eps = eps
         self.offset = offset
+        self.weight_fp32 = weight_fp32  # gpt-oss: weight * h in float32, then the cast
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same arithmetic as transformers' LlamaRMSNorm / Gemma3RMSNorm: normalise in float32.
@@ -31,6 +33,8 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
+        if self.weight_fp32:
+            return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
 
 

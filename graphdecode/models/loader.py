@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import expert_weights
 from .cpu_linear import can_prepack, prepack_cpu_linears
 from .model_config import ModelConfig, read_json_object
 from .parallel import ShardSpec, TPGroup
@@ -49,6 +50,8 @@ class _Entry:
     shard: str | None  # its shard of a fused parameter (q, k, v, gate, up), or None
     offset: int = 0  # a fused checkpoint tensor's rows before this shard's (fused_checkpoint)
     fused: bool = False  # the checkpoint tensor holds several shards
+    experts: str | None = None  # the Experts module it fills (expert_weights.py), with `slot`
+    slot: expert_weights.Slot | None = None
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -79,10 +82,14 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    files = {entry.key: path for path, entries in plan for entry in entries}
     for path, entries in plan:
         with _open(path) as f:
             for entry in entries:
                 try:
+                    if entry.slot is not None:
+                        _load_experts(f, entry, modules[entry.experts], files)
+                        continue
                     tensor = _read(f, entry.key, _spec(modules, entry.name, entry.shard), entry.offset, entry.fused)
                 except (SafetensorError, OSError) as e:
                     raise ValueError(f"{path}: tensor {entry.key!r} cannot be read ({e})") from None
@@ -92,7 +99,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 else:
                     modules[_owner(entry.name)].load_shard(param, entry.shard, tensor)
     _check_finite(params, modules, plan, dtype)
-    model.init_rotary(max_positions)
+    model.post_load(max_positions)
     model.eval()
     if can_prepack(device, dtype):
         prepack_cpu_linears(model)  # oneDNN's blocked weights: the CPU's faster matmuls
@@ -115,8 +122,17 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied):
                     continue
-                fused = _fused_shards(key, cls, modules)
-                name, shard = (key, None) if fused is not None else _target(key, packed)
+                experts = _experts_entry(path, f, key, cls, modules)
+                if experts is not None:
+                    if (experts.name, experts.slot.part) in found:
+                        raise ValueError(f"{path}: tensor {key!r} is also in "
+                                         f"{found[experts.name, experts.slot.part].path}")
+                    found[experts.name, experts.slot.part] = experts
+                    entries.append(experts)
+                    continue
+                ours = _renamed(key, cls)
+                fused = _fused_shards(ours, cls, modules)
+                name, shard = (ours, None) if fused is not None else _target(ours, packed)
                 if name not in params:
                     raise ValueError(
                         f"{path}: tensor {key!r} has no place in {cls.__name__} as config.json describes it "
@@ -145,14 +161,75 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         plan.append((path, entries))
     index = os.path.join(model_dir, _INDEX)
     where = index if os.path.isfile(index) else files[0]
+    for owner, module in modules.items():
+        if isinstance(module, expert_weights.Experts):
+            parts = {(name.rsplit(".", 1)[1], part) for name, part in found if name.startswith(owner + ".")}
+            lacking = expert_weights.missing(module, parts, cls.expert_format)
+            if lacking is not None:
+                raise ValueError(f"{where}: tensor {_original(owner + '.' + lacking, cls)!r} is missing from the "
+                                 f"checkpoint")
     for name in params:
+        if isinstance(modules[_owner(name)], expert_weights.Experts):
+            continue  # checked above, per expert or stacked
         for shard in _shards(modules, name):
             if (name, shard) not in found:
                 key = name if _fused_shards(name, cls, modules) is not None else _checkpoint_key(name, shard, packed)
+                key = _original(key, cls)
                 hint = (" (if lm_head shares embed_tokens' weights, config.json should say "
                         "\"tie_word_embeddings\": true)") if key == "lm_head.weight" else ""
                 raise ValueError(f"{where}: tensor {key!r} is missing from the checkpoint{hint}")
     return plan
+
+
+def _renamed(key: str, cls) -> str:
+    """A checkpoint name in this engine's module names (cls.checkpoint_renames: Mixtral's block_sparse_moe)."""
+    for theirs, ours in cls.checkpoint_renames.items():
+        key = key.replace(theirs, ours)
+    return key
+
+
+def _original(name: str, cls) -> str:
+    for theirs, ours in cls.checkpoint_renames.items():
+        name = name.replace(ours, theirs)
+    return name
+
+
+def _experts_entry(path: str, f, key: str, cls, modules: dict) -> _Entry | None:
+    """The entry of a tensor under an Experts module (expert_weights.py), checked; None for any other tensor."""
+    if cls.expert_format is None or ".experts." not in key:
+        return None
+    ours = _renamed(key, cls)
+    owner, suffix = ours.split(".experts.", 1)
+    owner += ".experts"
+    module = modules.get(owner)
+    if not isinstance(module, expert_weights.Experts):
+        return None
+    slot = expert_weights.slot(module, suffix, cls.expert_format)
+    if slot is None:
+        raise ValueError(f"{path}: tensor {key!r} has no place in {cls.__name__} as config.json describes it "
+                         f"(num_local_experts, intermediate_size, quantization_config)")
+    header = f.get_slice(key)
+    kind = header.get_dtype()
+    if kind not in slot.dtypes:
+        raise ValueError(f"{path}: tensor {key!r} has dtype {kind}, expected {' or '.join(slot.dtypes)}")
+    shape = tuple(header.get_shape())
+    if shape != slot.shape:
+        raise ValueError(f"{path}: tensor {key!r} has shape {shape}, expected {slot.shape} from config.json")
+    return _Entry(key, path, f"{owner}.{slot.param}", None, experts=owner, slot=slot)
+
+
+def _load_experts(f, entry: _Entry, module, files: dict[str, str]) -> None:
+    prefix = entry.key.rsplit(".experts.", 1)[0] + ".experts."
+
+    def sibling(suffix: str) -> torch.Tensor:
+        key = prefix + suffix
+        if files.get(key) == entry.path:
+            return f.get_tensor(key)
+        with _open(files[key]) as other:
+            return other.get_tensor(key)
+
+    tensor = None if entry.slot.layout == "scales" else f.get_tensor(entry.key)
+    expert_weights.load(module, entry.slot, tensor, sibling)
 
 
 def _open(path: str):
@@ -250,10 +327,15 @@ def _check_finite(params: dict, modules: dict, plan, dtype: torch.dtype) -> None
     flags = torch.stack([_all_finite(params[name].detach()) for name in names])
     if bool(flags.all()):  # the only host sync of the check
         return
-    entries = {(e.name, e.shard): e for _, file_entries in plan for e in file_entries}
+    entries = {(e.name, e.shard): e for _, file_entries in plan for e in file_entries if e.slot is None}
     for name, ok in zip(names, flags.tolist()):
         if ok:
             continue
+        if isinstance(modules[_owner(name)], expert_weights.Experts):
+            keys = sorted(e.key for _, file_entries in plan for e in file_entries if e.name == name)
+            raise ValueError(f"{name}: expert weights loaded from {keys[0]!r} (and {len(keys) - 1} more tensors) "
+                             f"hold NaN, infinite values or values beyond {dtype}; the checkpoint is corrupt, or "
+                             f"load it with dtype='float32' or 'bfloat16'")
         param = params[name].detach()
         for shard in _shards(modules, name):
             view = param

@@ -29,8 +29,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+from .moe import MoEConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "mixtral", "qwen3_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
 
@@ -54,7 +57,10 @@ class RopeConfig:
     partial_rotary_factor: float = 1.0  # the rotated fraction of each head (Phi-3: the first dims)
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to the original length
     long_factor: tuple[float, ...] = ()  # ... and beyond it
-    attention_factor: float = 1.0  # cos and sin are scaled by it (longrope)
+    attention_factor: float = 1.0  # cos and sin are scaled by it (longrope, yarn)
+    beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the correction range outwards to whole dims
 
     def rotary_dim(self, head_dim: int) -> int:
         """How many of a head's dims rotate (transformers: int(head_dim * partial_rotary_factor))."""
@@ -88,6 +94,10 @@ class ModelConfig:
     attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
     attn_soft_cap: float | None = None  # attention scores soft-capped (Gemma 2/3 attn_logit_softcapping)
     final_soft_cap: float | None = None  # logits soft-capped (final_logit_softcapping)
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss)
+    attn_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss `self_attn.sinks`)
+    norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight before the cast back (gpt-oss)
+    quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (dequantised at load)
 
     @property
     def decoder_layers(self) -> int:
@@ -200,6 +210,8 @@ def _rope_from(raw: dict, where: str = "config.json", model_type: str = "llama",
         rope_type = "longrope"  # transformers' Phi3Config reads these old names as longrope
     allowed = ("default", "longrope") if model_type == "phi3" else tuple(t for t in SUPPORTED_ROPE_TYPES
                                                                          if t != "longrope")
+    if model_type == "gemma3_text":
+        allowed = tuple(t for t in allowed if t != "yarn")
     if rope_type not in allowed:
         raise ValueError(f"{where}: rope_type: {rope_type!r} is not supported for {model_type} "
                          f"(supported: {', '.join(allowed)})")
@@ -226,6 +238,8 @@ def _rope_from(raw: dict, where: str = "config.json", model_type: str = "llama",
         original_max_position_embeddings=original,
         partial_rotary_factor=partial,
     )
+    if rope_type == "yarn":
+        rope = _yarn(where, params, rope, max_positions)
     if rope_type == "llama3" and not rope.high_freq_factor > rope.low_freq_factor:
         raise ValueError(
             f"{where}: rope high_freq_factor ({rope.high_freq_factor}) must exceed low_freq_factor "
@@ -251,6 +265,29 @@ def _rope_from(raw: dict, where: str = "config.json", model_type: str = "llama",
     return rope
 
 
+def _yarn(where: str, params: dict, rope: RopeConfig, max_positions: int) -> RopeConfig:
+    """YaRN's fields as transformers' _compute_yarn_parameters reads them."""
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{where}: rope original_max_position_embeddings is missing (yarn needs it)")
+    factor = params.get("factor")
+    factor = max_positions / rope.original_max_position_embeddings if factor is None else rope.factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is not None:
+        attention = _float(where, params, "attention_factor", 1.0)
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        attention = mscale(factor, _float(where, params, "mscale", 1.0)) / mscale(
+            factor, _float(where, params, "mscale_all_dim", 1.0))
+    else:
+        attention = mscale(factor)
+    return replace(rope, factor=factor, attention_factor=float(attention),
+                   beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                   truncate=_bool(where, params, "truncate", True))
+
+
 def _as_id_tuple(value, where: str = "config.json") -> tuple[int, ...]:
     if value is None:
         return ()
@@ -271,13 +308,13 @@ def _eos_ids(model_dir: str, raw: dict, where: str = "config.json") -> tuple[int
     return _as_id_tuple(raw.get("eos_token_id"), where)
 
 
-_HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma3_text": 256}  # the config classes' defaults when head_dim is absent
+_HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma3_text": 256, "gpt_oss": 64}  # the config classes' defaults when head_dim is absent
 
 
 def _layer_types(where: str, raw: dict, model_type: str, num_layers: int) -> tuple[str, ...]:
     """Each decoder layer's kind, as transformers' config classes derive it."""
     given = raw.get("layer_types")
-    if given is not None and model_type in ("qwen2", "qwen3", "gemma3_text"):
+    if given is not None and model_type in ("qwen2", "qwen3", "gemma3_text", "gpt_oss"):
         if not isinstance(given, list) or len(given) != num_layers or any(t not in (FULL, SLIDING) for t in given):
             raise ValueError(f"{where}: layer_types must list {FULL!r} or {SLIDING!r} for each of the "
                              f"{num_layers} layers, got {given!r}")
@@ -288,20 +325,28 @@ def _layer_types(where: str, raw: dict, model_type: str, num_layers: int) -> tup
     if model_type == "gemma3_text":
         pattern = _int(where, raw, "sliding_window_pattern", 6)
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
-    return (SLIDING,) * num_layers  # mistral, phi3: the window (if any) is every layer's
+    if model_type == "gpt_oss":  # GptOssConfig: even layers local, odd layers global
+        return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
+    return (SLIDING,) * num_layers  # mistral, mixtral, qwen3_moe, phi3: the window (if any) is every layer's
 
 
 def _sliding_window(where: str, raw: dict, model_type: str) -> int | None:
     if model_type == "llama":
         return None  # LlamaConfig has no window
-    if model_type in ("qwen2", "qwen3") and not _bool(where, raw, "use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not _bool(where, raw, "use_sliding_window"):
         return None  # transformers: sliding_window = sliding_window if use_sliding_window else None
     if raw.get("sliding_window") is None:
-        return 4096 if model_type == "gemma3_text" and "sliding_window" not in raw else None
+        if "sliding_window" not in raw and model_type in _WINDOW_DEFAULTS:
+            return _WINDOW_DEFAULTS[model_type]
+        return None
     window = _int(where, raw, "sliding_window")
     if model_type == "gemma3_text" and _bool(where, raw, "use_bidirectional_attention"):
         raise ValueError(f"{where}: use_bidirectional_attention: bidirectional Gemma 3 is not supported")
     return window
+
+
+_THETA_DEFAULTS = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}  # the config classes' rope_theta defaults
+_WINDOW_DEFAULTS = {"gemma3_text": 4096, "gpt_oss": 128, "qwen3_moe": 4096}  # the config classes' defaults
 
 
 def _optional_positive(where: str, raw: dict, key: str) -> float | None:
@@ -354,12 +399,16 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         raise ValueError(f"{where}: dtype: checkpoint dtype {dtype_name!r} is not supported")
     if _bool(where, raw, "mlp_bias"):
         raise ValueError(f"{where}: mlp_bias: MLP biases are not supported")
-    attention_bias = _bool(where, raw, "attention_bias") and model_type != "phi3"  # Phi-3 has no biases
+    attention_bias = _bool(where, raw, "attention_bias", model_type == "gpt_oss") and model_type != "phi3"
     if gemma:
         rope, local_rope = _gemma3_ropes(raw, where, head_dim)
     else:
-        rope, local_rope = _rope_from(raw, where, model_type, head_dim=head_dim), None
+        rope = _rope_from(raw, where, model_type, head_dim=head_dim,
+                          theta_default=_THETA_DEFAULTS.get(model_type, 10000.0))
+        local_rope = None
     two_streams = rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings
+    moe = _moe_config(where, raw, model_type, num_layers, intermediate) if model_type in MOE_MODEL_TYPES else None
+    quantization = _quantization(where, raw, model_type)
     scalar = raw.get("query_pre_attn_scalar", 256) if gemma else None
     return ModelConfig(
         model_type=model_type,
@@ -381,14 +430,53 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         sliding_window=sliding,
         num_hidden_layers=num_layers,
         layer_types=layer_types,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
         hidden_act=act,
         local_rope=local_rope,
         attn_scale=None if scalar is None else _float(where, {"query_pre_attn_scalar": scalar},
                                                       "query_pre_attn_scalar", 256) ** -0.5,
         attn_soft_cap=_optional_positive(where, raw, "attn_logit_softcapping"),
         final_soft_cap=_optional_positive(where, raw, "final_logit_softcapping"),
+        moe=moe,
+        attn_sinks=model_type == "gpt_oss",
+        norm_weight_fp32=model_type == "gpt_oss",
+        quantization=quantization,
     )
+
+
+def _moe_config(where: str, raw: dict, model_type: str, num_layers: int, intermediate: int) -> MoEConfig:
+    """The experts and their routing, as each family's config class and modules read them."""
+    key = "num_experts" if model_type == "qwen3_moe" and raw.get("num_experts") is not None else "num_local_experts"
+    experts = _int(where, raw, key, 128 if model_type != "mixtral" else 8)
+    top_k = _int(where, raw, "num_experts_per_tok", {"mixtral": 2, "qwen3_moe": 8, "gpt_oss": 4}[model_type])
+    if top_k > experts:
+        raise ValueError(f"{where}: num_experts_per_tok ({top_k}) must not exceed {key} ({experts})")
+    if model_type == "gpt_oss":
+        return MoEConfig(experts, top_k, intermediate, routing="topk_softmax", router_bias=True, expert_bias=True,
+                         activation="gpt_oss", swiglu_alpha=_float(where, raw, "swiglu_alpha", 1.702),
+                         swiglu_limit=_float(where, raw, "swiglu_limit", 7.0))
+    if model_type == "mixtral":
+        return MoEConfig(experts, top_k, intermediate, renormalize=True, weights_fp32=True)
+    step = _int(where, raw, "decoder_sparse_step", 1)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                                              for i in dense):
+        raise ValueError(f"{where}: mlp_only_layers must list layer indices below {num_layers}, got {dense!r}")
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return MoEConfig(experts, top_k, _int(where, raw, "moe_intermediate_size", 768),
+                     renormalize=_bool(where, raw, "norm_topk_prob"), sparse_layers=sparse)
+
+
+def _quantization(where: str, raw: dict, model_type: str) -> str | None:
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if model_type == "gpt_oss" and method == "mxfp4":
+        return "mxfp4"
+    raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported"
+                     + (" (gpt_oss: mxfp4, dequantised at load)" if model_type == "gpt_oss" else
+                        " (weights must be float32, float16 or bfloat16)"))
 
 
 def _gemma3_ropes(raw: dict, where: str, head_dim: int) -> tuple[RopeConfig, RopeConfig]:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the `llama3`, `linear` and `longrope` frequency scalings, partial rotary.
+"""Rotary position embeddings: the `llama3`, `linear`, `longrope` and `yarn` frequency scalings, partial rotary.
 
 The cos/sin tables are computed once, in float32 exactly as transformers computes
 them (position * inv_freq, then cos/sin, times the attention factor, then cast), so
@@ -30,6 +30,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
         factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
         return 1.0 / (factors * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)  # [dim / 2] float32
+    if rope.rope_type == "yarn":
+        return _yarn_frequencies(rope, dim, rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -43,6 +45,26 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> 
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): each frequency interpolated (divided by the
+    factor) or extrapolated (kept) by a linear ramp over the dims between the correction bounds;
+    cos and sin are scaled by the attention factor (RopeConfig.attention_factor)."""
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers: avoids a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 class RotaryEmbedding:

@@ -1,0 +1,256 @@
+"""Mixture-of-experts MLP: a router, top-k routing per family, expert SwiGLU MLPs, a weighted sum.
+
+Routing (`MoEConfig.routing`), as each family's transformers module computes it:
+
+* "softmax_topk" (Mixtral, Qwen3-MoE): softmax over every expert's logit in float32, the
+  top k, renormalised to sum to 1 when `renormalize` (Mixtral always; Qwen3-MoE with
+  `norm_topk_prob`). Mixtral keeps the weights in float32, Qwen3-MoE casts them to the
+  model dtype (`weights_fp32`).
+* "topk_softmax" (gpt-oss): the router has a bias; the top k logits, then a softmax over
+  those k only, in the model dtype.
+
+Experts hold their weights stacked: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
+then its up rows, like the dense FusedLinear) and `down_proj` [E, H, I], with optional
+biases (gpt-oss). The activation is SwiGLU, or gpt-oss's clamped variant
+(`(clamp(up) + 1) * g * sigmoid(alpha * g)` with g = gate clamped from above).
+
+The expert computation is one custom op, `graphdecode::moe_experts`, so the shapes a
+compiled window or a CUDA graph sees are static ([T, H] in, [T, H] out) whatever the
+routing; dynamo treats it as opaque, its fake only gives the shape. Three implementations:
+
+* grouped (`moe_grouped`): the T*k (token, expert) pairs sorted by expert (stable, so each
+  expert sees its tokens in order), one `torch._grouped_mm` over the sorted rows per
+  projection with per-expert offsets, then each token's k outputs summed in ascending
+  expert order. Nothing syncs with the host: sort, counts and cumsum stay on the device,
+  so it is capturable where _grouped_mm is (CUDA bf16 on sm90/sm100; on the CPU it is an
+  eager loop of matmuls inside the op). The CPU path and the GPU's bf16 path.
+* dense (`moe_dense`): every expert on every row, the unselected contributions zeroed:
+  E/k times the FLOPs, but static and capturable anywhere. The documented fallback for
+  CUDA dtypes or devices without a grouped-GEMM kernel (_grouped_mm there copies its
+  offsets to the host, which a CUDA graph cannot capture).
+* reference (`moe_reference`): transformers' own loop over the experts that received a
+  token (a host sync per layer); the oracle in the tests, and the CPU's path where torch
+  has no _grouped_mm.
+
+Every implementation adds a token's expert outputs in ascending expert order, starting
+from the lowest, as transformers' loop does (index_add_ per expert into zeros), so the
+sums agree bit for bit when the per-expert matmuls do.
+
+Tensor parallelism: each rank holds every expert's slice of the intermediate size (rows
+of gate and up, columns of down); the router is replicated; the MoE's output is
+all-reduced once, as a dense MLP's is (the down bias is added by rank 0 only).
+
+Load balance: each MoE layer adds its live tokens (rows whose K/V slot is not the scratch
+slot: padding and finished rows are not counted) to a per-expert counter on the device,
+read only by `stats()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel import ShardSpec, TPGroup, split
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+ACTIVATIONS = ("silu", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    routing: str = "softmax_topk"
+    renormalize: bool = True  # softmax_topk: the top-k weights renormalised to sum to 1
+    weights_fp32: bool = False  # the routing weights stay float32 (Mixtral) or take the model dtype
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702  # gpt_oss activation
+    swiglu_limit: float = 7.0
+    sparse_layers: tuple[bool, ...] = ()  # per decoder layer: MoE (True) or a dense MLP; empty: all MoE
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and the number of experts "
+                             f"({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        return not self.sparse_layers or self.sparse_layers[layer]
+
+
+# ------------------------------------------------------------------------------------------ routing
+def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64), ids ascending per token."""
+    if cfg.routing == "topk_softmax":
+        top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, cfg.top_k, dim=-1)
+        if cfg.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not cfg.weights_fp32:
+            weights = weights.to(logits.dtype)
+    ids, order = ids.sort(dim=-1)  # ascending expert per token: the order the outputs are summed in
+    return weights.gather(-1, order), ids
+
+
+def activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _sum_in_order(contrib: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H], adding slot 0, then 1, ... (each token's experts ascending)."""
+    out = contrib[:, 0]
+    for j in range(1, contrib.shape[1]):
+        out = out + contrib[:, j]
+    return out
+
+
+# ------------------------------------------------------------------------------------ implementations
+def _expert(x, e: int, w13, w2, b13, b2, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """One expert's MLP on rows x; biases added after each matmul, as transformers' gpt-oss does."""
+    h = F.linear(x, w13[e])
+    h = h if b13 is None else h + b13[e]
+    y = F.linear(activate(h, activation, alpha, limit), w2[e])
+    return y if b2 is None else y + b2[e]
+
+
+def moe_grouped(x, ids, weights, w13, w2, b13, b2, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """Sorted by expert, one grouped GEMM per projection; no host sync."""
+    tokens, k = ids.shape
+    num_experts = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending within each
+    experts = flat[order]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x[order // k]  # [T*k, H]
+    h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    if b13 is not None:
+        h = h + b13[experts]
+    y = torch._grouped_mm(activate(h, activation, alpha, limit), w2.transpose(1, 2), offs=offsets)
+    if b2 is not None:
+        y = y + b2[experts]
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(tokens, k, -1)
+    return _sum_in_order((unsorted * weights[..., None]).to(x.dtype))
+
+
+def moe_dense(x, ids, weights, w13, w2, b13, b2, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """Every expert on every row, unselected contributions zeroed (static shapes, E/k times the FLOPs)."""
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)
+    for e in range(num_experts):
+        y = _expert(x, e, w13, w2, b13, b2, activation, alpha, limit)
+        picked = ids == e  # [T, k]: at most one slot per token
+        w = (weights * picked).sum(-1, keepdim=True)
+        out = out + torch.where(picked.any(-1, keepdim=True), (y * w).to(x.dtype), 0)
+    return out
+
+
+def moe_reference(x, ids, weights, w13, w2, b13, b2, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """transformers' loop: each expert that received a token, over its tokens (one host sync)."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        y = _expert(x[token], e, w13, w2, b13, b2, activation, alpha, limit)
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+IMPLEMENTATIONS = {"grouped": moe_grouped, "dense": moe_dense, "reference": moe_reference}
+
+
+def default_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """grouped where _grouped_mm runs without the host (the CPU; CUDA bf16 on sm90/sm100), else
+    dense on CUDA (capturable) and the reference loop on a CPU whose torch has no _grouped_mm."""
+    device = torch.device(device)
+    grouped = hasattr(torch, "_grouped_mm")
+    if device.type != "cuda":
+        return "grouped" if grouped else "reference"
+    major = torch.cuda.get_device_capability(device)[0]
+    return "grouped" if grouped and dtype == torch.bfloat16 and major in (9, 10) else "dense"
+
+
+@torch.library.custom_op("graphdecode::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                b13: torch.Tensor | None, b2: torch.Tensor | None, activation: str, alpha: float, limit: float,
+                implementation: str) -> torch.Tensor:
+    return IMPLEMENTATIONS[implementation](x, ids, weights, w13, w2, b13, b2, activation, alpha, limit)
+
+
+@moe_experts.register_fake
+def _(x, ids, weights, w13, w2, b13, b2, activation, alpha, limit, implementation):
+    return torch.empty_like(x)
+
+
+# ------------------------------------------------------------------------------------------ modules
+class Experts(nn.Module):
+    """Every expert's weights, stacked; this rank's slice of each expert's intermediate size.
+
+    The checkpoint layouts it reads (the loader asks `checkpoint_slot` about each tensor under
+    this module's name): per-expert tensors `N.<gate>.weight`, `N.<up>.weight`, `N.<down>.weight`
+    (names per family: `expert_names`), or the stacked tensors `gate_up_proj` / `down_proj`
+    (+ `_bias`) in the family's own layout, or their MXFP4 `_blocks` / `_scales` (gpt-oss).
+    """
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.rows = split(cfg.intermediate_size, tp)  # this rank's rows of gate and of up
+        local = self.rows.stop - self.rows.start
+        e = cfg.num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, local))
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * local))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+        self.implementation = "grouped" if hasattr(torch, "_grouped_mm") else "reference"
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        b2 = self.down_proj_bias if self.tp.rank == 0 else None  # added once across the ranks' partial sums
+        return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, b2,
+                           c.activation, c.swiglu_alpha, c.swiglu_limit, self.implementation)
+
+    @property
+    def down_cols(self) -> ShardSpec:
+        return ShardSpec(1, self.rows.start, self.rows.stop, self.cfg.intermediate_size)
+
+
+class SparseMoE(nn.Module):
+    """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks)."""
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router (replicated)
+        self.experts = Experts(cfg, hidden_size, tp)
+        self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
+
+    def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H]; live [T] bool (None: every row) -> [T, H]."""
+        weights, ids = route(F.linear(x, self.gate.weight, self.gate.bias), self.cfg)
+        if self.expert_tokens is not None:
+            counted = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).to(ids.dtype)
+            self.expert_tokens.scatter_add_(0, ids.reshape(-1), counted.reshape(-1))
+        return self.tp.all_reduce(self.experts(x, ids, weights))
