@@ -170,7 +170,7 @@ class EngineConfig:
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
         self._check_tensor_parallel(cfg, device)
-        backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
+        backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim, sinks=cfg.attn_sinks)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
             # the torch reference gathers max_model_len worth of pages per row inside a graph
@@ -303,19 +303,21 @@ def _check_speculative(spec, page_size: int) -> dict:
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,
-                             probe=None) -> str:
+                             probe=None, sinks: bool = False) -> str:
     """The backend that will run: never one that cannot (checked before any work).
 
     Automatic (None): FlashInfer on CUDA when it can run this head_dim and dtype here,
     else the torch reference, with one log line saying why. An explicit "flashinfer"
-    that cannot run raises a ValueError naming head_dim / dtype.
+    that cannot run raises a ValueError naming head_dim / dtype. A model with attention
+    sinks (gpt-oss) runs the torch backend: FlashInfer's fa2 kernels take no sink logits.
     """
     if probe is None:
         from .attention.flashinfer_probe import flashinfer_unavailable_reason as probe
+    sink_reason = "the model's attention sinks (gpt-oss): FlashInfer's fa2 kernels take no sink logits"
     if requested is None:
         if device.type != "cuda":
             return "torch"
-        reason = probe(head_dim, dtype)
+        reason = sink_reason if sinks else probe(head_dim, dtype)
         if reason is None:
             return "flashinfer"
         logger.warning("graphdecode: attention backend 'torch', not FlashInfer: %s", reason)
@@ -325,16 +327,19 @@ def choose_attention_backend(requested: str | None, device: torch.device, dtype:
     if requested == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
-        reason = probe(head_dim, dtype)
+        reason = sink_reason if sinks else probe(head_dim, dtype)
         if reason is not None:
             raise ValueError(f"attention_backend 'flashinfer' cannot run here: {reason}")
     return requested
 
 
 def model_weight_bytes(cfg: ModelConfig, dtype) -> int:
-    """The checkpoint's weights in `dtype`: what a decode step reads once (whatever layout holds them)."""
+    """The checkpoint's weights in `dtype`: what a decode step reads once (whatever layout holds them); an
+    MoE's every expert (what the weights occupy; a step reads only the experts its tokens route to)."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
-    per_layer = attn + 3 * h * i
-    count = cfg.decoder_layers * per_layer + v * h * (1 if cfg.tie_word_embeddings else 2)
+    dense, moe = attn + 3 * h * i, cfg.moe
+    sparse = 0 if moe is None else attn + moe.num_experts * (h + 3 * h * moe.intermediate_size)  # router + experts
+    count = sum(sparse if moe is not None and moe.is_sparse(layer) else dense for layer in range(cfg.decoder_layers))
+    count += v * h * (1 if cfg.tie_word_embeddings else 2)
     return count * torch.tensor([], dtype=dtype).element_size()

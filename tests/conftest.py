@@ -114,6 +114,27 @@ MODEL_SPECS = {
              sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
              query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, pad_token_id=0),
     ),
+    # Mixtral: 8 experts, top-2 (softmax, renormalised), a 32-token window on every layer
+    "mixtral": (
+        "MixtralForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_local_experts=8,
+             num_experts_per_tok=2, sliding_window=32),
+    ),
+    # Qwen3-MoE: q/k norms, 8 experts, top-3 (norm_topk_prob), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        dict(COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+             num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
+    # full attention, YaRN over an original 64 positions
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        dict(COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+             num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rope_parameters={
+                 "rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 64}),
+    ),
 }
 
 

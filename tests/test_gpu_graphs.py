@@ -90,6 +90,25 @@ def llm(path, **kwargs):
     return LLM(path, device="cuda", **{**ENGINE, **kwargs})
 
 
+def assert_teacher_forced(batch, outs, reference, steps: int) -> None:
+    """At every position of each output, its chosen token is a near-argmax of the reference's
+    logprobs for the same prefix (teacher-forced), and the shared top-5 logprobs agree."""
+    forced = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:j]}
+              for p, o in zip(batch, outs) for j in range(steps)]
+    ref = reference.generate(forced, greedy(max_tokens=1, logprobs=5))
+    worst = 0.0
+    for i, out in enumerate(outs):
+        for j in range(steps):
+            chosen = out.outputs[0].token_ids[j]
+            got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[j].items()}
+            want = {t: lp.logprob for t, lp in ref[i * steps + j].outputs[0].logprobs[0].items()}
+            assert chosen in want, f"prompt {i} step {j}: token {chosen} is not in the reference top-5"
+            assert want[chosen] >= max(want.values()) - TEACHER_TOL, f"prompt {i} step {j}: not a near-argmax"
+            for token in got.keys() & want.keys():
+                worst = max(worst, abs(got[token] - want[token]))
+    assert worst <= TEACHER_TOL, f"largest logprob difference {worst:.4f}"
+
+
 @pytest.mark.parametrize("backend, dtype", [("flashinfer", "bfloat16"), ("torch", "float32")])
 def test_graph_replay_gives_the_eager_tokens(bf16_model, backend, dtype):
     common = dict(attention_backend=backend, dtype=dtype, compile=False, num_decode_steps=4, max_batch_size=8)
@@ -201,20 +220,7 @@ def test_teacher_forced_logprobs_match_the_fp32_eager_reference(bf16_model, fp32
                   num_decode_steps=4, max_batch_size=4)
     outs = graphed.generate(batch, greedy(max_tokens=steps, logprobs=5))
     del graphed
-    forced = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:j]}
-              for p, o in zip(batch, outs) for j in range(steps)]
-    ref = fp32_reference.generate(forced, greedy(max_tokens=1, logprobs=5))
-    worst = 0.0
-    for i, out in enumerate(outs):
-        for j in range(steps):
-            chosen = out.outputs[0].token_ids[j]
-            got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[j].items()}
-            want = {t: lp.logprob for t, lp in ref[i * steps + j].outputs[0].logprobs[0].items()}
-            assert chosen in want, f"prompt {i} step {j}: token {chosen} is not in the reference top-5"
-            assert want[chosen] >= max(want.values()) - TEACHER_TOL, f"prompt {i} step {j}: not a near-argmax"
-            for token in got.keys() & want.keys():
-                worst = max(worst, abs(got[token] - want[token]))
-    assert worst <= TEACHER_TOL, f"largest logprob difference {worst:.4f}"
+    assert_teacher_forced(batch, outs, fp32_reference, steps)
 
 
 def test_steady_state_steps_never_sync_the_host(bf16_model):
@@ -370,16 +376,66 @@ def test_sliding_window_in_graphs_matches_the_fp32_reference_teacher_forced(wind
     del graphed
     reference = llm(windowed_model, attention_backend="torch", dtype="float32", compile=False, cuda_graphs=False,
                     max_batch_size=64, num_pages=1024)
-    forced = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:j]}
-              for p, o in zip(batch, outs) for j in range(steps)]
-    ref = reference.generate(forced, greedy(max_tokens=1, logprobs=5))
-    worst = 0.0
-    for i, out in enumerate(outs):
-        for j in range(steps):
-            chosen = out.outputs[0].token_ids[j]
-            got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[j].items()}
-            want = {t: lp.logprob for t, lp in ref[i * steps + j].outputs[0].logprobs[0].items()}
-            assert chosen in want and want[chosen] >= max(want.values()) - TEACHER_TOL, (i, j)
-            for token in got.keys() & want.keys():
-                worst = max(worst, abs(got[token] - want[token]))
-    assert worst <= TEACHER_TOL, f"largest logprob difference {worst:.4f}"
+    assert_teacher_forced(batch, outs, reference, steps)
+
+
+# ------------------------------------------------------------------ mixture of experts in graphs
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """bf16 Qwen3-MoE (8 experts, top-3, one dense layer) and gpt-oss (sinks, windows, yarn), head_dim 64."""
+    from transformers import AutoModelForCausalLM, GptOssConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=64, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    configs = {
+        "qwen3_moe": Qwen3MoeConfig(**common, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                                    num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1]),
+        "gpt_oss": GptOssConfig(**common, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+                                sliding_window=24, rope_parameters={
+                                    "rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+    }
+    paths = {}
+    for name, config in configs.items():
+        paths[name] = str(tmp_path_factory.mktemp("gpu_models") / f"{name}_bf16")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            model = AutoModelForCausalLM.from_config(config)
+        model.to(torch.bfloat16).save_pretrained(paths[name])
+    return paths
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, family):
+    """The experts' op inside captured graphs: grouped GEMM in bf16 on sm90/sm100 (dense elsewhere),
+    replay equal to eager, teacher-forced against the fp32 eager engine (the dense path), no host
+    sync in steady state, and every live token counted once per MoE layer and top-k slot."""
+    path = moe_models[family]
+    backend = "flashinfer" if family == "qwen3_moe" else None  # gpt-oss's sinks: the torch backend
+    common = dict(attention_backend=backend, dtype="bfloat16", compile=False, num_decode_steps=4, max_batch_size=4)
+    graphed = llm(path, cuda_graphs=True, **common)
+    experts = graphed.engine.runner.model.moe_layers[0].experts
+    major = torch.cuda.get_device_capability()[0]
+    assert experts.implementation == ("grouped" if major in (9, 10) else "dense")
+    steps, batch = 12, prompts(4)
+    outs = graphed.generate(batch, greedy(max_tokens=steps, logprobs=5))
+    counts = graphed.stats()["moe_tokens_per_expert"]
+    live = sum(len(p["prompt_token_ids"]) + steps - 1 for p in batch)
+    top_k = graphed.config.model_config.moe.top_k
+    assert [sum(layer) for layer in counts] == [top_k * live] * len(counts)
+    graphed.generate(prompts(seed=1), greedy(max_tokens=8))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = graphed.generate(prompts(seed=1), greedy(max_tokens=8))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(len(o.outputs[0].token_ids) == 8 for o in again)
+    del graphed
+    eager = llm(path, cuda_graphs=False, **common)
+    assert token_ids(eager.generate(batch, greedy(max_tokens=steps))) == token_ids(outs)
+    del eager
+    reference = llm(path, attention_backend="torch", dtype="float32", compile=False, cuda_graphs=False,
+                    max_batch_size=64, num_pages=1024)
+    assert reference.engine.runner.model.moe_layers[0].experts.implementation == "dense"
+    assert_teacher_forced(batch, outs, reference, steps)

@@ -25,7 +25,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 # windows are 16-40 tokens; phi3_longrope's original length is 64: prompts of 50 and 60 cross it while
 # decoding, 100 and 150 are prefilled past it, 3 and 17 stay below
 LENGTHS = [3, 17, 50, 60, 100, 150]
-FAMILIES = ["qwen3_untied", "qwen3_tied_swa", "mistral_swa", "phi3_partial_swa", "phi3_longrope", "gemma3_text"]
+FAMILIES = ["qwen3_untied", "qwen3_tied_swa", "mistral_swa", "phi3_partial_swa", "phi3_longrope", "gemma3_text",
+            "mixtral", "qwen3_moe", "gpt_oss"]  # the last three: mixtures of experts (issue 23, test_moe.py)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
 

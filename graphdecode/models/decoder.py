@@ -41,8 +41,15 @@ from ..attention.spec import AttentionSpec
 from .layers import FusedLinear, GatedActivation, RMSNorm
 from .model_config import SLIDING, ModelConfig
 from .moe import SparseMoE, default_implementation
-from .parallel import (ParallelLMHead, RowParallelLinear, ShardSpec, TPGroup, VocabParallelEmbedding, kv_heads_spec,
-                       local_kv_heads)
+from .parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    ShardSpec,
+    TPGroup,
+    VocabParallelEmbedding,
+    kv_heads_spec,
+    local_kv_heads,
+)
 from .parallel import split as split_rows
 from .rope import RotaryEmbedding
 

@@ -308,7 +308,8 @@ def _eos_ids(model_dir: str, raw: dict, where: str = "config.json") -> tuple[int
     return _as_id_tuple(raw.get("eos_token_id"), where)
 
 
-_HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma3_text": 256, "gpt_oss": 64}  # the config classes' defaults when head_dim is absent
+# the config classes' defaults when head_dim is absent
+_HEAD_DIM_DEFAULTS = {"qwen3": 128, "gemma3_text": 256, "gpt_oss": 64}
 
 
 def _layer_types(where: str, raw: dict, model_type: str, num_layers: int) -> tuple[str, ...]:

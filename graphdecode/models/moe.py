@@ -254,3 +254,16 @@ class SparseMoE(nn.Module):
             counted = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).to(ids.dtype)
             self.expert_tokens.scatter_add_(0, ids.reshape(-1), counted.reshape(-1))
         return self.tp.all_reduce(self.experts(x, ids, weights))
+
+
+def moe_stats(model) -> dict:
+    """stats()'s load-balance fields (empty for a dense model): per MoE layer, the live tokens routed
+    to each expert since the engine started, and the busiest expert's count over the mean, averaged
+    over the layers (1.0: perfectly balanced). Reading them waits for the device."""
+    counts = getattr(model, "expert_tokens", None)
+    if counts is None:
+        return {}
+    host = counts.cpu()
+    mean = host.double().mean(dim=1)
+    ratio = torch.where(mean > 0, host.double().amax(dim=1) / mean.clamp(min=1e-9), torch.ones_like(mean))
+    return {"moe_tokens_per_expert": host.tolist(), "moe_max_over_mean_load": float(ratio.mean())}

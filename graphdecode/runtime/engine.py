@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.moe import moe_stats
 from ..models.parallel import TPGroup
 from ..ranges import annotate
 from .inputs import InputProcessor
@@ -288,4 +289,5 @@ class Engine:
         out["structured_compile_seconds"] = compiled.get("compile_seconds", 0.0)
         out["structured_uploads"] = self.structured.num_uploads
         out["structured_states_in_use"] = self.structured.states_in_use
+        out.update(moe_stats(self.runner.model))
         return out
