@@ -281,3 +281,19 @@ def test_a_compiled_window_runs_the_experts_op(tiny_models):
               compile=True)
     assert _tokens(llm, prompts) == hf_greedy(path, prompts, 16)
     assert llm.stats()["compile_seconds"] > 0
+
+
+def test_an_expert_tensor_in_two_forms_is_refused(tiny_models, tmp_path):
+    both = _copy(tiny_models, "qwen3_moe", tmp_path, "both")
+    stacked = torch.zeros(8, 64, 32)
+    _edit_tensors(both, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": stacked}))
+    with pytest.raises(ValueError, match=r"both hold model\.layers\.0\.mlp\.experts\.down_proj"):
+        LLM(both, max_model_len=64)
+
+
+def test_quantization_config_must_match_the_expert_tensors(tiny_models, tmp_path):
+    liar = _copy(tiny_models, "gpt_oss", tmp_path, "liar")
+    rewrite_config(liar, lambda raw: raw.update(quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj' is float, but config\.json says "
+                                         r"quantization_config mxfp4"):
+        LLM(liar, max_model_len=64)

@@ -127,6 +127,12 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                     if (experts.name, experts.slot.part) in found:
                         raise ValueError(f"{path}: tensor {key!r} is also in "
                                          f"{found[experts.name, experts.slot.part].path}")
+                    stacked = [e.key for (name, part), e in found.items() if name == experts.name
+                               and (part == "all") != (experts.slot.part == "all") and experts.slot.part != "scales"
+                               and part != "scales"]
+                    if stacked:
+                        raise ValueError(f"{path}: tensor {key!r} and {stacked[0]!r} both hold "
+                                         f"{experts.name} (stacked and per-expert or MXFP4 forms at once)")
                     found[experts.name, experts.slot.part] = experts
                     entries.append(experts)
                     continue
@@ -205,6 +211,11 @@ def _experts_entry(path: str, f, key: str, cls, modules: dict) -> _Entry | None:
     if not isinstance(module, expert_weights.Experts):
         return None
     slot = expert_weights.slot(module, suffix, cls.expert_format)
+    quantized = modules[""].config.quantization == "mxfp4"
+    if slot is not None and slot.param in ("gate_up_proj", "down_proj") and cls.expert_format.gpt_oss and (
+            (slot.layout == "gpt_oss") == quantized):
+        said = "says quantization_config mxfp4" if quantized else "has no quantization_config"
+        raise ValueError(f"{path}: tensor {key!r} is {'float' if quantized else 'MXFP4'}, but config.json {said}")
     if slot is None:
         raise ValueError(f"{path}: tensor {key!r} has no place in {cls.__name__} as config.json describes it "
                          f"(num_local_experts, intermediate_size, quantization_config)")
