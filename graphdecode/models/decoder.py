@@ -1,13 +1,19 @@
 """The decoder every family is built from: attention, gated MLP, norms, the causal LM around them.
 
-A family is a small file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py) that picks
+A family is a small file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py, mixtral.py,
+qwen3_moe.py, gpt_oss.py) that picks
 variants of these parts; nothing here branches on model_type. The variants:
 
 * attention (`Attention`): q/k RMSNorm over head_dim before rotary (`qk_norm`), the
   layer's sliding window, soft-cap and query scale (an `AttentionSpec` the backends
   take, listed per layer by `attention_specs`), the rope it rotates with (partial
   rotary lives in the RotaryEmbedding: Phi-3 rotates only the first dims);
-* MLP (`GatedMLP`): the activation of the gated pair, SwiGLU or GeGLU;
+* MLP (`GatedMLP`): the activation of the gated pair, SwiGLU or GeGLU; or a mixture of
+  experts (`SparseMoE`, moe.py: Mixtral, Qwen3-MoE, gpt-oss) in the layers
+  `ModelConfig.moe` marks sparse;
+* attention sinks (gpt-oss: a learned logit per head, `self_attn.sinks`, carried to the
+  backend in the layer's AttentionSpec) and RMSNorm's weight applied in float32
+  (`norm_weight_fp32`);
 * norms: `norm_offset` (Gemma's (1 + weight) RMSNorm) and `sandwich_norms` (Gemma's
   norm after attention and around the MLP, besides the input norm);
 * embeddings scaled by sqrt(hidden_size) (`embed_scale`), logits soft-capped
