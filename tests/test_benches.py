@@ -207,3 +207,32 @@ def test_speculative_bench_smoke(text_model, tmp_path):
     assert [(p["set"], p["batch"]) for p in _load(out)["points"]] == [("input-grounded", 2), ("open-ended", 2)]
     assert all(p["same_tokens"] and p["plain_tokens_per_s"] > 0 and p["spec_tokens_per_s"] > 0
                for p in result["points"])
+
+
+def test_moe_bench_smoke(tmp_path, monkeypatch):
+    """bench_moe --tiny: both implementations and transformers at batch 1 and 2, every number positive, the
+    MoE layers' share of a step in (0, 1), the preset built under the (temporary) cache directory."""
+    import torch
+
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    out = tmp_path / "moe.json"
+    result = _script("bench_moe").main(["--tiny", "--batches", "1,2", "--new-tokens", "2", "--prompt-len", "4",
+                                        "--repeats", "1", "-k", "2", "--compare-impls", "--json", str(out)])
+    assert json.loads(out.read_text())["points"] == json.loads(json.dumps(result["points"]))
+    assert result["model_dir"].startswith(str(tmp_path)) and result["family"] == "qwen3_moe"
+    assert result["impls"] == ["grouped", "reference"] and result["config"]["model_type"] == "qwen3_moe"
+    assert (result["summary"]["num_experts"], result["summary"]["sparse_layers"]) == (8, 2)
+    assert result["transformers"]["moe_layers"] == 2
+    assert [p["batch"] for p in result["points"]] == [1, 2]
+    for point in result["points"]:
+        sides = [*point["graphdecode"].values(), point["transformers"]]
+        assert list(point["graphdecode"]) == ["grouped", "reference"] and all(r > 0 for r in point["ratio"].values())
+        for side in sides:
+            assert side["decode_tokens_per_s"] > 0 and side["ms_per_decode_step"] > 0 and side["decode_s"] > 0
+            assert len(side["output_ids"]) == point["batch"] and side["moe"]["moe_s"] > 0
+            assert 0 < side["moe"]["share"] < 1 and side["moe"]["moe_calls"] > 0
+        for mine in point["graphdecode"].values():  # fp32: the same greedy tokens as transformers
+            assert mine["moe"]["moe_calls"] == mine["moe"]["steps"] * 2  # every step's two MoE layers
+            assert mine["same_rows_as_transformers"] == point["batch"] == mine["same_rows_as_first_impl"]
+    assert torch.get_num_threads() == threads  # --threads 1 was this process's for the run only
