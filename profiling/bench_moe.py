@@ -337,7 +337,7 @@ def parse_args(argv=None):
     p.add_argument("-k", "--num-decode-steps", type=int, default=8, help="graphdecode decode steps per window")
     p.add_argument("--moe-impl", choices=IMPLS, default="grouped", help="graphdecode's expert implementation")
     p.add_argument("--compare-impls", action="store_true", help="graphdecode with grouped and reference, one run")
-    p.add_argument("--impls", default=None, help="the implementations --compare-impls runs (default grouped,reference)")
+    p.add_argument("--impls", default=None, help="implementations to run side by side (implies --compare-impls; default grouped,reference)")
     p.add_argument("--hf-cache", choices=("static", "dynamic"), default="static", help="transformers' KV cache")
     p.add_argument("--hf-experts", default=None,
                    help="transformers' experts_implementation (default: its own, grouped_mm where torch has it)")
@@ -347,7 +347,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (one prefill token, then decode)")
-    if args.compare_impls:
+    if args.compare_impls or args.impls:
         args.impl_list = (args.impls or "grouped,reference").split(",")
     else:
         args.impl_list = [args.moe_impl]

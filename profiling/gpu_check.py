@@ -31,6 +31,8 @@ that reruns what failed, was cut or did not fit.
                        machine lacks them (--prepare downloads them), else it is skipped naming them
   bench_structured     constrained vs unconstrained decode (profiling/bench_structured.py),
                        llama-3.2-1b shape with the built-in tokenizer, batch 1/16/64, --compile off
+  bench_moe            MoE decode beside transformers (profiling/bench_moe.py): the wide qwen3_moe
+                       preset, bf16, batch 1/16/64, grouped vs dense experts, graphs, --compile off
   bench_compiled       the bucket sweep with --compile on, buckets 1,16
   (bench_spec, bench_tp and bench_serve write their numbers into summary.json only: $OUT holds
   gpu_check.log, summary.json, bench_buckets.json and bench_buckets_compiled.json; the device
@@ -62,7 +64,15 @@ import tempfile
 import threading
 import time
 
-from gpu_check_report import bench_points, junit_report, serve_points, side_bench_points, structured_points, table
+from gpu_check_report import (
+    bench_points,
+    junit_report,
+    moe_points,
+    serve_points,
+    side_bench_points,
+    structured_points,
+    table,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +100,7 @@ PLAN = {
     "bench_tp": (90, 60, 30),
     "bench_serve": (240, 150, 40),
     "bench_structured": (120, 60, 30),
+    "bench_moe": (150, 80, 30),
     "bench_compiled": (150, 90, None),
 }
 STAGES = tuple(PLAN)
@@ -454,11 +465,13 @@ class Check:
             xml = os.path.join(self.work, f"{name}.xml")
             if os.path.isfile(xml):
                 record["tests"] = junit_report(xml)
-        elif name in ("bench_spec", "bench_tp", "bench_serve", "bench_structured"):  # their JSON stays in the work dir
+        elif name in ("bench_spec", "bench_tp", "bench_serve", "bench_structured", "bench_moe"):  # JSON: work dir
             path = os.path.join(self.work, name + ".json")
             if os.path.isfile(path):
                 if name == "bench_structured":
                     record["bench"] = structured_points(path)
+                elif name == "bench_moe":
+                    record["bench"] = moe_points(path)
                 else:
                     record["bench"] = (serve_points if name == "bench_serve" else side_bench_points)(path)
         elif name.startswith("bench"):
@@ -660,6 +673,17 @@ class Check:
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_structured.py"), *sizes, "--compile", "off",
                 "--repeats", "1" if self.dry else "2", "--out", os.path.join(self.work, "bench_structured")]
         return self.verdict(self.run(argv, limit, env=self.env_for("bench_structured")))
+
+    def stage_bench_moe(self, limit: float) -> dict:
+        """MoE decode beside transformers (profiling/bench_moe.py): the grouped GEMM (bf16, sm90) and the
+        dense fallback inside CUDA graphs, and the MoE layers' share of a step."""
+        sizes = (["--tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2", "--new-tokens", "4", "-k",
+                  "2", "--prompt-len", "8"] if self.dry
+                 else ["--device", "cuda", "--dtype", "bfloat16", "--batches", "1,16,64"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_moe.py"), *sizes, "--compile", "off",
+                "--impls", "grouped,dense", "--repeats", "1" if self.dry else "2",
+                "--json", os.path.join(self.work, "bench_moe.json")]
+        return self.verdict(self.run(argv, limit))
 
     # ------------------------------------------------------------------ main
     def main(self) -> int:

@@ -123,6 +123,23 @@ def structured_points(path: str) -> dict | None:
             "admission_added_s": _r((data.get("admission") or {}).get("added_s")), "goals": data.get("goals")}
 
 
+def moe_points(path: str) -> dict | None:
+    """The key numbers of a bench_moe JSON, for summary.json."""
+    data = _read_json(path)
+    if data is None:
+        return None
+    points = []
+    for p in data.get("points", []):
+        point = {"batch": p["batch"], "transformers_tokens_per_s": _r((p.get("transformers") or {}).get(
+            "decode_tokens_per_s"))}
+        for impl, side in (p.get("graphdecode") or {}).items():
+            point[f"{impl}_tokens_per_s"] = _r(side.get("decode_tokens_per_s"))
+            point[f"{impl}_moe_share"] = _r((side.get("moe") or {}).get("share"))
+        point.update({f"{impl}_ratio": _r(r) for impl, r in (p.get("ratio") or {}).items()})
+        points.append(point)
+    return {"points": points, "family": data.get("family"), "preset": data.get("preset")}
+
+
 def rerun_stages(summary: dict) -> list[str]:
     """Stages worth another call: failed, timed out, cut, or skipped for want of budget."""
     return [name for name, st in summary["stages"].items()
@@ -153,6 +170,12 @@ def _bench_line(p: dict) -> str:
     if "tp" in p:
         return (f"TP={p['tp']} batch={p['batch']}: {p['decode_tokens_per_s']:.0f} tok/s, "
                 f"collectives {100 * p['collective_share']:.0f}%")
+    if "grouped_tokens_per_s" in p or "dense_tokens_per_s" in p:
+        impls = [k[: -len("_tokens_per_s")] for k in p
+                 if k.endswith("_tokens_per_s") and k != "transformers_tokens_per_s"]
+        sides = ", ".join(f"{i} {p[i + '_tokens_per_s']:.0f} tok/s ({p.get(i + '_ratio')}x, MoE "
+                          f"{p.get(i + '_moe_share')})" for i in impls)
+        return f"moe batch={p['batch']}: {sides}; transformers {p['transformers_tokens_per_s']}"
     if "constrained_tokens_per_s" in p:
         return (f"structured batch={p['batch']}: {p['unconstrained_tokens_per_s']:.0f} -> "
                 f"{p['constrained_tokens_per_s']:.0f} tok/s constrained ({p['ratio']}x)")

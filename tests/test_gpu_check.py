@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "bench",
           "pytest_graphs", "pytest_compile", "bench_spec", "bench_tp", "bench_serve", "bench_structured",
-          "bench_compiled"]
+          "bench_moe", "bench_compiled"]
 PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_compile"]
 HOOKS = ("GPU_CHECK_", "GDKIT_")
 
@@ -90,6 +90,10 @@ def test_dry_run_rehearses_every_stage(dry_run):
     structured = stages["bench_structured"]  # constrained vs unconstrained decode, numbers in summary.json only
     assert structured["status"] == "ok" and [p["batch"] for p in structured["bench"]["points"]] == [1, 2]
     assert all(p["constrained_tokens_per_s"] > 0 and p["ratio"] > 0 for p in structured["bench"]["points"])
+    moe = stages["bench_moe"]  # MoE decode beside transformers, grouped and dense experts
+    assert moe["status"] == "ok" and [p["batch"] for p in moe["bench"]["points"]] == [1, 2]
+    assert all(p["grouped_tokens_per_s"] > 0 and p["dense_tokens_per_s"] > 0 and 0 < p["grouped_moe_share"] < 1
+               and p["transformers_tokens_per_s"] > 0 for p in moe["bench"]["points"])
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
     assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]
