@@ -228,13 +228,18 @@ def test_steady_state_steps_never_sync_the_host(bf16_model):
     with CUDA's sync debug mode set to error, any implicit synchronisation raises."""
     engine = llm(bf16_model, attention_backend="flashinfer", compile=False, num_decode_steps=4, max_batch_size=8)
     engine.generate(prompts(), greedy(max_tokens=8))  # first use of everything
+    outs = generate_without_syncing(engine, prompts(seed=1), greedy(max_tokens=24))
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+
+
+def generate_without_syncing(engine, batch, params):
+    """generate() with CUDA's sync debug mode set to error: any implicit host synchronisation raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        outs = engine.generate(prompts(seed=1), greedy(max_tokens=24))
+        return engine.generate(batch, params)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
 
 
 @pytest.fixture(scope="module")
@@ -424,12 +429,7 @@ def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, fa
     top_k = graphed.config.model_config.moe.top_k
     assert [sum(layer) for layer in counts] == [top_k * live] * len(counts)
     graphed.generate(prompts(seed=1), greedy(max_tokens=8))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = graphed.generate(prompts(seed=1), greedy(max_tokens=8))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    again = generate_without_syncing(graphed, prompts(seed=1), greedy(max_tokens=8))
     assert all(len(o.outputs[0].token_ids) == 8 for o in again)
     del graphed
     eager = llm(path, cuda_graphs=False, **common)
