@@ -133,6 +133,7 @@ def test_routing_matches_transformers_routers():
     {"factor": 4.0, "original_max_position_embeddings": 256},  # truncated range, default betas
     {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 1.0},
     {"factor": 2.0, "original_max_position_embeddings": 512, "attention_factor": 1.25},
+    {"factor": 4.0},  # original_max_position_embeddings: max_position_embeddings, as transformers fills it
 ])
 def test_yarn_frequencies_and_scale_equal_transformers(params):
     from transformers import LlamaConfig

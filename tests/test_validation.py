@@ -243,12 +243,18 @@ def test_unknown_model_type(tiny_models, tmp_path):
 
 
 def test_unsupported_rope_and_a_sliding_window_that_now_loads(tiny_models, tmp_path):
-    dst = tmp_path / "yarn"
+    dst = tmp_path / "dynamic"
+    shutil.copytree(tiny_models["llama_head_dim"], dst)
+    rewrite_config(str(dst), lambda raw: raw.update(
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}))
+    with pytest.raises(ValueError, match="rope_type"):
+        LLM(str(dst))
+    dst = tmp_path / "yarn"  # supported since gpt-oss (issue 23); tests/test_moe.py checks its tables
     shutil.copytree(tiny_models["llama_head_dim"], dst)
     rewrite_config(str(dst), lambda raw: raw.update(
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}))
-    with pytest.raises(ValueError, match="rope_type"):
-        LLM(str(dst))
+    rope = LLM(str(dst), max_model_len=64).config.model_config.rope
+    assert rope.rope_type == "yarn" and rope.original_max_position_embeddings == 1024
     dst = tmp_path / "swa"
     shutil.copytree(tiny_models["llama_head_dim"], dst)
     rewrite_config(str(dst), lambda raw: raw.update(model_type="mistral", sliding_window=64))

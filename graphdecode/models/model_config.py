@@ -266,9 +266,8 @@ def _rope_from(raw: dict, where: str = "config.json", model_type: str = "llama",
 
 
 def _yarn(where: str, params: dict, rope: RopeConfig, max_positions: int) -> RopeConfig:
-    """YaRN's fields as transformers' _compute_yarn_parameters reads them."""
-    if params.get("original_max_position_embeddings") is None:
-        raise ValueError(f"{where}: rope original_max_position_embeddings is missing (yarn needs it)")
+    """YaRN's fields as transformers' _compute_yarn_parameters reads them (original_max_position_embeddings
+    defaults to max_position_embeddings, as transformers' standardize_rope_params fills it)."""
     factor = params.get("factor")
     factor = max_positions / rope.original_max_position_embeddings if factor is None else rope.factor
 
