@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#define GRAPHDECODE_CPU_ABI_VERSION 1
+#define GRAPHDECODE_CPU_ABI_VERSION 2  // 2: cpu_fused.cpp's kernels in the same library
 
 namespace {
 

@@ -263,8 +263,8 @@ def test_decode_forward_with_the_kernel_compiles_fullgraph(tiny_models):
         caches_c, ctx_c, _ = fresh()
         compiled = compiled_fn(ids, positions, ctx_c)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    for ce, cc in zip(caches_e, caches_c):
-        assert torch.equal(ce, cc)
+    for ce, cc in zip(caches_e, caches_c):  # the same slots written; eager's fused RMSNorm sums in another order
+        torch.testing.assert_close(ce, cc, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec_name", ["default", "sinks", "window", "scale"])

@@ -28,7 +28,8 @@ from ..cache import cache_root
 from ..compiled import kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 1
+ABI_VERSION = 2
+FUSED_MAX_ROWS = 256  # rows a fused pass takes when torch runs several threads
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -47,6 +48,12 @@ class CpuKernels:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32]
         self._fn = fn
+        self._norm = self._lib.graphdecode_cpu_add_rms_norm
+        self._norm.restype = ctypes.c_int
+        self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32]
+        self._rope = self._lib.graphdecode_cpu_rope
+        self._rope.restype = ctypes.c_int
+        self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32]
 
     def paged_attention(self, out, q, kv, block_table, *, positions=None, seq_lens=None, scale: float,
                         window_left: int = -1, soft_cap: float = 0.0, sinks=None) -> None:
@@ -64,6 +71,45 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
                              f"{q.dtype}, kv {tuple(kv.shape)}, block_table {tuple(block_table.shape)}")
+
+    @staticmethod
+    def fused_rows(rows: int) -> bool:
+        """Whether the fused passes (one thread each) should take `rows` rows: always with one torch
+        thread; with more, only up to FUSED_MAX_ROWS (a long prefill chunk keeps torch's threaded ops)."""
+        return rows <= FUSED_MAX_ROWS or torch.get_num_threads() == 1
+
+    # Fused decoder-layer passes (csrc/cpu_fused.cpp): torch's arithmetic in one pass each. Inputs are
+    # CPU tensors in a supported dtype whose last dim is contiguous; outputs are new contiguous tensors.
+    def add_rms_norm(self, x, residual, weight, eps: float):
+        """(x + residual, LlamaRMSNorm of it), or (x, its norm) when residual is None; x [T, H]."""
+        x, residual = _ready(x), _ready(residual)
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        total = torch.empty_like(out) if residual is not None else x
+        err = self._norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                         out.data_ptr(), total.data_ptr() if residual is not None else None, rows, hidden,
+                         x.stride(0), eps, _DTYPES[x.dtype])
+        if err:
+            raise ValueError(f"graphdecode_cpu_add_rms_norm rejected x {tuple(x.shape)} {x.dtype}")
+        return total, out
+
+    def rope(self, q, k, cos, sin, positions):
+        """q [T, Hq, D], k [T, Hk, D] (token stride free, heads contiguous) rotated by the table rows at
+        positions [T] int64 -> new contiguous (q, k)."""
+        tokens, q_heads, dim = q.shape
+        q_out, k_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+        err = self._rope(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
+                         sin.data_ptr(), positions.data_ptr(), tokens, q_heads, k.shape[1], dim, q.stride(0),
+                         k.stride(0), _DTYPES[q.dtype])
+        if err:
+            raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
+        return q_out, k_out
+
+
+def _ready(t):
+    """The tensor itself: an all-reduce's result (tensor parallelism) is a lazy AsyncCollectiveTensor
+    that torch ops wait for on first use; a raw pointer read must wait first."""
+    return t.wait() if t is not None and type(t) is not torch.Tensor and hasattr(t, "wait") else t
 
 
 @functools.cache

@@ -139,14 +139,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, rotary, ctx, kv_layer: int | None = None):
         attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, ctx, kv_layer)
+        if self.sandwich_norms:  # Gemma: each block's output normed too
+            hidden = hidden + self.post_attention_layernorm(attn)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)  # Llama: pre-norms only
         if self.sparse:  # an MoE counts the live tokens it routes
-            hidden = hidden + attn
-            return hidden + self.mlp(self.post_attention_layernorm(hidden), ctx.live_tokens())
-        if not self.sandwich_norms:  # Llama: pre-norms only
-            hidden = hidden + attn
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
-        hidden = hidden + self.post_attention_layernorm(attn)  # Gemma: each block's output normed too
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+            return hidden + self.mlp(normed, ctx.live_tokens())
+        return hidden + self.mlp(normed)
 
 
 class DecoderModel(nn.Module):
@@ -200,6 +199,10 @@ class DecoderForCausalLM(nn.Module):
     def attention_specs(self) -> list[AttentionSpec]:
         """One spec per KV-cache layer (what the attention backend is built with)."""
         return [layer.self_attn.attention_spec for layer in self.model.layers]
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """Every rope table the forward reads (shared tables once)."""
+        return list({id(r): r for r in self.rotaries}.values())
 
     @property
     def rotary(self) -> RotaryEmbedding | None:

@@ -26,7 +26,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight_fp32 = weight_fp32  # gpt-oss: weight * h in float32, then the cast
 
+    kernels = None  # the CPU's fused pass (attention.cpu_kernels.CpuKernels), attached at load for the plain variant
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and self._fused(x):
+            return self.kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
         # Same arithmetic as transformers' LlamaRMSNorm / Gemma3RMSNorm: normalise in float32.
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -36,6 +40,16 @@ class RMSNorm(nn.Module):
         if self.weight_fp32:
             return (self.weight * h).to(dtype)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): one pass on the CPU, two ops elsewhere."""
+        if self.kernels is not None and self._fused(x):
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return total, self(total)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return not torch.compiler.is_compiling() and x.stride(-1) == 1 and self.kernels.fused_rows(x.shape[0])
 
 
 class FusedLinear(nn.Linear):
@@ -84,3 +98,15 @@ class GatedActivation(nn.Module):
 
 
 SiluAndMul = GatedActivation  # the SwiGLU default
+
+
+def attach_cpu_kernels(model: nn.Module, kernels) -> None:
+    """Give the plain RMSNorms and the full-rotary tables the CPU's fused passes (csrc/cpu_fused.cpp); the
+    other variants (Gemma's offset norm, gpt-oss's, partial rotary) keep their torch ops. Compiled windows
+    always trace the torch ops (inductor fuses them itself)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm) and not module.offset and not module.weight_fp32:
+            module.kernels = kernels
+    for rotary in getattr(model, "rotary_tables", lambda: [])():
+        if rotary.rotary_dim == rotary.head_dim:
+            rotary.kernels = kernels

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import expert_weights
 from .cpu_linear import can_prepack, prepack_cpu_linears
+from .layers import attach_cpu_kernels
 from .model_config import ModelConfig, read_json_object
 from .parallel import ShardSpec, TPGroup
 from .registry import model_class
@@ -103,6 +104,12 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model.eval()
     if can_prepack(device, dtype):
         prepack_cpu_linears(model)  # oneDNN's blocked weights: the CPU's faster matmuls
+    if device.type == "cpu":
+        from ..attention.cpu_kernels import cpu_kernels
+
+        kernels = cpu_kernels()
+        if kernels is not None and dtype in kernels.supported_dtypes:
+            attach_cpu_kernels(model, kernels)  # one pass for each norm, rotary and SwiGLU
     return model
 
 

@@ -89,6 +89,10 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             self._streams_rotary = RotaryEmbedding.stacked(self.rotary, long)
             self._long_offset = max_positions
 
+    def rotary_tables(self):
+        tables = super().rotary_tables()
+        return tables + [self._streams_rotary] if self._streams_rotary is not None else tables
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         if not self.two_streams:
             return super().forward(input_ids, positions, ctx)

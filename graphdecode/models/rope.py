@@ -92,8 +92,13 @@ class RotaryEmbedding:
         both.rotary_dim, both.head_dim, both.max_positions = short.rotary_dim, short.head_dim, short.max_positions
         return both
 
+    kernels = None  # the CPU's fused pass (full rotary only), attached at load
+
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, H_kv, D], positions: [T] int64 (table rows) -> rotated (q, k)."""
+        if self.kernels is not None and not torch.compiler.is_compiling() and self.kernels.fused_rows(q.shape[0]) \
+                and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
+            return self.kernels.rope(q, k, self.cos, self.sin, positions.contiguous())
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].unsqueeze(1)
         if self.rotary_dim == self.head_dim:
