@@ -170,7 +170,7 @@ class EngineConfig:
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
         self._check_tensor_parallel(cfg, device)
-        backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim, sinks=cfg.attn_sinks)
+        backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
             # the torch reference gathers max_model_len worth of pages per row inside a graph
@@ -303,21 +303,19 @@ def _check_speculative(spec, page_size: int) -> dict:
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,
-                             probe=None, sinks: bool = False) -> str:
+                             probe=None) -> str:
     """The backend that will run: never one that cannot (checked before any work).
 
     Automatic (None): FlashInfer on CUDA when it can run this head_dim and dtype here,
     else the torch reference, with one log line saying why. An explicit "flashinfer"
-    that cannot run raises a ValueError naming head_dim / dtype. A model with attention
-    sinks (gpt-oss) runs the torch backend: FlashInfer's fa2 kernels take no sink logits.
+    that cannot run raises a ValueError naming head_dim / dtype.
     """
     if probe is None:
         from .attention.flashinfer_probe import flashinfer_unavailable_reason as probe
-    sink_reason = "the model's attention sinks (gpt-oss): FlashInfer's fa2 kernels take no sink logits"
     if requested is None:
         if device.type != "cuda":
             return "torch"
-        reason = sink_reason if sinks else probe(head_dim, dtype)
+        reason = probe(head_dim, dtype)
         if reason is None:
             return "flashinfer"
         logger.warning("graphdecode: attention backend 'torch', not FlashInfer: %s", reason)
@@ -327,7 +325,7 @@ def choose_attention_backend(requested: str | None, device: torch.device, dtype:
     if requested == "flashinfer":
         if device.type != "cuda":
             raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
-        reason = sink_reason if sinks else probe(head_dim, dtype)
+        reason = probe(head_dim, dtype)
         if reason is not None:
             raise ValueError(f"attention_backend 'flashinfer' cannot run here: {reason}")
     return requested

@@ -239,14 +239,14 @@ def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
     assert len(kernels.plans) == 1
 
 
-def test_sinks_are_refused_by_name_not_run_wrong(kernels):
-    """FlashInfer plans take windows and soft-caps (tests/test_model_families.py), not sinks yet:
-    a model whose layers have them is refused at construction (the torch backend runs them)."""
+def test_sink_layers_are_built_with_their_logits_on_the_device(kernels):
+    """Sinks are no plan argument: the backend keeps each sink layer's logits (float32, on its device) and
+    applies them through the run's LSE (tests/test_model_families.py runs them against the torch backend)."""
     from graphdecode.attention.spec import AttentionSpec
 
-    FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec()])  # the default runs
-    with pytest.raises(ValueError, match="attention variants.*layers \\[0\\]"):
-        FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec(sinks=torch.ones(H))])
+    backend = FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec(sinks=torch.ones(H).half())])
+    assert backend.sinks[0].dtype == torch.float32 and backend.sinks[0].shape == (H,)
+    assert FlashInferBackend(_caches(), H, H_KV, D, device="cpu", specs=[AttentionSpec()]).sinks == [None]
 
 
 def test_importing_a_backend_registers_the_ops_it_calls():

@@ -412,11 +412,12 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, family):
-    """The experts' op inside captured graphs: grouped GEMM in bf16 on sm90/sm100 (dense elsewhere),
+    """The experts' op inside captured graphs: grouped GEMM in bf16 on sm90/sm100 (dense elsewhere), gpt-oss's
+    sinks on FlashInfer (its base-2 LSE checked against the fp32 torch engine here),
     replay equal to eager, teacher-forced against the fp32 eager engine (the dense path), no host
     sync in steady state, and every live token counted once per MoE layer and top-k slot."""
     path = moe_models[family]
-    backend = "flashinfer" if family == "qwen3_moe" else None  # gpt-oss's sinks: the torch backend
+    backend = "flashinfer"  # gpt-oss: sinks through the LSE on its full layers, its window layers on the reference
     common = dict(attention_backend=backend, dtype="bfloat16", compile=False, num_decode_steps=4, max_batch_size=4)
     graphed = llm(path, cuda_graphs=True, **common)
     experts = graphed.engine.runner.model.moe_layers[0].experts

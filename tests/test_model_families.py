@@ -174,10 +174,12 @@ SPECS = [AttentionSpec(sliding_window=5), AttentionSpec()]  # a local layer, a g
 def windowed_csr_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, causal, scale,
                            window_left, soft_cap):
     """What a FlashInfer kernel computes from its CSR buffers, with window_left and soft-cap;
-    queries aligned to the end of their KV (one loop per sequence, float32)."""
+    queries aligned to the end of their KV (one loop per sequence, float32). Also the softmax's
+    log-sum-exp [T, H] in FlashInfer's base 2."""
     page_size, heads_kv, dim = k_cache.shape[1:]
     groups = q.shape[1] // heads_kv
     out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float32)
     qo, kv, idx, last = (t.cpu().long() for t in (qo_indptr, kv_indptr, kv_indices, last_page_len))
     for g in range(qo.numel() - 1):
         rows = q[qo[g]:qo[g + 1]].float()
@@ -193,9 +195,10 @@ def windowed_csr_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices
         hidden = (k_pos > q_pos) if causal else torch.zeros_like(k_pos > q_pos)
         if window_left >= 0:
             hidden = hidden | (k_pos < q_pos - window_left)
-        out[qo[g]:qo[g + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(hidden, -math.inf), -1),
-                                            values)
-    return out
+        scores = scores.masked_fill(hidden, -math.inf)
+        out[qo[g]:qo[g + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values)
+        lse[qo[g]:qo[g + 1]] = (torch.logsumexp(scores, -1) / math.log(2)).transpose(0, 1)
+    return out, lse
 
 
 class FakeKernels:
@@ -210,12 +213,15 @@ class FakeKernels:
         return [len(self.plans)]
 
     def paged_run(self, *args):
-        (_, _, _, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, _, mask_mode, _,
+        (_, _, _, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, out, lse, mask_mode, _,
          window_left, _, *rest) = args
         soft_cap, scale = rest[6], rest[7]
-        self.runs.append(dict(window_left=window_left, soft_cap=soft_cap, kv_indptr=kv_indptr))
-        out.copy_(windowed_csr_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len,
-                                         mask_mode == self.causal, scale, window_left, soft_cap).to(out.dtype))
+        self.runs.append(dict(window_left=window_left, soft_cap=soft_cap, kv_indptr=kv_indptr, lse=lse is not None))
+        o, log2_sum = windowed_csr_attention(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, last_page_len,
+                                             mask_mode == self.causal, scale, window_left, soft_cap)
+        out.copy_(o.to(out.dtype))
+        if lse is not None:
+            lse.copy_(log2_sum)
 
 
 class _Event:
@@ -244,8 +250,8 @@ def kernels(monkeypatch):
     return fake
 
 
-def _caches(seed=0):
-    caches = allocate_kv_caches(len(SPECS), NUM_PAGES, P, H_KV, D, torch.bfloat16, "cpu")
+def _caches(seed=0, layers=len(SPECS)):
+    caches = allocate_kv_caches(layers, NUM_PAGES, P, H_KV, D, torch.bfloat16, "cpu")
     g = torch.Generator().manual_seed(seed)
     for cache in caches:
         cache.normal_(generator=g)
@@ -261,15 +267,15 @@ def _state(lengths: dict[int, int], max_pages=8):
     return state
 
 
-def _backends(monkeypatch, available: bool):
+def _backends(monkeypatch, available: bool, specs=SPECS):
     from graphdecode.attention import flashinfer_probe
     from graphdecode.attention.flashinfer_backend import FlashInferBackend
 
     monkeypatch.setattr(flashinfer_probe, "variant_unavailable_reason",
                         lambda head_dim, dtype, window, soft_cap: None if available or not window else "no module")
-    fi_caches, ref_caches = _caches(), _caches()
-    return (FlashInferBackend(fi_caches, H, H_KV, D, device="cpu", specs=SPECS),
-            TorchAttentionBackend(ref_caches, H, H_KV, D, specs=SPECS), fi_caches, ref_caches)
+    fi_caches, ref_caches = _caches(layers=len(specs)), _caches(layers=len(specs))
+    return (FlashInferBackend(fi_caches, H, H_KV, D, device="cpu", specs=specs),
+            TorchAttentionBackend(ref_caches, H, H_KV, D, specs=specs), fi_caches, ref_caches)
 
 
 def _close(got, want, rows=slice(None)):
@@ -293,7 +299,7 @@ def _run_all_paths(backend, reference, fi_caches, ref_caches):
     meta = _prefill_meta()
     backend.plan_prefill(meta)
     q, k, v = torch.randn(24, H, D).bfloat16(), torch.randn(24, H_KV, D).bfloat16(), torch.randn(24, H_KV, D).bfloat16()
-    for layer in range(len(SPECS)):
+    for layer in range(len(backend.specs)):
         _close(backend.prefill(layer, q, k, v, meta), reference.prefill(layer, q, k, v, meta))
     bucket = 4
     state = _state({0: 2, 1: 7, 2: 13})  # row 3 is padding
@@ -304,7 +310,7 @@ def _run_all_paths(backend, reference, fi_caches, ref_caches):
         meta = state.decode_metadata(bucket, state.max_pages)
         q = torch.randn(bucket, H, D).bfloat16()
         k, v = torch.randn(bucket, H_KV, D).bfloat16(), torch.randn(bucket, H_KV, D).bfloat16()
-        for layer in range(len(SPECS)):
+        for layer in range(len(backend.specs)):
             _close(backend.decode(layer, q, k, v, meta), reference.decode(layer, q, k, v, meta), live)
         state.advance(bucket, torch.full((bucket,), step, dtype=torch.int64), P, advance=True)
     queries = 3
@@ -317,10 +323,10 @@ def _run_all_paths(backend, reference, fi_caches, ref_caches):
     backend.prepare_verify(bucket, meta, state, P)
     q = torch.randn(bucket * queries, H, D).bfloat16()
     k, v = torch.randn(bucket * queries, H_KV, D).bfloat16(), torch.randn(bucket * queries, H_KV, D).bfloat16()
-    for layer in range(len(SPECS)):
+    for layer in range(len(backend.specs)):
         got = backend.verify(layer, q, k, v, meta).view(bucket, queries, H, D)
         _close(got, reference.verify(layer, q, k, v, meta).view(bucket, queries, H, D), live)
-    for layer in range(len(SPECS)):
+    for layer in range(len(backend.specs)):
         assert torch.equal(fi_caches[layer][1:], ref_caches[layer][1:])  # K/V written by slot alike
 
 
@@ -345,3 +351,17 @@ def test_flashinfer_without_the_window_kernel_runs_those_layers_with_the_referen
     assert backend.layer_variant == [None, 0] and backend.reference is not None
     _run_all_paths(backend, reference, fi_caches, ref_caches)
     assert {run["window_left"] for run in kernels.runs} == {-1}  # FlashInfer ran only the global layer
+
+
+def test_flashinfer_runs_sink_layers_through_the_softmax_lse(kernels, monkeypatch):
+    """gpt-oss's sinks on FlashInfer: a sink layer's run returns the base-2 LSE and its output is scaled
+    by sigmoid(ln Z - sink); prefill, decode and verify give the torch backend's sink attention, and a
+    layer without sinks asks for no LSE."""
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    specs = [AttentionSpec(sliding_window=5, sinks=sinks), AttentionSpec(sinks=-sinks), AttentionSpec()]
+    backend, reference, fi_caches, ref_caches = _backends(monkeypatch, available=True, specs=specs)
+    assert backend.sinks[0] is not None and backend.sinks[2] is None
+    _run_all_paths(backend, reference, fi_caches, ref_caches)
+    with_lse = {run["lse"] for run in kernels.runs if run["window_left"] == 4}
+    assert with_lse == {True}  # the windowed layer has sinks
+    assert {run["lse"] for run in kernels.runs} == {True, False}

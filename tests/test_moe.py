@@ -14,7 +14,7 @@ import torch
 from conftest import hf_greedy, random_prompts, rewrite_config
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.config import choose_attention_backend, model_weight_bytes
+from graphdecode.config import model_weight_bytes
 from graphdecode.models.model_config import load_model_config, parse_model_config
 from graphdecode.models.moe import IMPLEMENTATIONS, MoEConfig, moe_experts, route
 from graphdecode.models.rope import inverse_frequencies
@@ -183,17 +183,6 @@ def test_cpu_defaults_and_weight_bytes(tiny_models):
     cfg = llm.config.model_config
     counted = sum(p.numel() for p in model.parameters())
     assert model_weight_bytes(cfg, torch.float32) == pytest.approx(4 * counted, rel=0.02)  # all experts; no norms
-
-
-def test_attention_sinks_choose_the_torch_backend():
-    def probe(head_dim, dtype):
-        return None  # FlashInfer would run this head_dim and dtype
-
-    cuda = torch.device("cuda")
-    assert choose_attention_backend(None, cuda, torch.bfloat16, 64, probe) == "flashinfer"
-    assert choose_attention_backend(None, cuda, torch.bfloat16, 64, probe, sinks=True) == "torch"
-    with pytest.raises(ValueError, match="attention sinks"):
-        choose_attention_backend("flashinfer", cuda, torch.bfloat16, 64, probe, sinks=True)
 
 
 # -------------------------------------------------------------------------------- tensor parallel

@@ -34,7 +34,11 @@ exists once per variant the model has (Gemma 3: its local and its global layers;
 models: one). A window or soft-cap needs its own compiled module (flashinfer_probe.py);
 where that module cannot be had (the GPU kit prebuilds only the plain one), those layers
 run the torch reference attention over the same cache, with one log line naming them,
-while the other layers keep FlashInfer. Sinks are refused by name.
+while the other layers keep FlashInfer. Sinks (gpt-oss) are no plan argument of the fa2
+kernels: a sink layer's run also returns the softmax's log-sum-exp (FlashInfer's base-2
+convention, log2 of the sum of exp(scores)), and the output is scaled by
+sigmoid(ln Z - sink) = Z / (Z + exp(sink)), exactly what adding exp(sink) to the
+denominator does (the torch backend's `_with_sinks` does the same with its natural-log LSE).
 
 Verify (speculative decoding: Q = d + 1 queries per row, causal): one
 BatchPrefillWithPagedKVCacheWrapper per bucket in CUDA-graph mode, planned once with
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 
 import numpy as np
 import torch
@@ -64,6 +69,7 @@ from .spec import AttentionSpec
 from .torch_backend import TorchAttentionBackend
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
+LN2 = math.log(2.0)  # FlashInfer's LSE is log2 of the softmax's sum; sinks need its natural log
 logger = logging.getLogger("graphdecode")
 
 
@@ -82,10 +88,8 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES,
                  specs=None):
         super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
-        sinks = [i for i, spec in enumerate(self.specs) if spec.sinks is not None]
-        if sinks:  # FlashInfer's fa2 paged prefill/decode take no sink logits
-            raise ValueError(f"attention_backend 'flashinfer' does not run these attention variants "
-                             f"(sinks at layers {sinks[:8]}); use 'torch'")
+        # per layer: its sink logits [H] float32 on the device, or None (applied through the run's LSE)
+        self.sinks = [None if spec.sinks is None else spec.sinks.float().to(device) for spec in self.specs]
         self.flashinfer = importlib.import_module("flashinfer")
         self.device = torch.device(device)  # CUDA (EngineConfig checks); tests dry-run it on CPU
         self.dtype = kv_caches[0].dtype
@@ -297,7 +301,7 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("FlashInferBackend: prefill before plan_prefill")
         if self._prefill_copies is not None:  # partial prefix hits, after this forward's writes
             copy_slots(kv, *self._prefill_copies)
-        return self._prefill_planned[self.layer_variant[layer]].run(q.contiguous(), kv, enable_pdl=False)
+        return self._run(self._prefill_planned[self.layer_variant[layer]], layer, q, kv)
 
     def run_decode(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
         kv = self.kv_caches[layer]
@@ -305,7 +309,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._decode_by_variant.get((q.shape[0], self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {q.shape[0]} was never planned (plan_decode)")
-        return wrapper.run(q.contiguous(), kv, enable_pdl=False)
+        return self._run(wrapper, layer, q, kv)
 
     def run_verify(self, layer, q, k, v, slot_mapping, bucket: int) -> torch.Tensor:
         kv = self.kv_caches[layer]
@@ -313,7 +317,14 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._verify_by_variant.get((bucket, self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {bucket} has no verify plan (plan_verify)")
-        return wrapper.run(q.contiguous(), kv, enable_pdl=False)
+        return self._run(wrapper, layer, q, kv)
+
+    def _run(self, wrapper, layer: int, q, kv) -> torch.Tensor:
+        sinks = self.sinks[layer]
+        if sinks is None:
+            return wrapper.run(q.contiguous(), kv, enable_pdl=False)
+        out, lse = wrapper.run(q.contiguous(), kv, enable_pdl=False, return_lse=True)  # lse [T, H], base 2
+        return out * torch.sigmoid(lse.float() * LN2 - sinks)[..., None].to(out.dtype)
 
 
 def _short(layers: list[int]) -> str:

@@ -7,7 +7,8 @@ spec per layer (data, not branches in the hot loop); prefill, decode and verify 
 them alike. The torch backend implements all of them on the CPU (its paged kernel and
 the SDPA prefill) and in its reference; the FlashInfer backend maps window, soft-cap and
 scale onto its plan arguments (`window_left`, `logits_soft_cap`, `sm_scale`), runs the
-layers whose kernel module it cannot load with the torch reference, and refuses sinks.
+layers whose kernel module it cannot load with the torch reference, and applies sinks to
+its output through the run's log-sum-exp (flashinfer_backend.py).
 
 Sliding windows bound what a layer reads, not what the cache holds: a sequence keeps
 all its pages, including those wholly outside every layer's window (the scheduler and

@@ -3,8 +3,8 @@ clamped-SwiGLU experts, MXFP4 checkpoints.
 
 * Attention: q/k/v/o with biases; a learned per-head sink logit (`self_attn.sinks`, [H]) joins
   every softmax's denominator (AttentionSpec.sinks: the torch backend's kernels and
-  reference take it; FlashInfer's fa2 kernels have no sink input, so `attention_backend`
-  "auto" picks the torch backend for this family); even layers attend a `sliding_window`
+  reference take it; FlashInfer's fa2 kernels have no sink input, so its runs return their
+  log-sum-exp and the output is rescaled by sigmoid(ln Z - sink)); even layers attend a `sliding_window`
   (128) window, odd layers everything (`layer_types`).
 * RoPE: YaRN (factor 32 over an original 4,096 positions, beta_fast 32, beta_slow 1, no
   truncation), cos/sin scaled by its attention factor (rope.py).
