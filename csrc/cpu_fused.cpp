@@ -13,6 +13,10 @@
 // (fp-contract off below): torch rounds each product. (SwiGLU stays torch's: GCC 12 does not
 // vectorise an exp polynomial with a select here, and scalar it loses to torch's vectorised silu.)
 //
+// Also the structured-outputs step's two small pieces, where torch needs many small ops: a token
+// mask from packed words (four passes in torch) and the automaton's advance (a 16-step binary
+// search, ~110 ops in torch; here std::lower_bound per row).
+//
 // Same ABI conventions as cpu_attention.cpp (raw pointers, extern "C", ctypes).
 
 #if defined(__clang__)
@@ -21,7 +25,9 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 
@@ -122,6 +128,41 @@ void rope(const T* q, const T* k, T* q_out, T* k_out, const T* cos, const T* sin
 }  // namespace
 
 extern "C" {
+
+// Token masks (compiled/token_mask.py): logits [R, V] float32 (row stride logits_stride) get -inf at
+// every token whose bit is clear in its row's packed words [R, W] int32, in the rows where active[r].
+int graphdecode_cpu_mask_words(float* logits, const int32_t* words, const uint8_t* active, int64_t rows,
+                               int64_t vocab, int64_t num_words, int64_t logits_stride) {
+  if (rows < 0 || vocab <= 0 || num_words * 32 < vocab || logits_stride < vocab) return 1;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!active[r]) continue;
+    float* row = logits + r * logits_stride;
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(words + r * num_words);
+    for (int64_t t = 0; t < vocab; ++t) {
+      if (!((w[t >> 5] >> (t & 31)) & 1u)) row[t] = neg_inf;
+    }
+  }
+  return 0;
+}
+
+// Constraint automata (compiled/structured_tables.py): each row's next state after its token, the
+// state's exception for that token (exc_tokens sorted within a state's slice) or its default.
+int graphdecode_cpu_automaton_advance(const int32_t* states, const int64_t* tokens, const int32_t* exc_start,
+                                      const int32_t* exc_count, const int32_t* exc_tokens, const int32_t* exc_next,
+                                      const int32_t* default_next, int32_t* out, int64_t rows, int64_t num_states,
+                                      int64_t num_exceptions) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t state = states[r];
+    if (state < 0 || state >= num_states) return 1;
+    const int64_t start = exc_start[state], count = exc_count[state];
+    if (start < 0 || count < 0 || start + count > num_exceptions) return 2;
+    const int32_t* first = exc_tokens + start;
+    const int32_t* at = std::lower_bound(first, first + count, int32_t(tokens[r]));
+    out[r] = (at != first + count && *at == tokens[r]) ? exc_next[at - exc_tokens] : default_next[state];
+  }
+  return 0;
+}
 
 int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* sum,
                                  int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype) {

@@ -84,3 +84,44 @@ def test_fused_and_torch_passes_give_transformers_tokens(tiny_models, monkeypatc
     assert tokens == hf_greedy(path, prompts, 20)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads: long prefills keep torch's ops
     assert not KERNELS.fused_rows(FUSED_MAX_ROWS + 1) and KERNELS.fused_rows(FUSED_MAX_ROWS)
+
+
+def test_token_mask_and_automaton_advance_equal_the_torch_ops():
+    """The structured-outputs step's CPU passes: a token mask from packed words (every active row, bits
+    clear -> -inf, inactive rows untouched) and the automaton advance (exceptions by binary search, else
+    the state's default), against the torch ops the compiled window and GPUs run."""
+    from graphdecode.compiled.structured_tables import StructuredTables
+    from graphdecode.compiled.token_mask import TokenMaskUnpacker, num_words
+
+    g = torch.Generator().manual_seed(9)
+    vocab, rows = 1000, 6
+    masks = TokenMaskUnpacker(vocab, "cpu")
+    assert masks.kernels is not None
+    words = torch.randint(-2**31, 2**31 - 1, (rows, num_words(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    active = torch.tensor([True, False, True, True, False, True])
+    logits = torch.randn(rows, vocab, generator=g)
+    want, got = logits.clone(), logits.clone()
+    kernels, masks.kernels = masks.kernels, None
+    masks.mask_disallowed_(want, words, active)
+    masks.kernels = kernels
+    masks.mask_disallowed_(got, words, active)
+    assert torch.equal(got, want) and torch.isinf(got[0]).any() and torch.equal(got[1], logits[1])
+
+    tables = StructuredTables(max_states=20, max_exceptions=200, vocab_size=vocab, device="cpu")
+    counts = torch.randint(0, 15, (20,), generator=g)
+    counts[3] = 0  # a state without exceptions: every token takes its default
+    starts = torch.cumsum(counts, 0) - counts
+    tables.exc_start.copy_(starts.int())
+    tables.exc_count.copy_(counts.int())
+    for s, (start, count) in enumerate(zip(starts.tolist(), counts.tolist())):
+        tables.exc_tokens[start:start + count] = torch.randperm(vocab, generator=g)[:count].sort().values.int()
+        tables.exc_next[start:start + count] = torch.randint(0, 20, (count,), generator=g).int()
+    tables.default_next.copy_(torch.randint(-1, 20, (20,), generator=g).int())
+    states = torch.randint(0, 20, (300,), generator=g).int()
+    hits = tables.exc_tokens[(tables.exc_start[states.long()]).long()].long()  # some tokens are exceptions
+    tokens = torch.where(torch.rand(300, generator=g) < 0.5, hits, torch.randint(0, vocab, (300,), generator=g))
+    tokens[::7] = 3  # the same token in many states
+    fast = tables.advance(states, tokens)
+    tables.kernels = None
+    assert torch.equal(fast, tables.advance(states, tokens))
+    assert (fast != tables.default_next[states.long()]).any()  # exceptions were found
