@@ -12,8 +12,10 @@ to one next state, so a default per state plus the exceptions is a few MB where 
 dense table would be tens (see graphdecode/structured/compiler.py for the numbers).
 
 `advance` finds a row's token among its state's exceptions by a binary search of a fixed
-number of steps (enough for min(E_max, V) entries: 16 at a 49k vocabulary), so shapes are static and the whole mask-sample-advance
-step runs inside the window (and its CUDA graph) with no host sync. State ids are global
+number of steps (enough for min(E_max, V) entries: 16 at a 49k vocabulary), so shapes are
+static and the whole mask-sample-advance step runs inside the window (and its CUDA graph)
+with no host sync. An eager CPU window calls the C++ twin instead (csrc/cpu_fused.cpp: one
+std::lower_bound per row, where the torch search is ~110 small ops). State ids are global
 (a constraint's local id + its placement's base). Uploads happen in stream order before
 the rows that read them start; tables of a constraint no live row uses may be
 overwritten by a later upload, after every window already launched.
