@@ -238,8 +238,8 @@ def test_decode_forward_through_the_op_compiles_fullgraph(tiny_models):
         compiled = compiled_fn(ids, s_c["positions"], ForwardContext(backend_c, decode=backend_c.meta))
         untouched = fresh()[0]
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    for ce, cc in zip(caches_e, caches_c):
-        assert torch.equal(ce, cc)  # the op wrote K/V at the same slots under compile
+    for ce, cc in zip(caches_e, caches_c):  # the op wrote K/V at the same slots under compile (eager's fused
+        torch.testing.assert_close(ce, cc, rtol=1e-5, atol=1e-5)  # CPU RMSNorm sums in another order)
     slots = s_c["slot_mapping"]
     written = caches_c[0][:, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[slots]
     assert not torch.equal(written, untouched[0][:, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[slots])
