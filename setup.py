@@ -27,7 +27,7 @@ class BuildPyWithKernels(build_py):
         package_root = os.path.join(HERE if editable else self.build_lib, "graphdecode")
         if not editable:  # ship the sources so a first-use build can find them
             os.makedirs(os.path.join(package_root, "_csrc"), exist_ok=True)
-            for name in kb.SOURCES + kb.CPU_SOURCES:
+            for name in kb.SOURCES + kb.CPU_SOURCES + kb.CPU_HEADERS:
                 shutil.copy(os.path.join(src, name), os.path.join(package_root, "_csrc", name))
         if kb.find_cxx() is not None:  # the CPU kernels, for the CPU installing (else: at first use)
             try:

@@ -28,30 +28,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
+
 #define GRAPHDECODE_CPU_ABI_VERSION 2  // 2: cpu_fused.cpp's kernels in the same library
 
 namespace {
 
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
-
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {
-  uint32_t bits = uint32_t(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *p = uint16_t((bits >> 16) | 0x40u);  // NaN stays NaN
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = uint16_t(bits >> 16);
-}
+using namespace graphdecode_cpu;
 
 // exp(x) for x <= 0 (scores minus their row's peak): 2^n * e^r with |r| <= ln2 / 2 and Cephes'
 // expf polynomial (about 1 ulp), branch-free so loops over it vectorise; below -87, 0.

@@ -28,38 +28,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+
+#include "cpu_common.h"
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
-
-inline float ld(const float* p) { return *p; }
-inline float ld(const uint16_t* p) {
-  uint32_t bits = uint32_t(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void st(float* p, float v) { *p = v; }
-inline void st(uint16_t* p, float v) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *p = uint16_t((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = uint16_t(bits >> 16);
-}
-// v rounded to T's precision, as a float (identity for float)
-inline float rnd(float v, const float*) { return v; }
-inline float rnd(float v, const uint16_t*) {
-  uint16_t h;
-  st(&h, v);
-  return ld(&h);
-}
+using namespace graphdecode_cpu;
 
 template <typename T>
 void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum, int64_t rows, int64_t hidden,
@@ -73,14 +49,14 @@ void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum
     if (rr) {
 #pragma omp simd reduction(+ : acc)
       for (int64_t i = 0; i < hidden; ++i) {
-        const float s = rnd(ld(xr + i) + ld(rr + i), xr);
-        st(sr + i, s);
+        const float s = round_to(load(xr + i) + load(rr + i), xr);
+        store(sr + i, s);
         acc += s * s;
       }
     } else {
 #pragma omp simd reduction(+ : acc)
       for (int64_t i = 0; i < hidden; ++i) {
-        const float s = ld(xr + i);
+        const float s = load(xr + i);
         acc += s * s;
       }
     }
@@ -88,7 +64,7 @@ void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum
     const T* src = rr ? sr : xr;
 #pragma omp simd
     for (int64_t i = 0; i < hidden; ++i) {
-      st(orow + i, ld(weight + i) * rnd(ld(src + i) * inv, src));
+      store(orow + i, load(weight + i) * round_to(load(src + i) * inv, src));
     }
   }
 }
@@ -101,15 +77,15 @@ void rope_heads(const T* in, T* out, const T* cos, const T* sin, int64_t heads, 
     T* y = out + h * dim;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {  // first half: x * cos - x2 * sin (rotate_half: -x2)
-      const float a = rnd(ld(x + i) * ld(cos + i), x);
-      const float b = rnd(-ld(x + half + i) * ld(sin + i), x);
-      st(y + i, a + b);
+      const float a = round_to(load(x + i) * load(cos + i), x);
+      const float b = round_to(-load(x + half + i) * load(sin + i), x);
+      store(y + i, a + b);
     }
 #pragma omp simd
     for (int64_t i = half; i < dim; ++i) {  // second half: x * cos + x1 * sin
-      const float a = rnd(ld(x + i) * ld(cos + i), x);
-      const float b = rnd(ld(x + i - half) * ld(sin + i), x);
-      st(y + i, a + b);
+      const float a = round_to(load(x + i) * load(cos + i), x);
+      const float b = round_to(load(x + i - half) * load(sin + i), x);
+      store(y + i, a + b);
     }
   }
 }

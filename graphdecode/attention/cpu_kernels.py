@@ -149,7 +149,7 @@ def cpu_kernels() -> CpuKernels | None:
     """The CPU kernels for this machine, built on first use; None where they cannot be had."""
     if os.environ.get("GRAPHDECODE_CPU_KERNELS", "1") == "0":
         return None
-    src = kernel_build.source_dir(kernel_build.CPU_SOURCES)
+    src = kernel_build.source_dir(kernel_build.CPU_SOURCES + kernel_build.CPU_HEADERS)
     try:
         if src is None:
             raise RuntimeError("csrc/cpu_attention.cpp is not available")

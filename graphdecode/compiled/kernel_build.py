@@ -28,6 +28,7 @@ HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point 
 SOURCES = ("advance_step.cu",)
 CPU_LIB_NAME = "libgraphdecode_cpu.so"
 CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp")
+CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped with them, not compiled alone
 # -fopenmp-simd: the `omp simd` loops vectorise without an OpenMP runtime (torch brings its own);
 # -fno-math-errno: tanh/floor need no errno, so they vectorise too
 CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wall")
@@ -140,7 +141,7 @@ def cpu_tag() -> str:
 
 def cpu_library_key(src_dir: str) -> str:
     """The folder name of the CPU kernels built from these sources for this CPU."""
-    return f"{source_hash(src_dir, CPU_SOURCES)}-cpu-{cpu_tag()}"
+    return f"{source_hash(src_dir, CPU_SOURCES + CPU_HEADERS)}-cpu-{cpu_tag()}"
 
 
 def build_cpu(out_path: str, src_dir: str, cxx: str | None = None) -> str:

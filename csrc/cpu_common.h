@@ -1,0 +1,39 @@
+// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp): their dtype codes and float32 /
+// bf16 element access (bf16 stored as its 16 bits; stores round to nearest even, as torch does).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace graphdecode_cpu {
+
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) {
+  uint32_t bits = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = uint16_t((bits >> 16) | 0x40u);  // NaN stays NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = uint16_t(bits >> 16);
+}
+
+// v rounded to T's precision, as a float (identity for float)
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) {
+  uint16_t h;
+  store(&h, v);
+  return load(&h);
+}
+
+}  // namespace graphdecode_cpu
