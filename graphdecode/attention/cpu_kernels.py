@@ -111,6 +111,31 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out
 
+    # The structured-outputs step's two pieces (token_mask.py, structured_tables.py), eager CPU windows only.
+    def mask_words_(self, logits, words, active) -> None:
+        """In place: -inf where a token's bit is clear in its row's words, in the active rows (token_mask.py)."""
+        rows, vocab = logits.shape
+        words, active = words.contiguous(), active.to(torch.uint8).contiguous()
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or words.dtype != torch.int32:
+            raise ValueError(f"graphdecode_cpu_mask_words: logits {logits.dtype}, words {words.dtype}")
+        if self._mask(logits.data_ptr(), words.data_ptr(), active.data_ptr(), rows, vocab, words.shape[1],
+                      logits.stride(0)):
+            raise ValueError(f"graphdecode_cpu_mask_words rejected logits {tuple(logits.shape)}, words "
+                             f"{tuple(words.shape)}")
+
+    def automaton_advance(self, tables, states, tokens):
+        """[R] states, [R] tokens -> [R] int32 next states (structured_tables.StructuredTables.advance)."""
+        states = states.to(torch.int32).contiguous()
+        tokens = tokens.to(torch.int64).contiguous()
+        out = torch.empty(states.shape, dtype=torch.int32)
+        err = self._advance(states.data_ptr(), tokens.data_ptr(), tables.exc_start.data_ptr(),
+                            tables.exc_count.data_ptr(), tables.exc_tokens.data_ptr(), tables.exc_next.data_ptr(),
+                            tables.default_next.data_ptr(), out.data_ptr(), states.shape[0],
+                            tables.default_next.shape[0], tables.exc_tokens.shape[0])
+        if err:
+            raise ValueError(f"graphdecode_cpu_automaton_advance: a state out of range ({states.tolist()[:8]})")
+        return out
+
 
 def _ready(t):
     """The tensor itself: an all-reduce's result (tensor parallelism) is a lazy AsyncCollectiveTensor
@@ -118,30 +143,9 @@ def _ready(t):
     return t.wait() if t is not None and type(t) is not torch.Tensor and hasattr(t, "wait") else t
 
 
-def mask_words_(kernels: CpuKernels, logits, words, active) -> None:
-    """In place: -inf where a token's bit is clear in its row's words, in the active rows (token_mask.py)."""
-    rows, vocab = logits.shape
-    words, active = words.contiguous(), active.to(torch.uint8).contiguous()
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or words.dtype != torch.int32:
-        raise ValueError(f"graphdecode_cpu_mask_words: logits {logits.dtype}, words {words.dtype}")
-    if kernels._mask(logits.data_ptr(), words.data_ptr(), active.data_ptr(), rows, vocab, words.shape[1],
-                     logits.stride(0)):
-        raise ValueError(f"graphdecode_cpu_mask_words rejected logits {tuple(logits.shape)}, words "
-                         f"{tuple(words.shape)}")
-
-
-def automaton_advance(kernels: CpuKernels, tables, states, tokens):
-    """[R] states, [R] tokens -> [R] int32 next states (structured_tables.StructuredTables.advance)."""
-    states = states.to(torch.int32).contiguous()
-    tokens = tokens.to(torch.int64).contiguous()
-    out = torch.empty(states.shape, dtype=torch.int32)
-    err = kernels._advance(states.data_ptr(), tokens.data_ptr(), tables.exc_start.data_ptr(),
-                           tables.exc_count.data_ptr(), tables.exc_tokens.data_ptr(), tables.exc_next.data_ptr(),
-                           tables.default_next.data_ptr(), out.data_ptr(), states.shape[0],
-                           tables.default_next.shape[0], tables.exc_tokens.shape[0])
-    if err:
-        raise ValueError(f"graphdecode_cpu_automaton_advance: a state out of range ({states.tolist()[:8]})")
-    return out
+def cpu_kernels_for(device) -> CpuKernels | None:
+    """The CPU kernels for tensors on `device`: the library on a CPU, None elsewhere."""
+    return cpu_kernels() if torch.device(device).type == "cpu" else None
 
 
 @functools.cache

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import cpu_ops  # noqa: F401 - registers the graphdecode::cpu_paged_* ops compiled windows call
 from .backend import AttentionBackend
-from .cpu_kernels import cpu_kernels
+from .cpu_kernels import cpu_kernels_for
 from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
@@ -64,7 +64,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, specs: list[AttentionSpec] | None = None):
         super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
-        kernels = cpu_kernels() if kv_caches[0].device.type == "cpu" else None
+        kernels = cpu_kernels_for(kv_caches[0].device)
         self.kernels = kernels if kernels is not None and kv_caches[0].dtype in kernels.supported_dtypes else None
         self.handle = register_backend(self)  # for the compiled ops
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.cpu_kernels import automaton_advance
-from .token_mask import _cpu_kernels, num_words
+from ..attention.cpu_kernels import cpu_kernels_for
+from .token_mask import num_words
 
 _NO_TOKEN = (1 << 31) - 1  # pads the exception arrays: greater than every token id
 
@@ -47,7 +47,7 @@ class StructuredTables:
         # lower_bound over any state's slice: a state has at most one exception per token
         self.search_steps = max(1, min(max_exceptions, vocab_size)).bit_length()
         self.automata: dict[str, tuple[object, object]] = {}  # key -> (placement, automaton): host walks
-        self.kernels = _cpu_kernels(device)  # the CPU's advance (eager: one call, not the search's ~110 ops)
+        self.kernels = cpu_kernels_for(device)  # the CPU's advance (eager: one call, not the search's ~110 ops)
 
     def upload(self, placement, automaton) -> None:
         """Copy one constraint's tables into its placement (state ids made global)."""
@@ -89,7 +89,7 @@ class StructuredTables:
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[R] state ids and [R] sampled tokens -> [R] next state ids (-1: none, e.g. EOS)."""
         if self.kernels is not None and not torch.compiler.is_compiling():
-            return automaton_advance(self.kernels, self, states, tokens)
+            return self.kernels.automaton_advance(self, states, tokens)
         index = states.to(torch.int64)
         start = self.exc_start.index_select(0, index).to(torch.int64)
         count = self.exc_count.index_select(0, index).to(torch.int64)

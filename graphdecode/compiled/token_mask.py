@@ -29,7 +29,9 @@ class TokenMaskUnpacker:
     """Per-vocabulary constants of the expansion: each token's word and bit."""
 
     def __init__(self, vocab_size: int, device):
-        self.kernels = _cpu_kernels(device)  # the CPU's one-pass mask (eager), or None
+        from ..attention.cpu_kernels import cpu_kernels_for  # (not at import: attention imports compiled)
+
+        self.kernels = cpu_kernels_for(device)  # the CPU's one-pass mask (eager), or None
         ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
         self.word_of = ids // 32  # [V] int64
         bit = (ids % 32).to(torch.int32)
@@ -39,17 +41,6 @@ class TokenMaskUnpacker:
         """In place: -inf on every token whose bit is clear, in the rows where `active` [R] is set.
         Four passes over [R, V] (gather, and, compare, fill): the window pays this per step."""
         if self.kernels is not None and not torch.compiler.is_compiling():
-            from ..attention.cpu_kernels import mask_words_
-
-            return mask_words_(self.kernels, logits, words, active)
+            return self.kernels.mask_words_(logits, words, active)
         clear = (words.index_select(1, self.word_of) & self.bit_value) == 0
         logits.masked_fill_(clear & active[:, None], float("-inf"))
-
-
-def _cpu_kernels(device):
-    """The CPU kernels' library on a CPU device (csrc/cpu_fused.cpp), else None."""
-    if torch.device(device).type != "cpu":
-        return None
-    from ..attention.cpu_kernels import cpu_kernels
-
-    return cpu_kernels()

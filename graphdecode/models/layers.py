@@ -107,6 +107,6 @@ def attach_cpu_kernels(model: nn.Module, kernels) -> None:
     for module in model.modules():
         if isinstance(module, RMSNorm) and not module.offset and not module.weight_fp32:
             module.kernels = kernels
-    for rotary in getattr(model, "rotary_tables", lambda: [])():
+    for rotary in model.rotary_tables():
         if rotary.rotary_dim == rotary.head_dim:
             rotary.kernels = kernels

@@ -104,12 +104,11 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model.eval()
     if can_prepack(device, dtype):
         prepack_cpu_linears(model)  # oneDNN's blocked weights: the CPU's faster matmuls
-    if device.type == "cpu":
-        from ..attention.cpu_kernels import cpu_kernels
+    from ..attention.cpu_kernels import cpu_kernels_for
 
-        kernels = cpu_kernels()
-        if kernels is not None and dtype in kernels.supported_dtypes:
-            attach_cpu_kernels(model, kernels)  # one pass for each norm, rotary and SwiGLU
+    kernels = cpu_kernels_for(device)
+    if kernels is not None and dtype in kernels.supported_dtypes:
+        attach_cpu_kernels(model, kernels)  # one pass for each plain norm and full rotary
     return model
 
 
@@ -122,6 +121,8 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     modules = dict(model.named_modules())
     files = checkpoint_files(model_dir)
     found: dict[tuple[str, str | None], _Entry] = {}
+    # per Experts parameter: the first tensor of each form seen (True: stacked "all", False: per expert / MXFP4)
+    forms: dict[str, dict[bool, str]] = {}
     plan = []
     for path in files:
         entries = []
@@ -134,12 +135,13 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                     if (experts.name, experts.slot.part) in found:
                         raise ValueError(f"{path}: tensor {key!r} is also in "
                                          f"{found[experts.name, experts.slot.part].path}")
-                    stacked = [e.key for (name, part), e in found.items() if name == experts.name
-                               and (part == "all") != (experts.slot.part == "all") and experts.slot.part != "scales"
-                               and part != "scales"]
-                    if stacked:
-                        raise ValueError(f"{path}: tensor {key!r} and {stacked[0]!r} both hold "
-                                         f"{experts.name} (stacked and per-expert or MXFP4 forms at once)")
+                    if experts.slot.part != "scales":  # scales come with their blocks
+                        stacked = experts.slot.part == "all"
+                        seen = forms.setdefault(experts.name, {})
+                        if (not stacked) in seen:
+                            raise ValueError(f"{path}: tensor {key!r} and {seen[not stacked]!r} both hold "
+                                             f"{experts.name} (stacked and per-expert or MXFP4 forms at once)")
+                        seen.setdefault(stacked, key)
                     found[experts.name, experts.slot.part] = experts
                     entries.append(experts)
                     continue
@@ -174,10 +176,13 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         plan.append((path, entries))
     index = os.path.join(model_dir, _INDEX)
     where = index if os.path.isfile(index) else files[0]
+    expert_parts: dict[str, set[tuple[str, str]]] = {}  # Experts module -> (parameter, part) found
+    for (name, part), entry in found.items():
+        if entry.experts is not None:
+            expert_parts.setdefault(entry.experts, set()).add((name.rsplit(".", 1)[1], part))
     for owner, module in modules.items():
         if isinstance(module, expert_weights.Experts):
-            parts = {(name.rsplit(".", 1)[1], part) for name, part in found if name.startswith(owner + ".")}
-            lacking = expert_weights.missing(module, parts, cls.expert_format)
+            lacking = expert_weights.missing(module, expert_parts.get(owner, set()), cls.expert_format)
             if lacking is not None:
                 raise ValueError(f"{where}: tensor {_original(owner + '.' + lacking, cls)!r} is missing from the "
                                  f"checkpoint")

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import ShardSpec, TPGroup, split
+from .parallel import TPGroup, split
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -203,9 +203,9 @@ def _(x, ids, weights, w13, w2, b13, b2, activation, alpha, limit, implementatio
 class Experts(nn.Module):
     """Every expert's weights, stacked; this rank's slice of each expert's intermediate size.
 
-    The checkpoint layouts it reads (the loader asks `checkpoint_slot` about each tensor under
+    The checkpoint layouts it reads (the loader asks `expert_weights.slot` about each tensor under
     this module's name): per-expert tensors `N.<gate>.weight`, `N.<up>.weight`, `N.<down>.weight`
-    (names per family: `expert_names`), or the stacked tensors `gate_up_proj` / `down_proj`
+    (names per family: `ExpertFormat.names`), or the stacked tensors `gate_up_proj` / `down_proj`
     (+ `_bias`) in the family's own layout, or their MXFP4 `_blocks` / `_scales` (gpt-oss).
     """
 
@@ -223,18 +223,13 @@ class Experts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size))
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
-        self.implementation = "grouped" if hasattr(torch, "_grouped_mm") else "reference"
+        self.implementation = "reference"  # what runs anywhere; post_load picks the device's (default_implementation)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         b2 = self.down_proj_bias if self.tp.rank == 0 else None  # added once across the ranks' partial sums
         return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, b2,
                            c.activation, c.swiglu_alpha, c.swiglu_limit, self.implementation)
-
-    @property
-    def down_cols(self) -> ShardSpec:
-        return ShardSpec(1, self.rows.start, self.rows.stop, self.cfg.intermediate_size)
-
 
 class SparseMoE(nn.Module):
     """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks)."""
