@@ -10,7 +10,10 @@ GEMV) aten's dense kernel is faster (0.65-0.93x packed), so fp32
 keeps the dense weight beside the packed one (one more copy of the linear weights: the
 price of batch 1 staying at its best); bf16 keeps only the packed one. A small fp32 weight
 (under FP32_PACK_MIN elements, e.g. a 256-wide model's) is not packed: there the packed
-call's fixed cost (~15 us) outweighs what it saves.
+call's fixed cost (~15 us) outweighs what it saves. It is laid out column-major instead
+(the same [out, in] parameter, stored as W^T): aten's `linear` then runs x @ W^T as a
+plain NN GEMM, 1.1-2x faster than the NT one for 1-64 rows of such weights and even at
+256 (2026-12-01, 256-512 wide weights; profiling/bench_cpu.py's linear probe, `layouts`).
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection and the LM head a `PackedWeight`; their forwards call it.
@@ -91,15 +94,26 @@ def prepack_cpu_linears(model: nn.Module) -> None:
         return weight.dtype != torch.float32 or weight.numel() >= FP32_PACK_MIN
 
     for module in model.modules():
-        if isinstance(module, (FusedLinear, RowParallelLinear)) and worth_packing(module.weight):
-            module.packed = PackedWeight(module.weight)
-            if module.packed.dense is None:
-                module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-    head = model.model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+        if isinstance(module, (FusedLinear, RowParallelLinear)):
+            if worth_packing(module.weight):
+                module.packed = PackedWeight(module.weight)
+                if module.packed.dense is None:
+                    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            else:
+                column_major_(module.weight)
+    tied = model.config.tie_word_embeddings
+    head = model.model.embed_tokens if tied else model.lm_head
     if worth_packing(head.weight):
         model.packed_head = PackedWeight(head.weight)
-        if not model.config.tie_word_embeddings and model.packed_head.dense is None:
+        if not tied and model.packed_head.dense is None:
             head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
+    elif not tied:  # a tied head is the embedding, whose rows the lookup reads
+        column_major_(head.weight)
+
+
+def column_major_(weight: torch.Tensor) -> None:
+    """Store an [out, in] weight as W^T in memory (same shape and values): F.linear runs NN."""
+    weight.data = weight.data.t().contiguous().t()
 
 
 def packed_bytes(model: nn.Module) -> int:
