@@ -18,7 +18,10 @@
 //   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
 // Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
 // Each row computes its scores once, a softmax per query, then one pass over V: K and V are
-// each read once per call, straight from the pages, a key's KV heads together.
+// each read once per call, straight from the pages, a key's KV heads together. Reductions (dots,
+// softmax's max and sum) run in 16 vector lanes summed by a fixed tree (cpu_common.h), and
+// decode's output accumulates in registers (pv_group): 2-3x the earlier scalar-reduction loops
+// at batch 1-64 (BENCHMARKS.md section 12c).
 
 #include <algorithm>
 #include <cmath>
@@ -36,23 +39,65 @@ namespace {
 
 using namespace graphdecode_cpu;
 
-// exp(x) for x <= 0 (scores minus their row's peak): 2^n * e^r with |r| <= ln2 / 2 and Cephes'
-// expf polynomial (about 1 ulp), branch-free so loops over it vectorise; below -87, 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
+// q . k over n floats (DIM > 0: n == DIM, known at compile time)
+template <int DIM>
+inline float dot(const float* a, const float* b, int64_t n) {
+  const int64_t D = DIM > 0 ? DIM : n, full = D - D % LANES;
+  f32x16 part = {};
+  for (int64_t d0 = 0; d0 < full; d0 += LANES) part += load16(a + d0) * load16(b + d0);
+  float tail = 0.f;
+  for (int64_t d = full; d < D; ++d) tail += a[d] * b[d];
+  return tree_sum(part) + tail;
+}
+
+// The output of a KV head's few queries (decode: its G query heads): o[g][0:D] = sum over
+// t in [lo, hi] of p[g][t] * rows[t][offset : offset + D] (p is 0 where query g does not see
+// key t). 32 floats of D at a time are held in registers for all NG queries, so each V row is
+// read once; with fewer than four queries, KEYS keys at a time go to separate accumulators
+// (added in a fixed order at the end) to keep the FMA pipes busy.
+template <int NG>
+void pv_group(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
+              float* const* o, int64_t D) {
+  constexpr int KEYS = NG >= 4 ? 1 : (NG >= 2 ? 2 : 4);
+  const int64_t full = D - D % LANES;
+  for (int64_t c0 = 0; c0 < full; c0 += 2 * LANES) {
+    const bool two = c0 + LANES < full;
+    f32x16 acc[KEYS][NG][2] = {};
+    int64_t t = lo;
+    for (; t + KEYS - 1 <= hi; t += KEYS)
+      for (int k = 0; k < KEYS; ++k) {
+        const float* v = rows[t + k] + offset + c0;
+        const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
+        for (int g = 0; g < NG; ++g) {
+          const float pg = p[g][t + k];
+          acc[k][g][0] += pg * v0;
+          acc[k][g][1] += pg * v1;
+        }
+      }
+    for (; t <= hi; ++t) {
+      const float* v = rows[t] + offset + c0;
+      const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
+      for (int g = 0; g < NG; ++g) {
+        acc[0][g][0] += p[g][t] * v0;
+        acc[0][g][1] += p[g][t] * v1;
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      f32x16 r0 = acc[0][g][0], r1 = acc[0][g][1];
+      for (int k = 1; k < KEYS; ++k) {
+        r0 += acc[k][g][0];
+        r1 += acc[k][g][1];
+      }
+      store16(o[g] + c0, r0);
+      if (two) store16(o[g] + c0 + LANES, r1);
+    }
+  }
+  for (int64_t d = full; d < D; ++d)
+    for (int g = 0; g < NG; ++g) {
+      float acc = 0.f;
+      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
+      o[g][d] = acc;
+    }
 }
 
 struct Args {
@@ -148,10 +193,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
           for (int64_t g = 0; g < G; ++g) {
             const int64_t n = j * H + h * G + g;
             const float* qv = w.q.data() + n * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
-            w.scores[n * span + t] = dot;
+            w.scores[n * span + t] = dot<DIM>(qv, k, D);
           }
       }
   } else {
@@ -190,34 +232,65 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     if (a.soft_cap > 0.f)
       for (int64_t t = lo; t <= hi; ++t) s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
     const float sink = a.sinks ? a.sinks[head] : neg_inf;
-    float peak = sink;
-#pragma omp simd reduction(max : peak)
-    for (int64_t t = lo; t <= hi; ++t) peak = std::max(peak, s[t]);
-    float total = a.sinks ? exp_nonpositive(sink - peak) : 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < span; ++t) {
-      s[t] = exp_nonpositive(s[t] - peak);
-      total += s[t];
-    }
+    const int64_t full = span - span % LANES;
+    f32x16 part = sink - f32x16{};  // every lane the sink (-inf without); the hidden keys are -inf already
+    for (int64_t t0 = 0; t0 < full; t0 += LANES) part = max16(part, load16(s + t0));
+    float peak = tree_max(part);
+    for (int64_t t = full; t < span; ++t) peak = std::max(peak, s[t]);
+#pragma omp simd
+    for (int64_t t = 0; t < span; ++t) s[t] = exp_approx(s[t] - peak);
+    part = f32x16{};
+    for (int64_t t0 = 0; t0 < full; t0 += LANES) part += load16(s + t0);
+    float total = tree_sum(part);
+    for (int64_t t = full; t < span; ++t) total += s[t];
+    if (a.sinks) total += exp_approx(sink - peak);
     const float inv = 1.f / total;
 #pragma omp simd
     for (int64_t t = 0; t < span; ++t) s[t] *= inv;
   }
-  // out = probs @ V, each key's V rows read once for every query
+  // out = probs @ V. Few queries per KV head (decode, short verify): pv_group, each V row read
+  // once for all of them, the outputs in registers. Many (long verify, prefill): key by key in
+  // position order, each key's V rows read once for every query.
   w.acc.assign(NQ * D, 0.f);
-  for (int64_t t = 0; t < span; ++t)
+  if (Q * G < TILE_QUERIES) {
+    const float* p[TILE_QUERIES];
+    float* o[TILE_QUERIES];
     for (int64_t h = 0; h < HKV; ++h) {
-      const float* v = w.v_rows[t] + h * D;
-      for (int64_t j = 0; j < Q; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t n = j * H + h * G + g;
-          const float p = w.scores[n * span + t];
-          if (p == 0.f) continue;
-          float* o = w.acc.data() + n * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+      int64_t ng = 0, lo = span, hi = -1;
+      for (int64_t j = 0; j < Q; ++j) {
+        lo = std::min(lo, w.lo[j] - first);
+        hi = std::max(hi, w.hi[j] - first);
+        for (int64_t g = 0; g < G; ++g, ++ng) {
+          p[ng] = w.scores.data() + (j * H + h * G + g) * span;
+          o[ng] = w.acc.data() + (j * H + h * G + g) * D;
         }
+      }
+      const float* const* v = w.v_rows.data();
+      switch (ng) {
+        case 1: pv_group<1>(p, v, h * D, lo, hi, o, D); break;
+        case 2: pv_group<2>(p, v, h * D, lo, hi, o, D); break;
+        case 3: pv_group<3>(p, v, h * D, lo, hi, o, D); break;
+        case 4: pv_group<4>(p, v, h * D, lo, hi, o, D); break;
+        case 5: pv_group<5>(p, v, h * D, lo, hi, o, D); break;
+        case 6: pv_group<6>(p, v, h * D, lo, hi, o, D); break;
+        default: pv_group<7>(p, v, h * D, lo, hi, o, D); break;
+      }
     }
+  } else {
+    for (int64_t t = 0; t < span; ++t)
+      for (int64_t h = 0; h < HKV; ++h) {
+        const float* v = w.v_rows[t] + h * D;
+        for (int64_t j = 0; j < Q; ++j)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t n = j * H + h * G + g;
+            const float p = w.scores[n * span + t];
+            if (p == 0.f) continue;
+            float* o = w.acc.data() + n * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+          }
+      }
+  }
   for (int64_t n = 0; n < NQ; ++n) {
     T* dst = out + (b * NQ + n) * D;
     const float* src = w.acc.data() + n * D;

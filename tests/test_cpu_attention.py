@@ -118,7 +118,7 @@ def _decode_case(spec_name, dtype, heads, kv_heads, head_dim):
 @needs_kernels
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (14, 2, 80), (6, 3, 40)])
 def test_kernel_decode_reads_pages_in_place(spec_name, dtype, heads, kv_heads, head_dim):
     rows, spec, q, k, v, want = _decode_case(spec_name, dtype, heads, kv_heads, head_dim)
     backend = rows.backend(spec, kernels=True)
@@ -141,9 +141,10 @@ def test_gathering_reference_decode_has_every_variant(spec_name, ragged):
 
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False])
 @pytest.mark.parametrize("spec_name", ["default", "window", "all"])
-def test_verify_attends_queries_causally(kernels, spec_name):
-    """d + 1 = 4 queries per row at consecutive positions, their K/V written first."""
-    heads, kv_heads, head_dim, queries = 9, 3, 64, 4
+@pytest.mark.parametrize("queries", [2, 4])  # 6 queries per KV head: the decode-shaped loops; 12: the tiled ones
+def test_verify_attends_queries_causally(kernels, spec_name, queries):
+    """d + 1 queries per row at consecutive positions, their K/V written first."""
+    heads, kv_heads, head_dim = 9, 3, 64
     rows = Rows([6, 20, 33], heads, kv_heads, head_dim, torch.float32, seed=5)
     spec = SPECS[spec_name](heads)
     positions = torch.tensor([[n - queries + j for j in range(queries)] for n in rows.lengths])
