@@ -18,8 +18,11 @@ compute, not host overhead (see profiling/bench_host.py for the split).
 
 The transformers baseline runs `generate(do_sample=False, cache_implementation=
 "static")` on the same model, dtype, device, prompts and lengths (torch.compile
-off unless `--baseline-compile`), in the same process. Writes PREFIX.json and
-PREFIX.png (when matplotlib is importable) and prints a table.
+off unless `--baseline-compile`), in the same process, interleaved with the engine:
+after each of the engine's timed repeats of a point, one of transformers' on the same
+batch, and each side keeps its fastest. A machine's speed drifts by tens of percent over
+minutes (a shared CPU above all); run side by side, both sides see the same minutes.
+Writes PREFIX.json and PREFIX.png (when matplotlib is importable) and prints a table.
 """
 
 from __future__ import annotations
@@ -83,23 +86,26 @@ def _timed_generate(llm, prompts, params, device) -> tuple[float, dict, list]:
     return elapsed, stats_delta(before, llm.stats()), outs
 
 
-def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int, repeats: int, device) -> dict:
+def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int, repeats: int, device,
+                         between=None) -> dict:
+    """One (batch, k) point, best of `repeats`; `between()`, when given, runs after each timed repeat (the
+    baseline's turn, so both sides are measured in the same minutes)."""
     from . import SamplingParams
 
     vocab = llm.config.model_config.vocab_size
     prompts = [{"prompt_token_ids": ids} for ids in random_prompt_ids(batch, prompt_len, vocab)]
     greedy = {"temperature": 0.0, "ignore_eos": True}
     llm.generate(prompts, SamplingParams(max_tokens=min(gen_len, 2 * k + 1), **greedy))  # warm-up
-    prefill_s, prefill_stats, _ = min(
-        (_timed_generate(llm, prompts, SamplingParams(max_tokens=1, **greedy), device) for _ in range(repeats)),
-        key=lambda r: r[0],
-    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    total_s, st, outs = min(
-        (_timed_generate(llm, prompts, SamplingParams(max_tokens=gen_len, **greedy), device) for _ in range(repeats)),
-        key=lambda r: r[0],
-    )
+    prefills, fulls = [], []
+    for _ in range(repeats):
+        prefills.append(_timed_generate(llm, prompts, SamplingParams(max_tokens=1, **greedy), device))
+        fulls.append(_timed_generate(llm, prompts, SamplingParams(max_tokens=gen_len, **greedy), device))
+        if between is not None:
+            between()
+    prefill_s, prefill_stats, _ = min(prefills, key=lambda r: r[0])
+    total_s, st, outs = min(fulls, key=lambda r: r[0])
     windows = max(st["windows"], 1)
     decode_s = max(total_s - prefill_s, 1e-9)
     device_steps = st["windows"] * k
@@ -156,7 +162,8 @@ def _add_bandwidth(point: dict, sizes: dict, copy_bytes_per_s: float | None) -> 
     point["bandwidth_fraction"] = achieved / copy_bytes_per_s if copy_bytes_per_s else None
 
 
-def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_prefix: str) -> None:
+def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_prefix: str,
+                 baseline: "Baseline | None" = None) -> None:
     from . import LLM
 
     for k in _ints(args.steps):
@@ -176,8 +183,11 @@ def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_p
             "capture_seconds": llm.stats()["capture_seconds"],
             "graphs_captured": llm.stats()["graphs_captured"],
         }
+        if baseline is not None:
+            baseline.dtype = llm.config.torch_dtype
         for batch in _ints(args.buckets):
-            point = measure_engine_point(llm, batch, k, args.prompt_len, args.gen_len, args.repeats, device)
+            between = (lambda b=batch: baseline.run(b)) if baseline is not None else None
+            point = measure_engine_point(llm, batch, k, args.prompt_len, args.gen_len, args.repeats, device, between)
             _add_bandwidth(point, sizes, result["copy_bytes_per_s"])
             result["points"].append(point)
             print(f"[bench] k={k} batch={batch}: {point['tokens_per_s']:.0f} tok/s, "
@@ -190,53 +200,85 @@ def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_p
 
 
 # --------------------------------------------------------------- baseline side
-def sweep_baseline(model_dir: str, args, device: torch.device, dtype: torch.dtype, result: dict) -> None:
-    try:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-    except ImportError as exc:
-        print(f"[bench] transformers is not importable ({exc}): baseline skipped")
-        result["baseline_skipped"] = f"transformers not importable: {exc}"
-        return
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    vocab = model.config.vocab_size
-    extra = {}
-    if not args.baseline_compile and hasattr(GenerationConfig(), "disable_compile"):
-        extra["disable_compile"] = True
-    eos = model.config.eos_token_id
-    pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+class Baseline:
+    """transformers `generate` on the same model, prompts and lengths, one timed repeat per `run(batch)`
+    (called between the engine's repeats of that batch), the fastest kept per batch. Loaded at the first
+    run (after the engine's first build, so on CUDA the engine sizes its KV cache first). A failure
+    (transformers missing, a model it cannot run) is recorded and ends the baseline, not the sweep."""
 
-    def run(ids, new_tokens: int):
-        cuda_sync(device)
+    def __init__(self, model_dir: str, args, device: torch.device):
+        self.model_dir, self.args, self.device = model_dir, args, device
+        self.dtype: torch.dtype | None = None  # the engine's, set before the first run
+        self.model = None
+        self.best: dict[int, dict] = {}  # batch -> {"total_s", "prefill_s", "tokens"}
+        self.skipped: str | None = None
+
+    def run(self, batch: int) -> None:
+        if self.skipped is not None:
+            return
+        try:
+            self._run(batch)
+        except Exception as exc:  # noqa: BLE001 - the baseline is optional: keep the engine's numbers
+            print(f"[bench] transformers baseline failed ({type(exc).__name__}: {exc}); skipped")
+            self.skipped = f"{type(exc).__name__}: {exc}"
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(self.device).eval()
+        self.extra = {}
+        if not self.args.baseline_compile and hasattr(GenerationConfig(), "disable_compile"):
+            self.extra["disable_compile"] = True
+        eos = self.model.config.eos_token_id
+        self.pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
+
+    def _generate(self, ids: torch.Tensor, new_tokens: int):
+        cuda_sync(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
+            out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                cache_implementation="static", pad_token_id=pad, eos_token_id=None, **extra,
+                cache_implementation="static", pad_token_id=self.pad, eos_token_id=None, **self.extra,
             )  # eos_token_id=None: like ignore_eos, EOS may be produced but does not stop (min_new_tokens would ban it)
-        cuda_sync(device)
+        cuda_sync(self.device)
         if out.shape[1] != ids.shape[1] + new_tokens:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {new_tokens}")
         return time.perf_counter() - start, out
 
-    engine_ids = {p["batch"]: p["output_ids"] for p in result["points"]}
-    for batch in _ints(args.buckets):
-        ids = torch.tensor(random_prompt_ids(batch, args.prompt_len, vocab), device=device)
-        run(ids, 2)  # warm-up
-        prefill_s = min(run(ids, 1)[0] for _ in range(args.repeats))
-        total_s, out = min((run(ids, args.gen_len) for _ in range(args.repeats)), key=lambda r: r[0])
-        tokens = out[:, args.prompt_len:].tolist()
-        mine = engine_ids.get(batch)
-        point = {
-            "batch": batch,
-            "total_s": total_s,
-            "prefill_s": prefill_s,
-            "tokens_per_s": batch * args.gen_len / total_s,
-            "decode_tokens_per_s": batch * (args.gen_len - 1) / max(total_s - prefill_s, 1e-9),
-            "ms_per_decode_step": 1000 * max(total_s - prefill_s, 0.0) / max(args.gen_len - 1, 1),
-            "rows_matching_engine": sum(a == b for a, b in zip(tokens, mine)) if mine else None,
-        }
-        result["baseline"].append(point)
-        print(f"[bench] transformers batch={batch}: {point['tokens_per_s']:.0f} tok/s", flush=True)
+    def _run(self, batch: int) -> None:
+        if self.model is None:
+            self._load()
+        args = self.args
+        ids = torch.tensor(random_prompt_ids(batch, args.prompt_len, self.model.config.vocab_size), device=self.device)
+        best = self.best.get(batch)
+        if best is None:
+            self._generate(ids, 2)  # warm-up
+            best = self.best[batch] = {"total_s": float("inf"), "prefill_s": float("inf"), "tokens": None}
+        best["prefill_s"] = min(best["prefill_s"], self._generate(ids, 1)[0])
+        total_s, out = self._generate(ids, args.gen_len)
+        if total_s < best["total_s"]:
+            best["total_s"], best["tokens"] = total_s, out[:, args.prompt_len:].tolist()
+
+    def points(self, engine_points: list[dict]) -> list[dict]:
+        """One baseline point per batch measured, with how many rows equal the engine's (its first k's) tokens."""
+        gen_len = self.args.gen_len
+        engine_ids = {}
+        for p in engine_points:
+            engine_ids.setdefault(p["batch"], p["output_ids"])
+        points = []
+        for batch, best in sorted(self.best.items()):
+            total_s, prefill_s, mine = best["total_s"], best["prefill_s"], engine_ids.get(batch)
+            points.append({
+                "batch": batch,
+                "total_s": total_s,
+                "prefill_s": prefill_s,
+                "tokens_per_s": batch * gen_len / total_s,
+                "decode_tokens_per_s": batch * (gen_len - 1) / max(total_s - prefill_s, 1e-9),
+                "ms_per_decode_step": 1000 * max(total_s - prefill_s, 0.0) / max(gen_len - 1, 1),
+                "rows_matching_engine": sum(a == b for a, b in zip(best["tokens"], mine)) if mine else None,
+            })
+            print(f"[bench] transformers batch={batch}: {points[-1]['tokens_per_s']:.0f} tok/s", flush=True)
+        return points
 
 
 # -------------------------------------------------------------------- report
@@ -323,14 +365,13 @@ def run_bucket_sweep(args) -> dict:
         "points": [],
         "baseline": [],
     }
-    sweep_engine(model_dir, args, device, result, out_prefix)
+    baseline = None if args.no_baseline else Baseline(model_dir, args, device)
+    sweep_engine(model_dir, args, device, result, out_prefix, baseline)
     result["dtype"] = result["engine_config"]["dtype"].replace("torch.", "")
-    if not args.no_baseline:
-        try:
-            sweep_baseline(model_dir, args, device, getattr(torch, result["dtype"]), result)
-        except Exception as exc:  # noqa: BLE001 - the baseline is optional: keep the engine's numbers
-            print(f"[bench] transformers baseline failed ({type(exc).__name__}: {exc}); skipped")
-            result["baseline_skipped"] = f"{type(exc).__name__}: {exc}"
+    if baseline is not None:
+        result["baseline"] = baseline.points(result["points"])
+        if baseline.skipped is not None:
+            result["baseline_skipped"] = baseline.skipped
     result["speedups"] = speedups(result)
     for p in result["points"]:
         p.pop("output_ids", None)

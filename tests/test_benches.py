@@ -81,6 +81,34 @@ def test_bucket_sweep_smoke(micro_dir, tmp_path):
     assert os.path.getsize(f"{out}.png") > 0
 
 
+def test_bucket_sweep_interleaves_the_baseline_and_survives_its_failure(micro_dir, tmp_path, monkeypatch):
+    """transformers' repeats of a batch run between the engine's (the same minutes of a drifting machine);
+    a baseline that fails is recorded and the engine's points stay."""
+    import graphdecode.bench as bench
+
+    events = []
+    timed, generate = bench._timed_generate, bench.Baseline._generate
+    monkeypatch.setattr(bench, "_timed_generate", lambda llm, prompts, *a: events.append(("engine", len(prompts)))
+                        or timed(llm, prompts, *a))
+    monkeypatch.setattr(bench.Baseline, "_generate", lambda self, ids, n: events.append(("hf", ids.shape[0]))
+                        or generate(self, ids, n))
+    out = tmp_path / "sweep"
+    bench.main(["--model", micro_dir, "--device", "cpu", "--buckets", "1,2", "--steps", "1", "--prompt-len", "4",
+                "--gen-len", "5", "--repeats", "2", "--out", str(out)])
+    want = []
+    for b in (1, 2):  # per repeat: the engine's prefill-only and full runs, then transformers' (a warm-up first)
+        want += [("engine", b)] * 2 + [("hf", b)] * 3 + [("engine", b)] * 2 + [("hf", b)] * 2
+    assert events == want
+    assert [b["batch"] for b in _load(out)["baseline"]] == [1, 2]
+
+    monkeypatch.setattr(bench.Baseline, "_load", lambda self: (_ for _ in ()).throw(OSError("no weights")))
+    bench.main(["--model", micro_dir, "--device", "cpu", "--buckets", "1", "--steps", "1", "--prompt-len", "4",
+                "--gen-len", "5", "--out", str(out)])
+    result = _load(out)
+    assert result["baseline"] == [] and "no weights" in result["baseline_skipped"]
+    assert len(result["points"]) == 1 and result["speedups"][0]["speedup"] is None
+
+
 def test_cli_bench_without_baseline(micro_dir, tmp_path):
     from graphdecode.cli import main
 
