@@ -172,27 +172,39 @@ def attention_probe(args) -> dict:
 
 
 def linear_probe(args) -> dict:
-    """SmolLM2's linear shapes (qkv, gate_up, down, LM head) by row count: aten's dense linear
-    against the prepacked oneDNN weight (models/cpu_linear.py)."""
+    """SmolLM2's linear shapes (qkv, o, gate_up, down, LM head) by row count, in the three layouts
+    models/cpu_linear.py chooses from: aten's linear on the row-major weight ("dense"), on the same
+    weight stored column-major ("column", fp32), and oneDNN's prepacked weight ("packed"). The layouts
+    take turns within each repeat, so the machine's drift reaches all three alike."""
     import torch.nn.functional as F
 
     from graphdecode.models.cpu_linear import PackedWeight
 
     dtype = getattr(torch, args.dtype)
     points = []
-    for name, (k, n) in {"qkv": (576, 960), "gate_up": (576, 3072), "down": (1536, 576),
+    for name, (k, n) in {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
                          "lm_head": (576, 49152)}.items():
         weight = torch.randn(n, k).to(dtype)
         packed = PackedWeight(weight)
-        for rows in (1, 4, 16, 64, 512):
+        column = weight.t().contiguous().t()
+        for rows in (1, 2, 4, 16, 64, 512):
             x = torch.randn(rows, k).to(dtype)
+            calls = {"dense": lambda: F.linear(x, weight),
+                     "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], "")}
+            if dtype == torch.float32:
+                calls["column"] = lambda: F.linear(x, column)
             repeats = 3 if n * rows > 10**7 else 20
-            dense = _best(lambda i: F.linear(x, weight), repeats) * 1000
-            prepacked = _best(lambda i: torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], ""),
-                              repeats) * 1000
-            points.append({"shape": name, "rows": rows, "dense_ms": dense, "packed_ms": prepacked})
-            print(f"[bench_cpu] linear {args.dtype} {name} rows {rows}: dense {dense:.3f} ms, "
-                  f"packed {prepacked:.3f} ms ({dense / prepacked:.2f}x)", flush=True)
+            best = {layout: float("inf") for layout in calls}
+            for _ in range(repeats):
+                for layout, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    best[layout] = min(best[layout], time.perf_counter() - start)
+            point = {"shape": name, "rows": rows, **{f"{layout}_ms": 1000 * t for layout, t in best.items()}}
+            points.append(point)
+            print(f"[bench_cpu] linear {args.dtype} {name} rows {rows}: "
+                  + ", ".join(f"{layout} {1000 * t:.3f} ms" for layout, t in best.items())
+                  + f" (fastest: {min(best, key=best.get)})", flush=True)
     return {"points": points}
 
 
@@ -326,8 +338,10 @@ def format_table(result: dict) -> str:
             lines.append(f"{dtype:<9} peak RSS MB: "
                          + ", ".join(f"{name} {run['peak_rss_bytes'] / 2**20:.0f}" for name, run in runs.items()))
         for point in (entry.get("linear") or {}).get("points", []):
-            lines.append(f"{dtype:<9} linear {point['shape']} rows {point['rows']}: dense {point['dense_ms']:.3f} ms, "
-                         f"packed {point['packed_ms']:.3f} ms ({point['dense_ms'] / point['packed_ms']:.2f}x)")
+            times = {k[:-3]: v for k, v in point.items() if k.endswith("_ms")}
+            lines.append(f"{dtype:<9} linear {point['shape']} rows {point['rows']}: "
+                         + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+                         + f" (fastest: {min(times, key=times.get)})")
         for point in (entry.get("attention") or {}).get("points", []):
             lines.append(f"{dtype:<9} attention batch {point['batch']} context {point['context']}: "
                          + ", ".join(f"{k[:-3]} {v:.3f} ms" for k, v in point.items() if k.endswith("_ms")))

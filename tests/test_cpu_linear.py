@@ -49,12 +49,21 @@ def test_compiled_calls_go_through_the_opaque_op():
         torch.ops.graphdecode.packed_linear(x, None, handle, 48)
 
 
-def test_small_fp32_weights_stay_dense(tiny_models):
-    """A 64-wide model's fp32 weights are far below FP32_PACK_MIN: nothing is packed."""
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_untied"])
+def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
+    """A 64-wide model's fp32 weights are far below FP32_PACK_MIN: nothing is copied; the projections (and an
+    untied LM head) are stored column-major, the embedding (a tied head) row-major for its lookups."""
     from graphdecode import LLM
+    from graphdecode.models.layers import FusedLinear
+    from graphdecode.models.parallel import RowParallelLinear
 
-    model = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4).engine.runner.model
+    model = LLM(tiny_models[name], max_model_len=64, max_batch_size=4).engine.runner.model
     assert model.packed_head is None and all(getattr(m, "packed", None) is None for m in model.modules())
+    linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
+    assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert model.model.embed_tokens.weight.is_contiguous()
+    if not model.config.tie_word_embeddings:
+        assert model.lm_head.weight.t().is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -13,7 +13,11 @@ price of batch 1 staying at its best); bf16 keeps only the packed one. A small f
 call's fixed cost (~15 us) outweighs what it saves. It is laid out column-major instead
 (the same [out, in] parameter, stored as W^T): aten's `linear` then runs x @ W^T as a
 plain NN GEMM, 1.1-2x faster than the NT one for 1-64 rows of such weights and even at
-256 (2026-12-01, 256-512 wide weights; profiling/bench_cpu.py's linear probe, `layouts`).
+256 (2026-12-01, 256-512 wide weights). For SmolLM2's larger projections the column-major
+layout also beats the packed one alone (profiling/bench_cpu.py's linear probe: qkv 455 vs
+547 us at 64 rows), but not inside a decode step, where every layer's weights stream from
+memory: an in-process A/B of the two (2026-12-01) read 1.04-1.06x at batch 64 and 0.91-0.92x
+at batch 8, so the projections stay packed.
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection and the LM head a `PackedWeight`; their forwards call it.
