@@ -19,7 +19,7 @@
 // Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
 // Each row computes its scores once, a softmax per query, then one pass over V: K and V are
 // each read once per call, straight from the pages, a key's KV heads together. Reductions (dots,
-// softmax's max and sum) run in 16 vector lanes summed by a fixed tree (cpu_common.h), and
+// softmax's max and sum) run in 16 vector lanes summed by a fixed tree (vector types below), and
 // decode's output accumulates in registers (pv_group): 2-3x the earlier scalar-reduction loops
 // at batch 1-64 (BENCHMARKS.md section 12c).
 
@@ -38,6 +38,62 @@
 namespace {
 
 using namespace graphdecode_cpu;
+
+// exp(x) for x <= 0 (scores minus their row's peak): 2^n * e^r with |r| <= ln2 / 2 and Cephes'
+// expf polynomial (about 1 ulp), branch-free so loops over it vectorise (std::nearbyint, not
+// std::floor: GCC 12 vectorises no loop calling floor); below -87, 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// Reductions in LANES independent partial sums combined by a fixed tree, written with GCC /
+// Clang vector types (SSE, AVX2 or AVX-512, whatever -march=native gives): a plain
+// `omp simd reduction` over floats is folded left to right by GCC 12, one dependent add per
+// element (16 serial adds for one 32-wide dot), and a tree over a stack array stalls on
+// store forwarding. The order is the same on every call.
+constexpr int64_t LANES = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float tree_sum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+inline float tree_max(f32x16 v) {
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = lo > hi ? lo : hi;
+  const f32x4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = c > d ? c : d;
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
+}
 
 // q . k over n floats (DIM > 0: n == DIM, known at compile time)
 template <int DIM>
@@ -238,12 +294,12 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     float peak = tree_max(part);
     for (int64_t t = full; t < span; ++t) peak = std::max(peak, s[t]);
 #pragma omp simd
-    for (int64_t t = 0; t < span; ++t) s[t] = exp_approx(s[t] - peak);
+    for (int64_t t = 0; t < span; ++t) s[t] = exp_nonpositive(s[t] - peak);
     part = f32x16{};
     for (int64_t t0 = 0; t0 < full; t0 += LANES) part += load16(s + t0);
     float total = tree_sum(part);
     for (int64_t t = full; t < span; ++t) total += s[t];
-    if (a.sinks) total += exp_approx(sink - peak);
+    if (a.sinks) total += exp_nonpositive(sink - peak);
     const float inv = 1.f / total;
 #pragma omp simd
     for (int64_t t = 0; t < span; ++t) s[t] *= inv;
@@ -251,7 +307,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   // out = probs @ V. Few queries per KV head (decode, short verify): pv_group, each V row read
   // once for all of them, the outputs in registers. Many (long verify, prefill): key by key in
   // position order, each key's V rows read once for every query.
-  w.acc.assign(NQ * D, 0.f);
+  w.acc.resize(NQ * D);
   if (Q * G < TILE_QUERIES) {
     const float* p[TILE_QUERIES];
     float* o[TILE_QUERIES];
@@ -277,6 +333,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
       }
     }
   } else {
+    std::fill(w.acc.begin(), w.acc.end(), 0.f);
     for (int64_t t = 0; t < span; ++t)
       for (int64_t h = 0; h < HKV; ++h) {
         const float* v = w.v_rows[t] + h * D;

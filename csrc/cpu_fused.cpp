@@ -11,7 +11,7 @@
 //                 sin rows of each token's position (full rotary: every dim rotates)
 // fp32 or bf16 tensors; float32 arithmetic in between. No fused multiply-add is formed
 // (fp-contract off below): torch rounds each product. (SwiGLU stays torch's: a fused pass with
-// cpu_common.h's vectorised exp, tried 2026-12-01, ran 0.5-1.0x torch's silu + mul at 16-64 rows
+// the attention kernel's vectorised exp, tried 2026-12-01, ran 0.5-1.0x torch's silu + mul at 16-64 rows
 // and left decode steps unchanged.)
 //
 // Also the structured-outputs step's two small pieces, where torch needs many small ops: a token
@@ -28,11 +28,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "cpu_common.h"
-#include <cstdint>
-#include <cstring>
 
 namespace {
 
