@@ -13,8 +13,8 @@ One run, same model, dtype and thread count for both:
   sides alternate for `--rounds` rounds, so drift on a shared machine hits both alike);
 * attention alone: one decode layer read in place by the CPU kernel against the torch
   reference's gather, batch 1/16/64;
-* linears alone: SmolLM2's shapes by row count, aten's dense weight against the prepacked
-  oneDNN one (models/cpu_linear.py).
+* linears alone: SmolLM2's shapes by row count, aten's dense weight (row- and column-major)
+  against the prepacked oneDNN one and, in fp32, the panel kernel (models/cpu_linear.py).
 
     python profiling/bench_cpu.py                               # SmolLM2-135M, fp32 and bf16
     python profiling/bench_cpu.py --preset default --prefill 512 --batches 1,16 --dtypes float32
@@ -172,27 +172,34 @@ def attention_probe(args) -> dict:
 
 
 def linear_probe(args) -> dict:
-    """SmolLM2's linear shapes (qkv, o, gate_up, down, LM head) by row count, in the three layouts
+    """SmolLM2's linear shapes (qkv, o, gate_up, down, LM head) by row count, in the layouts
     models/cpu_linear.py chooses from: aten's linear on the row-major weight ("dense"), on the same
-    weight stored column-major ("column", fp32), and oneDNN's prepacked weight ("packed"). The layouts
-    take turns within each repeat, so the machine's drift reaches all three alike."""
+    weight stored column-major ("column", fp32), oneDNN's prepacked weight ("packed") and, in fp32,
+    the panel kernel (csrc/cpu_linear.cpp, "panel"). The layouts take turns within each repeat, so
+    the machine's drift reaches all alike. One weight per shape: the smaller ones stay in cache here,
+    where in a decode step every layer's weights stream from memory (the panel kernel's strength)."""
     import torch.nn.functional as F
 
-    from graphdecode.models.cpu_linear import PackedWeight
+    from graphdecode.attention.cpu_kernels import cpu_kernels
+    from graphdecode.models.cpu_linear import PackedWeight, PanelWeight
 
     dtype = getattr(torch, args.dtype)
+    kernels = cpu_kernels() if dtype == torch.float32 else None
     points = []
     for name, (k, n) in {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
                          "lm_head": (576, 49152)}.items():
         weight = torch.randn(n, k).to(dtype)
         packed = PackedWeight(weight)
         column = weight.t().contiguous().t()
-        for rows in (1, 2, 4, 16, 64, 512):
+        panel = PanelWeight(column, kernels) if kernels is not None else None
+        for rows in (1, 2, 4, 8, 16, 32, 64, 512):
             x = torch.randn(rows, k).to(dtype)
             calls = {"dense": lambda: F.linear(x, weight),
                      "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed.packed, None, "none", [], "")}
             if dtype == torch.float32:
                 calls["column"] = lambda: F.linear(x, column)
+            if panel is not None:
+                calls["panel"] = lambda: kernels.panel_linear(x, panel.panels, n)
             repeats = 3 if n * rows > 10**7 else 20
             best = {layout: float("inf") for layout in calls}
             for _ in range(repeats):

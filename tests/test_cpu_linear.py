@@ -1,6 +1,7 @@
-"""Prepacked CPU linears (models/cpu_linear.py): the same products as aten's linear, through
-eager calls and the opaque op a compiled forward uses; a CPU model is packed at load, bf16
-drops its dense linear weights, and memory accounting counts the packed ones."""
+"""The CPU's linears (models/cpu_linear.py): prepacked and panelled weights give the same products as
+aten's linear, through eager calls and the opaque op a compiled forward uses; a CPU model gets them at
+load (fp32: column-major parameters and panels, or without the CPU kernels oneDNN's packed weights; bf16
+packed, its dense weights dropped), and memory accounting counts the extra copies."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphdecode.attention import cpu_kernels as cpu_kernels_module
 from graphdecode.models import cpu_linear
-from graphdecode.models.cpu_linear import PackedWeight, can_prepack
+from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -29,9 +31,61 @@ def test_packed_weight_equals_dense_linear(dtype, rows, bias):
     torch.testing.assert_close(packed(x, b).float(), want, **tol)
 
 
-def test_compiled_calls_go_through_the_opaque_op():
+needs_kernels = pytest.mark.skipif(cpu_kernels_module.cpu_kernels() is None,
+                                   reason="no C++ compiler for the CPU kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(96, 64), (100, 37), (130, 200), (5, 3), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias):
+    """The panel kernel (csrc/cpu_linear.cpp) for 0..PANEL_ROWS rows, across its register tiles (6 rows),
+    passes (64 rows), a last panel narrower than 64 columns and K not a multiple of its 64-row blocks; aten's
+    NN GEMM on the column-major parameter past PANEL_ROWS. A row's result does not depend on the batch."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    cpu_linear.column_major_(weight)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    assert panel.dense.t().is_contiguous() and panel.extra_bytes == -(-n // 64) * 64 * k * 4
+    x = torch.randn(70, k, generator=g)
+    for rows in (0, 1, 2, 5, 6, 7, 13, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1, 70):
+        got = panel(x[:rows], b)
+        want = F.linear(x[:rows].double(), weight.double(), None if b is None else b.double()).float()
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    one = [panel(x[i : i + 1], b) for i in range(13)]
+    assert torch.equal(torch.cat(one), panel(x[:13], b))  # the same sums whichever tile a row lands in
+    assert panel(x[:6].view(2, 3, k), b).shape == (2, 3, n)
+
+
+@needs_kernels
+def test_panel_weight_leaves_threaded_calls_to_aten(monkeypatch):
+    """The kernel runs on one thread: with more torch threads every call takes aten's threaded GEMM."""
+    weight = torch.randn(128, 64)
+    cpu_linear.column_major_(weight)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    calls = []
+    monkeypatch.setattr(panel, "kernels", type("Spy", (), {"panel_linear": lambda self, *a: calls.append(a)})())
+    x = torch.randn(4, 64)
+    panel(x)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    torch.testing.assert_close(panel(x), x @ weight.T)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kind", ["packed", "panel"])
+def test_compiled_calls_go_through_the_opaque_op(kind):
     weight = torch.randn(48, 32)
-    packed = PackedWeight(weight)
+    if kind == "panel":
+        if cpu_kernels_module.cpu_kernels() is None:
+            pytest.skip("no C++ compiler for the CPU kernels")
+        cpu_linear.column_major_(weight)
+        packed = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    else:
+        packed = PackedWeight(weight)
     x = torch.randn(5, 32)
 
     def fn(x):
@@ -75,6 +129,9 @@ def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    if dtype == "float32" and cpu_kernels_module.cpu_kernels() is not None:  # panels + the column-major parameter
+        assert isinstance(layer.mlp.gate_up_proj.packed, PanelWeight)
+        assert layer.mlp.gate_up_proj.weight.t().is_contiguous()
     assert model.packed_head is not None  # tied: a packed copy of the embedding, which stays
     assert model.model.embed_tokens.weight.numel() > 0
     dense = layer.mlp.gate_up_proj.weight.numel()
@@ -82,3 +139,24 @@ def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     sizes = llm.engine.runner.memory_sizes()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sizes["weight_bytes"] == params + cpu_linear.packed_bytes(model) > params
+
+
+def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkeypatch):
+    """No C++ compiler (or GRAPHDECODE_CPU_KERNELS=0): fp32 projections get oneDNN's packed weight with the
+    row-major dense one beside it for 1-2 rows, and greedy tokens are those of the panelled engine."""
+    from graphdecode import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)
+    prompts = [{"prompt_token_ids": [3, 7, 11, 5]}, {"prompt_token_ids": [9, 2]}]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
+        llm = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4)
+        proj = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(proj.packed, PanelWeight if kernels and cpu_kernels_module.cpu_kernels() else PackedWeight)
+        if not kernels:
+            assert proj.packed.dense is not None and proj.weight.is_contiguous()
+        tokens[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert tokens[True] == tokens[False]

@@ -9,8 +9,8 @@ the kernels' per-row code in a plain loop. It is in the nvcc library and, where 
 is absent, builds alone with the system C++ compiler (`build_host`): `host_library`
 gives the tests one or the other, so CI checks the kernels' logic without a GPU.
 
-The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place, and the fused
-RMSNorm / rotary / SwiGLU passes of a decoder layer) are
+The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place, the fused
+RMSNorm / rotary passes of a decoder layer, the float32 linear for few rows over panelled weights) are
 plain C++ built with the system compiler for the machine they run on (`build_cpu`,
 -march=native), at first use, into the cache (graphdecode/attention/cpu_kernels.py).
 """
@@ -27,7 +27,7 @@ LIB_NAME = "libgraphdecode_kernels.so"
 HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point only, no kernels
 SOURCES = ("advance_step.cu",)
 CPU_LIB_NAME = "libgraphdecode_cpu.so"
-CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp")
+CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_linear.cpp")
 CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped with them, not compiled alone
 # -fopenmp-simd: the `omp simd` loops vectorise without an OpenMP runtime (torch brings its own);
 # -fno-math-errno: tanh/floor need no errno, so they vectorise too

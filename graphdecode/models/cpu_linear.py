@@ -1,29 +1,33 @@
-"""Prepacked oneDNN weights for the CPU's linears (what inductor's `freezing` does, in eager too).
+"""The CPU's linears: prepacked oneDNN weights, and float32 panels for few rows.
 
-A CPU decode step is mostly matmuls of a few rows by each weight. aten's `linear`
-re-reads the row-major weight every call; oneDNN's blocked layout, made once at load
-(`torch.ops.mkldnn._reorder_linear_weight`) and used by `_linear_pointwise`, runs the
-same product faster: per SmolLM2 shape (profiling/bench_cpu.py's linear probe,
-2026-12-01), fp32 1.1-1.9x at 4-16 rows and 1.0-1.2x at 64, bf16 1.3-2.3x up to 64 rows
-(AMX / avx512_bf16); at 512 rows (prefill) they are about even. For one or two rows (fp32
-GEMV) aten's dense kernel is faster (0.65-0.93x packed), so fp32
-keeps the dense weight beside the packed one (one more copy of the linear weights: the
-price of batch 1 staying at its best); bf16 keeps only the packed one. A small fp32 weight
-(under FP32_PACK_MIN elements, e.g. a 256-wide model's) is not packed: there the packed
-call's fixed cost (~15 us) outweighs what it saves. It is laid out column-major instead
-(the same [out, in] parameter, stored as W^T): aten's `linear` then runs x @ W^T as a
-plain NN GEMM, 1.1-2x faster than the NT one for 1-64 rows of such weights and even at
-256 (2026-12-01, 256-512 wide weights). For SmolLM2's larger projections the column-major
-layout also beats the packed one alone (profiling/bench_cpu.py's linear probe: qkv 455 vs
-547 us at 64 rows), but not inside a decode step, where every layer's weights stream from
-memory: an in-process A/B of the two (2026-12-01) read 1.04-1.06x at batch 64 and 0.91-0.92x
-at batch 8, so the projections stay packed.
+A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
+depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12):
+
+* float32 (with the CPU kernels): every projection keeps its `[out, in]` parameter, stored
+  column-major in place (W^T in memory: aten runs x @ W^T as a plain NN GEMM), and one more copy
+  of W in column panels (`PanelWeight`, csrc/cpu_linear.cpp). Up to PANEL_ROWS rows the panel
+  kernel runs: each panel of 64 output columns is one sequential stream, its sums stay in
+  registers, 1.1-2x aten's and oneDNN's GEMMs at 4-32 rows of SmolLM2's shapes with every
+  layer's weights streaming from memory, about even at 1-2 rows (2026-12-01). More rows (a batch
+  of 64 and up, prefill) run aten's NN GEMM on the column-major parameter, 1.0-1.4x oneDNN's
+  packed one from 48 rows to 2,048. With more than one torch thread all rows take aten's threaded
+  GEMM (the panel kernel runs on one).
+* bfloat16: oneDNN's blocked layout, made once at load (`torch.ops.mkldnn._reorder_linear_weight`)
+  and used by `_linear_pointwise` (`PackedWeight`): 1.3-2.3x aten's bf16 linear up to 64 rows
+  (AMX / avx512_bf16); the dense weight is released.
+* float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`, with
+  the dense weight kept for 1-2 rows (aten's GEMV is faster there); weights under FP32_PACK_MIN
+  elements only column-major, where the packed call's fixed cost (~15 us) outweighs its gain.
+* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (at 4-64 rows oneDNN's packed
+  head beats both dense layouts); a tied head packs the embedding, which stays row-major for its
+  lookups.
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
-gate_up, o / down projection and the LM head a `PackedWeight`; their forwards call it.
-Under torch.compile the call goes through the opaque `graphdecode::packed_linear` op
-(inductor cannot take an oneDNN tensor as a graph constant), named by an integer handle,
-so the compiled window fuses everything around the matmuls and keeps the packed ones.
+gate_up, o / down projection its weight object and the LM head its `PackedWeight`; their
+forwards call it. Under torch.compile the call goes through the opaque
+`graphdecode::packed_linear` op (inductor can take neither an oneDNN tensor nor a ctypes call
+into its graph), named by an integer handle, so the compiled window fuses everything around
+the matmuls.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DENSE_ROWS = 2  # fp32: up to this many rows, aten's dense GEMV is faster than the packed GEMM
-FP32_PACK_MIN = 1 << 19  # fp32 weights with fewer elements stay dense only
-_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> PackedWeight
+DENSE_ROWS = 2  # fp32 PackedWeight: up to this many rows, aten's dense GEMV is faster than the packed GEMM
+FP32_PACK_MIN = 1 << 19  # fp32 weights with fewer elements stay dense only (without the CPU kernels)
+PANEL = 64  # output columns per panel (csrc/cpu_linear.cpp)
+PANEL_ROWS = 48  # fp32: up to this many rows the panel kernel, more aten's NN GEMM (decode buckets <= 32 / >= 64)
+_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> PackedWeight / PanelWeight
 _HANDLES = itertools.count(1)
 
 
@@ -54,13 +60,12 @@ class PackedWeight:
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.dense = weight if weight.dtype == torch.float32 else None
-        self.handle = next(_HANDLES)
-        _PACKED[self.handle] = self
+        self.handle = _register(self)
 
     @property
-    def nbytes(self) -> int:
-        dense = self.dense.numel() * self.dense.element_size() if self.dense is not None else 0
-        return self.packed.numel() * self.packed.element_size() + dense
+    def extra_bytes(self) -> int:
+        """Bytes beyond the model's parameters (an fp32 dense twin is the parameter itself)."""
+        return self.packed.numel() * self.packed.element_size()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -71,6 +76,42 @@ class PackedWeight:
         if self.dense is not None and x.shape[0] <= DENSE_ROWS:
             return F.linear(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+class PanelWeight:
+    """float32 y = x W^T (+ b): W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the
+    CPU kernel), the column-major parameter through aten's NN GEMM for more."""
+
+    def __init__(self, weight: torch.Tensor, kernels):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.dense = weight
+        panels = -(-self.out_features // PANEL)
+        padded = weight.new_zeros((panels * PANEL, self.in_features))
+        padded[: self.out_features] = weight
+        self.panels = padded.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
+        self.kernels = kernels
+        self.handle = _register(self)
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.graphdecode.packed_linear(x, bias, self.handle, self.out_features)
+        return self.run(x, bias)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() <= PANEL_ROWS * self.in_features and torch.get_num_threads() == 1:
+            return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
+        return F.linear(x, self.dense, bias)
+
+
+def _register(weight) -> int:
+    handle = next(_HANDLES)
+    _PACKED[handle] = weight
+    return handle
 
 
 @torch.library.custom_op("graphdecode::packed_linear", mutates_args=())
@@ -87,19 +128,25 @@ def _(x, bias, handle, out_features):
 
 
 def prepack_cpu_linears(model: nn.Module) -> None:
-    """Give every linear (FusedLinear, RowParallelLinear) and the LM head a PackedWeight.
+    """Give every linear (FusedLinear, RowParallelLinear) its CPU weight and the LM head a PackedWeight.
 
-    A bf16 linear's dense weight is released (the packed one is all it runs); fp32 keeps it
-    (for 1-2 rows). The LM head packs the embedding when they are tied; the embedding stays."""
+    fp32 projections: column-major in place plus a PanelWeight (with the CPU kernels). bf16: packed, the
+    dense weight released. The LM head packs the embedding when they are tied; the embedding stays."""
+    from ..attention.cpu_kernels import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
 
-    def worth_packing(weight: torch.Tensor) -> bool:
+    kernels = cpu_kernels()
+
+    def worth_packing(weight: torch.Tensor) -> bool:  # fp32: a weight that streams from memory, not cache
         return weight.dtype != torch.float32 or weight.numel() >= FP32_PACK_MIN
 
     for module in model.modules():
         if isinstance(module, (FusedLinear, RowParallelLinear)):
-            if worth_packing(module.weight):
+            if module.weight.dtype == torch.float32 and kernels is not None and worth_packing(module.weight):
+                column_major_(module.weight)
+                module.packed = PanelWeight(module.weight, kernels)
+            elif worth_packing(module.weight):
                 module.packed = PackedWeight(module.weight)
                 if module.packed.dense is None:
                     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -121,7 +168,7 @@ def column_major_(weight: torch.Tensor) -> None:
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes the packed weights hold beyond the model's parameters (fp32: their dense twins are parameters)."""
+    """Bytes the packed and panelled weights hold beyond the model's parameters (fp32's dense copies are them)."""
     weights = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
     weights += [model.packed_head] if getattr(model, "packed_head", None) is not None else []
-    return sum(w.packed.numel() * w.packed.element_size() for w in weights)
+    return sum(w.extra_bytes for w in weights)

@@ -1,0 +1,102 @@
+// A float32 linear for few rows, y = x W^T (+ b), over W laid out in column panels
+// (graphdecode/models/cpu_linear.py: PanelWeight).
+//
+// Decode multiplies a few rows by every weight of the model: at 4-32 rows neither aten's GEMM on
+// the row- or column-major weight nor oneDNN's packed one reaches this CPU's memory bandwidth or
+// its FMA peak. Here W is stored once at load as panels of PANEL (64) output columns, each
+// [K][PANEL] contiguous: one panel is one sequential stream from memory. A tile of up to MR (6)
+// rows keeps its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of
+// the panel, one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16
+// KB of panel, so that every tile of the rows reuses the block from L1; the sums wait in a small
+// buffer between blocks. The first tile prefetches the panel PF rows ahead.
+//
+// The order of the sums over k is fixed (k ascending per output), so a result does not depend on
+// the number of rows in the call.
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
+constexpr int64_t KB = 64;        // k rows per block: 16 KB of panel
+constexpr int64_t PF = 16;        // prefetch distance in k rows (4 KB)
+constexpr int MR = 6;             // rows per register tile: 24 accumulators
+constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]
+template <int R>
+void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0, int64_t k1,
+          float* __restrict sums, bool prefetch) {
+  f32x16 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* w = panel + k * PANEL;
+    if (prefetch) {
+      __builtin_prefetch(w + PF * PANEL);
+      __builtin_prefetch(w + PF * PANEL + 32);
+    }
+    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const float a = x[m * ldx + k];
+      acc[m][0] += a * w0;
+      acc[m][1] += a * w1;
+      acc[m][2] += a * w2;
+      acc[m][3] += a * w3;
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
+}
+
+void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* sums,
+               bool prefetch) {
+  switch (rows) {
+    case 6: tile<6>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    case 5: tile<5>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    case 4: tile<4>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    case 3: tile<3>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    case 2: tile<2>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    default: tile<1>(x, ldx, panel, k0, k1, sums, prefetch); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (columns past N zero), bias [N] or null,
+// y [M, N] (row stride ldy). Returns nonzero on bad arguments.
+extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels,
+                                            int64_t N, const float* bias, float* y, int64_t ldy) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || (M > 0 && (!x || !panels || !y))) return 1;
+  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+  alignas(64) float sums[ROWS_MAX * PANEL];
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
+    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    for (int64_t p = 0; p < num_panels; ++p) {
+      const float* panel = panels + p * K * PANEL;
+      const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? bias[p * PANEL + j] : 0.f;
+      for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        for (int64_t m = 0; m < rows; m += MR) {
+          const int64_t r = rows - m < MR ? rows - m : MR;
+          tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, m == 0);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols * sizeof(float));
+    }
+  }
+  return 0;
+}
