@@ -43,7 +43,7 @@ DENSE_ROWS = 2  # fp32 PackedWeight: up to this many rows, aten's dense GEMV is 
 FP32_PACK_MIN = 1 << 19  # fp32 weights with fewer elements stay dense only (without the CPU kernels)
 PANEL = 64  # output columns per panel (csrc/cpu_linear.cpp)
 PANEL_ROWS = 48  # fp32: up to this many rows the panel kernel, more aten's NN GEMM (decode buckets <= 32 / >= 64)
-_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> PackedWeight / PanelWeight
+_PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> CpuWeight
 _HANDLES = itertools.count(1)
 
 
@@ -52,25 +52,41 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class PackedWeight:
-    """y = x W^T (+ b) with W in oneDNN's layout; fp32 also keeps W dense for 1-2 rows."""
+class CpuWeight:
+    """A linear's weight in a CPU layout: y = x W^T (+ b) through `run`, named by a handle for the opaque op
+    a compiled forward calls instead (inductor can take neither an oneDNN tensor nor a ctypes call)."""
 
     def __init__(self, weight: torch.Tensor):
-        weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.dense = weight if weight.dtype == torch.float32 else None
-        self.handle = _register(self)
-
-    @property
-    def extra_bytes(self) -> int:
-        """Bytes beyond the model's parameters (an fp32 dense twin is the parameter itself)."""
-        return self.packed.numel() * self.packed.element_size()
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.graphdecode.packed_linear(x, bias, self.handle, self.out_features)
         return self.run(x, bias)
+
+    def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes beyond the model's parameters (an fp32 dense copy is the parameter itself)."""
+        raise NotImplementedError
+
+
+class PackedWeight(CpuWeight):
+    """W in oneDNN's layout; fp32 also keeps W dense for 1-2 rows."""
+
+    def __init__(self, weight: torch.Tensor):
+        weight = weight.detach()
+        super().__init__(weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.dense = weight if weight.dtype == torch.float32 else None
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense is not None and x.shape[0] <= DENSE_ROWS:
@@ -78,40 +94,28 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-class PanelWeight:
-    """float32 y = x W^T (+ b): W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the
-    CPU kernel), the column-major parameter through aten's NN GEMM for more."""
+class PanelWeight(CpuWeight):
+    """float32: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), the
+    column-major parameter through aten's NN GEMM for more."""
 
     def __init__(self, weight: torch.Tensor, kernels):
         weight = weight.detach()
-        self.out_features, self.in_features = weight.shape
+        super().__init__(weight)
         self.dense = weight
         panels = -(-self.out_features // PANEL)
         padded = weight.new_zeros((panels * PANEL, self.in_features))
         padded[: self.out_features] = weight
         self.panels = padded.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
         self.kernels = kernels
-        self.handle = _register(self)
 
     @property
     def extra_bytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ops.graphdecode.packed_linear(x, bias, self.handle, self.out_features)
-        return self.run(x, bias)
-
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() <= PANEL_ROWS * self.in_features and torch.get_num_threads() == 1:
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return F.linear(x, self.dense, bias)
-
-
-def _register(weight) -> int:
-    handle = next(_HANDLES)
-    _PACKED[handle] = weight
-    return handle
 
 
 @torch.library.custom_op("graphdecode::packed_linear", mutates_args=())
