@@ -19,9 +19,9 @@
 // Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
 // Each row computes its scores once, a softmax per query, then one pass over V: K and V are
 // each read once per call, straight from the pages, a key's KV heads together. Reductions (dots,
-// softmax's max and sum) run in 16 vector lanes summed by a fixed tree (vector types below), and
-// decode's output accumulates in registers (pv_group): 2-3x the earlier scalar-reduction loops
-// at batch 1-64 (BENCHMARKS.md section 12c).
+// softmax's max and sum) run in 16 vector lanes summed by a fixed tree (cpu_common.h's f32x16,
+// the reductions below), and decode's output accumulates in registers (pv_group): 2-3x the
+// earlier scalar-reduction loops at batch 1-64 (BENCHMARKS.md section 12c).
 
 #include <algorithm>
 #include <cmath>
@@ -64,18 +64,9 @@ inline float exp_nonpositive(float x) {
 // `omp simd reduction` over floats is folded left to right by GCC 12, one dependent add per
 // element (16 serial adds for one 32-wide dot), and a tree over a stack array stalls on
 // store forwarding. The order is the same on every call.
-constexpr int64_t LANES = 16;
-typedef float f32x16 __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;  // f32x16 (cpu_common.h)
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline float tree_sum(f32x16 v) {
   const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

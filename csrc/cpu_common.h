@@ -1,5 +1,7 @@
-// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp): their dtype codes and float32 /
-// bf16 element access (bf16 stored as its 16 bits; stores round to nearest even, as torch does).
+// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp): their dtype codes,
+// float32 / bf16 element access (bf16 stored as its 16 bits; stores round to nearest even, as torch
+// does), and the 16-float vector type (GCC / Clang vector types: SSE, AVX2 or AVX-512, whatever
+// -march=native gives) with its unaligned load and store.
 #pragma once
 
 #include <cstdint>
@@ -35,5 +37,15 @@ inline float round_to(float v, const uint16_t*) {
   store(&h, v);
   return load(&h);
 }
+
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 }  // namespace graphdecode_cpu

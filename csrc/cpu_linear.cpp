@@ -16,21 +16,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_common.h"
+
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
+using namespace graphdecode_cpu;
+
 constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
 constexpr int64_t KB = 64;        // k rows per block: 16 KB of panel
 constexpr int64_t PF = 16;        // prefetch distance in k rows (4 KB)
 constexpr int MR = 6;             // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]
 template <int R>
