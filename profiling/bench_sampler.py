@@ -24,8 +24,8 @@ from graphdecode.compiled import sampler as S  # noqa: E402
 
 def _noise_int64(seed, position, keys64):
     """The previous implementation: the whole [R, V] hash on int64."""
-    bits = S.hash32(S.row_keys(seed, position)[:, None] ^ keys64[None, :]) >> 8
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    bits = S.hash32(S.row_keys(seed, position)[:, None] ^ keys64[None, :]) >> (32 - S.NOISE_BITS)
+    return S.unit_interval(bits)
 
 
 def _mask_out_of_place(logits, rows, next_pos):

@@ -140,11 +140,44 @@ def test_int32_noise_has_the_int64_hash_bits():
     seeds = torch.randint(-(1 << 62), 1 << 62, (7,), generator=g)
     pos = torch.randint(0, 5000, (7,), generator=g)
     keys64 = hash32(torch.arange(300, dtype=torch.int64) + 0x5BD1E995)
-    bits64 = hash32(row_keys(seeds, pos)[:, None] ^ keys64[None, :]) >> 8
-    want = (bits64.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    bits64 = hash32(row_keys(seeds, pos)[:, None] ^ keys64[None, :]) >> 9
+    want = (bits64.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     got = uniform_noise(seeds, pos, make_vocab_keys(300, "cpu"))
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert 0 < got.min() and got.max() < 1
+
+
+def test_noise_stays_inside_the_open_interval_at_its_extremes():
+    """Every noise value is strictly inside (0, 1) and its Gumbel transform finite, the largest
+    hash included (a u of exactly 1 would give +inf noise, and NaN on a masked -inf logit)."""
+    from graphdecode.compiled.sampler import NOISE_BITS, unit_interval
+
+    extremes = unit_interval(torch.tensor([0, 1, (1 << NOISE_BITS) - 2, (1 << NOISE_BITS) - 1]))
+    assert bool((extremes > 0).all() and (extremes < 1).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(extremes))).all())
+
+
+def test_a_masked_token_is_never_sampled_where_its_noise_is_largest():
+    """Search 4096 positions x 4096 tokens of one seed for the (position, token) with the
+    largest noise (about one such draw per 16M: ~0.3% of steps over a 49k vocabulary), mask that
+    token (top_k, allowed_token_ids and structured masks all write -inf) and sample there."""
+    from graphdecode.compiled.sampler import make_vocab_keys, uniform_noise
+
+    vocab, positions = 4096, torch.arange(4096, dtype=torch.int64)
+    seeds = torch.zeros_like(positions)
+    noise = uniform_noise(seeds, positions, make_vocab_keys(vocab, "cpu"))
+    flat = int(noise.argmax())
+    position, token = flat // vocab, flat % vocab
+    logits = torch.zeros(1, vocab)
+    logits[0, token] = float("-inf")
+    sampler = Sampler(vocab, "cpu")
+    got, _ = sampler(logits, _rows(1, seed=0), torch.tensor([position]), SamplerVariant(SamplerMode.SAMPLE))
+    assert int(got[0]) != token
+    top_k = _rows(1, top_k=5, seed=0)  # the token outside the top 5 (all others tie above it)
+    logits = torch.zeros(1, vocab)
+    logits[0, token] = -50.0
+    got, _ = sampler(logits, top_k, torch.tensor([position]), SamplerVariant(SamplerMode.FILTERED))
+    assert int(got[0]) != token
 
 
 def test_row_counts_decide_the_variant():

@@ -192,10 +192,20 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return hash32(key ^ (position & _M32))
 
 
+NOISE_BITS = 23  # (bits + 0.5) / 2**23 is exact in float32 for every 23-bit value, so u < 1 always
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """NOISE_BITS-bit integers -> float32 in (0, 1), both ends excluded exactly: the largest is
+    1 - 2**-24. (With 24 bits, (2**24 - 1 + 0.5) rounds to 2**24 in float32: u = 1, Gumbel
+    noise +inf, and +inf on a masked token's -inf logit is NaN, which argmax picks.)"""
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << NOISE_BITS))
+
+
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
     """[R] seeds, [R] positions, [V] int32 vocab keys -> [R, V] float32 uniform in (0, 1)."""
-    bits = _srl(hash32_i32(to_i32(row_keys(seed, position))[:, None] ^ vocab_keys[None, :]), 8)  # 24 random bits
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    hashed = hash32_i32(to_i32(row_keys(seed, position))[:, None] ^ vocab_keys[None, :])
+    return unit_interval(_srl(hashed, 32 - NOISE_BITS))  # the hash's top NOISE_BITS bits
 
 
 def make_vocab_keys(vocab_size: int, device) -> torch.Tensor:
