@@ -93,6 +93,7 @@ def _state(bucket_rows, max_pages=6):
     for row, length in bucket_rows.items():
         state.seq_lens[row] = length
         state.positions[row] = length - 1
+        state.max_len[row] = max_pages * P
         state.done[row] = False
     return state
 
@@ -200,15 +201,15 @@ def test_window_graphs_plan_every_bucket_up_front(kernels):
 def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
     """Speculative decoding's verify: Q queries per row through BatchPrefill in CUDA-graph mode,
     planned once; the KV CSR prepare_verify writes each round gives the torch verify's output."""
-    from graphdecode.attention import VerifyMetadata
+    from graphdecode.compiled.speculative import verify_metadata
 
     fi_caches, ref_caches = _caches(3), _caches(3)
     backend = FlashInferBackend(fi_caches, H, H_KV, D, device="cpu")
     reference = TorchAttentionBackend(ref_caches, H, H_KV, D)
     bucket, queries = 4, 3
     state = _state({0: 2, 1: 5, 2: 13})  # row 3 is padding (done)
-    backend.plan_verify(bucket, queries, state.max_rows, state.max_pages)
-    backend.plan_verify(bucket, queries, state.max_rows, state.max_pages)  # idempotent
+    backend.plan_verify(bucket, queries, state.max_rows, state.verify_pages)
+    backend.plan_verify(bucket, queries, state.max_rows, state.verify_pages)  # idempotent
     assert len(kernels.plans) == 1
     args = kernels.plans[0]
     assert args[3].tolist() == [0, 3, 6, 9, 12]  # qo_indptr: Q queries per row
@@ -216,12 +217,7 @@ def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
     assert args[17] is True  # split-KV disabled
     for round_ in range(4):  # lengths grow past the plan's page boundaries
         live = ~state.done[:bucket]
-        position = state.positions[:bucket]
-        query_pos = position[:, None] + torch.arange(queries)
-        page = state.block_table[:bucket].gather(1, (query_pos // P).clamp(max=state.max_pages - 1))
-        slots = torch.where(live[:, None], page.long() * P + query_pos % P, 0).reshape(-1)
-        meta = VerifyMetadata(block_table=state.block_table[:bucket], query_positions=query_pos,
-                              slot_mapping=slots, live=live)
+        meta = verify_metadata(state, bucket, queries, P, state.max_pages, live)
         backend.prepare_verify(bucket, meta, state, P)
         q = torch.randn(bucket * queries, H, D).bfloat16()
         k = torch.randn(bucket * queries, H_KV, D).bfloat16()
@@ -237,6 +233,47 @@ def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
         state.positions[:3] += 2  # as if each live row accepted one draft
         state.seq_lens[:3] += 2
     assert len(kernels.plans) == 1
+
+
+def test_verify_at_the_end_of_the_context_reads_only_owned_pages(kernels):
+    """Rows whose Q queries reach past their max_len (the last one at max_pages * P): their KV CSR
+    is p + Q long (FlashInfer aligns queries to the KV end) but lists only the row's own pages
+    and, past its context, the scratch page; queries inside the context match the torch verify,
+    and the past-the-end ones write only the scratch page."""
+    from graphdecode.compiled.speculative import verify_metadata
+
+    fi_caches, ref_caches = _caches(3), _caches(3)
+    backend = FlashInferBackend(fi_caches, H, H_KV, D, device="cpu")
+    reference = TorchAttentionBackend(ref_caches, H, H_KV, D)
+    bucket, queries, max_pages = 4, P, 6  # d = P - 1, the most a page size allows
+    limit = max_pages * P
+    state = _state({0: limit - 1, 1: limit - 3, 2: 2 * P - 2}, max_pages=max_pages)
+    state.spec_tokens = queries - 1  # a speculative state: the verify spans one page more
+    state.max_len[2] = 2 * P  # row 2 ends inside its second page, far from the table's end
+    backend.plan_verify(bucket, queries, state.max_rows, state.verify_pages)
+    live = ~state.done[:bucket]
+    meta = verify_metadata(state, bucket, queries, P, state.max_pages, live)
+    backend.prepare_verify(bucket, meta, state, P)
+    assert meta.kv_lens[:3].tolist() == [limit - 2 + queries, limit - 4 + queries, 2 * P - 3 + queries]
+    assert meta.kv_lens[0] > limit and meta.kv_lens[2] > state.max_len[2]  # two rows reach past their ends
+    indptr, indices = meta.kv_indptr.tolist(), meta.kv_indices
+    for row in range(3):
+        listed = indices[indptr[row] : indptr[row + 1]].tolist()
+        owned = -(-int(state.max_len[row]) // P)
+        assert listed[:owned] == state.block_table[row, :owned].tolist()
+        assert len(listed) == -(-int(meta.kv_lens[row]) // P)
+        assert all(page == 0 for page in listed[owned:])  # past the context: the scratch page
+    q = torch.randn(bucket * queries, H, D).bfloat16()
+    k, v = torch.randn(bucket * queries, H_KV, D).bfloat16(), torch.randn(bucket * queries, H_KV, D).bfloat16()
+    got = backend.verify(0, q, k, v, meta).view(bucket, queries, H, D)
+    want = reference.verify(0, q, k, v, meta).view(bucket, queries, H, D)
+    true_pos = state.positions[:bucket, None] + torch.arange(queries)
+    inside = live[:, None] & (true_pos < state.max_len[:bucket, None])
+    torch.testing.assert_close(got[inside].float(), want[inside].float(), rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(fi_caches[0][1:], ref_caches[0][1:])
+    past = (~inside).reshape(-1)
+    assert bool((meta.slot_mapping[past] < P).all())  # the scratch page's slots only
 
 
 def test_sink_layers_are_built_with_their_logits_on_the_device(kernels):

@@ -14,10 +14,11 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.attention import PrefillMetadata, TorchAttentionBackend, VerifyMetadata
+from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
 from graphdecode.attention.spec import AttentionSpec
 from graphdecode.compiled.decode_state import DecodeState
+from graphdecode.compiled.speculative import verify_metadata
 from graphdecode.models.model_config import FULL, SLIDING, load_model_config, parse_model_config
 
 MAX_NEW = 24
@@ -264,6 +265,7 @@ def _state(lengths: dict[int, int], max_pages=8):
     state.block_table.copy_(torch.randperm(NUM_PAGES - 1, generator=g)[: 8 * max_pages].add(1).int().view(8, -1))
     for row, length in lengths.items():
         state.seq_lens[row], state.positions[row], state.done[row] = length, length - 1, False
+        state.max_len[row] = max_pages * P
     return state
 
 
@@ -314,12 +316,8 @@ def _run_all_paths(backend, reference, fi_caches, ref_caches):
             _close(backend.decode(layer, q, k, v, meta), reference.decode(layer, q, k, v, meta), live)
         state.advance(bucket, torch.full((bucket,), step, dtype=torch.int64), P, advance=True)
     queries = 3
-    backend.plan_verify(bucket, queries, state.max_rows, state.max_pages)
-    query_pos = state.positions[:bucket, None] + torch.arange(queries)
-    page = state.block_table[:bucket].gather(1, (query_pos // P).clamp(max=state.max_pages - 1))
-    slots = torch.where(live[:, None], page.long() * P + query_pos % P, 0).reshape(-1)
-    meta = VerifyMetadata(block_table=state.block_table[:bucket], query_positions=query_pos, slot_mapping=slots,
-                          live=live)
+    backend.plan_verify(bucket, queries, state.max_rows, state.verify_pages)
+    meta = verify_metadata(state, bucket, queries, P, state.max_pages, live)
     backend.prepare_verify(bucket, meta, state, P)
     q = torch.randn(bucket * queries, H, D).bfloat16()
     k, v = torch.randn(bucket * queries, H_KV, D).bfloat16(), torch.randn(bucket * queries, H_KV, D).bfloat16()

@@ -262,3 +262,58 @@ def test_spec_policy_backs_off_and_withdraws():
         while not policy.speculate(1):
             pass
     assert intervals == [4, 8, 8, 8, 8]  # each failed probe doubles the interval, up to the cap
+
+
+def always_speculate(llm: LLM) -> LLM:
+    """Every decode window speculates (the policy would otherwise choose by measured cost)."""
+    llm.engine.spec_policy.speculate = lambda bucket: True
+    return llm
+
+
+END_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+END_ENGINE = dict(num_decode_steps=4, max_model_len=96, max_batch_size=16, page_size=16)
+
+
+def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_models):
+    """Prompts ending at every distance 1 .. d + k + 2 from max_model_len (rows whose drafts and
+    verify positions reach past their last position), with and without max_tokens, greedy and
+    seeded: token for token what plain decoding gives."""
+    path = tiny_models["llama_gqa_llama3"]
+    d, k, limit = END_SPEC["num_speculative_tokens"], END_ENGINE["num_decode_steps"], END_ENGINE["max_model_len"]
+    bases = random_prompts(d + k + 2, [2, 3, 5], seed=31)
+    prompts = [{"prompt_token_ids": (base * limit)[: limit - distance]}
+               for distance, base in enumerate(bases, start=1)]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=None, ignore_eos=True),
+        [SamplingParams(temperature=0, max_tokens=max(1, distance - 2), ignore_eos=True)
+         for distance in range(1, len(prompts) + 1)],
+    ]
+    plain = LLM(path, **END_ENGINE)
+    spec = always_speculate(LLM(path, speculative_config=END_SPEC, **END_ENGINE))
+    for params in cases:
+        want = tokens_of(plain.generate(prompts, params))
+        assert tokens_of(spec.generate(prompts, params)) == want, params
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_speculation_at_the_end_with_constraints_and_penalties(text_model):
+    """The same edge with a structured-outputs regex (its automaton walks the drafts) and with
+    penalties (such windows run plain), on the text model."""
+    from graphdecode.structured import StructuredOutputsParams
+
+    d, limit = END_SPEC["num_speculative_tokens"], END_ENGINE["max_model_len"]
+    plain = LLM(text_model, **END_ENGINE)
+    spec = always_speculate(LLM(text_model, speculative_config=END_SPEC, **END_ENGINE))
+    tokenizer = plain.get_tokenizer()
+    unit = tokenizer.encode("ab ab ab ab", add_special_tokens=False)
+    prompts = [{"prompt_token_ids": (unit * limit)[: limit - distance]} for distance in range(1, d + 6)]
+    regex = StructuredOutputsParams(regex="(ab ?)+")
+    cases = [
+        SamplingParams(temperature=0, max_tokens=None, structured_outputs=regex),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=None, structured_outputs=regex),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=None, repetition_penalty=1.2, ignore_eos=True),
+    ]
+    for params in cases:
+        want = tokens_of(plain.generate(prompts, params))
+        assert tokens_of(spec.generate(prompts, params)) == want, params

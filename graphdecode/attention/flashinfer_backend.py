@@ -216,7 +216,7 @@ class FlashInferBackend(AttentionBackend):
 
     def plan_verify(self, bucket: int, queries: int, max_rows: int, max_pages: int) -> None:
         """Build and plan the bucket's verify wrappers (one per variant) once (Q queries per row, causal,
-        no split-KV)."""
+        no split-KV); max_pages: the most pages a row's verify KV spans (DecodeState.verify_pages)."""
         if bucket in self._verify_plans:
             return
         if not self._verify_buffers:
@@ -252,28 +252,33 @@ class FlashInferBackend(AttentionBackend):
         self._verify_plans[bucket] = (qo_indptr, indptr, last_page_len)
 
     def prepare_verify(self, bucket: int, meta: VerifyMetadata, state, page_size: int) -> None:
-        """Each row's KV CSR up to its last query, into the fixed buffers (device ops, capturable)."""
+        """Each row's KV CSR up to its last query, into the fixed buffers (device ops, capturable).
+        A row's KV length is p + Q (FlashInfer aligns its Q queries to the end of its KV); pages
+        past the row's context (at or past its max_len: only queries whose samples are never kept
+        see them) are the scratch page, so no row reads a page it does not own."""
         if not self.variants:
             return  # only the reference runs, which reads the block table
         buffers, queries = self._verify_buffers, meta.query_positions.shape[1]
-        max_pages = state.max_pages
+        max_pages, width = state.max_pages, state.verify_pages
         live = meta.live
-        kv_len = torch.where(live, meta.query_positions[:, -1] + 1, queries)  # [B]
+        kv_len = meta.kv_lens.to(torch.int64)  # [B]
         pages = torch.where(live, torch.div(kv_len + page_size - 1, page_size, rounding_mode="floor"), 1)
+        owned = torch.div(meta.context_lens.to(torch.int64) + page_size - 1, page_size, rounding_mode="floor")
         ends = torch.cumsum(pages, dim=0).to(torch.int32)
         indptr = buffers["kv_indptr"][: bucket + 1]
         indptr[0] = 0
         indptr[1:].copy_(ends)
-        flat = torch.arange(bucket * max_pages, device=ends.device, dtype=torch.int32)
+        flat = torch.arange(bucket * width, device=ends.device, dtype=torch.int32)
         row = torch.searchsorted(ends, flat, right=True)
         in_range = row < bucket
         row = row.clamp(max=bucket - 1)
-        col = (flat - indptr[row]).clamp(0, max_pages - 1)
-        page_at = state.block_table[:bucket][row, col]
-        buffers["kv_indices"][: bucket * max_pages].copy_(torch.where(in_range & live[row], page_at, 0))
+        col = (flat - indptr[row]).to(torch.int64)  # >= 0 where in range
+        page_at = state.block_table[:bucket][row, col.clamp(0, max_pages - 1)]
+        own = in_range & live[row] & (col < owned[row])
+        buffers["kv_indices"][: bucket * width].copy_(torch.where(own, page_at, 0))
         buffers["kv_last_page_len"][:bucket].copy_(torch.where(live, kv_len - (pages - 1) * page_size, queries))
         meta.kv_indptr = indptr
-        meta.kv_indices = buffers["kv_indices"][: bucket * max_pages]
+        meta.kv_indices = buffers["kv_indices"][: bucket * width]
         meta.kv_last_page_len = buffers["kv_last_page_len"][:bucket]
 
     # ------------------------------------------------------- forward (traced)

@@ -46,6 +46,10 @@ class VerifyMetadata:
     query_positions: torch.Tensor  # [B, Q] int64
     slot_mapping: torch.Tensor  # [B * Q] int64: where each query token's K/V goes (0: scratch)
     live: torch.Tensor  # [B] bool: rows that are not done
+    # query_positions are where each query runs (rope, causal limit): a live row's queries at or
+    # past its max_len (their samples are never kept) run at max_len - 1 and write the scratch slot
+    kv_lens: torch.Tensor | None = None  # [B] int32: the KV length the row's last query sees (p + Q; inert: Q)
+    context_lens: torch.Tensor | None = None  # [B] int32: of it, positions held in the row's own pages (< max_len)
     # FlashInfer's CSR over each row's K/V up to its last query (set by backend.prepare_verify)
     kv_indptr: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None

@@ -108,6 +108,13 @@ class DecodeState:
         self.spec_accepted = buf(rows, dtype=torch.int32)  # [B_max]: ... of which accepted
         self.spec_rounds = buf(rows, dtype=torch.int32)  # [B_max]: verify rounds the row was live in
 
+    @property
+    def verify_pages(self) -> int:
+        """Pages a verify's KV spans per row at most: a row's last query sits up to d (< page
+        size) positions past its max_len, so one page more than a row's table (read as the
+        scratch page)."""
+        return self.max_pages + 1 if self.spec_tokens else self.max_pages
+
     def sampling_rows(self, rows, penalties: bool = False, allowed: bool = False,
                       structured: bool = False) -> SamplingRows:
         """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill).

@@ -57,7 +57,7 @@ class WindowGraphs:
         for bucket in self.buckets:
             backend.plan_decode(bucket, state.decode_metadata(bucket, state.max_pages))
             if state.spec_tokens:
-                backend.plan_verify(bucket, state.spec_tokens + 1, state.max_rows, state.max_pages)
+                backend.plan_verify(bucket, state.spec_tokens + 1, state.max_rows, state.verify_pages)
 
     def run(self, bucket: int, variant: SamplerVariant, kv_width: int, ragged: bool = False) -> None:
         """One window of k decode steps. kv_width: pages per row an eager torch-reference

@@ -8,7 +8,9 @@ Each of a window's k rounds, per row, with no host involvement:
 2. verify: one forward over the d + 1 query tokens (the row's next input and its
    drafts) at positions p .. p + d, causal attention over the paged cache (the K/V of
    all d + 1 is written first), then sample every position with the row's usual
-   parameters and position-keyed noise;
+   parameters and position-keyed noise; queries at or past the row's max_len (a row
+   within d tokens of its end) run at max_len - 1 and write the scratch slot, since
+   nothing they sample is kept (`verify_metadata`);
 3. accept drafts while each equals the token sampled at its position, and emit the
    accepted drafts plus the one sampled token after them, up to the first stop (stop
    ids, max_len; min_tokens masks stops as usual): 1 to d + 1 tokens per row;
@@ -78,6 +80,34 @@ def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
     return drafts, counts
 
 
+def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: int, kv_width: int,
+                    live: torch.Tensor) -> VerifyMetadata:
+    """The verify forward's metadata for the bucket's rows: Q queries from each row's position p.
+
+    Near its end a live row's last queries sit at or past its max_len: nothing they sample is
+    kept (the window cuts the row at max_len), so they write the scratch slot and run at the
+    row's last position max_len - 1, inside the rope tables and the row's own pages. Inert rows
+    run at their position and write the scratch slot."""
+    rows = slice(0, bucket)
+    position = state.positions[rows]  # [B]
+    max_len = state.max_len[rows].to(torch.int64)  # [B]
+    query_pos = position[:, None] + torch.arange(queries, device=position.device)  # [B, Q]
+    in_context = live[:, None] & (query_pos < max_len[:, None])  # [B, Q]
+    run_pos = torch.minimum(query_pos, torch.maximum(max_len - 1, position)[:, None])  # [B, Q]
+    column = torch.div(run_pos, page_size, rounding_mode="floor").clamp(0, state.max_pages - 1)
+    page = state.block_table[rows].gather(1, column).to(torch.int64)
+    slots = torch.where(in_context, page * page_size + query_pos % page_size, 0)
+    kv_lens = torch.where(live, position + queries, queries)  # [B]: what the last query sees (inert: scratch)
+    return VerifyMetadata(
+        block_table=state.block_table[:bucket, :kv_width],
+        query_positions=run_pos,
+        slot_mapping=slots.reshape(-1),
+        live=live,
+        kv_lens=kv_lens.to(torch.int32),
+        context_lens=torch.where(live, torch.minimum(kv_lens, max_len), 0).to(torch.int32),
+    )
+
+
 def speculative_window(
     logits_fn,  # (input_ids [T], positions [T], ctx) -> logits [T, V] float32
     sampler: Sampler,
@@ -102,12 +132,12 @@ def speculative_window(
     if tables is not None:
         constrained = state.constrained[rows]
         params = dataclasses.replace(params, constrained=constrained.repeat_interleave(queries))
-    max_page = state.max_pages - 1
     count = torch.zeros(bucket, dtype=torch.int64, device=device)
     drafted = torch.zeros(bucket, dtype=torch.int32, device=device)
     accepted = torch.zeros(bucket, dtype=torch.int32, device=device)
     rounds = torch.zeros(bucket, dtype=torch.int32, device=device)
     history = state.history[rows]
+    max_len = state.max_len[rows].to(torch.int64)  # [B]
     for _ in range(num_decode_steps):
         live = ~state.done[rows]
         position = state.positions[rows]  # [B]: where each row's next input sits
@@ -115,17 +145,9 @@ def speculative_window(
         num_drafts = torch.where(live, num_drafts, 0)
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
-        page = state.block_table[rows].gather(1, torch.div(query_pos, page_size, rounding_mode="floor").clamp(
-            max=max_page))
-        slots = torch.where(live[:, None], page.to(torch.int64) * page_size + query_pos % page_size, 0)
-        meta = VerifyMetadata(
-            block_table=state.block_table[:bucket, :kv_width],
-            query_positions=query_pos,
-            slot_mapping=slots.reshape(-1),
-            live=live,
-        )
+        meta = verify_metadata(state, bucket, queries, page_size, kv_width, live)
         backend.prepare_verify(bucket, meta, state, page_size)
-        logits = logits_fn(tokens.reshape(-1), query_pos.reshape(-1), ForwardContext(backend, verify=meta))
+        logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ForwardContext(backend, verify=meta))
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
         if tables is not None:  # each position's automaton state: the row's, moved over the drafts before it
             before = state.struct_state[rows]
@@ -145,7 +167,7 @@ def speculative_window(
         # stops inside the run: a stop id, or the row reaching max_len
         index = position[:, None] + 1 + offsets  # [B, Q]: the index each sampled token would take
         stopping = (sampled[:, :, None] == params.stop_ids.view(bucket, queries, -1)).any(dim=-1)
-        stopping |= index + 1 >= state.max_len[rows][:, None]
+        stopping |= index + 1 >= max_len[:, None]
         stopping &= offsets[None, :] < emit[:, None]
         first_stop = torch.where(stopping.any(dim=1), stopping.to(torch.int64).argmax(dim=1), queries)
         emit = torch.where(live, torch.minimum(emit, first_stop + 1), 0)  # [B] tokens this round emits
