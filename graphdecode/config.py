@@ -107,6 +107,9 @@ class EngineConfig:
     # thread (2 threads on a busy 2-core machine: small matmuls up to 100x slower than 1, the API
     # at 2 tok/s instead of 38 in issue 19's report); raise it when the cores are yours.
     cpu_threads: int = 1
+    # the bounds-checked mode (compiled/bounds.py): every window step checks the indices its kernels follow
+    # (positions, KV slots and lengths, automaton states); None: on when GRAPHDECODE_CHECK_BOUNDS=1
+    check_bounds: bool | None = None
 
     # resolved in __post_init__
     model_config: ModelConfig = field(init=False, repr=False)
@@ -162,7 +165,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        for name in ("compile", "cuda_graphs"):
+        for name in ("compile", "cuda_graphs", "check_bounds"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
@@ -184,9 +187,8 @@ class EngineConfig:
         # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
+        # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (compiled/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
-        if graphs and device.type != "cuda":
-            raise ValueError("cuda_graphs=True needs a CUDA device")
         num_pages = self.num_pages or self._default_num_pages(cfg, dtype, device, max_pages, max_batch_size)
         if num_pages < max_pages + 1:
             raise ValueError(
@@ -202,6 +204,8 @@ class EngineConfig:
             "attention_backend": backend,
             "compile": compile_,
             "cuda_graphs": graphs,
+            "check_bounds": self.check_bounds if self.check_bounds is not None
+            else os.environ.get("GRAPHDECODE_CHECK_BOUNDS", "") == "1",
             "max_batch_size": max_batch_size,
             "buckets": buckets,
             "max_pages_per_seq": max_pages,

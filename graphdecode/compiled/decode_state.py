@@ -107,6 +107,7 @@ class DecodeState:
         self.spec_drafted = buf(rows, dtype=torch.int32)  # [B_max]: drafts proposed in the last window
         self.spec_accepted = buf(rows, dtype=torch.int32)  # [B_max]: ... of which accepted
         self.spec_rounds = buf(rows, dtype=torch.int32)  # [B_max]: verify rounds the row was live in
+        self.bounds = None  # BoundsCheck in the bounds-checked mode (compiled/bounds.py)
 
     @property
     def verify_pages(self) -> int:
@@ -249,9 +250,6 @@ class DecodeState:
         self.out_lp_top_ids[rows, column] = logprobs.top_ids
         self.out_lp_top[rows, column] = logprobs.top_logprobs
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: t.clone() for name, t in vars(self).items() if isinstance(t, torch.Tensor)}
-
-    def restore(self, saved: dict[str, torch.Tensor]) -> None:
-        for name, t in saved.items():
-            getattr(self, name).copy_(t)
+    def window_tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer of the state (a window may write any of them: compiled/window_writes.py)."""
+        return {name: t for name, t in vars(self).items() if isinstance(t, torch.Tensor)}

@@ -3,7 +3,9 @@
 The buckets, one graph per (bucket, sampler variant) holding k
 whole decode steps (forward, sample, done flags, advance_step), one memory pool
 shared by every graph, captured largest bucket first so smaller graphs reuse its
-blocks. On CPU (or with cuda_graphs=False) the same `decode_window` runs eagerly.
+blocks. With cuda_graphs=False the same `decode_window` runs eagerly; with graphs on a
+CPU device the capture and replay go through the CPU twin (graph_runtime.py), so this
+file's every path runs in the CPU suite.
 
 A variant is a SamplerVariant (mode, logprobs on/off, stop-id masking for min_tokens,
 the penalty path on/off).
@@ -11,8 +13,9 @@ Plain GREEDY and SAMPLE graphs are captured up front; other variants the first t
 window needs them, which
 can be while live rows sit in the decode state. Capture needs a warm-up run (it
 compiles the forward and lets libraries make their one-time allocations); that run
-really executes and would advance live rows, so the decode state is snapshotted
-before it and restored after. Its K/V writes land at or beyond each row's current
+really executes and would advance live rows, so everything a window may write
+(window_writes.py: the decode state, the MoE counters) is saved before it and
+restored after. Its K/V writes land at or beyond each row's current
 position (or on the scratch page) and the real window rewrites those slots before
 reading them. The capture itself only records, it executes nothing.
 
@@ -30,30 +33,32 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
+from .graph_runtime import graph_runtime
 from .sampler import GREEDY, SamplerMode, SamplerVariant
 from .speculative import speculative_window
 from .window import decode_window
+from .window_writes import WindowWrites
 
 
 class WindowGraphs:
     def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs,
-                 lookup=(0, 0)):
+                 writes: WindowWrites, lookup=(0, 0)):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
         self.state = state
+        self.writes = writes  # what a window may write: saved and restored around warm-up windows
         self.buckets = tuple(sorted(buckets))
         self.num_decode_steps = num_decode_steps
         self.page_size = page_size
         self.use_graphs = use_graphs
         self.lookup = lookup  # (prompt_lookup_max, prompt_lookup_min) of speculative windows
-        self.graphs: dict[tuple[int, SamplerVariant], torch.cuda.CUDAGraph] = {}
+        # CUDA graphs on a GPU, their CPU twin on a CPU (graph_runtime.py): the same logic below
+        self.runtime = graph_runtime(state.input_ids.device) if use_graphs else None
+        self.graphs: dict[tuple[int, SamplerVariant], object] = {}  # CUDAGraph or RecordedWindow
+        self.capture_order: list[tuple[int, SamplerVariant]] = []
         self.capture_seconds = 0.0  # warm-up + capture, compile time excluded
         self.graph_memory_bytes = 0
-        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None  # shared by all graphs
-        self._warmup_stream = torch.cuda.Stream() if use_graphs else None
         for bucket in self.buckets:
             backend.plan_decode(bucket, state.decode_metadata(bucket, state.max_pages))
             if state.spec_tokens:
@@ -92,12 +97,12 @@ class WindowGraphs:
     def warm_up(self) -> None:
         """Without graphs: run bucket 1 and the smallest larger bucket once, so a compiled
         forward compiles now rather than in a user's first windows (the state is restored)."""
-        saved = self.state.snapshot()
+        saved = self.writes.snapshot()
         # the width real windows pass: every column where pages are read in place, else >= 2 (runner._kv_width)
         width = self.state.max_pages if self.backend.reads_pages_in_place else min(2, self.state.max_pages)
         for bucket in self.buckets[:2]:
             self._window(bucket, GREEDY, width)
-        self.state.restore(saved)
+        self.writes.restore(saved)
 
     def _window(self, bucket, variant, kv_width, ragged: bool = False) -> None:
         if variant.speculative:
@@ -111,26 +116,19 @@ class WindowGraphs:
             self.page_size, variant, kv_width, ragged,
         )
 
-    def _capture(self, key) -> torch.cuda.CUDAGraph:
+    def _capture(self, key):
+        """Warm up (a real window, its writes saved and restored: rows may be live), then capture."""
         bucket, variant = key
         width = self.state.max_pages  # static width: one graph serves every length
         start, compiled_before = time.perf_counter(), self.compile_seconds
-        current = torch.cuda.current_stream()
-        saved = self.state.snapshot()
-        self._warmup_stream.wait_stream(current)
-        with torch.cuda.stream(self._warmup_stream):
+        saved = self.writes.snapshot()
+        with self.runtime.warm_up():
             self._window(bucket, variant, width)
-        current.wait_stream(self._warmup_stream)
-        self.state.restore(saved)
+        self.writes.restore(saved)
         del saved
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # so the reserved-memory delta below is the graph pool's growth
-        before = torch.cuda.memory_reserved()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._window(bucket, variant, width)
-        torch.cuda.synchronize()
-        self.graph_memory_bytes += max(0, torch.cuda.memory_reserved() - before)
+        graph, memory = self.runtime.capture(lambda: self._window(bucket, variant, width))
+        self.graph_memory_bytes += memory
         self.graphs[key] = graph
+        self.capture_order.append(key)
         self.capture_seconds += time.perf_counter() - start - (self.compile_seconds - compiled_before)
         return graph

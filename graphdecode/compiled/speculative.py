@@ -146,6 +146,8 @@ def speculative_window(
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
         meta = verify_metadata(state, bucket, queries, page_size, kv_width, live)
+        if state.bounds is not None:
+            state.bounds.verify(state, bucket, meta)
         backend.prepare_verify(bucket, meta, state, page_size)
         logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ForwardContext(backend, verify=meta))
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
@@ -182,6 +184,9 @@ def speculative_window(
         # advance each row by its own count
         last = sampled.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
         state.input_ids[rows] = torch.where(emit > 0, last, state.input_ids[rows])
+        if tables is not None and state.bounds is not None:  # each emitted token under its position's state
+            state.bounds.automaton(tables, params.struct_state, params.struct_words, sampled.reshape(-1),
+                                   (written & constrained[:, None]).reshape(-1))
         if tables is not None:  # the state after the emitted tokens (accepted drafts, then the sampled one)
             last_state = position_states.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
             moved = tables.advance(last_state, last)

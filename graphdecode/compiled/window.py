@@ -42,6 +42,9 @@ def sample_into(
     if variant.penalties:
         state.record_penalty_tokens(rows, tokens, ~done_before)
     if variant.structured:  # constrained live rows move by the token they sampled
+        if state.bounds is not None:
+            state.bounds.automaton(state.structured, params.struct_state, params.struct_words, tokens,
+                                   params.constrained & ~done_before)
         moved = state.structured.advance(params.struct_state, tokens)
         keep = done_before | ~params.constrained | (moved < 0)
         state.struct_state[rows] = torch.where(keep, params.struct_state, moved.to(torch.int32))
@@ -69,6 +72,8 @@ def decode_window(
     state.advance(bucket, state.input_ids[rows], page_size, advance=False, csr=csr)
     state.out_count[rows] = num_decode_steps
     for step in range(num_decode_steps):
+        if state.bounds is not None:
+            state.bounds.decode(state, bucket, csr)
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1
         tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])

@@ -212,6 +212,10 @@ class DecoderForCausalLM(nn.Module):
     def moe_layers(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.model.layers if layer.sparse]
 
+    def window_tensors(self) -> dict[str, torch.Tensor | None]:
+        """What a decode window's forward writes besides the KV cache: the experts' counters."""
+        return {"expert_tokens": self.expert_tokens}
+
     def post_load(self, max_positions: int) -> None:
         """Device state made once the weights are in: rope tables, the experts' counters and kernels."""
         self.init_rotary(max_positions)

@@ -21,11 +21,13 @@ import torch
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
 from ..compiled import cuda_kernels
+from ..compiled.bounds import BoundsCheck
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
 from ..compiled.sampler import RowCounts, Sampler
 from ..compiled.structured_tables import StructuredTables
 from ..compiled.torch_compile import CompiledForward
+from ..compiled.window_writes import WindowWrites
 from ..compiled.window import sample_into
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
@@ -77,6 +79,8 @@ class ModelRunner:
             spec_tokens=config.num_speculative_tokens,
             history_len=config.max_model_len + config.num_speculative_tokens + 1,
         )
+        if config.check_bounds:
+            self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.logprobs_width)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -86,10 +90,14 @@ class ModelRunner:
         logits_fn = self.model.decode_logits
         if config.compile:
             logits_fn = CompiledForward(logits_fn)
+        self.window_writes = WindowWrites()  # everything a window may write (KV cache aside)
+        self.window_writes.register("state", self.state.window_tensors())
+        self.window_writes.register("model", self.model.window_tensors())
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
-            use_graphs=config.cuda_graphs, lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
+            use_graphs=config.cuda_graphs, writes=self.window_writes,
+            lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():
