@@ -34,7 +34,7 @@ PROMPTS = ["Describe a pet:", "Once upon a time", "JSON please", "1 2 3"]
 
 
 def constrained(max_tokens=120, **kwargs) -> SamplingParams:
-    sampling = {key: kwargs.pop(key) for key in ("temperature", "seed", "n") if key in kwargs}
+    sampling = {key: kwargs.pop(key) for key in ("temperature", "seed", "n", "min_tokens") if key in kwargs}
     sampling.setdefault("temperature", 0)
     return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**kwargs), **sampling)
 
@@ -87,6 +87,21 @@ def test_unconstrained_company_is_untouched_and_seeded_rows_do_not_depend_on_it(
     mixed = llm.generate(PROMPTS + [PROMPTS[1]], [free, json_params, free, free, json_params])
     assert [mixed[i].outputs[0].token_ids for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
     assert mixed[1].outputs[0].token_ids == mixed[4].outputs[0].token_ids == json_alone
+
+
+def test_a_complete_constraint_wins_over_min_tokens(text_model, llm):
+    """min_tokens past the constraint's end: once the automaton allows only EOS, the stop ids are
+    no longer masked (masking them left nothing to sample, and a forbidden token was drawn)."""
+    for temperature in (0, 1.0):
+        params = constrained(regex="ab", min_tokens=6, max_tokens=20, temperature=temperature, seed=1)
+        out = llm.generate("hi", params)[0].outputs[0]
+        assert out.text == "ab" and out.finish_reason == "stop"
+    spec = LLM(text_model, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec.engine.spec_policy.speculate = lambda bucket: True
+    for temperature in (0, 1.0):
+        params = constrained(regex="(ab){3}", min_tokens=12, max_tokens=16, temperature=temperature, seed=2)
+        out = spec.generate("ab ab ab", params)[0].outputs[0]
+        assert out.text == "ababab" and out.finish_reason == "stop"
 
 
 def test_the_host_is_not_in_the_loop(llm):

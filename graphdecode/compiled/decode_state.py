@@ -132,7 +132,7 @@ class DecodeState:
             names += ("constrained", "struct_state")
         extra = {name: getattr(self, name)[rows] for name in names}
         if structured:
-            extra["struct_words"] = self.structured.allowed_words(extra["struct_state"])
+            extra.update(self.structured.row_inputs(extra["struct_state"]))
         return SamplingRows(
             temperature=self.temperature[rows],
             top_p=self.top_p[rows],

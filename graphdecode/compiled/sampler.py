@@ -27,7 +27,7 @@ Order of logit processing (vLLM's), after the raw logprobs:
 2. repetition penalty over prompt and output tokens: positive logits divided by it,
    negative ones multiplied;
 3. frequency / presence penalties over output tokens: - count * f - (count > 0) * p;
-4. min_tokens: stop ids masked;
+4. min_tokens: stop ids masked (not for a constrained row whose constraint is complete);
 5. temperature (greedy rows: 1), filters, Gumbel noise (GREEDY: argmax).
 What logprobs report is the engine's `logprobs_mode` (vLLM's names): "raw_logprobs"
 (the default) and "raw_logits" are taken before step 0; "processed_logprobs" and
@@ -147,6 +147,7 @@ class SamplingRows:
     constrained: torch.Tensor | None = None  # [R] bool: the row follows an automaton
     struct_state: torch.Tensor | None = None  # [R] int32: its state
     struct_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: that state's allowed tokens
+    struct_complete: torch.Tensor | None = None  # [R] bool: that state allows only EOS (constraint complete)
 
 
 @dataclass
@@ -291,8 +292,13 @@ def apply_penalties(logits, rows: SamplingRows):
 
 
 def _mask_stop_ids_(logits, rows: SamplingRows, next_pos) -> None:
-    """min_tokens, in place: stop ids cannot be sampled before the row holds min_len tokens."""
-    blocked = (next_pos < rows.min_len)[:, None] & (rows.stop_ids >= 0)  # [R, S]
+    """min_tokens, in place: stop ids cannot be sampled before the row holds min_len tokens,
+    except by a constrained row whose constraint is complete (its state allows only EOS: masking
+    it would leave nothing to sample; the constraint wins)."""
+    early = next_pos < rows.min_len  # [R]
+    if rows.struct_complete is not None:
+        early = early & ~(rows.constrained & rows.struct_complete)
+    blocked = early[:, None] & (rows.stop_ids >= 0)  # [R, S]
     penalty = torch.where(blocked, float("-inf"), 0.0)
     logits.scatter_add_(1, rows.stop_ids.clamp(min=0), penalty)
 

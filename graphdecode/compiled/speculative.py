@@ -159,7 +159,7 @@ def speculative_window(
                 walk.append(torch.where(moved >= 0, moved.to(torch.int32), walk[-1]))
             position_states = torch.stack(walk, dim=1)  # [B, Q]
             flat = position_states.reshape(-1)
-            params = dataclasses.replace(params, struct_state=flat, struct_words=tables.allowed_words(flat))
+            params = dataclasses.replace(params, **tables.row_inputs(flat))
         sampled, logprobs = sampler(logits, params, next_pos, variant)
         sampled = sampled.view(bucket, queries)
         # accept drafts while each equals the token sampled at its position
