@@ -126,6 +126,27 @@ def test_response_format_json_schema_on_both_endpoints(client):
     assert plain.finish_reason in ("stop", "length")
 
 
+def test_sampled_outputs_validate_for_many_seeds(client):
+    """Temperature 1 (and top_p / top_k) over many seeds, through response_format and tool calls:
+    every choice parses and validates; none stops with a token its schema forbids."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    for seed, extra in ((1, {}), (2, {"top_p": 0.9}), (3, {"extra_body": {"top_k": 20}})):
+        response = _chat(client, response_format=fmt, temperature=1.0, seed=seed, n=8, **extra)
+        for choice in response.choices:
+            assert choice.finish_reason in ("stop", "length"), choice
+            if choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert sum(c.finish_reason == "stop" for c in response.choices) >= 4
+    for seed in (4, 5):
+        response = _chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, n=8)
+        for choice in response.choices:
+            if choice.finish_reason == "length":
+                continue
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
 def test_json_object_regex_and_choice(client):
     for prompt in ("JSON please", "1 2 3"):
         c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=300, temperature=0,
