@@ -171,3 +171,28 @@ def test_everything_a_window_writes_is_registered(tiny_models, family, speculati
     for variant, changed in seen:
         unregistered = [name for name in changed if not runner.window_writes.holds(watched[name])]
         assert not unregistered, f"{variant}: window state outside WindowWrites: {unregistered}"
+
+
+def test_twin_speculative_structured_and_penalty_windows_replay_the_eager_tokens(text_model):
+    """The other graph variants a GPU captures (speculative verify rounds, automaton masks,
+    penalties, min_tokens), lazily and through replay, give the eager engine's tokens."""
+    from graphdecode.structured import StructuredOutputsParams
+
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    graphed = LLM(text_model, cuda_graphs=True, **ENGINE, **spec)
+    eager = LLM(text_model, cuda_graphs=False, **ENGINE, **spec)
+    for llm in (graphed, eager):
+        llm.engine.spec_policy.speculate = lambda bucket: True
+    texts = ["one two one two one two", "ab ab ab ab", "The capital of France is"]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(
+            regex="(ab |one )+two")),
+        SamplingParams(temperature=0.8, seed=6, max_tokens=24, min_tokens=4, repetition_penalty=1.3,
+                       logprobs=2),
+    ]
+    for params in cases:
+        assert outputs(graphed.generate(texts, params)) == outputs(eager.generate(texts, params)), params
+    captured = graphed.engine.runner.windows.graphs
+    assert any(v.speculative for _, v in captured) and any(v.structured for _, v in captured)
+    assert any(v.penalties and v.mask_stops for _, v in captured)
