@@ -28,6 +28,16 @@ strings need text), `output_kind` for LLM.stream: "delta" (each output carries w
 new, the default), "cumulative" (everything so far) or "final_only" (one output at the
 end). `seed`: any Python int; the whole integer is hashed, so two different seeds never
 share a stream by truncation.
+
+Ranges: the device holds counts and lengths as int32 and the floats as float32, so `n`,
+`top_k`, `max_tokens`, `min_tokens`, `logprobs` and `prompt_logprobs` must be at most
+INT32_MAX (2**31 - 1); `temperature` and `repetition_penalty` must be representable as
+float32 (at most ~3.4e38), and `top_p` and `repetition_penalty` must not round to 0 in it.
+Token ids (`stop_token_ids`, `allowed_token_ids`, `logit_bias` keys) are checked against
+the model's vocabulary when a request is submitted (runtime/inputs.py), as are
+`max_tokens` against the context, `n` against the batch and `logprobs` against
+max_logprobs; there, on the engine's copy, a temperature below 1e-5 becomes greedy and
+`min_tokens` past the end of the sequence is cut to the room left (inputs.GREEDY_BELOW).
 """
 
 from __future__ import annotations
@@ -35,7 +45,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import struct
 from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1  # counts, lengths and top_k are int32 on the device
 
 
 class RequestOutputKind(str, enum.Enum):
@@ -64,11 +77,31 @@ def _int(name: str, value, expected: str = "an integer") -> None:
 
 
 def _number(name: str, value) -> None:
-    """A real number, finite: NaN and infinities are values no field accepts."""
+    """A real number, finite: NaN and infinities are values no field accepts (nor an int beyond any float)."""
     if not _is_number(value):
         raise _type_error(name, "a number", value)
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large to be a float
+        finite = False
+    if not finite:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _at_most_int32(name: str, value: int) -> None:
+    if value > INT32_MAX:
+        raise ValueError(f"{name} must be at most {INT32_MAX} (2**31 - 1, the device holds it as int32), "
+                         f"got {value!r}")
+
+
+def _float32(name: str, value: float, positive: bool = False) -> None:
+    """`value` survives the device's float32: it does not overflow and, with `positive`, does not round to 0."""
+    (rounded,) = struct.unpack("f", struct.pack("f", value))
+    if math.isinf(rounded):
+        raise ValueError(f"{name} must be at most 3.4e38 (the device holds it as float32), got {value!r}")
+    if positive and rounded == 0:
+        raise ValueError(f"{name} must be at least 1.4e-45 (the smallest positive float32; 0 would change "
+                         f"its meaning), got {value!r}")
 
 
 def _int_list(name: str, value) -> None:
@@ -123,15 +156,19 @@ class SamplingParams:
         _int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        _at_most_int32("n", self.n)
         _number("temperature", self.temperature)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        _float32("temperature", self.temperature)
         _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _float32("top_p", self.top_p, positive=True)
         _int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disable it), got {self.top_k!r}")
+        _at_most_int32("top_k", self.top_k)
         _number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -141,9 +178,11 @@ class SamplingParams:
             _int("max_tokens", self.max_tokens, "an integer or None")
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+            _at_most_int32("max_tokens", self.max_tokens)
         _int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        _at_most_int32("min_tokens", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -161,6 +200,7 @@ class SamplingParams:
                 if value < -1:
                     raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
                                      f"or None, got {value!r}")
+                _at_most_int32(name, value)
         if isinstance(self.output_kind, str):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -176,6 +216,7 @@ class SamplingParams:
         if not self.repetition_penalty > 0:
             raise ValueError(
                 f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty!r}")
+        _float32("repetition_penalty", self.repetition_penalty, positive=True)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _number(name, value)

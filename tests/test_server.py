@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -338,3 +339,92 @@ def test_unknown_route_is_an_openai_error(server):
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = httpx.get(f"{server}/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# Faults injected into the engine of a server (and of its core process) through a sitecustomize
+# module on PYTHONPATH: Engine.prepare fails a request whose prompt holds FAULT:request (one
+# request, inside the core), Engine.step raises once a request holding FAULT:core is in the engine.
+FAULTS = """
+from graphdecode.runtime import engine as _engine
+
+_prepare, _step = _engine.Engine.prepare, _engine.Engine.step
+
+
+def prepare(self, prompt_text, *args, **kwargs):
+    if prompt_text and "FAULT:request" in prompt_text:
+        raise RuntimeError("injected fault for one request")
+    return _prepare(self, prompt_text, *args, **kwargs)
+
+
+def step(self):
+    if any(r.prompt and "FAULT:core" in r.prompt for r in self.requests.values()):
+        raise RuntimeError("injected fault in the step loop")
+    return _step(self)
+
+
+_engine.Engine.prepare, _engine.Engine.step = prepare, step
+"""
+
+
+def _long_stream(url: str, result: dict) -> None:
+    """A streamed completion that outlives the faults; `result`: its text, finish reasons and error events."""
+    body = {"model": MODEL, "prompt": "A long story", "max_tokens": 150, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    result.update(text="", finish=[], errors=[])
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result["errors"].append(event["error"])
+                    continue
+                result["text"] += event["choices"][0]["text"]
+                result["finish"].append(event["choices"][0]["finish_reason"])
+
+
+def test_a_request_that_fails_in_the_core_fails_alone_and_a_dead_core_ends_the_server(text_model, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(FAULTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    log = tmp_path / "server.log"
+    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
+                              "--no-access-log", "--log-level", "warning", "-k", "2", "--max-model-len", "256",
+                              "--max-batch-size", "8"], str(log), timeout_s=180, env=env)
+    try:
+        with httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+            # 1. a request the core fails: a 500 for it (an error event when streamed); the others go on
+            other: dict = {}
+            thread = threading.Thread(target=_long_stream, args=(url, other))
+            thread.start()
+            r = http.post("/completions", json={"model": MODEL, "prompt": "FAULT:request", "max_tokens": 4})
+            assert r.status_code == 500, r.text
+            error = r.json()["error"]
+            assert error["type"] == "server_error" and "injected fault for one request" in error["message"]
+            streamed = http.post("/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "FAULT:request"}], "stream": True})
+            assert streamed.status_code == 200
+            events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+            assert [e["error"]["type"] for e in events if "error" in e] == ["server_error"]
+            thread.join(120)
+            assert other["finish"][-1] == "length" and not other["errors"]
+            assert httpx.get(f"{url}/health").status_code == 200
+            r = http.post("/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+            # 2. the step loop raises: every running request ends with an error, and the server exits 1
+            other = {}
+            thread = threading.Thread(target=_long_stream, args=(url, other))
+            thread.start()
+            deadline = time.monotonic() + 60
+            while not other.get("text") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            r = http.post("/completions", json={"model": MODEL, "prompt": "FAULT:core", "max_tokens": 4})
+            assert r.status_code == 503, r.text
+            thread.join(60)
+            assert [e["type"] for e in other["errors"]] == ["service_unavailable_error"]
+            assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = open(log).read()
+    assert "failed in the engine core" in text and "injected fault for one request" in text  # logged by the core
+    assert "the engine core died" in text and "injected fault in the step loop" in text

@@ -33,6 +33,19 @@ BAD_PARAMS = [
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
     (dict(output_kind="sometimes"), "output_kind"),
+    # what the device holds: int32 counts and lengths, float32 numbers
+    (dict(n=2**31), "n"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(top_k=10**30), "top_k"),
+    (dict(max_tokens=2**63), "max_tokens"),
+    (dict(min_tokens=2**31, max_tokens=None), "min_tokens"),
+    (dict(logprobs=2**31), "logprobs"),
+    (dict(prompt_logprobs=2**63), "prompt_logprobs"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(temperature=10**400), "temperature"),
+    (dict(top_p=1e-46), "top_p"),
+    (dict(repetition_penalty=1e-46), "repetition_penalty"),
+    (dict(repetition_penalty=1e300), "repetition_penalty"),
 ]
 
 WRONG_TYPES = [
@@ -60,6 +73,14 @@ def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as info:
         SamplingParams(**kwargs)
     assert type(info.value) is ValueError
+
+
+def test_the_device_limits_themselves_are_accepted():
+    top = 2**31 - 1
+    params = SamplingParams(n=top, top_k=top, max_tokens=top, min_tokens=top, logprobs=top, prompt_logprobs=top,
+                            temperature=3.4e38, top_p=1e-45, repetition_penalty=1e-45, seed=-(10**30))
+    assert params.top_k == top and params.temperature == 3.4e38
+    assert SamplingParams(repetition_penalty=3.4e38, top_k=-1, logprobs=-1).top_k == -1
 
 
 @pytest.mark.parametrize("kwargs,field", WRONG_TYPES)

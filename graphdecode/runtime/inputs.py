@@ -18,6 +18,10 @@ from .sequence import Request, Sequence
 from .structured_store import check_capacity
 
 _M64 = (1 << 64) - 1
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): the sampler divides the float32
+# logits by the temperature, which overflows to inf (and samples garbage) for tiny ones, while the
+# distribution at such a temperature is the argmax anyway.
+GREEDY_BELOW = 1e-5
 
 
 def seed_key(seed: int) -> int:
@@ -251,6 +255,11 @@ class InputProcessor:
         max_len = cfg.max_model_len
         if params.max_tokens is not None:
             max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        # on the engine's copy: min_tokens past the end of the sequence means "never stop early", which
+        # ending the sequence at max_len already gives, and it keeps min_len (int32 on the device) in range
+        params.min_tokens = min(params.min_tokens, max_len - len(prompt_ids))
+        if 0 < params.temperature < GREEDY_BELOW:
+            params.temperature = 0.0  # on the engine's copy (see GREEDY_BELOW)
         if self.group_pages(len(prompt_ids), params.n, max_len) > cfg.num_pages - 1:
             raise ValueError(f"n: {params.n} sequences of this prompt do not fit in the KV cache ({cfg.num_pages} pages)")
 

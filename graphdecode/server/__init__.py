@@ -1,5 +1,5 @@
 """Serving: AsyncLLM (the engine core in its own process) and the OpenAI-compatible HTTP server."""
 
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestFailedError"]

@@ -51,6 +51,11 @@ class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine core failed this one request (not a bad request: an error inside the engine,
+    logged by the core); the core goes on serving the others."""
+
+
 def _send_requests(outbox: queue.SimpleQueue, pipe, engine_ref) -> None:
     """Sender thread: writes queued messages to the core's pipe, in order, until None (shutdown).
 
@@ -246,6 +251,11 @@ class AsyncLLM:
     def num_unfinished(self) -> int:
         return len(self._queues)
 
+    @property
+    def is_dead(self) -> bool:
+        """The core is gone (it reported a failure, or its process exited), and not by shutdown()."""
+        return not self._closed and (self.dead is not None or self._process.poll() is not None)
+
     # ---------------------------------------------------------------- plumbing
     def _send(self, message) -> None:
         """Queue a message for the core (never blocks the event loop); in order, by the sender thread."""
@@ -288,11 +298,11 @@ class AsyncLLM:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-        elif kind == "rejected":
+        elif kind in ("rejected", "error"):
             _, request_id, text = message
             queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(ValueError(text))
+                queue.put_nowait(ValueError(text) if kind == "rejected" else RequestFailedError(text))
         elif kind == "stats":
             waiters, self._stats_waiters = self._stats_waiters, []
             for future in waiters:

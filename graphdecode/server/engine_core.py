@@ -13,12 +13,16 @@ Messages out: ("ready", EngineConfig) or ("failed", message) once at start;
 ("outputs", [RequestOutput deltas], load) after every step that produced some, where
 load is a small dict (running, waiting, preemptions, windows, tokens in / out, KV pages
 in use, prefix-cache lookups, the histogram of tokens per step: see `_load`);
-("rejected", request_id, message) for an add the engine refused; ("stats", dict).
+("rejected", request_id, message) for an add the engine refused (its checks: a bad request);
+("error", request_id, message) for an add that failed otherwise (logged; the core goes on);
+("stats", dict); ("failed", traceback) when the step loop itself raised: the engine's state
+is then unknown, so the core reports it and exits (the server exits too, see openai_api.py).
 A closed input pipe (the parent died) ends the loop too.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import traceback
@@ -27,6 +31,8 @@ from multiprocessing.connection import Connection
 
 from ..runtime.gc_heap import freeze_startup_heap
 from ..runtime.output_builder import DeltaQueue
+
+log = logging.getLogger(__name__)
 
 # upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets), +Inf after them
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -78,17 +84,28 @@ def _load(engine, step_tokens: StepTokens | None = None) -> dict:
     return load
 
 
+def _add(engine, message: tuple, outputs) -> None:
+    """Admit one request: the boundary where a failure is that request's alone. A ValueError or
+    TypeError (the engine's checks) rejects it; any other exception fails it, logged with its
+    traceback, and whatever of it reached the engine is aborted, so the core keeps serving."""
+    _, request_id, text, ids, params, priority = message
+    try:
+        engine.add_prepared(engine.prepare(text, ids, params, request_id, priority))
+    except (ValueError, TypeError) as exc:
+        outputs.send(("rejected", request_id, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - the request-failure boundary: this request fails, the core goes on
+        log.exception("graphdecode: request %s failed in the engine core (the core goes on serving)", request_id)
+        engine.abort_request(request_id)
+        outputs.send(("error", request_id, f"{type(exc).__name__}: {exc}"))
+
+
 def _handle(engine, message: tuple, outputs) -> bool:
     """Apply one message from the serving side; False for shutdown."""
     kind = message[0]
     if kind == "shutdown":
         return False
     if kind == "add":
-        _, request_id, text, ids, params, priority = message
-        try:
-            engine.add_prepared(engine.prepare(text, ids, params, request_id, priority))
-        except (ValueError, TypeError) as exc:
-            outputs.send(("rejected", request_id, str(exc)))
+        _add(engine, message, outputs)
     elif kind == "abort":
         engine.abort_request(message[1])
     elif kind == "stats":

@@ -25,6 +25,13 @@ request is sent.
 SIGTERM (or Ctrl+C): new requests get 503 and /health turns 503, running requests
 finish (at most --shutdown-timeout seconds, then they are aborted), uvicorn closes,
 the core process is shut down, exit status 0. A second signal exits at once.
+
+A request the engine core fails (an error inside the engine, not a bad request) is a 500
+(`server_error`; in a stream, an error event), and the core goes on serving the others.
+A core that dies (its step loop raised: its state is unknown) is not restarted in place:
+its running requests get 503 (or an error event), /health turns 503, and the server exits
+with status 1 within a tick (0.1 s), so that a supervisor (systemd, Kubernetes, ...)
+starts a fresh one instead of leaving a server that answers 503 forever.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
 from . import tools as tool_calls
-from .async_llm import AsyncLLM, EngineDeadError
+from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -63,6 +70,7 @@ from .protocol import (
     constraint_error,
     model_not_found,
     param_of,
+    request_failed,
     unavailable,
     validation_error,
 )
@@ -182,7 +190,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------- checks
     def health(self) -> tuple[int, str]:
-        if self.engine.dead is not None or self.engine._process.poll() is not None:
+        if self.engine.is_dead:
             return 503, "dead"
         if self.draining:
             return 503, "draining"
@@ -191,7 +199,7 @@ class OpenAIServer:
     def _check_ready(self) -> None:
         if self.draining:
             raise unavailable("the server is shutting down")
-        if self.engine.dead is not None:
+        if self.engine.is_dead:
             raise unavailable("the engine is not running")
 
     def _check_model(self, name: str | None) -> None:
@@ -308,6 +316,8 @@ class OpenAIServer:
     def _error_event(exc: Exception) -> bytes:
         if isinstance(exc, EngineDeadError):
             err = unavailable("the engine stopped while this request ran")
+        elif isinstance(exc, RequestFailedError):
+            err = request_failed(str(exc))
         elif isinstance(exc, ValueError):
             err = APIError(str(exc), param=param_of(str(exc)))
         else:
@@ -517,6 +527,8 @@ class OpenAIServer:
                         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError:
             raise unavailable("the engine stopped while this request ran") from None
+        except RequestFailedError as exc:
+            raise request_failed(str(exc)) from None
         except ValueError as exc:
             raise APIError(str(exc), param=param_of(str(exc))) from None
         out_choices, completion_tokens = [], 0
@@ -707,6 +719,8 @@ class OpenAIServer:
                         choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         except EngineDeadError:
             raise unavailable("the engine stopped while this request ran") from None
+        except RequestFailedError as exc:
+            raise request_failed(str(exc)) from None
         except ValueError as exc:
             raise APIError(str(exc), param=param_of(str(exc), {"prompt": "messages"})) from None
         out_choices = []
@@ -898,19 +912,31 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
 
 # ------------------------------------------------------------------ running it
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before uvicorn shuts down.
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before uvicorn shuts down,
+    and which shuts down by itself when the engine core dies.
 
     uvicorn's own handler would close the listening socket at once (new clients: connection
     refused) and re-raise the signal after shutdown (exit status -15); this one keeps
     answering, with 503, until the running requests are done, and exits normally.
+    A dead core ends the server at the next tick with `exit_status` 1 (see the module docstring).
     """
 
     def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_timeout: float):
         super().__init__(config)
         self.api = api
         self.shutdown_timeout = shutdown_timeout
+        self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.exit_status and self.api.engine.is_dead:
+            self.exit_status = 1
+            self.should_exit = True
+            why = self.api.engine.dead or f"its process exited with status {self.api.engine._process.poll()}"
+            print(f"graphdecode: the engine core died; the server exits with status 1 so that a supervisor can "
+                  f"restart it. The core's error:\n{why}", file=sys.stderr, flush=True)
+        return await super().on_tick(counter)
 
     async def startup(self, sockets=None):
         self._loop = asyncio.get_running_loop()
@@ -959,7 +985,7 @@ def serve(args) -> int:
         server.run()
     finally:
         engine.shutdown()
-    return 0
+    return server.exit_status
 
 
 def main(argv=None) -> int:

@@ -52,6 +52,11 @@ def unavailable(message: str) -> APIError:
     return APIError(message, status=503, type="service_unavailable_error")
 
 
+def request_failed(message: str) -> APIError:
+    """The engine failed this one request (an error inside it, not a bad request): a 500."""
+    return APIError(f"the engine failed while running this request: {message}", status=500, type="server_error")
+
+
 # ------------------------------------------------------------------ requests
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
