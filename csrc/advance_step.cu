@@ -93,14 +93,18 @@ __host__ __device__ inline void fill_row_indices(int row, const bool* done, cons
 
 #ifdef __CUDACC__
 
-constexpr int kMaxRows = 1024;
+constexpr int kMaxRows = 1024;     // advance_rows_kernel's block: one thread per row
+constexpr int kIndexThreads = 128;  // fill_indices_kernel's block: one block per row
 
-__global__ void advance_rows_kernel(const int64_t* __restrict__ sampled, const bool* __restrict__ done,
-                                    const int32_t* __restrict__ block_table, int64_t table_stride,
-                                    int64_t* __restrict__ input_ids, int64_t* __restrict__ positions,
-                                    int32_t* __restrict__ seq_lens, int64_t* __restrict__ slot_mapping,
-                                    int32_t* __restrict__ kv_indptr, int32_t* __restrict__ kv_last_page_len,
-                                    int num_rows, int max_pages, int page_size, int advance) {
+// __launch_bounds__ caps the registers ptxas may give a thread so that a block of this size fits one
+// SM's register file (65536 / 1024 = 64 per thread): without it a launch of 1024 threads may fail.
+__global__ void __launch_bounds__(kMaxRows)
+    advance_rows_kernel(const int64_t* __restrict__ sampled, const bool* __restrict__ done,
+                        const int32_t* __restrict__ block_table, int64_t table_stride,
+                        int64_t* __restrict__ input_ids, int64_t* __restrict__ positions,
+                        int32_t* __restrict__ seq_lens, int64_t* __restrict__ slot_mapping,
+                        int32_t* __restrict__ kv_indptr, int32_t* __restrict__ kv_last_page_len, int num_rows,
+                        int max_pages, int page_size, int advance) {
   using Scan = cub::BlockScan<int32_t, kMaxRows>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int row = threadIdx.x;
@@ -116,9 +120,10 @@ __global__ void advance_rows_kernel(const int64_t* __restrict__ sampled, const b
   if (row == 0) kv_indptr[0] = 0;
 }
 
-__global__ void fill_indices_kernel(const bool* __restrict__ done, const int32_t* __restrict__ block_table,
-                                    int64_t table_stride, const int32_t* __restrict__ kv_indptr,
-                                    int32_t* __restrict__ kv_indices, int max_pages, int64_t capacity) {
+__global__ void __launch_bounds__(kIndexThreads)
+    fill_indices_kernel(const bool* __restrict__ done, const int32_t* __restrict__ block_table,
+                        int64_t table_stride, const int32_t* __restrict__ kv_indptr,
+                        int32_t* __restrict__ kv_indices, int max_pages, int64_t capacity) {
   const int row = blockIdx.x;
   const int32_t begin = kv_indptr[row];
   const int32_t count = kv_indptr[row + 1] - begin;
@@ -144,8 +149,8 @@ extern "C" int graphdecode_advance_step(const int64_t* sampled, const bool* done
                                                    seq_lens, slot_mapping, kv_indptr, kv_last_page_len, num_rows,
                                                    max_pages, page_size, advance);
   const int64_t capacity = static_cast<int64_t>(num_rows) * max_pages;
-  fill_indices_kernel<<<num_rows, 128, 0, stream>>>(done, block_table, table_stride, kv_indptr, kv_indices,
-                                                    max_pages, capacity);
+  fill_indices_kernel<<<num_rows, kIndexThreads, 0, stream>>>(done, block_table, table_stride, kv_indptr,
+                                                              kv_indices, max_pages, capacity);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,29 +1,36 @@
 #!/usr/bin/env python3
 """The GPU check's driver (entry point: `bash profiling/gpu_check.sh`, which also does --prepare).
 
-Runs the stages below in order of value per second, each in its own process group under its
-own time limit cut to what is left of the budget (--budget S, GPU_CHECK_BUDGET_S, default
-420 s). A stage is not started with less budget left than its estimated need (skipped, with
-the --only command that runs it); one stopped because the budget ran out is `cut`, not
-failed; one that hit its own limit is a `timeout` (a failure). A failed stage does not stop
-the next. $OUT/summary.json is rewritten when each stage starts and ends, and on
-SIGTERM/SIGINT (the running stage's processes are stopped first), so whatever happens it
-says how far the check got. A compact table is printed last, ending with the exact command
-that reruns what failed, was cut or did not fit.
+Runs the stages below in order, each in its own process group under its own time limit cut to
+what is left of the budget (--budget S, GPU_CHECK_BUDGET_S, default 420 s). The first seven are
+the must-pass core (CORE: about 240 s by their estimated needs): they prove the GPU path works
+and run before anything else; summary.json's `must_pass` says which of them passed. A stage is
+not started with less budget left than its estimated need (skipped, with the --only command that
+runs it); one stopped because the budget ran out is `cut`, not failed; one that hit its own limit
+is a `timeout` (a failure). A failed stage does not stop the next. $OUT/summary.json is rewritten
+when each stage starts and ends, and on SIGTERM/SIGINT (the running stage's processes are stopped
+first), so whatever happens it says how far the check got. A compact table is printed last,
+ending with the exact command that reruns what failed, was cut or did not fit.
 
+  must-pass core
   env                  versions, nvidia-smi, nvcc (CUDA must be available, except in a dry run)
   kit                  unpack and apply .gpu/gpu-kit, import flashinfer; then profiling/kit_check.py
                        (informational: its failure does not fail the stage). A dry run only
                        rehearses it (skipped: the kit's packages are cp312 builds for the GPU machine)
-  build                csrc/ with nvcc into graphdecode/_kernels (dry run: into a scratch folder)
-  pytest_advance_step  pytest, one process per stage, cheapest first, so a sticky CUDA error
-  pytest_flashinfer      or a timeout loses one stage's results; junit XML in the work folder,
-  pytest_hf_parity       counts, per-test durations, failures' first lines in summary.json
+  build                csrc/ with nvcc into graphdecode/_kernels (dry run: into a scratch folder),
+                       with ptxas's report (-Xptxas -v): each kernel's registers, spills and shared
+                       memory go into summary.json, and a kernel whose block would not fit an SM fails
+  pytest_advance_step  pytest, one process per stage, so a sticky CUDA error or a timeout loses one
+  pytest_flashinfer      stage's results; junit XML in the work folder, counts, per-test durations,
+  pytest_hf_parity       failures' first lines in summary.json. hf_parity and graphs run their tests
+  pytest_graphs          not marked `extended` (nor `compile`)
+  after the core
+  pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py and test_gpu_graphs.py
+                       (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE)
   bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, --compile off
-  pytest_graphs        tests/test_gpu_graphs.py without the `compile` cases (no inductor compile)
-  pytest_compile       the `compile` cases (real inductor compiles), late because they are slow
   bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1
                        and 8, --compile off
+  pytest_compile       the `compile` cases (real inductor compiles), late because they are slow
   bench_tp             TP=1 vs TP=2 (profiling/bench_tp.py), --compile off; skipped with fewer than two GPUs
   bench_serve          the OpenAI server beside in-process generate (profiling/bench_serve.py),
                        llama-3.2-1b shape, 1/64/256 streaming clients over 4 client processes,
@@ -34,19 +41,25 @@ that reruns what failed, was cut or did not fit.
   bench_moe            MoE decode beside transformers (profiling/bench_moe.py): the wide qwen3_moe
                        preset, bf16, batch 1/16/64, grouped vs dense experts, graphs, --compile off
   bench_compiled       the bucket sweep with --compile on, buckets 1,16
-  (bench_spec, bench_tp and bench_serve write their numbers into summary.json only: $OUT holds
-  gpu_check.log, summary.json, bench_buckets.json and bench_buckets_compiled.json; the device
-  returns 8 files at most)
+  (bench_spec, bench_tp, bench_serve, bench_structured and bench_moe write their numbers into
+  summary.json only: $OUT holds gpu_check.log, summary.json, bench_buckets.json and
+  bench_buckets_compiled.json; the device returns 8 files at most)
 
-Options: --only STAGE[,STAGE] (env always runs; `pytest` = every pytest_* stage), --budget S,
---dry-run (every stage rehearsed on CPU with CPU stand-ins; see docs/gpu.md).
+Modules a stage requires (REQUIRES) and modules some of its tests use (OPTIONAL: outlines_core
+for pytest_graphs' structured test) come from the carried wheels (.gpu/wheels) where they do not
+import; a missing required module skips the stage, a missing optional one only the tests that
+import it (the stage records it as `optional_missing`).
+
+Options: --only STAGE[,STAGE] (env always runs; `pytest` = every pytest_* stage, `core` = the
+must-pass core), --budget S, --dry-run (every stage rehearsed on CPU with CPU stand-ins; see
+docs/gpu.md).
 
 Knobs (environment): OUT, PYTHON, GPU_CHECK_BUDGET_S, GPU_CHECK_LIMIT_<STAGE> (a stage's own
 limit, seconds), GPU_CHECK_NEED_<STAGE> (its estimated need), GPU_CHECK_TEST_TIMEOUT_S
 (pytest-timeout per test, 90), GPU_CHECK_KIT_DIR (.gpu/gpu-kit), GPU_CHECK_WHEELS_DIR
 (.gpu/wheels). Test hooks: GPU_CHECK_FAIL=STAGE[,STAGE] replaces those stages by a command that
 fails; GPU_CHECK_SLEEP=STAGE:SECONDS[,...] by one that sleeps; GPU_CHECK_REQUIRE=STAGE:MOD[+MOD]
-adds Python modules a stage requires.
+adds Python modules a stage requires, GPU_CHECK_OPTIONAL=STAGE:MOD[+MOD] ones it may use.
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ from gpu_check_report import (
     bench_points,
     junit_report,
     moe_points,
+    must_pass,
     serve_points,
     side_bench_points,
     structured_points,
@@ -76,27 +90,33 @@ from gpu_check_report import (
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-PYTEST_STAGES = {  # stage: (test file, marker expression)
-    "pytest_advance_step": ("tests/test_gpu_advance_step.py", "gpu"),
-    "pytest_flashinfer": ("tests/test_gpu_flashinfer.py", "gpu"),
-    "pytest_hf_parity": ("tests/test_gpu_hf_parity.py", "gpu"),
-    "pytest_graphs": ("tests/test_gpu_graphs.py", "gpu and not compile"),
-    "pytest_compile": ("tests/test_gpu_graphs.py", "gpu and compile"),
+PYTEST_STAGES = {  # stage: (test files, marker expression)
+    "pytest_advance_step": (("tests/test_gpu_advance_step.py",), "gpu"),
+    "pytest_flashinfer": (("tests/test_gpu_flashinfer.py",), "gpu"),
+    "pytest_hf_parity": (("tests/test_gpu_hf_parity.py",), "gpu and not extended"),
+    "pytest_graphs": (("tests/test_gpu_graphs.py",), "gpu and not compile and not extended"),
+    "pytest_extended": (("tests/test_gpu_hf_parity.py", "tests/test_gpu_graphs.py"),
+                        "gpu and extended and not compile"),
+    "pytest_compile": (("tests/test_gpu_graphs.py",), "gpu and compile"),
 }
-# Per stage, in the order they run (value per second): its own limit, its estimated need on the
-# GPU and in a dry run (seconds). A stage is not started with less budget left than its need;
-# a dry-run need of None rehearses that skip (a need above any budget).
+# Per stage, in the order they run: its own limit, its estimated need on the GPU and in a dry run
+# (seconds). A stage is not started with less budget left than its need; a dry-run need of None
+# rehearses that skip (a need above any budget). The must-pass core comes first; its needs add up
+# to 240 s (docs/gpu.md: the time budget), the rest of the default budget holds the first stages
+# after it.
 PLAN = {
     "env": (30, 10, 5),
     "kit": (60, 25, 10),
-    "build": (90, 40, 10),
-    "pytest_advance_step": (60, 30, 10),
+    "build": (60, 20, 10),
+    "pytest_advance_step": (60, 25, 10),
     "pytest_flashinfer": (60, 30, 10),
-    "pytest_hf_parity": (90, 60, 10),
+    "pytest_hf_parity": (120, 60, 10),
+    "pytest_graphs": (150, 70, 10),
+    # after the core
+    "pytest_extended": (150, 75, 10),
     "bench": (120, 60, 20),
-    "pytest_graphs": (120, 75, 10),
-    "pytest_compile": (150, 90, 10),
     "bench_spec": (90, 45, 20),
+    "pytest_compile": (150, 90, 10),
     "bench_tp": (90, 60, 30),
     "bench_serve": (240, 150, 40),
     "bench_structured": (120, 60, 30),
@@ -104,15 +124,19 @@ PLAN = {
     "bench_compiled": (150, 90, None),
 }
 STAGES = tuple(PLAN)
-ALIASES = {"pytest": tuple(PYTEST_STAGES)}
+CORE = ("env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs")
+assert STAGES[:len(CORE)] == CORE, "the must-pass core runs first"
+ALIASES = {"pytest": tuple(PYTEST_STAGES), "core": CORE}
 DEFAULT_BUDGET_S = 420
 TEST_TIMEOUT_S = 90
 GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTERM, then SIGKILL
 # Python modules a stage needs beyond the GPU machine's image; missing ones are installed from
 # the carried wheels (.gpu/wheels, downloaded by --prepare), else the stage is skipped naming them.
 REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client"),
-            # structured outputs' compiler: the structured-window test and its bench
-            "pytest_graphs": ("outlines_core",), "bench_structured": ("outlines_core",)}
+            "bench_structured": ("outlines_core",)}  # structured outputs' compiler
+# Modules only some of a stage's tests use: installed the same way, but where still missing only
+# those tests skip (each skips itself where its import fails), not the stage.
+OPTIONAL = {"pytest_graphs": ("outlines_core",)}  # the structured-window test
 
 BENCH_REAL = ["--preset", "llama-3.2-1b", "--device", "cuda", "--dtype", "bfloat16", "--steps", "8",
               "--prompt-len", "128", "--gen-len", "128", "--no-baseline"]
@@ -142,8 +166,8 @@ print("GPU_CHECK_ENV " + json.dumps(info))
 """
 
 BUILD_SCRIPT = r"""
-import os, sys, time
-from graphdecode.compiled import kernel_build
+import json, os, sys, time
+from graphdecode.compiled import kernel_build, ptxas_report
 if kernel_build.find_nvcc() is None:
     print("nvcc not found (PATH, CUDA_HOME)")
     sys.exit(42)
@@ -153,11 +177,18 @@ packaged = os.path.join(kernel_build.package_dir(), "_kernels", kernel_build.LIB
 out = packaged if sys.argv[1] == "package" else os.path.join(sys.argv[1], kernel_build.LIB_NAME)
 cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 t0 = time.perf_counter()
-kernel_build.build(out, kernel_build.source_dir(), kernel_build.arch_flags_for(cap))
+_, report = kernel_build.build_with_report(out, kernel_build.source_dir(), kernel_build.arch_flags_for(cap))
+print(report.rstrip())
+usages = ptxas_report.parse(report)
+print("GPU_CHECK_KERNELS " + json.dumps([u.as_dict() for u in usages]))
 lib = cuda_kernels.open_library(out)
 print(f"built {out} for {cap} in {time.perf_counter() - t0:.1f}s, ABI {lib.graphdecode_kernels_abi_version()}")
 if out == packaged:
     assert cuda_kernels.library_path() == out, "the loader does not pick the packaged library"
+problems = ptxas_report.launch_problems(usages)
+for problem in problems:
+    print("GPU_CHECK_LAUNCH_PROBLEM " + problem)
+sys.exit(43 if problems else 0)
 """
 
 
@@ -186,10 +217,10 @@ def _hooks(name: str) -> dict:
     return hooks
 
 
-def _require_hooks() -> dict:
-    """GPU_CHECK_REQUIRE=bench_serve:a+b -> {"bench_serve": ("a", "b")}."""
+def _module_hooks(name: str) -> dict:
+    """GPU_CHECK_REQUIRE=bench_serve:a+b -> {"bench_serve": ("a", "b")} (GPU_CHECK_OPTIONAL alike)."""
     hooks = {}
-    for item in os.environ.get("GPU_CHECK_REQUIRE", "").split(","):
+    for item in os.environ.get(name, "").split(","):
         stage, _, modules = item.strip().partition(":")
         if stage:
             hooks[stage] = tuple(m for m in modules.split("+") if m)
@@ -227,10 +258,11 @@ class Check:
         self.wheels_dir = os.environ.get("GPU_CHECK_WHEELS_DIR") or os.path.join(ROOT, ".gpu", "wheels")
         self.fail_hooks = _hooks("GPU_CHECK_FAIL")
         self.sleep_hooks = _hooks("GPU_CHECK_SLEEP")
-        extra = _require_hooks()
-        self.requires = {name: REQUIRES.get(name, ()) + extra.get(name, ()) for name in STAGES}
+        required, optional = _module_hooks("GPU_CHECK_REQUIRE"), _module_hooks("GPU_CHECK_OPTIONAL")
+        self.requires = {name: REQUIRES.get(name, ()) + required.get(name, ()) for name in STAGES}
+        self.optional = {name: OPTIONAL.get(name, ()) + optional.get(name, ()) for name in STAGES}
         self.needs = {name: self.stage_need(name) for name in STAGES}
-        self.wheel_site = None  # where the carried wheels were installed (for the stages that require them)
+        self.wheel_site = None  # where the carried wheels were installed (for the stages that use them)
         self.t0 = time.monotonic()
         self.log = open(os.path.join(self.out, "gpu_check.log"), "wb")
         self.lock = threading.Lock()
@@ -344,6 +376,7 @@ class Check:
     # ------------------------------------------------------------------ summary
     def write_summary(self) -> None:
         self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        self.summary["must_pass"] = must_pass(self.summary, CORE, self.needs)
         self.summary["out_files"] = sorted(f for f in os.listdir(self.out) if not f.startswith("."))
         path = os.path.join(self.out, "summary.json")
         tmp = os.path.join(self.out, ".summary.json.tmp")
@@ -384,6 +417,9 @@ class Check:
                     self.env, self.kit_ok = kit_env, True
                     record["reason"] += "; the kit's environment was applied for the later stages"
             return
+        inapplicable = self.inapplicable(name)
+        if inapplicable:
+            return self.skip(name, inapplicable)
         need, own, left = self.needs[name], self.stage_limit(name), self.left()
         if name != "env" and left < need:
             if self.dry and PLAN[name][2] is None and f"GPU_CHECK_NEED_{name.upper()}" not in os.environ:
@@ -392,10 +428,14 @@ class Check:
                 why = ""
             return self.skip(name, f"needs ~{need:.0f}s, {max(left, 0):.0f}s left of the budget{why}; "
                                    f"run it with --only {name}", rerun=True)
-        missing = self.missing_modules(name)
+        missing = self.missing_modules(name, self.requires[name])
         if missing:
             return self.skip(name, f"Python packages missing here: {', '.join(missing)} (run --prepare, which "
                                    f"puts their wheels in {os.path.relpath(self.wheels_dir, ROOT)}, and carry it)")
+        optional_missing = self.missing_modules(name, self.optional[name])
+        if optional_missing:  # the stage runs; the tests that import them skip, saying so
+            record["optional_missing"] = optional_missing
+            self.say(f"=== [{name}] without {', '.join(optional_missing)}: the tests that use them skip")
         limit = own if name == "env" else min(own, left)
         record.update(status="running", limit_s=round(limit), started_s=round(time.monotonic() - self.t0, 1))
         self.write_summary()
@@ -426,25 +466,41 @@ class Check:
                  + (f" ({record['reason']})" if record.get("reason") else "") + f" in {record['seconds']:.0f}s")
         self.write_summary()
 
+    def inapplicable(self, name: str) -> str | None:
+        """Why a stage cannot run on this machine at all (then it is skipped before the budget is
+        asked, and not rerun): bench_tp where fewer than two GPUs are present."""
+        if name == "bench_tp" and not self.dry:
+            gpus = (self.summary["stages"]["env"].get("env") or {}).get("device_count", 0)
+            if gpus < 2:
+                return f"{gpus} GPU(s) here: tensor parallelism needs 2"
+        return None
+
     def env_for(self, name: str) -> dict:
-        """The environment of a stage: with the carried wheels first on PYTHONPATH if it requires modules."""
-        if self.wheel_site is None or not self.requires.get(name):
+        """The environment of a stage: with the carried wheels first on PYTHONPATH if it uses modules
+        (required or optional) and they were installed."""
+        if self.wheel_site is None or not (self.requires.get(name) or self.optional.get(name)):
             return self.env
         return dict(self.env, PYTHONPATH=self.wheel_site + os.pathsep + self.env["PYTHONPATH"])
 
-    def missing_modules(self, name: str) -> list[str]:
-        """The modules the stage requires that do not import here, after installing the carried
-        wheels if some are missing (once, into the work folder; only the stages that require
+    def missing_modules(self, name: str, modules: tuple[str, ...]) -> list[str]:
+        """Those of `modules` that do not import for this stage, after installing the carried
+        wheels if some are missing (once, into the work folder; only the stages that use such
         modules see them, so nothing else runs against other versions than the image's)."""
-        modules = self.requires.get(name, ())
         if not modules:
             return []
-        probe = ("import importlib.util, sys; "
-                 "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
+        probe = ("import importlib, sys\n"
+                 "absent = []\n"
+                 "for module in sys.argv[1:]:\n"
+                 "    try:\n"
+                 "        importlib.import_module(module)\n"
+                 "    except Exception:\n"  # an ImportError, or a broken install failing otherwise
+                 "        absent.append(module)\n"
+                 "print('GPU_CHECK_MISSING ' + ' '.join(absent))")
 
         def missing() -> list[str]:
-            result = self.run([self.python, "-c", probe, *modules], 30, env=self.env_for(name), capture=True)
-            return (result["lines"] or [""])[-1].split() if result["rc"] == 0 else list(modules)
+            result = self.run([self.python, "-c", probe, *modules], 60, env=self.env_for(name), capture=True)
+            found = [line for line in result["lines"] if line.startswith("GPU_CHECK_MISSING")]
+            return found[-1].split()[1:] if result["rc"] == 0 and found else list(modules)
 
         absent = missing()
         wheels = sorted(glob.glob(os.path.join(self.wheels_dir, "*.whl")))
@@ -591,22 +647,33 @@ class Check:
         return {**self.env, **changed}
 
     def stage_build(self, limit: float) -> dict:
+        """nvcc with ptxas's report: the kernels' registers, spills and shared memory into summary.json;
+        failed (rc 43) when a kernel's block would not fit an SM (ptxas_report.launch_problems)."""
         target = os.path.join(self.work, "kernels") if self.dry else "package"
-        result = self.verdict(self.run([self.python, "-c", BUILD_SCRIPT, target], limit))
-        if result["rc"] == 42:
+        run = self.run([self.python, "-c", BUILD_SCRIPT, target], limit, capture=True)
+        result = self.verdict(run)
+        for line in run["lines"]:
+            if line.startswith("GPU_CHECK_KERNELS "):
+                result["kernels"] = json.loads(line[len("GPU_CHECK_KERNELS "):])
+        problems = [line[len("GPU_CHECK_LAUNCH_PROBLEM "):] for line in run["lines"]
+                    if line.startswith("GPU_CHECK_LAUNCH_PROBLEM ")]
+        if run["rc"] == 42:
             if self.dry:
                 return {"status": "skipped", "rc": 42, "reason": "nvcc not found"}
             result["reason"] = "nvcc not found"
+        elif run["rc"] == 43 and problems:
+            result["reason"] = "; ".join(problems)
         return result
 
     def pytest_stage(self, name: str, limit: float) -> dict:
-        path, marker = PYTEST_STAGES[name]
+        paths, marker = PYTEST_STAGES[name]
         xml = os.path.join(self.work, f"{name}.xml")  # read into summary.json: $OUT keeps to 4 files
         if os.path.exists(xml):
             os.remove(xml)
-        if not os.path.isfile(os.path.join(ROOT, path)):
-            return {"status": "skipped", "rc": None, "reason": f"{path} missing"}
-        argv = [self.python, "-m", "pytest", path, "-m", marker, "-v", "-rfEs", "--durations=0", "-p",
+        absent = [path for path in paths if not os.path.isfile(os.path.join(ROOT, path))]
+        if absent:
+            return {"status": "skipped", "rc": None, "reason": f"{', '.join(absent)} missing"}
+        argv = [self.python, "-m", "pytest", *paths, "-m", marker, "-v", "-rfEs", "--durations=0", "-p",
                 "no:cacheprovider", f"--junitxml={xml}"]
         if self.has_pytest_timeout is None:
             probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('pytest_timeout') is None)"
@@ -614,7 +681,7 @@ class Check:
         if self.has_pytest_timeout:
             per_test = min(_env_seconds("GPU_CHECK_TEST_TIMEOUT_S", TEST_TIMEOUT_S), limit - GRACE_S[0])
             argv.append(f"--timeout={max(5, int(per_test))}")
-        env = dict(self.env, CUBLAS_WORKSPACE_CONFIG=":4096:8",
+        env = dict(self.env_for(name), CUBLAS_WORKSPACE_CONFIG=":4096:8",
                    GRAPHDECODE_REQUIRE_FLASHINFER="1" if self.kit_ok else "0")
         result = self.verdict(self.run(argv, limit, env=env))
         reasons = {2: "interrupted", 3: "pytest internal error", 4: "pytest usage error", 5: "no test selected"}
@@ -647,10 +714,7 @@ class Check:
         return self.verdict(self.run(argv, limit))
 
     def stage_bench_tp(self, limit: float) -> dict:
-        """TP=1 vs TP=2 (profiling/bench_tp.py): only where more than one GPU is present."""
-        gpus = (self.summary["stages"]["env"].get("env") or {}).get("device_count", 0)
-        if not self.dry and gpus < 2:
-            return {"status": "skipped", "rc": None, "reason": f"{gpus} GPU(s) here: tensor parallelism needs 2"}
+        """TP=1 vs TP=2 (profiling/bench_tp.py): only where more than one GPU is present (`inapplicable`)."""
         sizes = (["--device", "cpu", "--preset", "micro", "--batches", "2", "--gen-len", "4", "-k", "2"] if self.dry
                  else ["--device", "cuda", "--batches", "1,16"])
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_tp.py"), *sizes, "--compile", "off",

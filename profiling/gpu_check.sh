@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU (one H200, torch cu130, Python 3.12, no network, no flashinfer).
 # The stages are run by profiling/gpu_check.py (its docstring and docs/gpu.md say what each proves),
-# in order of value per second:
+# the must-pass core first (about 240 s by its estimates; summary.json's must_pass says which passed):
 #
-#   env  kit  build  pytest_advance_step  pytest_flashinfer  pytest_hf_parity  bench  pytest_graphs
-#   pytest_compile  bench_spec  bench_tp  bench_serve  bench_compiled
+#   core:  env  kit  build  pytest_advance_step  pytest_flashinfer  pytest_hf_parity  pytest_graphs
+#   then:  pytest_extended  bench  bench_spec  pytest_compile  bench_tp  bench_serve  bench_structured
+#          bench_moe  bench_compiled
 #
 # each in its own process group under its own time limit, cut to what is left of the budget
 # (--budget S or GPU_CHECK_BUDGET_S, default 420 s). A stage is not started with less budget left
@@ -18,7 +19,8 @@
 #   bash profiling/gpu_check.sh --prepare     # the kit from ../shared/gpu-kit, or $GDKIT_SRC
 # The device call (see docs/gpu.md):
 #   run(command="bash profiling/gpu_check.sh", carry=[".gpu"], timeout_s=480)
-# Rerun some stages:  bash profiling/gpu_check.sh --only bench,pytest_graphs --budget 200   (env always runs)
+# Rerun some stages:  bash profiling/gpu_check.sh --only bench,pytest_graphs --budget 200   (env always runs;
+#                     --only core: the must-pass core)
 # Rehearse on CPU:    bash profiling/gpu_check.sh --dry-run                    (tests/test_gpu_check.py)
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -2,9 +2,11 @@
 (junit XML, bench JSON) into summary.json, and the table it prints last.
 
 The table is the end of the device call's output tail, so it says everything a reader
-needs to act on: each stage's status and time, every failed test with the first line of
-its error, per-test durations, the bench numbers, and, when something failed, was cut or
-was skipped for want of budget, the exact command that reruns just that, with its budget.
+needs to act on: each stage's status and time (the must-pass core marked `*`, and a line
+saying which of its stages passed), every failed test with the first line of its error,
+per-test durations, the build's register counts, the bench numbers, and, when something
+failed, was cut or was skipped for want of budget, the exact command that reruns just
+that, with its budget.
 """
 
 from __future__ import annotations
@@ -140,6 +142,39 @@ def moe_points(path: str) -> dict | None:
     return {"points": points, "family": data.get("family"), "preset": data.get("preset")}
 
 
+def stage_passed(name: str, st: dict) -> tuple[bool, str]:
+    """Whether a stage passed, and if not, why not in a few words. A pytest stage passes only if
+    at least one test ran and none failed: one whose tests all skipped proved nothing."""
+    status = st["status"]
+    if status != "ok":
+        detail = f" rc={st['rc']}" if status == "failed" and st.get("rc") else ""
+        return False, status + detail + (f": {st['reason']}" if st.get("reason") else "")
+    if not name.startswith("pytest_"):
+        return True, "ok"
+    tests = st.get("tests")
+    if not tests:
+        return False, "ok but no junit XML"
+    if tests["failed"] or tests["errors"]:
+        return False, f"{tests['failed']} failed, {tests['errors']} errors"
+    if not tests["passed"]:
+        return False, f"no test ran ({tests['skipped']} skipped)"
+    return True, "ok"
+
+
+def must_pass(summary: dict, core: tuple[str, ...], needs: dict) -> dict:
+    """summary.json's `must_pass`: the core's stages, their summed need, which passed, why the
+    others did not, and `ok` when every one passed."""
+    passed, not_passed = [], {}
+    for name in core:
+        ok, why = stage_passed(name, summary["stages"][name])
+        if ok:
+            passed.append(name)
+        else:
+            not_passed[name] = why
+    return {"stages": list(core), "need_s": sum(needs[name] for name in core), "passed": passed,
+            "not_passed": not_passed, "ok": not not_passed}
+
+
 def rerun_stages(summary: dict) -> list[str]:
     """Stages worth another call: failed, timed out, cut, or skipped for want of budget."""
     return [name for name, st in summary["stages"].items()
@@ -194,6 +229,13 @@ def _notes(name: str, st: dict) -> str:
                      f"{env.get('gpu', 'no GPU')}")
     if st.get("flashinfer"):
         notes.append(f"flashinfer {st['flashinfer']}")
+    kernels = st.get("kernels")
+    if kernels:
+        notes.append(", ".join(f"{k['kernel']} {k['registers']} regs"
+                               + (f" {k['spill_stores']}B spilled" if k["spill_stores"] else "")
+                               for k in kernels) + f" ({kernels[0]['arch']})")
+    if st.get("optional_missing"):
+        notes.append(f"without {', '.join(st['optional_missing'])}")
     check = st.get("check")
     if check:
         notes.append(f"kit check (info): {check['status']}, {check['passed']} PASS {len(check['failed'])} FAIL")
@@ -217,10 +259,12 @@ def table(summary: dict, out: str, needs: dict, left_s: float) -> str:
     lines = ["=" * 78,
              f"gpu_check summary{' (DRY RUN)' if s['dry_run'] else ''}: {s['elapsed_s']:.0f}s of a "
              f"{s['budget_s']:.0f}s budget{', TERMINATED by ' + s['terminated'] if s['terminated'] else ''}",
-             f"{'stage':<20} {'status':<12} {'secs':>5} {'need':>5}  notes"]
+             f"{'stage (* must pass)':<20} {'status':<12} {'secs':>5} {'need':>5}  notes"]
+    core = set((s.get("must_pass") or {}).get("stages", ()))
     for name, st in s["stages"].items():
         status = st["status"] + (f" rc={st['rc']}" if st["status"] == "failed" and st.get("rc") else "")
-        lines.append(f"{name:<20} {status:<12} {st.get('seconds', 0):>5.0f} {st.get('need_s', 0):>5.0f}  "
+        label = name + ("*" if name in core else "")
+        lines.append(f"{label:<20} {status:<12} {st.get('seconds', 0):>5.0f} {st.get('need_s', 0):>5.0f}  "
                      f"{_notes(name, st)}"[:170])
         tests = st.get("tests") or {}
         for test in tests.get("failed_tests", []):
@@ -232,6 +276,14 @@ def table(summary: dict, out: str, needs: dict, left_s: float) -> str:
             lines.extend(_pack([f"{t.split('::')[-1]} {sec:.1f}s" for t, sec in tests["durations"]], 22))
         for p in (st.get("bench") or {}).get("points", []):
             lines.append(f"{'':<22}{_bench_line(p)}")
+    core_result = s.get("must_pass")
+    if core_result:
+        passed = core_result["passed"]
+        lines.append(f"must-pass core (*, need ~{core_result['need_s']:.0f}s): "
+                     + ("ALL PASSED" if core_result["ok"] else
+                        f"{len(passed)}/{len(core_result['stages'])} passed ({', '.join(passed) or 'none'})"))
+        for name, why in core_result["not_passed"].items():
+            lines.append(f"{'':<22}not passed: {name}: {why}"[:200])
     bad = [n for n, st in s["stages"].items() if st["status"] in BAD]
     cut = [n for n, st in s["stages"].items() if st["status"] == "cut"]
     lines.append(f"result: {'OK' if not bad else 'FAILED: ' + ', '.join(bad)}"

@@ -20,6 +20,11 @@ if not torch.cuda.is_available():
 _HF_CACHE: dict = {}
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "extended: GPU cases outside profiling/gpu_check's must-pass core (its pytest_extended stage)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

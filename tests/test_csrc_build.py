@@ -6,6 +6,11 @@ until a kernel is launched, so it loads without a driver; the launcher validates
 its arguments before any CUDA call, so a bad call is answered without a GPU. The same
 library exports the host entry point (the kernels' per-row code in a host loop, which
 tests/test_advance_step_host.py compares with the torch reference).
+
+The build asks ptxas for its resource report (-Xptxas -v): every launched kernel must fit an
+SM at the block size it is launched with (advance_rows_kernel: 1024 threads, so at most 64
+registers a thread, which its __launch_bounds__ guarantees). The report's parser is checked
+on nvcc 13.0's own output, so it runs where nvcc is absent too.
 """
 
 from __future__ import annotations
@@ -14,19 +19,40 @@ import ctypes
 
 import pytest
 
-from graphdecode.compiled import cuda_kernels, kernel_build
+from graphdecode.compiled import cuda_kernels, kernel_build, ptxas_report
 
 CUDA_ERROR_INVALID_VALUE = 1
 
+# nvcc 13.0's -Xptxas -v output for csrc/advance_step.cu (sm_90), as the build stage reads it
+CANNED_PTXAS = """\
+ptxas info    : 28 bytes gmem
+ptxas info    : Compiling entry function '_ZN48_GLOBAL__N__51afd492_15_advance_step_cu_8a396d2219fill_indices_kernelEPKbPKilS3_Piil' for 'sm_90'
+ptxas info    : Function properties for _ZN48_GLOBAL__N__51afd492_15_advance_step_cu_8a396d2219fill_indices_kernelEPKbPKilS3_Piil
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+ptxas info    : Compile time = 10.633 ms
+ptxas info    : Compiling entry function '_ZN48_GLOBAL__N__51afd492_15_advance_step_cu_8a396d2219advance_rows_kernelEPKlPKbPKilPlS6_PiS6_S7_S7_iiii' for 'sm_90'
+ptxas info    : Function properties for _ZN48_GLOBAL__N__51afd492_15_advance_step_cu_8a396d2219advance_rows_kernelEPKlPKbPKilPlS6_PiS6_S7_S7_iiii
+    8 bytes stack frame, 12 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 47 registers, used 1 barriers, 4256 bytes smem
+ptxas info    : Compile time = 16.273 ms
+"""  # noqa: E501
+
 
 @pytest.fixture(scope="module")
-def built_library(tmp_path_factory) -> str:
+def built(tmp_path_factory) -> tuple[str, str]:
+    """(the library, nvcc's output with ptxas's resource report)."""
     if kernel_build.find_nvcc() is None:
         pytest.skip("nvcc not found")
     src = kernel_build.source_dir()
     assert src is not None, "csrc/ sources not found"
     out = tmp_path_factory.mktemp("kernels") / kernel_build.LIB_NAME
-    return kernel_build.build(str(out), src)  # raises with nvcc's output on a compile error
+    return kernel_build.build_with_report(str(out), src)  # raises with nvcc's output on a compile error
+
+
+@pytest.fixture(scope="module")
+def built_library(built) -> str:
+    return built[0]
 
 
 def _launch(lib, num_rows: int, max_pages: int, page_size: int, table_stride: int) -> int:
@@ -70,3 +96,34 @@ def test_exported_symbols_are_plain_c(built_library):
     lib = ctypes.CDLL(built_library)
     for name in ("graphdecode_advance_step", "graphdecode_advance_step_host", "graphdecode_kernels_abi_version"):
         assert hasattr(lib, name)  # extern "C": unmangled
+
+
+def test_every_kernel_launch_fits_an_sm(built):
+    usages = ptxas_report.parse(built[1])
+    assert sorted((u.kernel, u.arch) for u in usages) == [("advance_rows_kernel", "sm_90"),
+                                                          ("fill_indices_kernel", "sm_90")]
+    rows = next(u for u in usages if u.kernel == "advance_rows_kernel")
+    assert 0 < rows.registers <= 64 and rows.smem_bytes > 0  # 1024 threads; the BlockScan's storage
+    assert ptxas_report.launch_problems(usages) == []
+
+
+def test_ptxas_report_is_read_from_nvccs_output():
+    fill, rows = ptxas_report.parse(CANNED_PTXAS)
+    assert fill == ptxas_report.KernelUsage("fill_indices_kernel", "sm_90", registers=16)
+    assert rows == ptxas_report.KernelUsage("advance_rows_kernel", "sm_90", registers=47, spill_stores=12,
+                                            spill_loads=4, stack_bytes=8, smem_bytes=4256)
+    assert rows.as_dict()["registers"] == 47
+    assert ptxas_report.kernel_name("_Z6kernelPfi") == "kernel" and ptxas_report.kernel_name("plain_c") == "plain_c"
+    assert ptxas_report.launch_problems([fill, rows]) == []
+
+
+def test_a_block_that_needs_more_registers_than_an_sm_holds_is_a_problem():
+    assert ptxas_report.block_registers(64, 1024) == 65536  # 64 a thread: exactly one SM's file
+    assert ptxas_report.block_registers(65, 1024) == 73728  # per warp 65 * 32 rounds up to 2304
+    assert ptxas_report.block_registers(47, 128) == 6144
+    heavy = ptxas_report.KernelUsage("advance_rows_kernel", "sm_90", registers=72)
+    light = ptxas_report.KernelUsage("fill_indices_kernel", "sm_90", registers=72)  # 128 threads: fits
+    problems = ptxas_report.launch_problems([heavy, light])
+    assert len(problems) == 1 and problems[0].startswith("advance_rows_kernel (sm_90): 72 registers x 1024 threads")
+    missing = ptxas_report.launch_problems([light])
+    assert missing == ["advance_rows_kernel: no ptxas report (not compiled, or nvcc ran without -Xptxas -v)"]

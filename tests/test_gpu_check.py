@@ -1,10 +1,12 @@
 """profiling/gpu_check.sh rehearsed on CPU (--dry-run), so a broken script is caught here and not
-in the one device slot: every stage runs with its CPU stand-in, with and without a prepared kit;
-summary.json says what happened (each stage's status and need, per-test durations, failures'
+in the one device slot: every stage runs with its CPU stand-in, with and without a prepared kit,
+the must-pass core first; summary.json says what happened (each stage's status and need, which
+must-pass stages passed, the kernels' register counts from ptxas, per-test durations, failures'
 first lines); a failing or timed-out stage does not stop the next; a stage the budget cannot
 hold is skipped and one the budget cuts short is `cut`, not failed; the table ends with the
 command that reruns them; --only selects stages; a stage's missing Python packages come from
-carried wheels or skip it by name; and the summary is written even when the script is
+carried wheels or skip it by name, and a missing optional one (outlines_core for pytest_graphs)
+skips only the tests that use it; and the summary is written even when the script is
 terminated mid-stage. Stages the tests do not need to run for real are replaced through the
 script's GPU_CHECK_FAIL / GPU_CHECK_SLEEP hooks."""
 
@@ -22,10 +24,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
-STAGES = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "bench",
-          "pytest_graphs", "pytest_compile", "bench_spec", "bench_tp", "bench_serve", "bench_structured",
-          "bench_moe", "bench_compiled"]
-PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_compile"]
+CORE = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs"]
+STAGES = CORE + ["pytest_extended", "bench", "bench_spec", "pytest_compile", "bench_tp", "bench_serve",
+                 "bench_structured", "bench_moe", "bench_compiled"]
+PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_extended",
+                 "pytest_compile"]
 HOOKS = ("GPU_CHECK_", "GDKIT_")
 
 
@@ -70,9 +73,31 @@ def test_dry_run_rehearses_every_stage(dry_run):
         tests = stages[name]["tests"]
         assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == 0  # no CUDA: every gpu test skips
         assert set(tests["skip_reasons"].values()) == {"needs CUDA"} and tests["durations"] == []
-    graphs, compiled = (set(stages[name]["tests"]["skip_reasons"]) for name in ("pytest_graphs", "pytest_compile"))
+    selected = {name: set(stages[name]["tests"]["skip_reasons"]) for name in PYTEST_STAGES}
+    graphs, compiled, extended = selected["pytest_graphs"], selected["pytest_compile"], selected["pytest_extended"]
     assert compiled and not graphs & compiled  # the compile cases run in their own stage only
     assert all(name.endswith("-True]") for name in compiled)
+    # the extended cases of both files run after the core, and in no core stage
+    assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs"}
+    assert not extended & (graphs | selected["pytest_hf_parity"] | compiled)
+    assert any("speculative" in name for name in extended) and any("moe" in name for name in extended)
+    assert any("teacher_forced" in name for name in selected["pytest_hf_parity"])
+    # the must-pass core runs first: every core stage started before any other
+    started = [stages[name]["started_s"] for name in STAGES if "started_s" in stages[name]]
+    assert started == sorted(started) and stages["pytest_graphs"]["started_s"] < stages["pytest_extended"]["started_s"]
+    core = summary["must_pass"]  # a dry run proves no core stage on a GPU: its gpu tests all skip
+    assert core["stages"] == CORE and core["need_s"] == sum(stages[name]["need_s"] for name in CORE)
+    assert core["ok"] is False and core["passed"] == ["env"] + (["build"] if shutil.which("nvcc") else [])
+    assert core["not_passed"]["kit"].startswith("skipped: a dry run does not apply the kit")
+    assert core["not_passed"]["pytest_graphs"] == f"no test ran ({stages['pytest_graphs']['tests']['skipped']} skipped)"
+    assert f"must-pass core (*, need ~{core['need_s']}s): {len(core['passed'])}/7 passed (env" in proc.stdout
+    assert "pytest_graphs*" in proc.stdout and "pytest_extended*" not in proc.stdout
+    if shutil.which("nvcc"):  # the build stage's ptxas report: a real nvcc compile for sm_90
+        kernels = {k["kernel"]: k for k in stages["build"]["kernels"]}
+        assert set(kernels) == {"advance_rows_kernel", "fill_indices_kernel"}
+        assert all(k["arch"] == "sm_90" and k["registers"] > 0 for k in kernels.values())
+        assert kernels["advance_rows_kernel"]["registers"] <= 64  # __launch_bounds__(1024)
+        assert f"advance_rows_kernel {kernels['advance_rows_kernel']['registers']} regs" in proc.stdout
     bench = stages["bench"]
     assert bench["status"] == "ok" and bench["json"] == "bench_buckets.json"
     assert [(p["k"], p["batch"]) for p in bench["bench"]["points"]] == [(2, 1), (2, 2)]
@@ -127,8 +152,45 @@ def test_failed_and_timed_out_stages_do_not_stop_the_next(tmp_path):
     assert stages["bench_compiled"]["status"] == "ok"  # started: enough budget for its (tiny) need
     assert proc.returncode == 1 and summary["ok"] is False and summary["finished"]
     assert "FAILED: kit, build" in proc.stdout
+    core = summary["must_pass"]
+    assert core["passed"] == ["env"] and core["not_passed"]["kit"] == "failed rc=3: test hook"
+    assert core["not_passed"]["build"].startswith("timeout")
+    assert core["not_passed"]["pytest_graphs"] == "skipped: not selected (--only)"
+    assert "must-pass core (*, need ~65s): 1/7 passed (env)" in proc.stdout
     rerun = [line for line in proc.stdout.splitlines() if line.startswith("rerun (")]
     assert len(rerun) == 1 and rerun[0].endswith("bash profiling/gpu_check.sh --dry-run --only kit,build --budget 35")
+
+
+def test_only_core_selects_the_must_pass_stages_and_hooked_pytest_stages_do_not_pass(tmp_path):
+    """`--only core` runs the seven must-pass stages; a pytest stage passes only with tests that
+    ran (a hooked one writes no junit XML), the other stages by their status."""
+    proc, summary = _check(tmp_path, "--dry-run", "--only", "core",
+                           GPU_CHECK_SLEEP=",".join(f"{name}:0" for name in CORE))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert summary["only"] == CORE
+    assert [name for name in STAGES if summary["stages"][name]["status"] == "ok"] == CORE
+    core = summary["must_pass"]
+    assert core["passed"] == ["env", "kit", "build"]
+    assert core["not_passed"] == {name: "ok but no junit XML" for name in CORE[3:]}
+
+
+def test_must_pass_reads_each_core_stage(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "profiling"))
+    from gpu_check_report import must_pass
+
+    def tests(passed, failed=0, skipped=0):
+        return {"passed": passed, "failed": failed, "errors": 0, "skipped": skipped}
+
+    stages = {"env": {"status": "ok"}, "build": {"status": "failed", "rc": 43, "reason": "registers"},
+              "pytest_a": {"status": "ok", "tests": tests(3, skipped=1)},
+              "pytest_b": {"status": "ok", "tests": tests(0, skipped=4)},
+              "pytest_c": {"status": "cut", "reason": "the budget ran out"}}
+    needs = {"env": 10, "build": 20, "pytest_a": 30, "pytest_b": 40, "pytest_c": 50, "bench": 60}
+    result = must_pass({"stages": {**stages, "bench": {"status": "failed"}}}, tuple(stages), needs)
+    assert result == {"stages": list(stages), "need_s": 150, "passed": ["env", "pytest_a"],
+                      "not_passed": {"build": "failed rc=43: registers", "pytest_b": "no test ran (4 skipped)",
+                                     "pytest_c": "cut: the budget ran out"}, "ok": False}
+    assert must_pass({"stages": stages}, ("env", "pytest_a"), needs)["ok"] is True
 
 
 def test_budget_skips_what_it_cannot_hold_and_cuts_without_failing(tmp_path):
@@ -179,6 +241,38 @@ def test_missing_stage_packages_come_from_carried_wheels_or_skip_by_name(tmp_pat
     proc, summary = _check(tmp_path / "carried", "--dry-run", "--only", "bench_serve", **common)
     serve = summary["stages"]["bench_serve"]
     assert serve["status"] == "ok" and serve["wheels_installed"] == 1, proc.stdout[-2000:]
+
+
+def test_a_missing_optional_module_does_not_gate_the_stage(tmp_path):
+    """pytest_graphs runs without outlines_core (only its structured test would skip): the stage
+    records what is missing; an optional module in the carried wheels is installed for it."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "outlines_core.py").write_text("raise ImportError('no outlines_core on this machine')\n")
+    proc, summary = _check(tmp_path / "without", "--dry-run", "--only", "pytest_graphs", PYTHONPATH=shadow,
+                           GPU_CHECK_WHEELS_DIR=tmp_path / "no-wheels")
+    graphs = summary["stages"]["pytest_graphs"]
+    assert graphs["status"] == "ok" and graphs["optional_missing"] == ["outlines_core"], proc.stdout[-3000:]
+    assert graphs["tests"]["skipped"] > 0 and graphs["tests"]["failed"] == graphs["tests"]["errors"] == 0
+    assert "without outlines_core" in proc.stdout and proc.returncode == 0
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _fake_wheel(wheels, "gdcheck_optional_mod")
+    proc, summary = _check(tmp_path / "carried", "--dry-run", "--only", "pytest_graphs", GPU_CHECK_WHEELS_DIR=wheels,
+                           GPU_CHECK_OPTIONAL="pytest_graphs:gdcheck_optional_mod")
+    graphs = summary["stages"]["pytest_graphs"]
+    assert graphs["status"] == "ok" and graphs["wheels_installed"] == 1, proc.stdout[-3000:]
+    assert "optional_missing" not in graphs
+
+
+def test_bench_tp_on_one_gpu_is_skipped_whatever_the_budget_and_not_rerun(tmp_path):
+    """Outside a dry run, bench_tp needs two GPUs: with fewer it is skipped before the budget is
+    asked, and stays out of the rerun command (here: no GPU, so env fails for want of CUDA)."""
+    proc, summary = _check(tmp_path, "--only", "bench_tp", "--budget", "30")
+    tp = summary["stages"]["bench_tp"]
+    assert tp["status"] == "skipped" and tp["reason"] == "0 GPU(s) here: tensor parallelism needs 2"
+    assert "rerun" not in tp and summary["stages"]["env"]["status"] == "failed" and proc.returncode == 1
+    assert proc.stdout.rstrip().splitlines()[-2].endswith("--only env --budget 30")
 
 
 def test_a_prepared_kit_is_rehearsed_not_applied(tmp_path):

@@ -8,6 +8,8 @@ The sources also hold a host entry point (`graphdecode_advance_step_host`) that 
 the kernels' per-row code in a plain loop. It is in the nvcc library and, where nvcc
 is absent, builds alone with the system C++ compiler (`build_host`): `host_library`
 gives the tests one or the other, so CI checks the kernels' logic without a GPU.
+`build_with_report` is the same nvcc build with ptxas's resource report (-Xptxas -v:
+registers, spills, shared memory per kernel), which `ptxas_report` reads.
 
 The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place, the fused
 RMSNorm / rotary passes of a decoder layer, the float32 linear for few rows over panelled weights) are
@@ -32,6 +34,7 @@ CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped w
 # -fopenmp-simd: the `omp simd` loops vectorise without an OpenMP runtime (torch brings its own);
 # -fno-math-errno: tanh/floor need no errno, so they vectorise too
 CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wall")
+PTXAS_REPORT_FLAGS = ("-Xptxas", "-v")  # ptxas prints each kernel's registers, spills and shared memory
 DEFAULT_ARCH_FLAGS = (
     "-gencode", "arch=compute_90,code=sm_90",
     "-gencode", "arch=compute_90,code=compute_90",  # embedded PTX for newer GPUs
@@ -88,6 +91,18 @@ def arch_flags_for(capability: tuple[int, int] | None) -> tuple[str, ...]:
 
 def build(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS, nvcc: str | None = None) -> str:
     """Compile the sources into out_path (atomically); writes a .sha256 stamp beside it."""
+    return _nvcc_build(out_path, src_dir, arch_flags, nvcc, ())[0]
+
+
+def build_with_report(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS,
+                      nvcc: str | None = None) -> tuple[str, str]:
+    """build() with ptxas's resource report (`-Xptxas -v`; the same library): returns
+    (out_path, nvcc's output), whose `ptxas info` lines give each kernel's registers,
+    spills and shared memory per architecture (`ptxas_report.parse` reads them)."""
+    return _nvcc_build(out_path, src_dir, arch_flags, nvcc, PTXAS_REPORT_FLAGS)
+
+
+def _nvcc_build(out_path: str, src_dir: str, arch_flags, nvcc: str | None, extra_flags) -> tuple[str, str]:
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
@@ -95,7 +110,7 @@ def build(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS, nvcc: str 
     tmp = f"{out_path}.{os.getpid()}.tmp"
     cmd = [
         nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-        *arch_flags, "-o", tmp, *(os.path.join(src_dir, s) for s in SOURCES),
+        *arch_flags, *extra_flags, "-o", tmp, *(os.path.join(src_dir, s) for s in SOURCES),
     ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -103,7 +118,7 @@ def build(out_path: str, src_dir: str, arch_flags=DEFAULT_ARCH_FLAGS, nvcc: str 
     os.replace(tmp, out_path)
     with open(out_path + ".sha256", "w") as f:
         f.write(source_hash(src_dir))
-    return out_path
+    return out_path, result.stdout + result.stderr
 
 
 def build_host(out_path: str, src_dir: str, cxx: str | None = None) -> str:
