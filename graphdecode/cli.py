@@ -126,12 +126,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"what logprobs report ({config('logprobs_mode')})")
     p.add_argument("--scheduling-policy", default=None, choices=list(SCHEDULING_POLICIES),
                    help=f"admission order: arrival, or the requests' priority ({config('scheduling_policy')})")
+    p.add_argument("--structured-max-states", type=_positive_int, default=None,
+                   help=f"automaton states the device's constraint tables hold ({config('structured_max_states')})")
+    p.add_argument("--structured-compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"wall time one constraint may take to compile ({config('structured_compile_timeout')})")
+    p.add_argument("--structured-compile-memory-bytes", type=_positive_int, default=None, metavar="BYTES",
+                   help=f"memory one constraint compile may take; larger ones are refused before they start "
+                        f"({config('structured_compile_memory_bytes')})")
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
                    "max_model_len", "compile", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
                    "max_num_batched_tokens", "speculative_config", "cpu_threads", "max_logprobs", "logprobs_mode",
-                   "scheduling_policy")
+                   "scheduling_policy", "structured_max_states", "structured_compile_timeout",
+                   "structured_compile_memory_bytes")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

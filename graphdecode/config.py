@@ -96,6 +96,11 @@ class EngineConfig:
     # elsewhere): SmolLM2, four bounded strings of 16-24 characters: 3.4 million
     structured_max_states: int = 4096
     structured_max_exceptions: int = 1 << 23
+    # a constraint compiles in a worker process under these budgets (structured/budget.py): wall seconds, and
+    # memory above the worker's baseline (2 GiB: two workers at most, well inside a 24 GiB machine); a compile
+    # estimated above the memory budget is refused before it starts. Either way a ValueError / 400 names the field.
+    structured_compile_timeout: float = 20.0
+    structured_compile_memory_bytes: int = 2 << 30
     max_stop_ids: int = 16
     max_logit_bias: int = 64  # logit_bias entries per request (device buffers: [max_batch_size, this])
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
@@ -160,6 +165,11 @@ class EngineConfig:
         _pos_int("cpu_threads", self.cpu_threads)
         _pos_int("structured_max_states", self.structured_max_states)
         _pos_int("structured_max_exceptions", self.structured_max_exceptions)
+        _pos_int("structured_compile_memory_bytes", self.structured_compile_memory_bytes)
+        if isinstance(self.structured_compile_timeout, bool) or not isinstance(
+                self.structured_compile_timeout, (int, float)) or not 0 < self.structured_compile_timeout < 1e9:
+            raise ValueError(f"structured_compile_timeout must be a number of seconds > 0, got "
+                             f"{self.structured_compile_timeout!r}")
         speculative = _check_speculative(self.speculative_config, self.page_size)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -200,7 +200,11 @@ class Engine:
             raise dead from exc
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one rank); the engine cannot step after it."""
+        """Stop the tensor-parallel workers and the constraint compile workers; the engine cannot
+        step after it."""
+        inputs = getattr(self, "inputs", None)  # None when construction failed before it
+        if inputs is not None:
+            inputs.close()
         if self.executor is not None:
             self.executor.shutdown()
 

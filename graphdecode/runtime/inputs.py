@@ -9,6 +9,7 @@ a bad request never disturbs the others.
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 
 from ..outputs import RequestMetrics
@@ -84,6 +85,7 @@ class InputProcessor:
         self._next_seq_id = 0
         self._fast_encode: bool | None = None  # decided by a probe at first use
         self.automata = None  # structured.AutomatonCache, made at the first constrained request
+        self._automata_lock = threading.Lock()
 
     def tokenize_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
         """Parse prompts (str or {"prompt_token_ids"} / {"prompt"} dicts); text is batch-encoded.
@@ -249,7 +251,8 @@ class InputProcessor:
                         )
                     sequences.append(tuple(ids))
             params._bad_words_token_ids = tuple(sequences)  # on the engine's copy: the caller's stays as it is
-        automaton = self._automaton(params.structured_outputs) if params.structured_outputs is not None else None
+        constraint = params.structured_outputs
+        automaton = self.compile_constraint(constraint) if constraint is not None else None
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
         max_len = cfg.max_model_len
@@ -287,19 +290,34 @@ class InputProcessor:
             self._next_seq_id += 1
         return request
 
-    def _automaton(self, constraint):
-        """The constraint compiled for this model's tokenizer (cached in memory and on disk)."""
+    def compile_constraint(self, constraint, cancelled: threading.Event | None = None):
+        """The constraint compiled for this model's tokenizer (cached in memory and on disk), under
+        the engine's compile budget (structured/budget.py); cancelled: set when the request that
+        asks for it goes away (the compile stops: structured.compile_worker.CompileCancelled)."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs: a constraint needs the model's tokenizer, and the model "
                              "directory has none")
-        from ..structured import AutomatonCache, compile_constraint
-
-        if self.automata is None:
-            self.automata = AutomatonCache()  # this engine's, in memory; the disk cache is shared
-        automaton = compile_constraint(constraint, self.tokenizer, self.vocab_size, self.eos_ids,
-                                       cache=self.automata)
+        automaton = self._automata().get(constraint, self.tokenizer, self.vocab_size, self.eos_ids, cancelled)
         check_capacity(automaton, self.config.structured_max_states, self.config.structured_max_exceptions)
         return automaton
+
+    def _automata(self):
+        """This engine's compile cache (in memory; the disk cache is shared) and its compile workers."""
+        with self._automata_lock:
+            if self.automata is None:
+                from ..structured import AutomatonCache
+                from ..structured.budget import CompileBudget
+                from ..structured.compile_worker import CompileWorkers
+
+                cfg = self.config
+                budget = CompileBudget(cfg.structured_compile_timeout, cfg.structured_compile_memory_bytes)
+                self.automata = AutomatonCache(workers=CompileWorkers(budget))
+            return self.automata
+
+    def close(self) -> None:
+        """Stop the compile workers."""
+        if self.automata is not None:
+            self.automata.close()
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """The one context-length rule (the API's and the server's, vLLM's): the prompt leaves

@@ -324,6 +324,7 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        self.inputs.close()  # compiles in flight stop
         self._outbox.put(("shutdown",))  # after whatever is still queued
         self._outbox.put(None)
         self._sender.join(timeout)

@@ -41,6 +41,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -58,6 +59,7 @@ from .. import __version__
 from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
+from ..structured.compile_worker import CompileCancelled
 from . import tools as tool_calls
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from .metrics import ServerMetrics
@@ -227,7 +229,7 @@ class OpenAIServer:
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc), param=param_of(str(exc), renames)) from None
 
-    async def _constrain(self, req, params: SamplingParams, renames: dict) -> None:
+    async def _constrain(self, request: Request, req, params: SamplingParams, renames: dict) -> None:
         """The request's structured-output constraint (response_format, structured_outputs, guided_*,
         tool_choice) checked and compiled for this model in a worker thread (0.1-3 s the first time;
         the event loop keeps serving), then set on `params`; AsyncLLM.generate finds it compiled in the
@@ -235,15 +237,24 @@ class OpenAIServer:
         source = req.constraint_source()
         if source is None:
             return
-        inputs = self.engine.inputs
-        if getattr(inputs, "automata", False) is None:  # made here, once: two first compiles share it
-            from ..structured import AutomatonCache
-
-            inputs.automata = AutomatonCache()
-        params.structured_outputs = await asyncio.to_thread(self._compile, req, source)
+        cancelled = threading.Event()  # the compile worker is stopped when the client leaves
+        compiling = asyncio.ensure_future(asyncio.to_thread(self._compile, req, source, cancelled))
+        watcher = asyncio.ensure_future(self._until_disconnected(request))
+        try:
+            await asyncio.wait((compiling, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not compiling.done():
+                cancelled.set()
+        try:
+            params.structured_outputs = await compiling
+        except CompileCancelled:
+            if self.draining:
+                raise unavailable("the server is shutting down") from None
+            raise APIError("the client went away while its constraint compiled", status=499) from None
         renames["structured_outputs"] = source.error_param or source.param
 
-    def _compile(self, req, source: ConstraintSource):
+    def _compile(self, req, source: ConstraintSource, cancelled: threading.Event):
         try:
             constraint = build_constraint(source)
         except APIError:
@@ -252,7 +263,7 @@ class OpenAIServer:
                     build_constraint(each)
             raise
         try:
-            self.engine.inputs._automaton(constraint)  # compiled now, into the engine's cache
+            self.engine.inputs.compile_constraint(constraint, cancelled)  # now, into the engine's cache
         except (ValueError, TypeError) as exc:
             raise constraint_error(source, exc) from None
         return constraint
@@ -372,7 +383,7 @@ class OpenAIServer:
         for text, ids in parsed:
             self._check_length(len(ids), params.max_tokens, "prompt", "max_tokens")
         renames = req.renames()
-        await self._constrain(req, params, renames)
+        await self._constrain(request, req, params, renames)
         echo = None
         if req.echo:  # the echoed text, and where each prompt token starts in it (for text_offset)
             echo = await _off_loop(sum(len(ids) for _, ids in parsed), _INLINE_TOKENS, self._echoes, parsed,
@@ -577,7 +588,7 @@ class OpenAIServer:
         self._check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
         params = req.sampling_params(max_tokens, self.vocab_size)
         renames = req.renames()
-        await self._constrain(req, params, renames)
+        await self._constrain(request, req, params, renames)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
         streams = [(rid, self._start(prompt, params, rid, renames, req.priority))]
@@ -753,7 +764,10 @@ class OpenAIServer:
 
     # ------------------------------------------------------------- lifecycle
     async def drain(self, timeout: float) -> None:
-        """Wait for the running requests (at most `timeout` s), then abort what is left."""
+        """Wait for the running requests (at most `timeout` s), then abort what is left. Constraints
+        still compiling are stopped at once (their requests get 503): a compile can take its whole
+        time budget, and nothing of it has been generated yet."""
+        self.engine.inputs.close()
         deadline = time.monotonic() + timeout
         while self.metrics.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -102,7 +102,8 @@ class AutomatonCache:
     """
 
     def __init__(self, directory: str | None = None, *, disk: bool = True, max_entries: int = 64,
-                 max_bytes: int = 1 << 30, max_disk_bytes: int = 2 << 30):
+                 max_bytes: int = 1 << 30, max_disk_bytes: int = 2 << 30, workers=None):
+        self.workers = workers  # CompileWorkers (compile_worker.py): compiles under a budget; None: in-process
         self._directory = directory
         self.disk = disk
         self.max_entries = max_entries
@@ -151,7 +152,15 @@ class AutomatonCache:
                 self._stats.memory_hits += 1
             return hit
 
-    def get(self, params: StructuredOutputsParams, tokenizer, vocab_size: int, eos_token_ids) -> TokenAutomaton:
+    def close(self) -> None:
+        """Stop the compile workers (an in-flight compile ends with an error)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def get(self, params: StructuredOutputsParams, tokenizer, vocab_size: int, eos_token_ids,
+            cancelled: threading.Event | None = None) -> TokenAutomaton:
+        """The automaton, from memory, disk or a compile. cancelled: set when the request that
+        asks for it goes away (a worker's compile then stops: compile_worker.CompileCancelled)."""
         if not isinstance(params, StructuredOutputsParams):
             raise TypeError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
         vocab = tokenizer_vocab(tokenizer, vocab_size, eos_token_ids)
@@ -164,12 +173,12 @@ class AutomatonCache:
         try:
             with building:  # one compile per identity; the others wait for it and hit memory
                 hit = self._memory_hit(ident)
-                return hit if hit is not None else self._load_or_compile(ident, params, vocab)
+                return hit if hit is not None else self._load_or_compile(ident, params, vocab, cancelled)
         finally:
             with self._lock:
                 self._building.pop(ident, None)
 
-    def _load_or_compile(self, ident: str, params: StructuredOutputsParams, vocab) -> TokenAutomaton:
+    def _load_or_compile(self, ident: str, params: StructuredOutputsParams, vocab, cancelled) -> TokenAutomaton:
         path = self.path_for(ident) if self.disk else None
         automaton = load_npz(path, ident) if path is not None and os.path.isfile(path) else None
         if automaton is not None:
@@ -182,7 +191,10 @@ class AutomatonCache:
                 self._remember(ident, automaton)
             return automaton
         t0 = time.perf_counter()
-        automaton = compiler.compile_automaton(params, vocab)
+        if self.workers is not None:
+            automaton = self.workers.compile(params, vocab, params.kind, cancelled)
+        else:
+            automaton = compiler.compile_automaton(params, vocab)
         seconds = time.perf_counter() - t0
         for name in _ARRAYS:
             getattr(automaton, name).flags.writeable = False

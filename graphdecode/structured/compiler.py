@@ -51,6 +51,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .automaton import TokenAutomaton
+from .budget import MAX_ESTIMATED_STATES, CompileBudget, check_states
 from .params import StructuredOutputsParams
 from .vocabulary import TokenizerVocab, outlines_vocabulary
 
@@ -290,9 +291,78 @@ def automaton_from_index(index, vocab: TokenizerVocab, key: str, started: float 
     )
 
 
-def compile_automaton(params: StructuredOutputsParams, vocab: TokenizerVocab) -> TokenAutomaton:
-    """Compile (no caching): params -> regex -> outlines-core Index -> tables."""
+_BYTE_VOCAB = None
+# outlines-core's index and the transitions dict read from it, per (state, token) transition:
+# measured 106 bytes on SmolLM2 ([a-z]{1,300}: 3.44M transitions, +365 MB peak RSS)
+BYTES_PER_TRANSITION = 110
+
+
+def _byte_vocabulary():
+    """outlines-core's Vocabulary of the 256 single bytes: any valid regex compiles over it."""
+    global _BYTE_VOCAB
+    if _BYTE_VOCAB is None:
+        from outlines_core import Vocabulary
+
+        _BYTE_VOCAB = Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+    return _BYTE_VOCAB
+
+
+def byte_index(regex: str, field: str):
+    """outlines-core's index of `regex` over single bytes (its DFA, about as costly to build):
+    a ValueError naming the field if it is invalid, unsupported or matches no string."""
+    from outlines_core import Index
+
+    try:
+        return Index(regex, _byte_vocabulary())
+    except ValueError as e:
+        msg = str(e)
+        if "incompatible with the regex" in msg:
+            raise ValueError(f"structured_outputs.{field}: the regular expression matches no string") from None
+        raise ValueError(
+            f"structured_outputs.{field}: unsupported or invalid regular expression ({msg}); the syntax is Rust "
+            "`regex`: no lookaround, no backreferences"
+        ) from None
+
+
+def estimate_transitions(index, vocab: TokenizerVocab) -> int:
+    """An upper bound on the (state, token) transitions of the token index: over the byte DFA's
+    states, the tokens whose first byte the state allows (outlines-core walks each of them)."""
+    first = np.zeros(256, dtype=np.int64)
+    for data in vocab.token_bytes:
+        if data:
+            first[data[0]] += 1
+    total = 0
+    for row in index.get_transitions().values():
+        allowed = [b for b in row if 0 <= b < 256]
+        total += int(first[allowed].sum())
+    return total
+
+
+def check_budget(index, vocab: TokenizerVocab, field: str, budget: CompileBudget) -> int:
+    """The token index's estimated memory against the budget (ValueError naming the field)."""
+    transitions = estimate_transitions(index, vocab)
+    need = transitions * BYTES_PER_TRANSITION
+    if need > budget.memory_bytes:
+        raise ValueError(
+            f"structured_outputs.{field}: the constraint needs about {transitions:,} (state, token) transitions "
+            f"over this vocabulary, about {need >> 20} MiB to compile, more than its memory budget of "
+            f"{budget.memory_bytes >> 20} MiB (structured_compile_memory_bytes); lower its repetition counts "
+            "(maxLength, maxItems, {m,n}) or its number of choices")
+    return transitions
+
+
+def compile_automaton(params: StructuredOutputsParams, vocab: TokenizerVocab,
+                      budget: CompileBudget | None = None) -> TokenAutomaton:
+    """Compile (no caching): params -> regex -> outlines-core Index -> tables. The regex's byte-level
+    DFA comes first (its errors name the field); with a budget, the token index's size is
+    estimated from it and checked (budget.py) before the costly index is built."""
     started = time.perf_counter()
     regex = constraint_regex(params)
-    index = build_index(regex, vocab, params.kind)
+    field = params.kind
+    check_states(regex, field, MAX_ESTIMATED_STATES, "no constraint may need more")
+    dfa = byte_index(regex, field)  # clear errors for a regex outlines-core rejects or that matches nothing
+    if budget is not None:
+        check_budget(dfa, vocab, field, budget)
+    del dfa
+    index = build_index(regex, vocab, field)
     return automaton_from_index(index, vocab, params.key(), started)

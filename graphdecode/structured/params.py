@@ -2,14 +2,16 @@
 
 Exactly one of `json` (a JSON schema, as a dict or its JSON text), `regex`, `choice`
 (a list of strings), `json_object` (True: any JSON object) or `grammar` must be given.
-Everything is checked here, when the params are made, so a bad constraint fails the
-request up front and never reaches the engine:
+What can be checked without compiling is checked here, when the params are made; the
+compile (in a worker, under a time and memory budget: budget.py) finds the rest, before
+the request is admitted:
 
 * `json`: must parse as JSON, be an object, and be a schema outlines-core can turn into
   a regular expression (its error is passed on, e.g. unsupported keywords or types);
 * `regex`: Rust `regex` syntax (what outlines-core compiles: no lookaround, no
-  backreferences; `\\d`, `\\w` are Unicode-aware), and it must match some string (checked
-  by compiling it over the 256 single bytes: about as long as building its DFA);
+  backreferences; `\\d`, `\\w` are Unicode-aware), balanced, and at most
+  MAX_ESTIMATED_STATES positions once its counted repetitions are expanded (a linear
+  scan); that it compiles and matches some string is found by the compile;
 * `choice`: a non-empty list (or tuple) of strings;
 * `json_object`: True (False is the same as not giving it);
 * `grammar` (EBNF / Lark): not supported, rejected with a ValueError; never ignored.
@@ -22,42 +24,27 @@ compile cache's key; property order in a schema is kept, since it orders the out
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
+
+from .budget import MAX_ESTIMATED_STATES, RegexSyntaxError, check_states, estimate_states
 
 FIELDS = ("json", "regex", "choice", "json_object", "grammar")
 
-_BYTE_VOCAB = None
-
-
-def _byte_vocabulary():
-    """outlines-core's Vocabulary of the 256 single bytes: any valid regex compiles over it."""
-    global _BYTE_VOCAB
-    if _BYTE_VOCAB is None:
-        from outlines_core import Vocabulary
-
-        _BYTE_VOCAB = Vocabulary(256, {bytes([b]): [b] for b in range(256)})
-    return _BYTE_VOCAB
-
 
 def check_regex(regex: str, field: str = "regex") -> None:
-    """ValueError unless outlines-core can compile `regex` and it matches some string."""
-    from outlines_core import Index
-
+    """What can be told of `regex` without compiling it (budget.py's scan, linear in its length):
+    balanced, no lookaround or backreferences, and at most MAX_ESTIMATED_STATES positions. The
+    rest (a construct outlines-core rejects, a regex matching no string, the engine's state
+    limit) is found by the compile, in a worker under a time and memory budget."""
     try:
-        Index(regex, _byte_vocabulary())
-    except ValueError as e:
-        msg = str(e)
-        if "incompatible with the regex" in msg:
-            raise ValueError(f"structured_outputs.{field}: the regular expression matches no string") from None
-        try:
-            re.compile(regex)
-        except re.error as pe:
-            raise ValueError(f"structured_outputs.{field}: invalid regular expression: {pe}") from None
-        raise ValueError(
-            f"structured_outputs.{field}: unsupported regular expression ({msg}); the syntax is Rust `regex`: "
-            "no lookaround, no backreferences"
-        ) from None
+        estimate = estimate_states(regex)
+    except RegexSyntaxError as e:
+        if e.unsupported:
+            raise ValueError(f"structured_outputs.{field}: unsupported regular expression ({e}); the syntax is "
+                             "Rust `regex`: no lookaround, no backreferences") from None
+        raise ValueError(f"structured_outputs.{field}: invalid regular expression: {e}") from None
+    if estimate > MAX_ESTIMATED_STATES:
+        check_states(regex, field, MAX_ESTIMATED_STATES, "no constraint may need more")
 
 
 def _schema_text(schema) -> str:
@@ -80,10 +67,11 @@ def _schema_text(schema) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     try:
-        build_regex_from_schema(text)
+        regex = build_regex_from_schema(text)
     except (ValueError, TypeError) as e:
         msg = " ".join(str(e).split())
         raise ValueError(f"structured_outputs.json: unsupported or invalid JSON schema: {msg}") from None
+    check_states(regex, "json", MAX_ESTIMATED_STATES, "no constraint may need more")
     return text
 
 
@@ -120,6 +108,8 @@ class StructuredOutputsParams:
             for i, c in enumerate(self.choice):
                 if not isinstance(c, str):
                     raise TypeError(f"structured_outputs.choice[{i}]: expected a string, got {type(c).__name__}")
+            check_states("", "choice", MAX_ESTIMATED_STATES, "no constraint may need more",
+                         estimate=sum(len(c) for c in self.choice))
             key = "choice:" + json.dumps(list(self.choice), ensure_ascii=False)
         elif field == "json_object":
             if not isinstance(self.json_object, bool):
