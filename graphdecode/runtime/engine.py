@@ -155,6 +155,13 @@ class Engine:
                 self._aborted.append(seq)
         return request
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished (vLLM's LLMEngine method)."""
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
     def has_unfinished(self) -> bool:
         """Work to schedule, a window to pythonize, or aborts not yet reported by a step."""
         return self.scheduler.has_work or self._inflight is not None or bool(self._aborted)
@@ -284,6 +291,8 @@ class Engine:
         out["padding_fraction"] = 1 - s.live_rows / s.window_rows if s.window_rows else 0.0
         out["spec_mean_accepted_per_verify"] = s.spec_accepted_tokens / s.spec_verifies if s.spec_verifies else 0.0
         out["spec_window_share"] = s.spec_windows / s.windows if s.windows else 0.0
+        out["kv_pages_total"] = self.pool.num_pages - 1  # the scratch page aside
+        out["kv_pages_free"] = self.pool.num_free  # an allocation could take them now (cached ones included)
         out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
         out["cpu_attention_kernels"] = self.runner.backend.reads_pages_in_place  # CPU: pages read in place
         automata = self.inputs.automata  # structured outputs: compiles (cold / cached) and the device store

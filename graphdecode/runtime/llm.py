@@ -70,6 +70,11 @@ class LLM:
         self._queues: dict[str, DeltaQueue] = {}  # request id -> the queue of the stream that owns it
 
     @property
+    def llm_engine(self):
+        """The engine (vLLM's name): `has_unfinished_requests()`, `get_num_unfinished_requests()`."""
+        return self.engine
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -89,15 +94,21 @@ class LLM:
             requests = self._add(prompts, sampling_params, priority)
             if use_tqdm is None:
                 use_tqdm = len(requests) > 8 and sys.stderr.isatty()
-            with tqdm(total=len(requests), unit="req", desc="generate", disable=not use_tqdm) as bar:
-                done = 0  # requests[:done] are finished: amortised O(1) per step however many wait
-                while done < len(requests):
-                    self._step()
-                    start = done
-                    while done < len(requests) and requests[done].finished:
-                        done += 1
-                    if done > start:
-                        bar.update(done - start)
+            try:
+                with tqdm(total=len(requests), unit="req", desc="generate", disable=not use_tqdm) as bar:
+                    done = 0  # requests[:done] are finished: amortised O(1) per step however many wait
+                    while done < len(requests):
+                        self._step()
+                        start = done
+                        while done < len(requests) and requests[done].finished:
+                            done += 1
+                        if done > start:
+                            bar.update(done - start)
+            except BaseException:  # Ctrl-C or an engine error: this call leaves none of its requests behind
+                for r in requests:
+                    if not r.finished:
+                        self.engine.abort_request(r.request_id)
+                raise
             return [final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
