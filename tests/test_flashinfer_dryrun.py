@@ -24,6 +24,7 @@ from graphdecode.attention.flashinfer_backend import FlashInferBackend  # noqa: 
 from graphdecode.attention.kv_cache import allocate_kv_caches  # noqa: E402
 from graphdecode.compiled.decode_state import DecodeState  # noqa: E402
 from graphdecode.compiled.graphs import WindowGraphs  # noqa: E402
+from graphdecode.compiled.window_writes import WindowWrites  # noqa: E402
 
 CAUSAL = flashinfer.utils.MaskMode.CAUSAL.value
 H, H_KV, D, P, NUM_PAGES = 4, 2, 16, 4, 64
@@ -186,7 +187,7 @@ def test_window_graphs_plan_every_bucket_up_front(kernels):
     state = _state({0: 3})
     backend = FlashInferBackend(_caches(), H, H_KV, D, device="cpu")
     graphs = WindowGraphs(None, None, backend, state, buckets=(1, 2, 4, 8), num_decode_steps=4,
-                          page_size=P, use_graphs=False)
+                          page_size=P, use_graphs=False, writes=WindowWrites())
     assert len(kernels.plans) == 4
     for bucket in graphs.buckets:
         wrapper = backend._decode_wrappers[bucket]
