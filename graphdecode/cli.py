@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import NoReturn
 
 FIRST_PROMPT = "The capital of France is"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # serve: seconds without a beat from the engine core before /health is 503
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,6 +56,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
+                  "T": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """Bytes as vLLM writes them: 4294967296, 4G or 4GiB (binary), 4g (decimal)."""
+    number = text.removesuffix("iB") if text[-3:-2] in ("K", "M", "G", "T") else text
+    scale = _SIZE_SUFFIXES.get(number[-1:], 1)
+    try:
+        value = int(float(number[:-1] if scale > 1 else number) * scale)
+    except (ValueError, OverflowError):
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes >= 1 (e.g. 4000000000, 4G, 4GiB), got {text!r}")
+    return value
+
+
 def _field_default(cls, name: str):
     """A dataclass field's default, so the help never repeats a number that lives elsewhere."""
     return next(f.default for f in dataclasses.fields(cls) if f.name == name)
@@ -77,7 +96,16 @@ def _json_object(text: str) -> dict:
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
-    from .config import DEFAULT_MAX_BATCH_SIZE, LOGPROBS_MODES, SCHEDULING_POLICIES, EngineConfig
+    from .config import (
+        CPU_KV_BUDGET_BYTES,
+        CPU_KVCACHE_SPACE_ENV,
+        CPU_THREADS_ENV,
+        DEFAULT_MAX_BATCH_SIZE,
+        GPU_MEMORY_FRACTION,
+        LOGPROBS_MODES,
+        SCHEDULING_POLICIES,
+        EngineConfig,
+    )
 
     def config(name: str) -> str:
         return f"default: EngineConfig's, {_field_default(EngineConfig, name)}"
@@ -99,6 +127,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"decode steps per window, k ({config('num_decode_steps')})")
     p.add_argument("--page-size", type=_positive_int, default=None,
                    help=f"KV cache page size in tokens, a power of two ({config('page_size')})")
+    p.add_argument("--num-gpu-blocks-override", "--num-pages", dest="num_pages", type=_positive_int, default=None,
+                   metavar="PAGES",
+                   help="KV pool size in pages, exactly, on either device (default: sized by the options below)")
+    p.add_argument("--kv-cache-memory-bytes", type=_byte_size, default=None, metavar="BYTES",
+                   help=f"KV pool size in bytes per tensor-parallel rank, on either device, e.g. 4G (default: on "
+                        f"CUDA by --gpu-memory-utilization; on CPU ${CPU_KVCACHE_SPACE_ENV} GiB when set, else "
+                        f"{CPU_KV_BUDGET_BYTES >> 30} GiB at most)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help=f"share of the device's memory (on CPU: of the host's RAM) that weights, KV pool and "
+                        f"activations may take, after what others use now (default: on CUDA {GPU_MEMORY_FRACTION}; "
+                        f"on CPU unused)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest sequence, prompt + output (default: EngineConfig's: the model's "
                         "max_position_embeddings)")
@@ -118,8 +157,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"prefill tokens per engine step; longer prompts are chunked "
                         f"({config('max_num_batched_tokens')})")
     p.add_argument("--cpu-threads", "--threads", dest="cpu_threads", type=_positive_int, default=None,
-                   help=f"torch threads of a CPU engine ({config('cpu_threads')}: more than the idle cores "
-                        f"makes every matmul wait)")
+                   help=f"torch threads of a CPU engine (default: EngineConfig's: ${CPU_THREADS_ENV}, else the "
+                        f"cores this process may use, divided among tensor-parallel ranks; on a busy machine give "
+                        f"fewer: threads beyond the idle cores make every matmul wait)")
     p.add_argument("--max-logprobs", type=int, default=None,
                    help=f"most logprobs a request may ask for, -1 for no cap ({config('max_logprobs')})")
     p.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES),
@@ -136,7 +176,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_OPTIONS = ("device", "dtype", "max_batch_size", "buckets", "num_decode_steps", "page_size",
-                   "max_model_len", "compile", "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
+                   "num_pages", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "compile",
+                   "attention_backend", "tensor_parallel_size", "enable_prefix_caching",
                    "max_num_batched_tokens", "speculative_config", "cpu_threads", "max_logprobs", "logprobs_mode",
                    "scheduling_policy", "structured_max_states", "structured_compile_timeout",
                    "structured_compile_memory_bytes")
@@ -286,13 +327,29 @@ def _metrics_prefix(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--metrics-prefix: ")) from None
 
 
+def _serve_model(args) -> None:
+    """`serve MODEL` as `vllm serve MODEL` takes it: into args.model; with --model too, they must agree."""
+    positional = args.model_positional
+    if positional is None:
+        return
+    if args.model is not None and os.path.realpath(args.model) != os.path.realpath(positional):
+        raise ValueError(f"the model is given twice: MODEL {positional!r} and --model {args.model!r}; give one")
+    args.model = positional
+
+
 def cmd_serve(args) -> int:
     """The OpenAI-compatible server (graphdecode/server/openai_api.py) until SIGTERM or Ctrl+C."""
     try:
+        _serve_model(args)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         if not args.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+        from .server.engine_core import HEARTBEAT_INTERVAL_S
+
+        if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:
+            raise ValueError(f"--heartbeat-timeout must be more than the engine core's heartbeat interval "
+                             f"({HEARTBEAT_INTERVAL_S:g} s), got {args.heartbeat_timeout}")
         _engine_options(args)  # every engine option checked before the model loads
         from .server.openai_api import serve
     except (ValueError, TypeError) as e:
@@ -347,6 +404,8 @@ def main(argv=None) -> int:
                     "(streamed or not), GET /v1/models, /health, /metrics (Prometheus). SIGTERM drains: new "
                     "requests get 503, running ones finish (at most --shutdown-timeout), then the server exits 0.",
     )
+    srv.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                     help="HuggingFace model directory, as `vllm serve MODEL` takes it (the same as --model)")
     _engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
@@ -355,6 +414,10 @@ def main(argv=None) -> int:
                           "graphdecode-default for the built-in model)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds running requests get to finish after SIGTERM before they are aborted")
+    srv.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+                     help="the engine core beats every second, idle or busy; after this many seconds without a "
+                          "beat (a stopped or frozen core) /health answers 503 and new requests get 503, until it "
+                          "beats again")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
     srv.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")

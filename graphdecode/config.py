@@ -28,8 +28,11 @@ _DTYPE_NAMES = {
 DEFAULT_MAX_BATCH_SIZE = 256
 MAX_ROWS = 1024  # advance_step scans all rows of a bucket in one CUDA block
 ATTENTION_BACKENDS = ("torch", "flashinfer")
-CPU_KV_BUDGET_BYTES = 2 << 30
-GPU_MEMORY_FRACTION = 0.85
+CPU_KV_BUDGET_BYTES = 2 << 30  # a CPU engine's KV pool when no size is given (at most what max_batch_size fills)
+GPU_MEMORY_FRACTION = 0.85  # gpu_memory_utilization on CUDA when no size is given
+ACTIVATION_RESERVE_BYTES = 2 << 30  # kept out of a gpu_memory_utilization budget for activations (per rank)
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM-CPU's: GiB of KV pool per rank, a CPU engine's default
+CPU_THREADS_ENV = "GRAPHDECODE_CPU_THREADS"  # cpu_threads when the argument is not given
 TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -42,6 +45,52 @@ def _pos_int(name: str, value, allow_none: bool = False) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask: taskset, cgroup cpusets), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
+def _resolve_cpu_threads(given, tensor_parallel_size: int) -> int:
+    """cpu_threads as given; else GRAPHDECODE_CPU_THREADS; else the usable cores, shared among the ranks."""
+    if given is not None:
+        _pos_int("cpu_threads", given)
+        return given
+    text = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"cpu_threads: {CPU_THREADS_ENV} must be a positive integer, got {text!r}")
+        return int(text)
+    return max(1, usable_cores() // tensor_parallel_size)
+
+
+def _env_kvcache_bytes() -> int | None:
+    """VLLM_CPU_KVCACHE_SPACE (GiB, as vLLM-CPU reads it) in bytes; None when unset, empty or 0 (vLLM's: auto)."""
+    text = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not 0 <= gib < 1 << 20:  # also NaN
+        raise ValueError(f"kv_cache_memory_bytes: {CPU_KVCACHE_SPACE_ENV} must be a number of GiB >= 0, got {text!r}")
+    return int(gib * (1 << 30)) or None
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host RAM: /proc/meminfo's MemAvailable and MemTotal where there is one."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 def _default_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -71,7 +120,19 @@ class EngineConfig:
     buckets: tuple[int, ...] | list[int] | None = None  # padded batch sizes that get a graph
     num_decode_steps: int = 8
     page_size: int = 16
+    # The KV pool (one per tensor-parallel rank), vLLM's three ways to size it; give at most one:
+    # num_pages: its pages, exactly (vLLM's num_gpu_blocks_override);
+    # kv_cache_memory_bytes: its bytes per rank, on either device: num_pages = this // bytes per page;
+    # gpu_memory_utilization: the share (0, 1] of the device's memory the engine may take, weights, pool and an
+    #   activation reserve together, after what others use now: the GPU's memory on CUDA, the host's RAM
+    #   (MemTotal, MemAvailable) on CPU, where the ranks of one engine share it.
+    # None of them: on CUDA, gpu_memory_utilization GPU_MEMORY_FRACTION; on CPU, VLLM_CPU_KVCACHE_SPACE GiB when
+    # set, else CPU_KV_BUDGET_BYTES. A fraction or the fixed CPU budget never takes more pages than
+    # max_batch_size sequences of max_model_len fill; an explicit size that cannot hold one such sequence is a
+    # ValueError naming it.
     num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     attention_backend: str | None = None
     compile: bool | None = None
@@ -107,11 +168,12 @@ class EngineConfig:
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
     speculative_config: dict | None = None  # {"method": "ngram", "num_speculative_tokens": d, ...}; None: off
-    # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). One by
-    # default: threads beyond the cores that are idle make every small matmul wait for a descheduled
-    # thread (2 threads on a busy 2-core machine: small matmuls up to 100x slower than 1, the API
-    # at 2 tok/s instead of 38 in issue 19's report); raise it when the cores are yours.
-    cpu_threads: int = 1
+    # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). None: the
+    # environment's GRAPHDECODE_CPU_THREADS, else the cores this process may use (os.sched_getaffinity),
+    # divided among the tensor-parallel ranks; resolved to that number. On a busy machine give fewer: threads
+    # beyond the idle cores make every small matmul wait for a descheduled thread (2 threads on a 2-core
+    # machine with a busy neighbour: small matmuls up to 100x slower than 1, the API at 2 tok/s instead of 38).
+    cpu_threads: int | None = None
     # the bounds-checked mode (compiled/bounds.py): every window step checks the indices its kernels follow
     # (positions, KV slots and lengths, automaton states); None: on when GRAPHDECODE_CHECK_BOUNDS=1
     check_bounds: bool | None = None
@@ -147,6 +209,15 @@ class EngineConfig:
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         _pos_int("num_pages", self.num_pages, allow_none=True)
+        _pos_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        fraction = self.gpu_memory_utilization
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
+        sizes = [name for name in ("num_pages", "kv_cache_memory_bytes", "gpu_memory_utilization")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"{sizes[0]} and {sizes[1]} both size the KV pool: give one of them")
         _pos_int("max_model_len", self.max_model_len, allow_none=True)
         _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_logprobs != -1:
@@ -162,7 +233,7 @@ class EngineConfig:
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
-        _pos_int("cpu_threads", self.cpu_threads)
+        cpu_threads = _resolve_cpu_threads(self.cpu_threads, self.tensor_parallel_size)
         _pos_int("structured_max_states", self.structured_max_states)
         _pos_int("structured_max_exceptions", self.structured_max_exceptions)
         _pos_int("structured_compile_memory_bytes", self.structured_compile_memory_bytes)
@@ -199,12 +270,14 @@ class EngineConfig:
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (compiled/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
-        num_pages = self.num_pages or self._default_num_pages(cfg, dtype, device, max_pages, max_batch_size)
+        num_pages, source = self._kv_pool_pages(cfg, dtype, device, max_pages, max_batch_size)
         if num_pages < max_pages + 1:
             raise ValueError(
-                f"num_pages ({num_pages}) must hold one sequence of max_model_len ({max_len} tokens = "
+                f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
                 f"{max_pages} pages) plus the scratch page"
             )
+        if num_pages >= 1 << 31:
+            raise ValueError(f"{source}: more pages than int32 page ids can name (2**31 - 1)")
         resolved = {
             "model_config": cfg,
             "torch_device": device,
@@ -218,6 +291,7 @@ class EngineConfig:
             else os.environ.get("GRAPHDECODE_CHECK_BOUNDS", "") == "1",
             "max_batch_size": max_batch_size,
             "buckets": buckets,
+            "cpu_threads": cpu_threads,
             "max_pages_per_seq": max_pages,
             "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, cfg.vocab_size),
             **speculative,
@@ -274,17 +348,41 @@ class EngineConfig:
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
 
-    def _default_num_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int) -> int:
+    def _kv_pool_pages(self, cfg: ModelConfig, dtype, device, max_pages: int,
+                       max_batch_size: int) -> tuple[int, str]:
+        """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment."""
+        if self.num_pages is not None:
+            return self.num_pages, f"num_pages ({self.num_pages})"
         tp = self.tensor_parallel_size
         kv_heads = max(1, cfg.num_kv_heads // tp)  # one rank's share (replicated when fewer heads than ranks)
         per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, dtype)
         wanted = max_batch_size * max_pages + 1
+        size, source = self.kv_cache_memory_bytes, f"kv_cache_memory_bytes ({self.kv_cache_memory_bytes})"
+        if size is None and self.gpu_memory_utilization is None and device.type == "cpu":
+            size = _env_kvcache_bytes()
+            if size is None:  # the fixed CPU default, never refused: at least one sequence
+                return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1), "the default KV pool"
+            source = f"{CPU_KVCACHE_SPACE_ENV} ({os.environ[CPU_KVCACHE_SPACE_ENV].strip()} GiB)"
+        if size is not None:
+            return size // per_page, f"{source}, {size // per_page} pages of {per_page} bytes,"
+        fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
+        weights = model_weight_bytes(cfg, dtype)
         if device.type == "cpu":
-            return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1)
-        free, total = torch.cuda.mem_get_info(device)
-        weights = model_weight_bytes(cfg, dtype) // tp
-        budget = int(total * GPU_MEMORY_FRACTION) - (total - free) - weights - (2 << 30)
-        return max(min(wanted, budget // per_page), max_pages + 1)
+            # the ranks are processes sharing the host's RAM; the weights counted twice (a bound: fp32 linears keep
+            # a panel or packed copy beside the parameter, docs/cpu.md)
+            free, total = _host_memory()
+            weights *= 2
+            budget = (int(total * fraction) - (total - free) - weights - tp * ACTIVATION_RESERVE_BYTES) // tp
+        else:
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * fraction) - (total - free) - weights // tp - ACTIVATION_RESERVE_BYTES
+        pages = min(wanted, max(budget, 0) // per_page)
+        if self.gpu_memory_utilization is None:  # the CUDA default: at least one sequence
+            return max(pages, max_pages + 1), "the default KV pool"
+        gib = 1 << 30
+        return pages, (f"gpu_memory_utilization ({fraction}: {fraction * total / gib:.2f} of {total / gib:.2f} GiB, "
+                       f"{(total - free) / gib:.2f} GiB in use now, weights {weights / gib:.2f} GiB, activation "
+                       f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
 
 
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}

@@ -58,7 +58,7 @@ def measure(model_dir: str, args, tp: int, batch: int) -> dict:
 
     with LLM(model_dir, device=args.device, tensor_parallel_size=tp, buckets=[batch], num_decode_steps=args.k,
              max_model_len=args.prompt_len + args.gen_len + args.k + 8, enable_prefix_caching=False,
-             **compile_option(args)) as llm:
+             cpu_threads=1, **compile_option(args)) as llm:  # one torch thread per rank
         vocab = llm.config.model_config.vocab_size
         prompts = [{"prompt_token_ids": p} for p in random_prompt_ids(batch, args.prompt_len, vocab, seed=3)]
         greedy = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)

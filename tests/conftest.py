@@ -12,6 +12,9 @@ import pytest
 import torch
 
 torch.set_num_threads(1)  # 2 cores and a busy neighbour: more threads make small matmuls far slower
+# engines built without cpu_threads (LLM, AsyncLLM's core, servers: they inherit it) take one thread too,
+# not EngineConfig's default of every usable core
+os.environ.setdefault("GRAPHDECODE_CPU_THREADS", "1")
 if not torch.cuda.is_available():
     # the CPU suite runs every engine (servers' too: they inherit it) in the bounds-checked mode
     # (graphdecode/compiled/bounds.py): an index a kernel would follow out of range fails the test

@@ -148,9 +148,14 @@ def _field_default(cls, name):
 
 
 def test_help_shows_defaults(capsys, tmp_path, monkeypatch):
+    from graphdecode.config import CPU_KV_BUDGET_BYTES, GPU_MEMORY_FRACTION
+
     text = _help(capsys, "generate")
-    for name in ("num_decode_steps", "page_size", "cpu_threads"):
+    for name in ("num_decode_steps", "page_size"):
         assert f"default: EngineConfig's, {_field_default(EngineConfig, name)}" in text
+    assert "(default: EngineConfig's: $GRAPHDECODE_CPU_THREADS, else the cores this process may use" in text
+    assert f"default: on CUDA {GPU_MEMORY_FRACTION}; on CPU unused" in text
+    assert f"on CPU $VLLM_CPU_KVCACHE_SPACE GiB when set, else {CPU_KV_BUDGET_BYTES >> 30} GiB at most" in text
     for name in ("max_tokens", "top_p", "top_k", "n"):
         assert f"default: SamplingParams', {_field_default(SamplingParams, name)}" in text
     assert "default: 0, greedy" in text and "with -n > 1" in text  # the one departure, and why

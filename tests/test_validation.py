@@ -299,6 +299,10 @@ BAD_CONFIG = [
     (dict(max_model_len=100_000), "max_model_len"),
     (dict(cpu_threads=0), "cpu_threads"),
     (dict(cpu_threads=1.5), "cpu_threads"),
+    (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes"),
+    (dict(kv_cache_memory_bytes=4096, max_model_len=256), "kv_cache_memory_bytes"),
+    (dict(gpu_memory_utilization=1.01), "gpu_memory_utilization"),
+    (dict(num_pages=64, gpu_memory_utilization=0.5), "num_pages and gpu_memory_utilization"),
 ]
 
 
@@ -314,8 +318,9 @@ def test_missing_model_directory(tmp_path):
 
 
 def test_cpu_threads_is_one_engine_argument_and_stats_say_it(tiny_models):
-    """The engine sets its own torch threads from EngineConfig.cpu_threads (default 1, which
-    cannot oversubscribe a busy machine), and stats() reports what is in effect."""
+    """The engine sets its own torch threads from EngineConfig.cpu_threads (here 1: the suite sets
+    GRAPHDECODE_CPU_THREADS=1, which the default reads before the usable cores), and stats() reports
+    what is in effect."""
     import torch
 
     before = torch.get_num_threads()

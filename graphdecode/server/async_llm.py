@@ -14,6 +14,12 @@ queue of the request they belong to. Cancelling a consumer (task cancelled, clie
 gone, `aclose()`) aborts its request, which frees its row and pages in the core.
 `load` holds the core's latest gauges (running, waiting, ...), for metrics.
 
+The core beats every second, idle or busy (engine_core.HEARTBEAT_INTERVAL_S); the reader
+notes when it last heard anything: `heartbeat_age` is the seconds since, which a server
+compares with its limit (a stopped or frozen core stops beating), and `step_seconds` how
+long the core's step in progress had run at its latest beat. `is_dead` turns true once the
+core reported a failure or its process exited; `death_cause()` says how it died.
+
 A request goes to the core when `generate` is called inside a running event loop, not
 when its stream is first read: a server answering a burst of requests hands each one to
 the core as soon as it is validated, instead of after every other handler of the burst
@@ -31,9 +37,11 @@ import difflib
 import functools
 import multiprocessing
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import weakref
 
@@ -82,6 +90,22 @@ def _send_requests(outbox: queue.SimpleQueue, pipe, engine_ref) -> None:
             return
         if stop:
             return
+
+
+def _read_outputs(pipe, engine_ref) -> None:
+    """Reader thread: notes when the core was last heard, and hands every message but a beat to the
+    engine's event loop, until the core fails or its pipe closes. Runs from start-up, so beats are
+    read while no request has bound a loop yet. It holds the AsyncLLM only while it handles a
+    message, so dropping the engine still shuts the core down."""
+    while True:
+        try:
+            message, heard = pipe.recv(), True
+        except (EOFError, OSError):
+            message, heard = ("failed", "the engine core process exited"), False
+        engine = engine_ref()
+        if engine is None or not engine._take(message, heard):
+            return
+        del engine
 
 
 class RequestStream:
@@ -190,6 +214,9 @@ class AsyncLLM:
         )
         self.load: dict = {}
         self.dead: str | None = None  # why the core died, once it has
+        self.reported: str | None = None  # the traceback the core sent before it died, if it sent one
+        self.last_heard = time.monotonic()  # when the reader last got a message (a beat at least every second)
+        self.step_seconds = 0.0  # how long the core's step in progress had run at its latest beat
         # Requests go down the pipe from a sender thread: a pipe write blocks once the pipe is
         # full, and the core reads only between two steps, so a burst of requests written from
         # the event loop would stall every stream for up to a window.
@@ -201,7 +228,9 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
-        self._reader: threading.Thread | None = None
+        self._reader = threading.Thread(target=_read_outputs, args=(self._outputs, weakref.ref(self)),
+                                        name="graphdecode-outputs", daemon=True)
+        self._reader.start()
 
     # ------------------------------------------------------------- requests
     def get_tokenizer(self):
@@ -256,6 +285,33 @@ class AsyncLLM:
         """The core is gone (it reported a failure, or its process exited), and not by shutdown()."""
         return not self._closed and (self.dead is not None or self._process.poll() is not None)
 
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the core was last heard (it beats every second while it runs)."""
+        return time.monotonic() - self.last_heard
+
+    def death_cause(self, wait_s: float = 1.0) -> str:
+        """How the core died, in a few words: the signal that killed it (SIGKILL, ...) or its exit
+        status, after the exception line of the traceback it sent, if it sent one (the whole
+        traceback is `reported`). Waits up to `wait_s` for the process to be reaped."""
+        try:
+            code = self._process.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            how = "its process has not exited yet"
+        elif code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"its process exited with status {code}"
+        if self.reported:
+            last = self.reported.strip().splitlines()[-1]
+            return f"its step loop raised {last}; {how}"
+        return how
+
     # ---------------------------------------------------------------- plumbing
     def _send(self, message) -> None:
         """Queue a message for the core (never blocks the event loop); in order, by the sender thread."""
@@ -264,31 +320,33 @@ class AsyncLLM:
         self._outbox.put(message)
 
     def _start_reader(self) -> None:
-        """Bind to the running event loop (a new one once the previous one closed)."""
+        """Bind the reader to the running event loop (a new one once the previous one closed)."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             if self._loop is not None and not self._loop.is_closed():
                 raise RuntimeError("AsyncLLM is in use by another running event loop")
             self._loop = loop
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._read_outputs, name="graphdecode-outputs", daemon=True)
-            self._reader.start()
 
-    def _read_outputs(self) -> None:
-        """Reader thread: every message from the core goes to the event loop."""
-        while True:
+    def _take(self, message, heard: bool) -> bool:
+        """On the reader thread: one message from the core (`heard`: it came from the core, not from
+        its pipe closing). False once the core failed: nothing more comes."""
+        if heard:
+            self.last_heard = time.monotonic()
+        kind = message[0]
+        if kind == "beat":
+            self.step_seconds = message[1]
+            return True
+        if kind == "failed" and not self._closed:
+            self.dead = message[1]  # seen by new calls even if no loop dispatches it
+            if heard:
+                self.reported = message[1]
+        loop = self._loop
+        if loop is not None:
             try:
-                message = self._outputs.recv()
-            except (EOFError, OSError):
-                message = ("failed", "the engine core process exited")
-            if message[0] == "failed" and not self._closed:
-                self.dead = message[1]  # seen by new calls even if no loop dispatches it
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
+                loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:  # that loop closed: its consumers are gone, the next loop rebinds
                 pass
-            if message[0] == "failed":
-                return
+        return kind != "failed"
 
     def _dispatch(self, message) -> None:
         kind = message[0]

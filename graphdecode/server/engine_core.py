@@ -16,7 +16,11 @@ in use, prefix-cache lookups, the histogram of tokens per step: see `_load`);
 ("rejected", request_id, message) for an add the engine refused (its checks: a bad request);
 ("error", request_id, message) for an add that failed otherwise (logged; the core goes on);
 ("stats", dict); ("failed", traceback) when the step loop itself raised: the engine's state
-is then unknown, so the core reports it and exits (the server exits too, see openai_api.py).
+is then unknown, so the core reports it and exits (the server exits too, see openai_api.py);
+("beat", step_seconds) every HEARTBEAT_INTERVAL_S from a thread of its own, idle or busy, with
+how long the step in progress has run (0.0 between steps): the proof of life the server's
+/health and metrics read (a stopped or frozen process stops beating; a step that does not
+return does not, it shows in step_seconds). Both threads write under one lock.
 A closed input pipe (the parent died) ends the loop too.
 """
 
@@ -25,6 +29,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
+import time
 import traceback
 from bisect import bisect_left
 from multiprocessing.connection import Connection
@@ -36,6 +42,41 @@ log = logging.getLogger(__name__)
 
 # upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets), +Inf after them
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+HEARTBEAT_INTERVAL_S = 1.0  # how often the core says it is alive (the server's --heartbeat-timeout is a few of these)
+
+
+class _Outputs:
+    """The output pipe, written by the step loop and the heartbeat thread: one message at a time."""
+
+    __slots__ = ("_pipe", "_lock")
+
+    def __init__(self, pipe: Connection):
+        self._pipe = pipe
+        self._lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self._lock:
+            self._pipe.send(message)
+
+
+class _Heartbeat(threading.Thread):
+    """Sends ("beat", step_seconds) every `interval` s until stopped or the pipe breaks. The step loop
+    sets `step_started` (time.monotonic()) while a step runs, None between steps."""
+
+    def __init__(self, outputs: _Outputs, interval: float = HEARTBEAT_INTERVAL_S):
+        super().__init__(name="graphdecode-heartbeat", daemon=True)
+        self.outputs = outputs
+        self.interval = interval
+        self.step_started: float | None = None
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            started = self.step_started
+            try:
+                self.outputs.send(("beat", 0.0 if started is None else time.monotonic() - started))
+            except (OSError, ValueError):  # the parent went away: the step loop ends on its closed pipe
+                return
 
 
 class StepTokens:
@@ -125,7 +166,10 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
         outputs.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     freeze_startup_heap()  # the model and engine stay out of full collections (a 160 ms stall each)
+    outputs = _Outputs(outputs)
     outputs.send(("ready", engine.config))
+    heartbeat = _Heartbeat(outputs)
+    heartbeat.start()
     queue = DeltaQueue()
     step_tokens = StepTokens()
     try:
@@ -138,8 +182,10 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
                     if not requests.poll(0):
                         break
             if engine.has_unfinished():
+                heartbeat.step_started = time.monotonic()
                 for seq in engine.step():
                     queue.push(seq)
+                heartbeat.step_started = None
                 step_tokens.after_step(engine)
                 if queue:
                     outputs.send(("outputs", queue.take(), _load(engine, step_tokens)))
@@ -148,6 +194,7 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
     except Exception:  # noqa: BLE001 - the parent must learn why its engine died
         outputs.send(("failed", traceback.format_exc()))
     finally:
+        heartbeat.stopped.set()
         engine.close()  # tensor-parallel workers stop with the core
 
 

@@ -17,7 +17,9 @@ Two sources:
 * the engine core's gauges and counters (`AsyncLLM.load`, refreshed after every step
   that produced outputs), read at scrape time by a custom collector: sequences running
   and waiting, KV pages in use, prefix-cache lookups, preemptions, windows, prefill and
-  generated tokens, the histogram of tokens per engine step.
+  generated tokens, the histogram of tokens per engine step. Once the core has died its gauges
+  read 0 (the counters keep their last values); while it is alive, `engine_heartbeat_age_seconds`
+  says how old they may be (the core beats every second, idle or busy).
 
 Inter-token latency is per token, as vLLM's: one output of a request carries up to k
 tokens per choice (a decode window), so the gap since that choice's previous output is
@@ -100,7 +102,9 @@ class _EngineCollector:
         return []  # no fixed description: collected afresh at every scrape
 
     def collect(self):
-        load = getattr(self.engine, "load", None) or {}
+        engine = self.engine
+        dead = bool(getattr(engine, "is_dead", False))
+        load = getattr(engine, "load", None) or {}
         prefix, labels, values = self.server.prefix, ["model_name"], [self.server.model_name]
 
         def family(kind, name, doc, value):
@@ -109,8 +113,8 @@ class _EngineCollector:
             return metric
 
         for key, name, kind, doc in _ENGINE_METRICS:
-            yield family(kind, name, doc, load.get(key, 0))
-        pages = load.get("kv_pages", 0)
+            yield family(kind, name, doc, 0 if dead and kind == "gauge" else load.get(key, 0))
+        pages = 0 if dead else load.get("kv_pages", 0)
         yield family("gauge", "kv_cache_usage_perc", "fraction of KV pages held by sequences (0 to 1; cached "
                      "pages nobody holds count as free)", load.get("kv_pages_in_use", 0) / pages if pages else 0.0)
         counts, total = load.get("iteration_tokens", ((0,) * (len(ITERATION_TOKEN_BUCKETS) + 1), 0))
@@ -125,8 +129,14 @@ class _EngineCollector:
         yield histogram
         yield family("gauge", "num_requests_unfinished", "engine requests the server is streaming or collecting now",
                      len(self.server.active))
-        alive = getattr(self.engine, "dead", None) is None
-        yield family("gauge", "engine_alive", "1 while the engine core process serves", int(alive))
+        yield family("gauge", "engine_alive", "1 while the engine core process lives, 0 once it has died",
+                     int(not dead and getattr(engine, "dead", None) is None))
+        yield family("gauge", "engine_heartbeat_age_seconds", "seconds since the server last heard from the engine "
+                     "core (it beats every second, idle or busy; /health answers 503 past --heartbeat-timeout)",
+                     getattr(engine, "heartbeat_age", 0.0))
+        yield family("gauge", "engine_step_seconds", "how long the engine core's step in progress had run at its "
+                     "latest heartbeat (0 between steps): a step that does not return grows it",
+                     0.0 if dead else getattr(engine, "step_seconds", 0.0))
 
 
 class ServerMetrics:

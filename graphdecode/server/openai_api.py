@@ -28,10 +28,14 @@ the core process is shut down, exit status 0. A second signal exits at once.
 
 A request the engine core fails (an error inside the engine, not a bad request) is a 500
 (`server_error`; in a stream, an error event), and the core goes on serving the others.
-A core that dies (its step loop raised: its state is unknown) is not restarted in place:
-its running requests get 503 (or an error event), /health turns 503, and the server exits
-with status 1 within a tick (0.1 s), so that a supervisor (systemd, Kubernetes, ...)
-starts a fresh one instead of leaving a server that answers 503 forever.
+A core that dies (its step loop raised: its state is unknown; or its process was killed)
+is not restarted in place: its running requests get 503 (or an error event), /health turns
+503, and within a tick (0.1 s) the server prints one ERROR line with the cause (the signal
+that killed the core, its exit status, or the traceback it sent) and exits with status 1,
+so that a supervisor (systemd, Kubernetes, ...) starts a fresh one instead of leaving a
+server that answers 503 forever; a SIGTERM that comes after the death exits 1 too. A core
+that stops beating (engine_core.HEARTBEAT_INTERVAL_S) for --heartbeat-timeout seconds (a
+stopped or frozen process) turns /health and new requests to 503 until it beats again.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import sys
 import threading
@@ -53,9 +58,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from .. import __version__
+from ..cli import DEFAULT_HEARTBEAT_TIMEOUT_S
 from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
@@ -70,6 +77,7 @@ from .protocol import (
     ConstraintSource,
     build_constraint,
     constraint_error,
+    lone_surrogate_error,
     model_not_found,
     param_of,
     request_failed,
@@ -91,6 +99,11 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 _INLINE_BODY = 64 << 10  # body bytes parsed inline
 _INLINE_CHARS = 4096  # prompt characters or ids (all prompts, or all message contents) tokenized inline
 _INLINE_TOKENS = 1024  # prompt tokens echoed (decoded, offsets found) inline
+_log = logging.getLogger("uvicorn.error")  # uvicorn's own lines ("INFO: ..."), at --log-level
+
+
+class _ClientGone(Exception):
+    """The client left before its request body was read in full: there is no one to answer."""
 
 
 async def _off_loop(work: int, limit: int, fn, *args):
@@ -178,8 +191,10 @@ class _Job:
 class OpenAIServer:
     """Request handling, independent of the web framework's routing (see build_app)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None):
+    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
         self.engine = engine
+        self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self.model_name = served_model_name
         self.model_json = json.dumps(served_model_name)
         self.metrics = ServerMetrics(engine, served_model_name, metrics_prefix)
@@ -191,18 +206,34 @@ class OpenAIServer:
         self.prefix_caching = bool(engine.config.enable_prefix_caching)  # usage reports prompt_tokens_details
 
     # ------------------------------------------------------------- checks
-    def health(self) -> tuple[int, str]:
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body): 200 {"status": "ok"}, or 503 with the status "dead", "draining" or
+        "unresponsive" and a "reason"."""
         if self.engine.is_dead:
-            return 503, "dead"
+            return 503, {"status": "dead", "reason": f"the engine core died ({self.engine.death_cause(0)})"}
         if self.draining:
-            return 503, "draining"
-        return 200, "ok"
+            return 503, {"status": "draining", "reason": "the server is shutting down"}
+        silent = self.unresponsive()
+        if silent is not None:
+            return 503, {"status": "unresponsive", "reason": silent}
+        return 200, {"status": "ok"}
+
+    def unresponsive(self) -> str | None:
+        """Why the core counts as unresponsive (no beat for longer than the heartbeat timeout), or None."""
+        age = self.engine.heartbeat_age
+        if age <= self.heartbeat_timeout:
+            return None
+        return (f"the engine core has not answered for {age:.1f} s (--heartbeat-timeout "
+                f"{self.heartbeat_timeout:g} s): it is stopped, frozen or starved")
 
     def _check_ready(self) -> None:
         if self.draining:
             raise unavailable("the server is shutting down")
         if self.engine.is_dead:
             raise unavailable("the engine is not running")
+        silent = self.unresponsive()
+        if silent is not None:
+            raise unavailable(silent)
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -270,11 +301,18 @@ class OpenAIServer:
 
     @staticmethod
     async def _parse(request: Request, model):
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # hung up while sending its body: one line, nothing to answer
+            client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+            _log.info("%s hung up while sending its %s %s body; nothing answered", client, request.method,
+                      request.url.path)
+            raise _ClientGone from None
         try:
             return await _off_loop(len(body), _INLINE_BODY, model.model_validate_json, body)
         except ValidationError as exc:
-            raise validation_error(exc) from None
+            surrogate = await _off_loop(len(body), _INLINE_BODY, lone_surrogate_error, exc, body)
+            raise (surrogate or validation_error(exc)) from None
 
     # ------------------------------------------------------------- outputs
     async def _outputs(self, streams: list, arrival: float, prompt_lens: list[int]) -> AsyncIterator:
@@ -864,10 +902,12 @@ def _error_response(err: APIError, server: OpenAIServer | None = None) -> JSONRe
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None, *,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
-    Bodies over `max_request_body_bytes` get 413 (0: no limit)."""
-    server = OpenAIServer(engine, served_model_name, metrics_prefix)
+    Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
+    been heard for `heartbeat_timeout` seconds."""
+    server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
     if max_request_body_bytes:
@@ -876,6 +916,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return _error_response(exc, server)
+
+    @app.exception_handler(_ClientGone)
+    async def _client_gone(request: Request, exc: _ClientGone):
+        return Response(status_code=499)  # not sent: the connection is closed
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method
@@ -913,8 +957,8 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
 
     @app.get("/health")
     async def health():
-        status, text = server.health()
-        return JSONResponse({"status": text}, status_code=status)
+        status, body = server.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics():
@@ -932,7 +976,8 @@ class DrainingServer(uvicorn.Server):
     uvicorn's own handler would close the listening socket at once (new clients: connection
     refused) and re-raise the signal after shutdown (exit status -15); this one keeps
     answering, with 503, until the running requests are done, and exits normally.
-    A dead core ends the server at the next tick with `exit_status` 1 (see the module docstring).
+    A dead core ends the server at the next tick with `exit_status` 1 (see the module docstring);
+    a core that stops beating, and one that beats again, get a line each.
     """
 
     def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_timeout: float):
@@ -942,14 +987,26 @@ class DrainingServer(uvicorn.Server):
         self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._silent = False  # the core is past its heartbeat timeout (said once, and once when it is back)
+
+    def check_core(self) -> None:
+        """A dead core: one ERROR line with its cause (and the traceback it sent), exit status 1."""
+        engine = self.api.engine
+        if self.exit_status or not engine.is_dead:
+            return
+        self.exit_status = 1
+        self.should_exit = True
+        traceback = f"\nThe engine core's traceback:\n{engine.reported.rstrip()}" if engine.reported else ""
+        print(f"ERROR: graphdecode: the engine core died ({engine.death_cause()}); the server exits with status 1 "
+              f"so that a supervisor can restart it{traceback}", file=sys.stderr, flush=True)
 
     async def on_tick(self, counter: int) -> bool:
-        if not self.exit_status and self.api.engine.is_dead:
-            self.exit_status = 1
-            self.should_exit = True
-            why = self.api.engine.dead or f"its process exited with status {self.api.engine._process.poll()}"
-            print(f"graphdecode: the engine core died; the server exits with status 1 so that a supervisor can "
-                  f"restart it. The core's error:\n{why}", file=sys.stderr, flush=True)
+        self.check_core()
+        silent = None if self.exit_status else self.api.unresponsive()
+        if (silent is not None) != self._silent:
+            self._silent = silent is not None
+            print(f"WARNING: graphdecode: {silent}; /health answers 503" if silent else
+                  "graphdecode: the engine core is heard from again", file=sys.stderr, flush=True)
         return await super().on_tick(counter)
 
     async def startup(self, sockets=None):
@@ -988,7 +1045,8 @@ def serve(args) -> int:
                                       else DEFAULT_MODEL_NAME)
     engine = AsyncLLM(model, **options)
     try:
-        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=body_limit)
+        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=body_limit,
+                        heartbeat_timeout=getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)
@@ -997,6 +1055,7 @@ def serve(args) -> int:
         print(f"graphdecode: serving {name!r} (max_model_len {engine.config.max_model_len}) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         server.run()
+        server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:
         engine.shutdown()
     return server.exit_status

@@ -19,6 +19,7 @@ since the per-chunk cost of model validation would sit on the streaming path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Literal
 
@@ -547,3 +548,47 @@ def validation_error(exc: ValidationError) -> APIError:
         if text not in messages:
             messages.append(text)
     return APIError(f"{param}: {' or '.join(messages)}", param=param)
+
+
+def lone_surrogate_error(exc: ValidationError, body: bytes) -> APIError | None:
+    """The 400 for a body that is JSON but not Unicode: a string escaping a lone surrogate (`"ab\\ud800cd"`),
+    which the parser reports as a broken hex escape. It names the field and the character; None for any
+    other error (a body that Python's parser, which takes lone surrogates, cannot read either)."""
+    errors = exc.errors(include_url=False)
+    if not errors or errors[0]["type"] != "json_invalid" or "escape" not in errors[0]["msg"]:
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[tuple, object]] = [((), value)]
+    while stack:  # depth first, in document order
+        path, node = stack.pop()
+        if isinstance(node, dict):
+            for key in node:
+                if _surrogate_at(key) is not None:
+                    return _surrogate_error(path, key, f"the key {key!r} is")
+            stack.extend(reversed([((*path, key), item) for key, item in node.items()]))
+        elif isinstance(node, list):
+            stack.extend(reversed([((*path, i), item) for i, item in enumerate(node)]))
+        elif isinstance(node, str) and _surrogate_at(node) is not None:
+            return _surrogate_error(path, node, "the text is")
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _surrogate_error(path: tuple, text: str, subject: str) -> APIError:
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the request body"
+    param = path[0] if path and isinstance(path[0], str) else None
+    if param == "messages" and len(path) > 1 and isinstance(path[1], int):  # as validation_error names them
+        param = f"messages[{path[1]}]" + (f".{path[2]}" if len(path) > 2 and isinstance(path[2], str) else "")
+    at = _surrogate_at(text)
+    return APIError(f"{where}: {subject} not valid Unicode: lone surrogate {text[at]!r} at character {at}",
+                    param=param)
