@@ -12,7 +12,8 @@ transitions, ~5 GB, and `{1,100000}` more than the machine had. The bounds, chea
 * transitions, before the costly index: the regex's DFA over single bytes (as costly as the
   DFA itself, ~1000x cheaper than the token index) gives, per state, the bytes it allows;
   the tokens starting with them bound the (state, token) transitions from above
-  (compiler.estimate_transitions: within 5% on SmolLM2), and at the measured ~110 bytes
+  (compiler.estimate_transitions, walked from the initial state and stopped once over the
+  budget: within 5% on SmolLM2), and at the measured ~110 bytes
   each, a compile that would outgrow `memory_bytes` is refused in well under a second.
 * time and memory, while compiling: the compile runs in a worker process
   (compile_worker.py) whose address space is limited to `memory_bytes` above its own

@@ -324,30 +324,41 @@ def byte_index(regex: str, field: str):
         ) from None
 
 
-def estimate_transitions(index, vocab: TokenizerVocab) -> int:
+def estimate_transitions(index, vocab: TokenizerVocab, stop_above: int | None = None) -> int:
     """An upper bound on the (state, token) transitions of the token index: over the byte DFA's
-    states, the tokens whose first byte the state allows (outlines-core walks each of them)."""
-    first = np.zeros(256, dtype=np.int64)
+    states (walked from the initial one), the tokens whose first byte the state allows
+    (outlines-core walks each of them). With `stop_above`, the walk stops as soon as the total
+    passes it (an over-budget constraint is told after a few hundred states, not all of them)."""
+    first = np.zeros(257, dtype=np.int64)
     for data in vocab.token_bytes:
         if data:
             first[data[0]] += 1
-    total = 0
-    for row in index.get_transitions().values():
-        allowed = [b for b in row if 0 <= b < 256]
+    total, start = 0, index.get_initial_state()
+    seen, pending = {start}, [start]
+    while pending:
+        state = pending.pop()
+        allowed = [b for b in index.get_allowed_tokens(state) if 0 <= b < 256]
         total += int(first[allowed].sum())
+        if stop_above is not None and total > stop_above:
+            return total
+        for b in allowed:
+            nxt = index.get_next_state(state, b)
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                pending.append(nxt)
     return total
 
 
 def check_budget(index, vocab: TokenizerVocab, field: str, budget: CompileBudget) -> int:
     """The token index's estimated memory against the budget (ValueError naming the field)."""
-    transitions = estimate_transitions(index, vocab)
-    need = transitions * BYTES_PER_TRANSITION
-    if need > budget.memory_bytes:
+    limit = budget.memory_bytes // BYTES_PER_TRANSITION
+    transitions = estimate_transitions(index, vocab, stop_above=limit)
+    if transitions > limit:
         raise ValueError(
-            f"structured_outputs.{field}: the constraint needs about {transitions:,} (state, token) transitions "
-            f"over this vocabulary, about {need >> 20} MiB to compile, more than its memory budget of "
-            f"{budget.memory_bytes >> 20} MiB (structured_compile_memory_bytes); lower its repetition counts "
-            "(maxLength, maxItems, {m,n}) or its number of choices")
+            f"structured_outputs.{field}: the constraint needs more than {transitions:,} (state, token) transitions "
+            f"over this vocabulary, more than {transitions * BYTES_PER_TRANSITION >> 20} MiB to compile, past its "
+            f"memory budget of {budget.memory_bytes >> 20} MiB (structured_compile_memory_bytes); lower its "
+            "repetition counts (maxLength, maxItems, {m,n}) or its number of choices")
     return transitions
 
 
