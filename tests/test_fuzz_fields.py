@@ -17,6 +17,8 @@ from conftest import live_server
 
 from graphdecode import LLM, SamplingParams
 
+pytestmark = pytest.mark.faults  # the fault-injection suite (pytest -m faults)
+
 MODEL = "fuzz-model"
 MAX_MODEL_LEN = 96
 ENGINE = dict(num_decode_steps=2, max_model_len=MAX_MODEL_LEN, max_batch_size=8)
@@ -24,10 +26,10 @@ EOS = 2  # the text model's </s>
 
 # label -> JSON text (NaN and Infinity are what Python's json writes; the server's parser reads them)
 VALUES = {
-    "2**31": str(2**31), "2**63": str(2**63), "10**30": str(10**30), "-1": "-1", "-2**63": str(-(2**63)),
+    "2**31": str(2**31), "2**32+1": str(2**32 + 1), "2**63": str(2**63), "10**30": str(10**30), "-1": "-1", "-2**63": str(-(2**63)),
     "1.5": "1.5", '"x"': '"x"', "null": "null", "true": "true", "NaN": "NaN", "Infinity": "Infinity",
 }
-HUGE_FLOATS = {"2**31", "2**63", "10**30"}  # as floats: finite, and within float32's range
+HUGE_FLOATS = {"2**31", "2**32+1", "2**63", "10**30"}  # as floats: finite, and within float32's range
 
 # (field, how the value is placed, labels answered 200); every other label must be a 400 naming `param`.
 # placement: "value" as is; "list" [value]; "key" {"<value>": 1} (logit_bias keys); "bias" {"5": value}
@@ -36,7 +38,7 @@ SHARED = [
     ("temperature", "value", HUGE_FLOATS | {"1.5", "null"}),
     ("top_p", "value", {"null"}),
     ("min_p", "value", {"null"}),
-    ("seed", "value", {"2**31", "2**63", "10**30", "-1", "-2**63", "null"}),  # any integer: it is hashed
+    ("seed", "value", {"2**31", "2**32+1", "2**63", "10**30", "-1", "-2**63", "null"}),  # any integer: it is hashed
     ("presence_penalty", "value", {"-1", "1.5", "null"}),
     ("frequency_penalty", "value", {"-1", "1.5", "null"}),
     ("repetition_penalty", "value", HUGE_FLOATS | {"1.5", "null"}),
@@ -128,7 +130,7 @@ def test_min_tokens_beyond_the_context_runs_to_the_end(server, llm):
 
 
 # SamplingParams / LLM.generate: each field with each value; valid ones generate
-PY_VALUES = {"2**31": 2**31, "2**63": 2**63, "10**30": 10**30, "-1": -1, "-2**63": -(2**63), "1.5": 1.5,
+PY_VALUES = {"2**31": 2**31, "2**32+1": 2**32 + 1, "2**63": 2**63, "10**30": 10**30, "-1": -1, "-2**63": -(2**63), "1.5": 1.5,
              '"x"': "x", "None": None, "True": True, "nan": math.nan, "inf": math.inf, "10**400": 10**400}
 # field -> labels that are valid (for fields whose None is their default or "off", None is valid)
 PY_FIELDS = {
@@ -137,7 +139,7 @@ PY_FIELDS = {
     "top_p": set(),
     "top_k": {"-1"},
     "min_p": set(),
-    "seed": {"2**31", "2**63", "10**30", "-1", "-2**63", "None", "10**400"},
+    "seed": {"2**31", "2**32+1", "2**63", "10**30", "-1", "-2**63", "None", "10**400"},
     "max_tokens": {"None"},
     "min_tokens": set(),
     "logprobs": {"None"},

@@ -15,6 +15,8 @@ import pytest
 
 from graphdecode.server.launch import start_server, stop_server
 
+pytestmark = pytest.mark.faults  # the fault-injection suite (pytest -m faults)
+
 MODEL = "budget-model"
 EXPLODING = "(a|b)*a(a|b){17}"  # a DFA of 2**18 states
 
