@@ -174,3 +174,42 @@ def test_a_heartbeat_timeout_not_above_the_interval_is_refused_by_name(value, ca
         main(["serve", "--heartbeat-timeout", value])
     assert exit_.value.code == 2
     assert "--heartbeat-timeout" in capsys.readouterr().err
+
+
+def test_the_smallest_pool_preempts_and_changes_no_output(text_model, tmp_path):
+    """A KV pool of one sequence's pages plus one (`--num-gpu-blocks-override`) under 12 concurrent
+    streams: requests are preempted and recomputed, every output equals the same request run
+    alone, and every page is free afterwards."""
+    log = str(tmp_path / "server.log")
+    max_len = 64  # 4 pages of 16: the pool holds one full sequence and a spare page
+    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
+                              "--no-access-log", "--log-level", "warning", "-k", "2", "--max-model-len",
+                              str(max_len), "--max-batch-size", "8", "--num-gpu-blocks-override", "6"],
+                             log, timeout_s=180)
+    try:
+        prompts = [f"Story {i}: once upon a time" for i in range(12)]
+
+        def body(prompt: str) -> dict:
+            return {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+        results: dict[str, str] = {}
+
+        def run(prompt: str) -> None:
+            response = httpx.post(f"{url}/v1/completions", json=body(prompt), timeout=120)
+            assert response.status_code == 200, response.text
+            results[prompt] = response.json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert len(results) == len(prompts)
+        gauges = _gauges(url)
+        assert gauges[f"{P}num_preemptions_total"] > 0
+        for prompt in prompts:  # alone, one at a time: nothing to preempt
+            alone = httpx.post(f"{url}/v1/completions", json=body(prompt), timeout=120).json()["choices"][0]["text"]
+            assert results[prompt] == alone, prompt
+        _until(lambda: _gauges(url)[f"{P}kv_cache_usage_perc"] == 0, 5)
+    finally:
+        assert stop_server(proc, 40) == 0, open(log).read()
