@@ -277,3 +277,36 @@ def client(clients):
 @pytest.fixture(scope="module")
 def http(clients):
     return clients[1]
+
+
+@pytest.fixture
+def llm_options(monkeypatch):
+    """The options the CLI passes to LLM: each call records them and raises Built (no engine)."""
+    import graphdecode
+
+    class Built(Exception):
+        pass
+
+    seen: list[dict] = []
+
+    def fake_llm(model, **options):
+        seen.append(options)
+        raise Built
+
+    monkeypatch.setattr(graphdecode, "LLM", fake_llm)
+    return seen, Built
+
+
+def stream_events(url: str, body: dict, result: dict, timeout: float = 60) -> None:
+    """Stream a completion into `result`: "text", "finish" (each chunk's finish_reason) and "errors"
+    (error events), as the chunks arrive (so another thread can watch them)."""
+    result.update(text="", finish=[], errors=[])
+    with httpx.Client(timeout=timeout) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result["errors"].append(event["error"])
+                    continue
+                result["text"] += event["choices"][0]["text"]
+                result["finish"].append(event["choices"][0]["finish_reason"])

@@ -222,21 +222,10 @@ def test_bench_writes_under_the_cache_dir_and_prints_where(capsys, tiny_models, 
     assert os.listdir(work) == []  # nothing in the current directory, no profiling/
 
 
-def test_compile_and_thread_options_reach_the_engine(monkeypatch, text_model):
+def test_compile_and_thread_options_reach_the_engine(llm_options, text_model):
     """--compile on|off is passed to LLM as compile=True/False, --cpu-threads (alias --threads) as
     cpu_threads; without them EngineConfig decides."""
-    import graphdecode
-
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def fake_llm(model, **options):
-        seen.append(options)
-        raise Built
-
-    monkeypatch.setattr(graphdecode, "LLM", fake_llm)
+    seen, Built = llm_options
     for flag in (["--compile", "on"], ["--compile", "off"], [], ["--cpu-threads", "3"], ["--threads", "2"]):
         with pytest.raises(Built):
             main(["generate", "--model", text_model, *flag, "Hi"])

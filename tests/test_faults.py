@@ -7,7 +7,6 @@ finds the server gone starts another. The core is the server process's child run
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import threading
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import stream_events
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode.server.engine_core import HEARTBEAT_INTERVAL_S
@@ -116,22 +116,11 @@ def test_a_stopped_core_turns_health_503_within_the_heartbeat_timeout_and_200_on
 
 def test_a_killed_core_is_logged_by_its_signal_and_the_server_exits_1_within_5_s(server):
     url, core = server.url, _core_pid(server.proc.pid)
-    stream: dict = {"chunks": 0, "errors": []}
-
-    def read_stream():
-        body = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=30) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        stream["errors"].append(event["error"])
-                    else:
-                        stream["chunks"] += 1
-
-    reader = threading.Thread(target=read_stream)
+    stream: dict = {"finish": [], "errors": []}
+    body = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    reader = threading.Thread(target=stream_events, args=(url, body, stream, 30))
     reader.start()
-    _until(lambda: stream["chunks"] > 0, 30)
+    _until(lambda: len(stream["finish"]) > 0, 30)
     os.kill(core, signal.SIGKILL)
     start = time.monotonic()
     code = server.proc.wait(10)

@@ -153,19 +153,8 @@ def test_byte_sizes_as_vllm_writes_them():
             _byte_size(bad)
 
 
-def test_kv_options_reach_the_engine(monkeypatch, text_model):
-    import graphdecode
-
-    seen = []
-
-    class Built(Exception):
-        pass
-
-    def fake_llm(model, **options):
-        seen.append(options)
-        raise Built
-
-    monkeypatch.setattr(graphdecode, "LLM", fake_llm)
+def test_kv_options_reach_the_engine(llm_options, text_model):
+    seen, Built = llm_options
     for flags in (["--num-gpu-blocks-override", "300"], ["--num-pages", "301"], ["--kv-cache-memory-bytes", "64M"],
                   ["--gpu-memory-utilization", "0.9"], []):
         with pytest.raises(Built):

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from conftest import stream_events
 from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -370,16 +371,7 @@ def _long_stream(url: str, result: dict) -> None:
     """A streamed completion that outlives the faults; `result`: its text, finish reasons and error events."""
     body = {"model": MODEL, "prompt": "A long story", "max_tokens": 150, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    result.update(text="", finish=[], errors=[])
-    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    result["errors"].append(event["error"])
-                    continue
-                result["text"] += event["choices"][0]["text"]
-                result["finish"].append(event["choices"][0]["finish_reason"])
+    stream_events(url, body, result)
 
 
 def test_a_request_that_fails_in_the_core_fails_alone_and_a_dead_core_ends_the_server(text_model, tmp_path):

@@ -270,13 +270,7 @@ class OpenAIServer:
             return
         cancelled = threading.Event()  # the compile worker is stopped when the client leaves
         compiling = asyncio.ensure_future(asyncio.to_thread(self._compile, req, source, cancelled))
-        watcher = asyncio.ensure_future(self._until_disconnected(request))
-        try:
-            await asyncio.wait((compiling, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not compiling.done():
-                cancelled.set()
+        await self._until_done_or_gone(request, compiling, cancelled.set)
         try:
             params.structured_outputs = await compiling
         except CompileCancelled:
@@ -378,16 +372,21 @@ class OpenAIServer:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def _unless_client_leaves(self, request: Request, work) -> Response:
-        """Run a non-streamed request; if the client disconnects first, cancel it (aborting its requests)."""
-        task = asyncio.ensure_future(work)
+    async def _until_done_or_gone(self, request: Request, task: asyncio.Future, on_gone) -> None:
+        """Wait for `task` or the client's disconnect, whichever comes first; on_gone() if the client
+        went first (or this wait was cancelled)."""
         watcher = asyncio.ensure_future(self._until_disconnected(request))
         try:
             await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not task.done():
-                task.cancel()
+                on_gone()
+
+    async def _unless_client_leaves(self, request: Request, work) -> Response:
+        """Run a non-streamed request; if the client disconnects first, cancel it (aborting its requests)."""
+        task = asyncio.ensure_future(work)
+        await self._until_done_or_gone(request, task, task.cancel)
         if task.cancelled():
             return Response(status_code=499)  # nobody is listening
         return task.result()
