@@ -168,11 +168,9 @@ def _mixed_params():
     base = dict(temperature=1.0, max_tokens=200, structured_outputs=constraint)
     return [
         SamplingParams(seed=100, top_p=0.9, **base),
-        SamplingParams(seed=101, top_k=40, **base),
-        SamplingParams(seed=102, top_p=0.95, top_k=100, min_p=0.02, **base),
+        SamplingParams(seed=102, top_p=0.95, top_k=40, min_p=0.02, **base),
         SamplingParams(seed=103, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, **base),
-        SamplingParams(seed=104, n=4, **base),
-        SamplingParams(seed=105, temperature=1.5, max_tokens=200, structured_outputs=constraint),
+        SamplingParams(seed=104, n=3, **base),
         SamplingParams(seed=106, min_tokens=30, **base),
     ]
 
