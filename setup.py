@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _kernel_build():
-    path = os.path.join(HERE, "graphdecode", "compiled", "kernel_build.py")
+    path = os.path.join(HERE, "graphdecode", "kernels", "build.py")
     spec = importlib.util.spec_from_file_location("graphdecode_kernel_build", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -180,7 +180,7 @@ def linear_probe(args) -> dict:
     where in a decode step every layer's weights stream from memory (the panel kernel's strength)."""
     import torch.nn.functional as F
 
-    from graphdecode.attention.cpu_kernels import cpu_kernels
+    from graphdecode.kernels.cpu import cpu_kernels
     from graphdecode.models.cpu_linear import PackedWeight, PanelWeight
 
     dtype = getattr(torch, args.dtype)

@@ -167,12 +167,12 @@ print("GPU_CHECK_ENV " + json.dumps(info))
 
 BUILD_SCRIPT = r"""
 import json, os, sys, time
-from graphdecode.compiled import kernel_build, ptxas_report
+from graphdecode.kernels import build as kernel_build, ptxas as ptxas_report
 if kernel_build.find_nvcc() is None:
     print("nvcc not found (PATH, CUDA_HOME)")
     sys.exit(42)
 import torch
-from graphdecode.compiled import cuda_kernels
+from graphdecode.kernels import cuda as cuda_kernels
 packaged = os.path.join(kernel_build.package_dir(), "_kernels", kernel_build.LIB_NAME)
 out = packaged if sys.argv[1] == "package" else os.path.join(sys.argv[1], kernel_build.LIB_NAME)
 cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None

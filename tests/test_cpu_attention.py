@@ -23,7 +23,7 @@ import torch
 
 from graphdecode.attention import DecodeMetadata, PrefillMetadata, TorchAttentionBackend, VerifyMetadata
 from graphdecode.attention import torch_backend
-from graphdecode.attention.cpu_kernels import cpu_kernels
+from graphdecode.kernels.cpu import cpu_kernels
 from graphdecode.attention.spec import AttentionSpec
 
 PAGE = 8
@@ -292,8 +292,8 @@ def test_the_kernel_loads_from_the_package_before_the_cache(tmp_path, monkeypatc
     that library, and builds into the cache only without one. GRAPHDECODE_CPU_KERNELS=0: none."""
     import shutil
 
-    from graphdecode.attention import cpu_kernels as module
-    from graphdecode.compiled import kernel_build
+    from graphdecode.kernels import cpu as module
+    from graphdecode.kernels import build as kernel_build
 
     built = module.cpu_kernels().path
     src = kernel_build.source_dir(kernel_build.CPU_SOURCES)

@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy, random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.attention.cpu_kernels import FUSED_MAX_ROWS, CpuKernels, cpu_kernels
+from graphdecode.kernels.cpu import FUSED_MAX_ROWS, CpuKernels, cpu_kernels
 from graphdecode.models.layers import RMSNorm
 from graphdecode.models.model_config import RopeConfig
 from graphdecode.models.rope import RotaryEmbedding

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphdecode.attention import cpu_kernels as cpu_kernels_module
+from graphdecode.kernels import cpu as cpu_kernels_module
 from graphdecode.models import cpu_linear
 from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
 

@@ -19,7 +19,7 @@ import ctypes
 
 import pytest
 
-from graphdecode.compiled import cuda_kernels, kernel_build, ptxas_report
+from graphdecode.kernels import build as kernel_build, cuda as cuda_kernels, ptxas as ptxas_report
 
 CUDA_ERROR_INVALID_VALUE = 1
 

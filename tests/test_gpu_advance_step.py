@@ -16,9 +16,9 @@ BUFFERS = ("input_ids", "positions", "seq_lens", "slot_mapping", "kv_indptr", "k
 
 @pytest.fixture(scope="module", autouse=True)
 def cuda_kernel():
-    from graphdecode.compiled import cuda_kernels
+    from graphdecode.compiled.advance_step import use_cuda_kernel
 
-    assert cuda_kernels.register(), "the CUDA advance_step library could not be built or loaded"
+    assert use_cuda_kernel(), "the CUDA advance_step library could not be built or loaded"
 
 
 def random_state(rows, max_pages, page_size, steps, seed, live_fraction=0.75, boundary=False):

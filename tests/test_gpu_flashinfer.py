@@ -25,9 +25,9 @@ TOL = dict(rtol=2e-2, atol=2e-2)
 
 @pytest.fixture(scope="module", autouse=True)
 def cuda_kernel():
-    from graphdecode.compiled import cuda_kernels
+    from graphdecode.compiled.advance_step import use_cuda_kernel
 
-    cuda_kernels.register()
+    use_cuda_kernel()
 
 
 def make_caches(num_pages, page_size, num_kv_heads, head_dim, seed):

@@ -10,7 +10,7 @@ which bounds its memory; soft-capped layers run the CPU kernel (or, elsewhere, t
 reference) since SDPA has no soft-cap.
 
 Decode and verify on CPU read the pages in place with the CPU kernel
-(attention/cpu_kernels.py, csrc/cpu_attention.cpp): no per-step copy of the KV. Under
+(kernels/cpu.py, csrc/cpu_attention.cpp): no per-step copy of the KV. Under
 torch.compile they go through the opaque `graphdecode::cpu_paged_*` ops (attention/
 cpu_ops.py), which write the step's K/V and attend, so the cache never enters the graph.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import cpu_ops  # noqa: F401 - registers the graphdecode::cpu_paged_* ops compiled windows call
 from .backend import AttentionBackend
-from .cpu_kernels import cpu_kernels_for
+from ..kernels.cpu import cpu_kernels_for
 from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata

@@ -20,11 +20,13 @@ entries was 13% of a small model's decode step.
 
 This file holds the torch reference (what CPU runs and what the CUDA kernel in
 csrc/advance_step.cu is tested against) and the `graphdecode::advance_step` custom
-op, so torch.compile and graph capture see one opaque op; the CUDA implementation is
-registered onto the same op by `graphdecode.compiled.cuda_kernels`.
+op, so torch.compile and graph capture see one opaque op; `use_cuda_kernel()` registers the
+CUDA implementation (kernels/cuda.py, csrc/advance_step.cu) onto the same op.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -104,3 +106,16 @@ def advance_step(
 
 # The meta/fake implementation is the reference too: on fake tensors it only checks shapes.
 advance_step.register_fake(advance_step_reference)
+
+
+@functools.cache
+def use_cuda_kernel() -> bool:
+    """Make `graphdecode::advance_step` run the CUDA kernel on CUDA tensors (idempotent). False
+    (after one warning) when the library cannot be built or loaded: the op then keeps running its
+    torch reference on CUDA tensors."""
+    from ..kernels import cuda
+
+    if not cuda.available():
+        return False
+    advance_step.register_kernel("cuda")(cuda.advance_step_cuda)
+    return True

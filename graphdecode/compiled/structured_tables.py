@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..attention.cpu_kernels import cpu_kernels_for
+from ..kernels.cpu import cpu_kernels_for
 from .token_mask import num_words
 
 _NO_TOKEN = (1 << 31) - 1  # pads the exception arrays: greater than every token id

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.cpu import cpu_kernels_for
+
 
 def num_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
@@ -29,7 +31,6 @@ class TokenMaskUnpacker:
     """Per-vocabulary constants of the expansion: each token's word and bit."""
 
     def __init__(self, vocab_size: int, device):
-        from ..attention.cpu_kernels import cpu_kernels_for  # (not at import: attention imports compiled)
 
         self.kernels = cpu_kernels_for(device)  # the CPU's one-pass mask (eager), or None
         ids = torch.arange(vocab_size, dtype=torch.int64, device=device)

@@ -136,7 +136,7 @@ def prepack_cpu_linears(model: nn.Module) -> None:
 
     fp32 projections: column-major in place plus a PanelWeight (with the CPU kernels). bf16: packed, the
     dense weight released. The LM head packs the embedding when they are tied; the embedding stays."""
-    from ..attention.cpu_kernels import cpu_kernels
+    from ..kernels.cpu import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
 

@@ -104,7 +104,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model.eval()
     if can_prepack(device, dtype):
         prepack_cpu_linears(model)  # oneDNN's blocked weights: the CPU's faster matmuls
-    from ..attention.cpu_kernels import cpu_kernels_for
+    from ..kernels.cpu import cpu_kernels_for
 
     kernels = cpu_kernels_for(device)
     if kernels is not None and dtype in kernels.supported_dtypes:

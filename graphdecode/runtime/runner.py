@@ -20,7 +20,7 @@ import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
-from ..compiled import cuda_kernels
+from ..compiled.advance_step import use_cuda_kernel
 from ..compiled.bounds import BoundsCheck
 from ..compiled.decode_state import DecodeState
 from ..compiled.graphs import WindowGraphs
@@ -62,7 +62,7 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads)  # this process's (a rank's) torch threads
             keep_freed_host_memory()  # CPU windows reuse freed memory instead of faulting it in again
         if self.device.type == "cuda":
-            cuda_kernels.register()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
+            use_cuda_kernel()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
         self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len, tp)
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(

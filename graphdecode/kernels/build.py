@@ -14,7 +14,7 @@ registers, spills, shared memory per kernel), which `ptxas_report` reads.
 The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place, the fused
 RMSNorm / rotary passes of a decoder layer, the float32 linear for few rows over panelled weights) are
 plain C++ built with the system compiler for the machine they run on (`build_cpu`,
--march=native), at first use, into the cache (graphdecode/attention/cpu_kernels.py).
+-march=native), at first use, into the cache (kernels/cpu.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import os
 import torch
 
 from ..cache import cache_root
-from ..compiled import kernel_build
+from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
 ABI_VERSION = 3

@@ -21,7 +21,7 @@ import os
 import torch
 
 from ..cache import cache_root
-from . import cuda_kernels, kernel_build
+from . import build as kernel_build, cuda as cuda_kernels
 
 _CPU = torch.device("cpu")
 

@@ -1,5 +1,6 @@
-"""Loads csrc's CUDA library with ctypes and registers it as the CUDA kernel of
-`graphdecode::advance_step` (whose CPU/meta implementation is the torch reference).
+"""Loads csrc's CUDA library with ctypes; `advance_step_cuda` launches its advance_step kernel
+(compiled/advance_step.py registers it as the CUDA kernel of `graphdecode::advance_step`,
+whose CPU/meta implementation is the torch reference).
 
 Search order: the library setup.py built into the package (if it matches the
 sources), else one built at first use with nvcc into the cache directory
@@ -8,9 +9,9 @@ sources), else one built at first use with nvcc into the cache directory
 `open_host_library` also serves the host entry point that runs the kernels' per-row
 code on CPU tensors (`advance_step_host.py`, what the CPU tests check).
 
-`register()` is what the runner calls on CUDA. When no library can be had (no nvcc
-and nothing prebuilt) it warns once and leaves the torch reference in place, which
-is slower but computes the same values and is just as capturable.
+`available()` says whether the library can be had (built or loaded); when it cannot (no
+nvcc and nothing prebuilt) it warns once, and the op keeps its torch reference, which is
+slower but computes the same values and is just as capturable.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import warnings
 import torch
 
 from ..cache import cache_root
-from . import kernel_build
-from .advance_step import advance_step
+from . import build as kernel_build
 
 ABI_VERSION = 2
 _P = ctypes.c_void_p
@@ -106,7 +106,7 @@ def check_buffers(sampled, done, block_table, input_ids, positions, seq_lens, sl
     return rows, max_pages
 
 
-def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
+def advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
                        kv_indptr, kv_indices, kv_last_page_len, page_size, advance) -> None:
     device = block_table.device
     rows, max_pages = check_buffers(sampled, done, block_table, input_ids, positions, seq_lens, slot_mapping,
@@ -122,20 +122,11 @@ def _advance_step_cuda(sampled, done, block_table, input_ids, positions, seq_len
 
 
 @functools.cache
-def _register_once() -> bool:
+def available() -> bool:
+    """Whether the CUDA library can be built or loaded (a warning, once, when it cannot)."""
     try:
         load_library()
     except (RuntimeError, OSError) as exc:
         warnings.warn(f"graphdecode: CUDA advance_step unavailable, using the torch reference on CUDA: {exc}")
         return False
-    advance_step.register_kernel("cuda")(_advance_step_cuda)
     return True
-
-
-def register() -> bool:
-    """Make `graphdecode::advance_step` run the CUDA kernel on CUDA tensors (idempotent).
-
-    Returns False (after one warning) when the library cannot be built or loaded; the
-    op then keeps running its torch reference on CUDA tensors.
-    """
-    return _register_once()
