@@ -18,7 +18,7 @@ import pytest
 from conftest import stream_events
 from prometheus_client.parser import text_string_to_metric_families
 
-from graphdecode.server.engine_core import HEARTBEAT_INTERVAL_S
+from graphdecode.server.args import HEARTBEAT_INTERVAL_S
 from graphdecode.server.launch import start_server, stop_server
 from graphdecode.server.metrics import ServerMetrics
 

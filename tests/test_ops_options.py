@@ -13,7 +13,8 @@ import pytest
 
 import graphdecode.config as config_module
 from graphdecode.attention.kv_cache import kv_bytes_per_page
-from graphdecode.cli import _byte_size, main
+from graphdecode.cli import main
+from graphdecode.engine_args import byte_size
 from graphdecode.config import ACTIVATION_RESERVE_BYTES, EngineConfig, model_weight_bytes
 from graphdecode.server.launch import start_server, stop_server
 
@@ -146,11 +147,11 @@ def test_the_engine_runs_on_the_resolved_thread_count(model, monkeypatch):
 
 # ------------------------------------------------------------------ the command line
 def test_byte_sizes_as_vllm_writes_them():
-    assert [_byte_size(t) for t in ("4096", "4K", "4KiB", "4k", "1.5G", "2GiB", "3g")] == [
+    assert [byte_size(t) for t in ("4096", "4K", "4KiB", "4k", "1.5G", "2GiB", "3g")] == [
         4096, 4096, 4096, 4000, 3 << 29, 2 << 30, 3 * 10**9]
     for bad in ("0", "-1G", "4kiB", "G", "lots", "nan", "inf"):
         with pytest.raises(Exception, match="expected a size in bytes"):
-            _byte_size(bad)
+            byte_size(bad)
 
 
 def test_kv_options_reach_the_engine(llm_options, text_model):

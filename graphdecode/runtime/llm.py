@@ -9,8 +9,6 @@ generate calls, each get all of their own deltas and exactly one finished output
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import difflib
 import gc
 import sys
 from collections.abc import Iterable, Iterator
@@ -18,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from tqdm import tqdm
 
 from ..config import EngineConfig
+from ..engine_args import check_engine_kwargs
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import Engine
@@ -52,15 +51,7 @@ class LLM:
         cuda_graphs, seed, ...); their defaults and validation live there, once. An
         unknown one is a TypeError naming it, before anything is built.
         """
-        valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
-        unknown = [name for name in engine_args if name not in valid]
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(
-                f"LLM() got an unexpected keyword argument {unknown[0]!r}{hint} "
-                f"(engine arguments are graphdecode.config.EngineConfig's fields: {', '.join(valid)})"
-            )
+        check_engine_kwargs("LLM", engine_args)
         if model is None:
             from ..default_model import default_model_dir
 

@@ -14,7 +14,7 @@ queue of the request they belong to. Cancelling a consumer (task cancelled, clie
 gone, `aclose()`) aborts its request, which frees its row and pages in the core.
 `load` holds the core's latest gauges (running, waiting, ...), for metrics.
 
-The core beats every second, idle or busy (engine_core.HEARTBEAT_INTERVAL_S); the reader
+The core beats every second, idle or busy (args.HEARTBEAT_INTERVAL_S); the reader
 notes when it last heard anything: `heartbeat_age` is the seconds since, which a server
 compares with its limit (a stopped or frozen core stops beating), and `step_seconds` how
 long the core's step in progress had run at its latest beat. `is_dead` turns true once the
@@ -32,8 +32,6 @@ and pipe writes rather than one per request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import difflib
 import functools
 import multiprocessing
 import queue
@@ -46,6 +44,7 @@ import uuid
 import weakref
 
 from ..config import EngineConfig
+from ..engine_args import check_engine_kwargs
 from ..outputs import RequestOutput
 from ..runtime.engine import load_tokenizer
 from ..runtime.inputs import InputProcessor
@@ -178,12 +177,7 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, **engine_args):
-        valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
-        unknown = [name for name in engine_args if name not in valid]
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], valid, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"AsyncLLM() got an unexpected keyword argument {unknown[0]!r}{hint}")
+        check_engine_kwargs("AsyncLLM", engine_args)
         if model is None:
             from ..default_model import default_model_dir
 

@@ -37,12 +37,12 @@ from multiprocessing.connection import Connection
 
 from ..runtime.gc_heap import freeze_startup_heap
 from ..runtime.output_builder import DeltaQueue
+from .args import HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
 # upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets), +Inf after them
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-HEARTBEAT_INTERVAL_S = 1.0  # how often the core says it is alive (the server's --heartbeat-timeout is a few of these)
 
 
 class _Outputs:

@@ -34,12 +34,13 @@ is not restarted in place: its running requests get 503 (or an error event), /he
 that killed the core, its exit status, or the traceback it sent) and exits with status 1,
 so that a supervisor (systemd, Kubernetes, ...) starts a fresh one instead of leaving a
 server that answers 503 forever; a SIGTERM that comes after the death exits 1 too. A core
-that stops beating (engine_core.HEARTBEAT_INTERVAL_S) for --heartbeat-timeout seconds (a
+that stops beating (args.HEARTBEAT_INTERVAL_S) for --heartbeat-timeout seconds (a
 stopped or frozen process) turns /health and new requests to 503 until it beats again.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import json
@@ -62,12 +63,19 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 
 from .. import __version__
-from ..cli import DEFAULT_HEARTBEAT_TIMEOUT_S
+from ..engine_args import HelpFormatter, engine_options, fail
 from ..runtime.detokenizer import Detokenizer
 from ..runtime.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
 from . import tools as tool_calls
+from .args import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DESCRIPTION,
+    add_serve_args,
+    check_serve_args,
+)
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from .metrics import ServerMetrics
 from .protocol import (
@@ -89,10 +97,6 @@ DEFAULT_MODEL_NAME = "graphdecode-default"
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# Bodies over this many bytes are refused (413) before they are read. 32 MiB holds any single prompt a
-# context window takes many times over (128k tokens as JSON ids is ~1 MB, as text ~0.5-3 MB) and batches of
-# them, while a body of hundreds of MB, which would take seconds and GBs to parse, never reaches the parser.
-DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 # Work done on the event loop only up to these sizes, a few ms at most on a slow core (a worker thread
 # above them; its hop costs ~0.1 ms): JSON token-id lists parse at ~15 MB/s, text tokenizes at ~3 KB/ms,
 # echo offsets take ~4 us per token.
@@ -1033,19 +1037,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args) -> int:
-    """Run the server for parsed `graphdecode serve` arguments (see cli.py); returns the exit status."""
-    from ..cli import _engine_options
-
-    model, options = _engine_options(args)
-    body_limit = getattr(args, "max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES)
-    if body_limit < 0:
-        raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {body_limit}")
+    """Run the server for parsed, checked `serve` arguments (server/args.py); returns the exit status."""
+    model, options = engine_options(args)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else DEFAULT_MODEL_NAME)
     engine = AsyncLLM(model, **options)
     try:
-        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=body_limit,
-                        heartbeat_timeout=getattr(args, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT_S))
+        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
+                        heartbeat_timeout=args.heartbeat_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)
@@ -1060,10 +1059,27 @@ def serve(args) -> int:
     return server.exit_status
 
 
-def main(argv=None) -> int:
-    from ..cli import main as cli_main
+def serve_checked(args) -> int:
+    """`serve` after every argument is checked (the engine's options by building an EngineConfig,
+    before the model loads); a bad one, or a model directory that cannot be built, is one line and
+    exit status 2."""
+    try:
+        check_serve_args(args)
+        engine_options(args)
+    except (ValueError, TypeError) as e:
+        fail(e)
+    try:
+        return serve(args)
+    except ValueError as e:  # the engine could not be built (a broken model directory, ...)
+        fail(e)
 
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv=None) -> int:
+    """`python -m graphdecode.server.openai_api ARGS`: the same as `graphdecode serve ARGS`."""
+    parser = argparse.ArgumentParser(prog="python -m graphdecode.server.openai_api", description=DESCRIPTION,
+                                     formatter_class=HelpFormatter)
+    add_serve_args(parser)
+    return serve_checked(parser.parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,208 @@
+"""The engine's options, once: the command-line flags derived from EngineConfig's fields (their
+defaults and checks live there), the argument types the flags parse, and the one check of
+unknown keyword arguments that LLM and AsyncLLM share.
+
+A bad value prints one line, `graphdecode: error: ...`, and exits with status 2 (`fail`), as
+argparse's own errors do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import sys
+from typing import NoReturn
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already says what the default is, or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def fail(error) -> NoReturn:
+    """A validation error as argparse reports one: a single line on stderr, exit status 2."""
+    message = " ".join(str(error).split())
+    print(f"graphdecode: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+_SIZE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
+                  "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """Bytes as vLLM writes them: 4294967296, 4G or 4GiB (binary), 4g (decimal)."""
+    number = text.removesuffix("iB") if text[-3:-2] in ("K", "M", "G", "T") else text
+    scale = _SIZE_SUFFIXES.get(number[-1:], 1)
+    try:
+        value = int(float(number[:-1] if scale > 1 else number) * scale)
+    except (ValueError, OverflowError):
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes >= 1 (e.g. 4000000000, 4G, 4GiB), got {text!r}")
+    return value
+
+
+def field_default(cls, name: str):
+    """A dataclass field's default, so the help never repeats a number that lives elsewhere."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options. Their defaults are EngineConfig's (None here means: not given)."""
+    from .config import (
+        CPU_KV_BUDGET_BYTES,
+        CPU_KVCACHE_SPACE_ENV,
+        CPU_THREADS_ENV,
+        DEFAULT_MAX_BATCH_SIZE,
+        GPU_MEMORY_FRACTION,
+        LOGPROBS_MODES,
+        SCHEDULING_POLICIES,
+        EngineConfig,
+    )
+
+    def config(name: str) -> str:
+        return f"default: EngineConfig's, {field_default(EngineConfig, name)}"
+
+    p.add_argument("--model", default=None,
+                   help="HuggingFace model directory (default: the built-in random Llama, made in the cache "
+                        "directory on first use)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: EngineConfig's: cuda when available)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: EngineConfig's: float32 on CPU; on CUDA the "
+                        "checkpoint's own bfloat16 or float16, else bfloat16)")
+    p.add_argument("--max-batch-size", type=positive_int, default=None,
+                   help=f"most sequences decoding at once (default: EngineConfig's, {DEFAULT_MAX_BATCH_SIZE}, "
+                        f"or the largest of --buckets)")
+    p.add_argument("--buckets", type=int_list, default=None,
+                   help="padded batch sizes that get a CUDA graph, e.g. 1,16,128 (default: EngineConfig's: "
+                        "powers of two up to --max-batch-size)")
+    p.add_argument("--num-decode-steps", "-k", type=positive_int, default=None,
+                   help=f"decode steps per window, k ({config('num_decode_steps')})")
+    p.add_argument("--page-size", type=positive_int, default=None,
+                   help=f"KV cache page size in tokens, a power of two ({config('page_size')})")
+    p.add_argument("--num-gpu-blocks-override", "--num-pages", dest="num_pages", type=positive_int, default=None,
+                   metavar="PAGES",
+                   help="KV pool size in pages, exactly, on either device (default: sized by the options below)")
+    p.add_argument("--kv-cache-memory-bytes", type=byte_size, default=None, metavar="BYTES",
+                   help=f"KV pool size in bytes per tensor-parallel rank, on either device, e.g. 4G (default: on "
+                        f"CUDA by --gpu-memory-utilization; on CPU ${CPU_KVCACHE_SPACE_ENV} GiB when set, else "
+                        f"{CPU_KV_BUDGET_BYTES >> 30} GiB at most)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help=f"share of the device's memory (on CPU: of the host's RAM) that weights, KV pool and "
+                        f"activations may take, after what others use now (default: on CUDA {GPU_MEMORY_FRACTION}; "
+                        f"on CPU unused)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest sequence, prompt + output (default: EngineConfig's: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--compile", type=on_off, default=None, metavar="{on,off}",
+                   help="torch.compile the decode forward (default: EngineConfig's: on on CUDA, off on CPU)")
+    p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"],
+                   help="(default: EngineConfig's: flashinfer on CUDA when it can run, else torch)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
+                   help=f"ranks the model is split over: cuda:0..N-1, or N CPU processes "
+                        f"({config('tensor_parallel_size')})")
+    p.add_argument("--speculative-config", type=json_object, default=None,
+                   help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 8}\' (default: off)')
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="turn automatic prefix caching off (default: EngineConfig's: on)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help=f"prefill tokens per engine step; longer prompts are chunked "
+                        f"({config('max_num_batched_tokens')})")
+    p.add_argument("--cpu-threads", "--threads", dest="cpu_threads", type=positive_int, default=None,
+                   help=f"torch threads of a CPU engine (default: EngineConfig's: ${CPU_THREADS_ENV}, else the "
+                        f"cores this process may use, divided among tensor-parallel ranks; on a busy machine give "
+                        f"fewer: threads beyond the idle cores make every matmul wait)")
+    p.add_argument("--max-logprobs", type=int, default=None,
+                   help=f"most logprobs a request may ask for, -1 for no cap ({config('max_logprobs')})")
+    p.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES),
+                   help=f"what logprobs report ({config('logprobs_mode')})")
+    p.add_argument("--scheduling-policy", default=None, choices=list(SCHEDULING_POLICIES),
+                   help=f"admission order: arrival, or the requests' priority ({config('scheduling_policy')})")
+    p.add_argument("--structured-max-states", type=positive_int, default=None,
+                   help=f"automaton states the device's constraint tables hold ({config('structured_max_states')})")
+    p.add_argument("--structured-compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"wall time one constraint may take to compile ({config('structured_compile_timeout')})")
+    p.add_argument("--structured-compile-memory-bytes", type=positive_int, default=None, metavar="BYTES",
+                   help=f"memory one constraint compile may take; larger ones are refused before they start "
+                        f"({config('structured_compile_memory_bytes')})")
+
+
+def engine_option_names() -> tuple[str, ...]:
+    """The EngineConfig fields add_engine_args gives a flag (derived from the flags, never listed twice)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return tuple(a.dest for a in parser._actions if a.dest != "model")
+
+
+def engine_options(args) -> tuple[str, dict]:
+    """(model directory, engine options given), checked by building an EngineConfig: no weights are read."""
+    from .config import EngineConfig
+
+    given = {name: getattr(args, name) for name in engine_option_names() if getattr(args, name) is not None}
+    model = args.model
+    if model is None:
+        from .default_model import default_model_dir
+
+        model = default_model_dir()
+    EngineConfig(model=model, **given)
+    return model, given
+
+
+def check_engine_kwargs(caller: str, engine_args: dict) -> None:
+    """A TypeError naming the first keyword that is not an EngineConfig field (and the closest one)."""
+    from .config import EngineConfig
+
+    valid = [f.name for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+    unknown = [name for name in engine_args if name not in valid]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(
+            f"{caller}() got an unexpected keyword argument {unknown[0]!r}{hint} "
+            f"(engine arguments are graphdecode.config.EngineConfig's fields: {', '.join(valid)})"
+        )

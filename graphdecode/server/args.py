@@ -1,0 +1,75 @@
+"""`serve`'s arguments and their defaults, once: what `graphdecode serve` and
+`python -m graphdecode.server.openai_api` both parse. Light to import (argparse and the engine's
+option table; nothing of the server itself), so `graphdecode --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..engine_args import add_engine_args
+
+HEARTBEAT_INTERVAL_S = 1.0  # how often the engine core says it is alive
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # seconds without a beat from the core before /health is 503
+# Bodies over this many bytes are refused (413) before they are read. 32 MiB holds any single prompt a
+# context window takes many times over (128k tokens as JSON ids is ~1 MB, as text ~0.5-3 MB) and batches of
+# them, while a body of hundreds of MB, which would take seconds and GBs to parse, never reaches the parser.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+DESCRIPTION = ("Serve the model over HTTP with the OpenAI API: POST /v1/completions, /v1/chat/completions "
+               "(streamed or not), GET /v1/models, /health, /metrics (Prometheus). SIGTERM drains: new "
+               "requests get 503, running ones finish (at most --shutdown-timeout), then the server exits 0.")
+
+
+def _metrics_prefix(text: str) -> str:
+    from .metrics import check_metrics_prefix
+
+    try:
+        return check_metrics_prefix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--metrics-prefix: ")) from None
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The model (positional or --model), the engine's options, and the server's own."""
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help="HuggingFace model directory, as `vllm serve MODEL` takes it (the same as --model)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name, or "
+                        "graphdecode-default for the built-in model)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+                   help="the engine core beats every second, idle or busy; after this many seconds without a "
+                        "beat (a stopped or frozen core) /health answers 503 and new requests get 503, until it "
+                        "beats again")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("--metrics-prefix", type=_metrics_prefix, default="graphdecode:",
+                   help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
+                        "gateways built for vLLM (docs/metrics.md)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                   help="a request body over this many bytes gets HTTP 413 before it is read; 0: no limit "
+                        "(default: 32 MiB, far above any prompt a context window holds)")
+
+
+def check_serve_args(args) -> None:
+    """ValueError naming the argument: `MODEL` against `--model`, the port, the timeouts, the body limit."""
+    positional = args.model_positional
+    if positional is not None:  # `serve MODEL` as `vllm serve MODEL` takes it; with --model too, they must agree
+        if args.model is not None and os.path.realpath(args.model) != os.path.realpath(positional):
+            raise ValueError(f"the model is given twice: MODEL {positional!r} and --model {args.model!r}; give one")
+        args.model = positional
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:
+        raise ValueError(f"--heartbeat-timeout must be more than the engine core's heartbeat interval "
+                         f"({HEARTBEAT_INTERVAL_S:g} s), got {args.heartbeat_timeout}")
+    if args.max_request_body_bytes < 0:
+        raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")
