@@ -7,7 +7,7 @@ the package (the structured-outputs compile worker) does not import torch.
 import importlib
 
 _PUBLIC = {
-    "LLM": ".runtime.llm",
+    "LLM": ".host.llm",
     "SamplingParams": ".sampling_params",
     "RequestOutputKind": ".sampling_params",
     "StructuredOutputsParams": ".structured.params",

@@ -150,7 +150,7 @@ class EngineConfig:
     # "fcfs": admission in arrival order; "priority": lowest `priority` value first (then arrival),
     # and preemption takes the lowest-priority work first
     scheduling_policy: str = "fcfs"
-    # the device's table store for structured-outputs constraints (runtime/structured_store.py): automaton
+    # the device's table store for structured-outputs constraints (host/structured_store.py): automaton
     # states (each ceil(vocab_size / 32) * 4 bytes of mask: 6 KB at a 49k vocabulary) and transition
     # exceptions (8 bytes each: 64 MB at this default); allocated at the first constrained request. A
     # string with a maxLength costs about maxLength x vocabulary exceptions (each token length leads
@@ -174,7 +174,7 @@ class EngineConfig:
     # beyond the idle cores make every small matmul wait for a descheduled thread (2 threads on a 2-core
     # machine with a busy neighbour: small matmuls up to 100x slower than 1, the API at 2 tok/s instead of 38).
     cpu_threads: int | None = None
-    # the bounds-checked mode (compiled/bounds.py): every window step checks the indices its kernels follow
+    # the bounds-checked mode (device/bounds.py): every window step checks the indices its kernels follow
     # (positions, KV slots and lengths, automaton states); None: on when GRAPHDECODE_CHECK_BOUNDS=1
     check_bounds: bool | None = None
 
@@ -268,7 +268,7 @@ class EngineConfig:
         # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
-        # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (compiled/graph_runtime.py)
+        # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
         num_pages, source = self._kv_pool_pages(cfg, dtype, device, max_pages, max_batch_size)
         if num_pages < max_pages + 1:

@@ -34,7 +34,7 @@ Ranges: the device holds counts and lengths as int32 and the floats as float32, 
 INT32_MAX (2**31 - 1); `temperature` and `repetition_penalty` must be representable as
 float32 (at most ~3.4e38), and `top_p` and `repetition_penalty` must not round to 0 in it.
 Token ids (`stop_token_ids`, `allowed_token_ids`, `logit_bias` keys) are checked against
-the model's vocabulary when a request is submitted (runtime/inputs.py), as are
+the model's vocabulary when a request is submitted (host/inputs.py), as are
 `max_tokens` against the context, `n` against the batch and `logprobs` against
 max_logprobs; there, on the engine's copy, a temperature below 1e-5 becomes greedy and
 `min_tokens` past the end of the sequence is cut to the room left (inputs.GREEDY_BELOW).

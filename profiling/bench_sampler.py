@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from graphdecode.compiled import sampler as S  # noqa: E402
+from graphdecode.device import sampler as S  # noqa: E402
 
 
 def _noise_int64(seed, position, keys64):

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from graphdecode import LLM, SamplingParams  # noqa: E402
 from graphdecode.bench_common import machine_info, resolve_model, rss_bytes, write_json  # noqa: E402
-from graphdecode.runtime.gc_heap import freeze_startup_heap  # noqa: E402
+from graphdecode.host.gc_heap import freeze_startup_heap  # noqa: E402
 
 
 def one_token_words(tokenizer) -> list[str]:

@@ -59,7 +59,7 @@ from graphdecode.bench_common import (  # noqa: E402
     write_json,
 )
 from graphdecode.models import load_model_config  # noqa: E402
-from graphdecode.runtime.gc_heap import freeze_startup_heap  # noqa: E402
+from graphdecode.host.gc_heap import freeze_startup_heap  # noqa: E402
 from graphdecode.server.launch import start_server, stop_server  # noqa: E402
 
 
@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
     prompts = random_prompt_ids(max(args.clients), args.prompt_len, vocab, seed=7)
     lengths = [len(p) for p in prompts]
     if args.prompt_kind == "text":
-        from graphdecode.runtime.engine import load_tokenizer
+        from graphdecode.host.engine import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         if tokenizer is None:

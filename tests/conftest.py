@@ -17,7 +17,7 @@ torch.set_num_threads(1)  # 2 cores and a busy neighbour: more threads make smal
 os.environ.setdefault("GRAPHDECODE_CPU_THREADS", "1")
 if not torch.cuda.is_available():
     # the CPU suite runs every engine (servers' too: they inherit it) in the bounds-checked mode
-    # (graphdecode/compiled/bounds.py): an index a kernel would follow out of range fails the test
+    # (graphdecode/device/bounds.py): an index a kernel would follow out of range fails the test
     os.environ.setdefault("GRAPHDECODE_CHECK_BOUNDS", "1")
 
 _HF_CACHE: dict = {}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from graphdecode.kernels import build as kernel_build, cuda as cuda_kernels
-from graphdecode.compiled.advance_step import advance_step_reference
+from graphdecode.device.advance_step import advance_step_reference
 from graphdecode.kernels.advance_step_host import advance_step_host
 
 BUFFERS = ("input_ids", "positions", "seq_lens", "slot_mapping", "kv_indptr", "kv_indices", "kv_last_page_len")

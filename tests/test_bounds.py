@@ -1,4 +1,4 @@
-"""The bounds-checked mode (compiled/bounds.py): each check fires on the index it guards, and
+"""The bounds-checked mode (device/bounds.py): each check fires on the index it guards, and
 through `LLM` it turns the defects it exists for into errors instead of silent reads and writes.
 (The whole CPU suite runs with it on: tests/conftest.py.)"""
 
@@ -9,10 +9,10 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled import speculative
-from graphdecode.compiled.bounds import BoundsCheck, BoundsError
-from graphdecode.compiled.decode_state import DecodeState
-from graphdecode.compiled.speculative import verify_metadata
+from graphdecode.device import speculative
+from graphdecode.device.bounds import BoundsCheck, BoundsError
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.speculative import verify_metadata
 
 P, MAX_PAGES, NUM_PAGES, ROPE_ROWS = 4, 6, 40, 24
 

@@ -90,8 +90,8 @@ def test_token_mask_and_automaton_advance_equal_the_torch_ops():
     """The structured-outputs step's CPU passes: a token mask from packed words (every active row, bits
     clear -> -inf, inactive rows untouched) and the automaton advance (exceptions by binary search, else
     the state's default), against the torch ops the compiled window and GPUs run."""
-    from graphdecode.compiled.structured_tables import StructuredTables
-    from graphdecode.compiled.token_mask import TokenMaskUnpacker, num_words
+    from graphdecode.device.structured_tables import StructuredTables
+    from graphdecode.device.token_mask import TokenMaskUnpacker, num_words
 
     g = torch.Generator().manual_seed(9)
     vocab, rows = 1000, 6

@@ -22,9 +22,9 @@ flashinfer = pytest.importorskip("flashinfer")
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend  # noqa: E402
 from graphdecode.attention.flashinfer_backend import FlashInferBackend  # noqa: E402
 from graphdecode.attention.kv_cache import allocate_kv_caches  # noqa: E402
-from graphdecode.compiled.decode_state import DecodeState  # noqa: E402
-from graphdecode.compiled.graphs import WindowGraphs  # noqa: E402
-from graphdecode.compiled.window_writes import WindowWrites  # noqa: E402
+from graphdecode.device.decode_state import DecodeState  # noqa: E402
+from graphdecode.device.graphs import WindowGraphs  # noqa: E402
+from graphdecode.device.window_writes import WindowWrites  # noqa: E402
 
 CAUSAL = flashinfer.utils.MaskMode.CAUSAL.value
 H, H_KV, D, P, NUM_PAGES = 4, 2, 16, 4, 64
@@ -202,7 +202,7 @@ def test_window_graphs_plan_every_bucket_up_front(kernels):
 def test_verify_is_planned_once_causal_and_matches_the_torch_verify(kernels):
     """Speculative decoding's verify: Q queries per row through BatchPrefill in CUDA-graph mode,
     planned once; the KV CSR prepare_verify writes each round gives the torch verify's output."""
-    from graphdecode.compiled.speculative import verify_metadata
+    from graphdecode.device.speculative import verify_metadata
 
     fi_caches, ref_caches = _caches(3), _caches(3)
     backend = FlashInferBackend(fi_caches, H, H_KV, D, device="cpu")
@@ -241,7 +241,7 @@ def test_verify_at_the_end_of_the_context_reads_only_owned_pages(kernels):
     is p + Q long (FlashInfer aligns queries to the KV end) but lists only the row's own pages
     and, past its context, the scratch page; queries inside the context match the torch verify,
     and the past-the-end ones write only the scratch page."""
-    from graphdecode.compiled.speculative import verify_metadata
+    from graphdecode.device.speculative import verify_metadata
 
     fi_caches, ref_caches = _caches(3), _caches(3)
     backend = FlashInferBackend(fi_caches, H, H_KV, D, device="cpu")

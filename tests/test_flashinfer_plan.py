@@ -14,7 +14,7 @@ from paged_reference import csr_attention
 from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend, flashinfer_ops, handles
 from graphdecode.attention.flashinfer_plan import decode_plan_csr, prefill_csr
 from graphdecode.attention.kv_cache import allocate_kv_caches
-from graphdecode.compiled.advance_step import advance_step_reference
+from graphdecode.device.advance_step import advance_step_reference
 
 # ---------------------------------------------------------------- prefill CSR
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphdecode.compiled.advance_step import advance_step_reference
+from graphdecode.device.advance_step import advance_step_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -16,7 +16,7 @@ BUFFERS = ("input_ids", "positions", "seq_lens", "slot_mapping", "kv_indptr", "k
 
 @pytest.fixture(scope="module", autouse=True)
 def cuda_kernel():
-    from graphdecode.compiled.advance_step import use_cuda_kernel
+    from graphdecode.device.advance_step import use_cuda_kernel
 
     assert use_cuda_kernel(), "the CUDA advance_step library could not be built or loaded"
 

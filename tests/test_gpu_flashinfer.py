@@ -15,7 +15,7 @@ from conftest import assert_padded_ctas_masked, require_flashinfer
 
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
-from graphdecode.compiled.decode_state import DecodeState
+from graphdecode.device.decode_state import DecodeState
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +25,7 @@ TOL = dict(rtol=2e-2, atol=2e-2)
 
 @pytest.fixture(scope="module", autouse=True)
 def cuda_kernel():
-    from graphdecode.compiled.advance_step import use_cuda_kernel
+    from graphdecode.device.advance_step import use_cuda_kernel
 
     use_cuda_kernel()
 

@@ -243,7 +243,7 @@ def _staggered(engine, params_by_wave, seed: int):
 
 def test_lazily_captured_variants_leave_live_rows_untouched(bf16_model, engines):
     from graphdecode import SamplingParams
-    from graphdecode.compiled.sampler import SamplerMode
+    from graphdecode.device.sampler import SamplerMode
 
     waves = [
         greedy(max_tokens=40),

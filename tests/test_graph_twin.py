@@ -1,5 +1,5 @@
-"""The graph owner's logic on a CPU, through its twin (compiled/graph_runtime.py): what a GPU run
-takes through compiled/graphs.py, run in CI.
+"""The graph owner's logic on a CPU, through its twin (device/graph_runtime.py): what a GPU run
+takes through device/graphs.py, run in CI.
 
 * capture of the common variants, largest bucket first, and replay with new inputs;
 * lazy capture of a new variant while rows are live: the warm-up window really runs and is
@@ -15,8 +15,8 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled.graph_runtime import RecordedWindow
-from graphdecode.compiled.sampler import GREEDY, SamplerMode, SamplerVariant
+from graphdecode.device.graph_runtime import RecordedWindow
+from graphdecode.device.sampler import GREEDY, SamplerMode, SamplerVariant
 
 ENGINE = dict(num_decode_steps=4, max_model_len=128, max_batch_size=8, buckets=[1, 2, 8])
 

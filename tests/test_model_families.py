@@ -17,8 +17,8 @@ from graphdecode import LLM, SamplingParams
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
 from graphdecode.attention.spec import AttentionSpec
-from graphdecode.compiled.decode_state import DecodeState
-from graphdecode.compiled.speculative import verify_metadata
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.speculative import verify_metadata
 from graphdecode.models.model_config import FULL, SLIDING, load_model_config, parse_model_config
 
 MAX_NEW = 24

@@ -16,9 +16,9 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled import sampler as sampler_module
-from graphdecode.compiled.decode_state import DecodeState
-from graphdecode.compiled.sampler import (
+from graphdecode.device import sampler as sampler_module
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.sampler import (
     COUNT_MASK,
     GREEDY,
     PROMPT_BIT,
@@ -262,7 +262,7 @@ def test_window_counts_saturate_and_skip_inert_rows():
 def test_staging_sends_penalty_state_only_for_penalized_rows():
     from dataclasses import replace
 
-    from graphdecode.runtime.row_staging import RowStaging
+    from graphdecode.device.row_staging import RowStaging
 
     state = DecodeState(4, 4, 2, num_decode_steps=1, max_logprobs=1, device="cpu", vocab_size=10, max_logit_bias=2,
                         bad_word_slots=2, max_bad_word_tokens=3)

@@ -11,7 +11,7 @@ import pytest
 from conftest import hf_greedy, random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.runtime.page_pool import PagePool, page_key
+from graphdecode.host.page_pool import PagePool, page_key
 
 PACKAGE = Path(__file__).resolve().parent.parent / "graphdecode"
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
@@ -235,13 +235,13 @@ def test_page_pool_partial_lookup():
 
 def test_scheduler_never_touches_staging_or_the_device():
     """The plan is the scheduler's only word to the runner."""
-    source = (PACKAGE / "runtime" / "scheduler.py").read_text()
+    source = (PACKAGE / "host" / "scheduler.py").read_text()
     imports = re.findall(r"^(?:from|import) (\S+)", source, flags=re.M)
-    allowed = {"__future__", "heapq", "time", "collections", "dataclasses", ".page_pool", ".plan", ".sequence",
+    allowed = {"__future__", "heapq", "time", "collections", "dataclasses", ".page_pool", "..plan", ".sequence",
                ".waiting_queue"}
     assert set(imports) <= allowed, set(imports) - allowed
     for word in ("staging", "torch", "DecodeState", "backend", "sampler", "Sampler", "kv_width"):
         assert word not in source, word
-    from graphdecode.runtime.scheduler import Scheduler
+    from graphdecode.host.scheduler import Scheduler
 
     assert "staging" not in Scheduler.__init__.__code__.co_varnames

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from graphdecode.compiled.decode_state import DecodeState
-from graphdecode.runtime.row_staging import RowStaging
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.row_staging import RowStaging
 from graphdecode.sampling_params import SamplingParams
 
 

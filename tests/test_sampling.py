@@ -9,7 +9,7 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows, _filter
+from graphdecode.device.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows, _filter
 
 
 def _rows(r: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop_ids=None) -> SamplingRows:
@@ -131,7 +131,7 @@ def test_logprobs_are_raw_log_softmax():
 
 def test_int32_noise_has_the_int64_hash_bits():
     """The [R, V] hash on int32 gives the same bits as the int64 reference (so seeds keep their streams)."""
-    from graphdecode.compiled.sampler import _M32, hash32, hash32_i32, make_vocab_keys, row_keys, to_i32, uniform_noise
+    from graphdecode.device.sampler import _M32, hash32, hash32_i32, make_vocab_keys, row_keys, to_i32, uniform_noise
 
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 1 << 32, (10_000,), generator=g, dtype=torch.int64)
@@ -150,7 +150,7 @@ def test_int32_noise_has_the_int64_hash_bits():
 def test_noise_stays_inside_the_open_interval_at_its_extremes():
     """Every noise value is strictly inside (0, 1) and its Gumbel transform finite, the largest
     hash included (a u of exactly 1 would give +inf noise, and NaN on a masked -inf logit)."""
-    from graphdecode.compiled.sampler import NOISE_BITS, unit_interval
+    from graphdecode.device.sampler import NOISE_BITS, unit_interval
 
     extremes = unit_interval(torch.tensor([0, 1, (1 << NOISE_BITS) - 2, (1 << NOISE_BITS) - 1]))
     assert bool((extremes > 0).all() and (extremes < 1).all())
@@ -161,7 +161,7 @@ def test_a_masked_token_is_never_sampled_where_its_noise_is_largest():
     """Search 4096 positions x 4096 tokens of one seed for the (position, token) with the
     largest noise (about one such draw per 16M: ~0.3% of steps over a 49k vocabulary), mask that
     token (top_k, allowed_token_ids and structured masks all write -inf) and sample there."""
-    from graphdecode.compiled.sampler import make_vocab_keys, uniform_noise
+    from graphdecode.device.sampler import make_vocab_keys, uniform_noise
 
     vocab, positions = 4096, torch.arange(4096, dtype=torch.int64)
     seeds = torch.zeros_like(positions)
@@ -181,7 +181,7 @@ def test_a_masked_token_is_never_sampled_where_its_noise_is_largest():
 
 
 def test_row_counts_decide_the_variant():
-    from graphdecode.compiled.sampler import RowCounts
+    from graphdecode.device.sampler import RowCounts
 
     counts = RowCounts(max_logprobs=20)
     assert counts.variant() == GREEDY

@@ -346,7 +346,7 @@ def test_unknown_route_is_an_openai_error(server):
 # module on PYTHONPATH: Engine.prepare fails a request whose prompt holds FAULT:request (one
 # request, inside the core), Engine.step raises once a request holding FAULT:core is in the engine.
 FAULTS = """
-from graphdecode.runtime import engine as _engine
+from graphdecode.host import engine as _engine
 
 _prepare, _step = _engine.Engine.prepare, _engine.Engine.step
 

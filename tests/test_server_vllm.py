@@ -242,7 +242,7 @@ def test_continuous_usage_stats(http):
 
 
 def test_cached_prompt_tokens_in_usage(http):
-    from graphdecode.runtime.sequence import Request
+    from graphdecode.host.sequence import Request
 
     if "num_cached_tokens" not in getattr(Request, "__slots__", ()):
         pytest.skip("the scheduler does not record a request's prefix-cache hit yet (Request.num_cached_tokens)")

@@ -12,9 +12,9 @@ from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.attention import TorchAttentionBackend
-from graphdecode.compiled.decode_state import DecodeState
-from graphdecode.compiled.sampler import GREEDY, Sampler
-from graphdecode.compiled.speculative import ngram_drafts, speculative_window
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.sampler import GREEDY, Sampler
+from graphdecode.device.speculative import ngram_drafts, speculative_window
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
@@ -220,7 +220,7 @@ def test_cli_speculative_config(text_model, capsys):
 
 
 def test_spec_policy_probes_and_waits_for_reports():
-    from graphdecode.runtime.spec_policy import SpecPolicy
+    from graphdecode.host.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
     assert policy.speculate(8) and not policy.speculate(8)  # one probe, then plain until it reports
@@ -234,7 +234,7 @@ def test_spec_policy_probes_and_waits_for_reports():
 
 def test_spec_policy_weighs_acceptance_against_measured_cost():
     """Speculate while 1 + accepted per verify >= speculative window time / plain window time."""
-    from graphdecode.runtime.spec_policy import SpecPolicy
+    from graphdecode.host.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
     for speculative, seconds in [(False, 9.0), (False, 1.0), (True, 9.0), (True, 3.0)]:  # the first of each: warm-up
@@ -249,7 +249,7 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
 
 
 def test_spec_policy_backs_off_and_withdraws():
-    from graphdecode.runtime.spec_policy import SpecPolicy
+    from graphdecode.host.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=8)
     assert policy.speculate(1)

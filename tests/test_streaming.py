@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.runtime.detokenizer import Detokenizer
+from graphdecode.host.detokenizer import Detokenizer
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def main():", "One, two, three"]
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from graphdecode.compiled.structured_tables import StructuredTables
-from graphdecode.compiled.token_mask import TokenMaskUnpacker, pack_token_ids
-from graphdecode.runtime.structured_store import RangeAllocator, StructuredStore
+from graphdecode.device.structured_tables import StructuredTables
+from graphdecode.device.token_mask import TokenMaskUnpacker, pack_token_ids
+from graphdecode.host.structured_store import RangeAllocator, StructuredStore
 
 
 def expand(words: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.distributed.executor import TPWorkerError
+from graphdecode.device.tensor_parallel import TPWorkerError
 
 ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
 

@@ -10,8 +10,8 @@ import torch
 import torch._dynamo
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled import torch_compile
-from graphdecode.compiled.torch_compile import CompiledForward
+from graphdecode.device import torch_compile
+from graphdecode.device.torch_compile import CompiledForward
 from tests.conftest import random_prompts
 
 

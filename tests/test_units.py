@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.compiled.advance_step import advance_step_reference
+from graphdecode.device.advance_step import advance_step_reference
 from graphdecode.models.model_config import parse_model_config
-from graphdecode.runtime.page_pool import PagePool
+from graphdecode.host.page_pool import PagePool
 
 
 def _state(rows, max_pages):
@@ -125,7 +125,7 @@ def test_batch_encoding_matches_transformers(text_model):
 def test_keep_freed_host_memory_sets_both_malloc_thresholds():
     """CPU runners make glibc keep freed blocks (trim and mmap thresholds), so windows do not
     page-fault their buffers in again every step; off glibc it is a no-op."""
-    from graphdecode.runtime import host_memory
+    from graphdecode.device import host_memory
 
     calls = []
 
@@ -150,7 +150,7 @@ def test_keep_freed_host_memory_sets_both_malloc_thresholds():
 
 def test_cpu_runner_keeps_freed_host_memory(tiny_models, monkeypatch):
     from graphdecode import LLM
-    from graphdecode.runtime import runner
+    from graphdecode.device import runner
 
     called = []
     monkeypatch.setattr(runner, "keep_freed_host_memory", lambda: called.append(True) or True)
@@ -162,7 +162,7 @@ def test_freeze_startup_heap_keeps_the_heap_out_of_collections_but_collects_new_
     import gc
     import weakref
 
-    from graphdecode.runtime.gc_heap import freeze_startup_heap
+    from graphdecode.host.gc_heap import freeze_startup_heap
 
     class Node:
         pass
@@ -211,7 +211,7 @@ def test_engine_core_freezes_its_heap_before_it_reports_ready(tiny_models, monke
 def test_advance_without_csr_runs_only_the_per_row_step():
     """A backend that reads block tables directly (the CPU kernel) skips the CSR scan: the
     per-row fields equal the full step's, the CSR metadata is left as it was."""
-    from graphdecode.compiled.decode_state import DecodeState
+    from graphdecode.device.decode_state import DecodeState
 
     def state():
         s = DecodeState(8, 6, 2, 4, 2, "cpu")

@@ -1,5 +1,5 @@
 """Loads csrc's CUDA library with ctypes; `advance_step_cuda` launches its advance_step kernel
-(compiled/advance_step.py registers it as the CUDA kernel of `graphdecode::advance_step`,
+(device/advance_step.py registers it as the CUDA kernel of `graphdecode::advance_step`,
 whose CPU/meta implementation is the torch reference).
 
 Search order: the library setup.py built into the package (if it matches the

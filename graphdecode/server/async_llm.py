@@ -46,9 +46,9 @@ import weakref
 from ..config import EngineConfig
 from ..engine_args import check_engine_kwargs
 from ..outputs import RequestOutput
-from ..runtime.engine import load_tokenizer
-from ..runtime.inputs import InputProcessor
-from ..runtime.scheduler import group_pages
+from ..host.engine import load_tokenizer
+from ..host.inputs import InputProcessor
+from ..host.scheduler import group_pages
 from ..sampling_params import SamplingParams
 
 START_TIMEOUT_S = 600.0  # model load + graph capture on a cold machine

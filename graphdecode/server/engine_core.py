@@ -35,8 +35,8 @@ import traceback
 from bisect import bisect_left
 from multiprocessing.connection import Connection
 
-from ..runtime.gc_heap import freeze_startup_heap
-from ..runtime.output_builder import DeltaQueue
+from ..host.gc_heap import freeze_startup_heap
+from ..host.output_builder import DeltaQueue
 from .args import HEARTBEAT_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
     sets its own torch threads (EngineConfig.cpu_threads)."""
     try:
         from ..config import EngineConfig
-        from ..runtime.engine import Engine
+        from ..host.engine import Engine
 
         engine = Engine(EngineConfig(model=model, **engine_args))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it

@@ -64,8 +64,8 @@ from starlette.responses import StreamingResponse
 
 from .. import __version__
 from ..engine_args import HelpFormatter, engine_options, fail
-from ..runtime.detokenizer import Detokenizer
-from ..runtime.gc_heap import freeze_startup_heap
+from ..host.detokenizer import Detokenizer
+from ..host.gc_heap import freeze_startup_heap
 from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
 from . import tools as tool_calls

@@ -1,7 +1,7 @@
 """TokenAutomaton: a constraint as token-level tables, ready to upload to the device.
 
 A state's allowed tokens are a packed bitmask row (`allowed[s]`, ceil(V / 32) int32
-words, bit b of word w = token 32 w + b: the packing of compiled/token_mask.py). The
+words, bit b of word w = token 32 w + b: the packing of device/token_mask.py). The
 next state after an allowed token is `default_next[s]` unless the token is one of the
 state's exceptions (`exc_tokens[exc_offsets[s]:exc_offsets[s + 1]]`, sorted, with
 `exc_next`); the default is the state's most common next state, so exceptions are few

@@ -21,7 +21,7 @@ transitions, ~5 GB, and `{1,100000}` more than the machine had. The bounds, chea
   engine closes): a regex whose DFA blows up exponentially (`(a|b)*a(a|b){20}`) is
   stopped there. The server's own memory never holds a compile.
 * states, after compiling: the automaton must fit the device's table store
-  (`structured_max_states`, runtime/structured_store.py).
+  (`structured_max_states`, host/structured_store.py).
 Each refusal is a ValueError naming the field, the limit and the option that sets it.
 """
 

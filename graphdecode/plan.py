@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..sampling_params import SamplingParams
-from .sequence import Sequence
+from .sampling_params import SamplingParams
+from .host.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class RowStart:
     # runner stages the row's token counts and recent output tokens (after a preemption too)
     token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
-    structured: object = None  # a constrained row's TablePlacement (runtime/structured_store.py), else None
+    structured: object = None  # a constrained row's TablePlacement (host/structured_store.py), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +123,7 @@ class StepPlan:
     window: WindowSpec | None = None
     readout: list[Readout] = field(default_factory=list)
     prompt_readout: list[PromptReadout] = field(default_factory=list)  # chunks with prompt logprobs, in order
-    # constraint tables placed since the last plan (runtime/structured_store.py), uploaded before any row starts
+    # constraint tables placed since the last plan (host/structured_store.py), uploaded before any row starts
     table_uploads: list = field(default_factory=list)
 
     @property

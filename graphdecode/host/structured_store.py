@@ -2,7 +2,7 @@
 
 Every constraint a request brings (a compiled TokenAutomaton, graphdecode/structured)
 occupies a range of state rows and a range of transition exceptions in one device table
-store (compiled/structured_tables.py), like pages in the KV cache: placed once when the
+store (device/structured_tables.py), like pages in the KV cache: placed once when the
 first request using it is submitted, shared by every request using it (a reference
 count), and kept after the last one ends until its room is needed (least recently used
 first), so a repeated schema is neither compiled nor uploaded again. The store is bounded

@@ -5,7 +5,7 @@ A mask over a V-token vocabulary is ceil(V / 32) int32 words (bit b of word w: t
 uploaded once when the row is admitted. The sampler masks the logits of the rows' disallowed
 tokens with one gather, one and, one compare (`mask_disallowed_`), inside the window: static
 shapes, no host involvement. allowed_token_ids and the constraint automata (one mask per
-state, compiled/structured_tables.py) share it.
+state, device/structured_tables.py) share it.
 """
 
 from __future__ import annotations

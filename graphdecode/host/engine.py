@@ -26,9 +26,9 @@ from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
 from .page_pool import PagePool
-from .plan import StepPlan
-from .pythonizer import PendingCopy
-from .runner import ModelRunner
+from ..plan import StepPlan
+from ..device.pythonizer import PendingCopy
+from ..device.runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy
@@ -89,7 +89,7 @@ class Engine:
         self.executor = None  # the tensor-parallel workers, when there are some
         tp = TPGroup()
         if config.tensor_parallel_size > 1:
-            from ..distributed.executor import TPExecutor
+            from ..device.tensor_parallel import TPExecutor
 
             self.executor = TPExecutor(config)
             tp = self.executor.tp

@@ -1,6 +1,6 @@
 """StructuredTables: constraint automata on the device, read by the window to mask and advance.
 
-One store for every constraint in use (runtime/structured_store.py places them):
+One store for every constraint in use (host/structured_store.py places them):
 * `allowed`      [S_max, ceil(V / 32)] int32: each state's allowed tokens, a packed
                  bitmask (token_mask.py), expanded per row by the sampler;
 * `default_next` [S_max] int32: the next state of an allowed token without an exception;

@@ -28,13 +28,13 @@ first, else the newest running sequence), with "priority" the lowest-priority wo
 (the highest `priority` value, then the latest arrival, then the latest admission)
 among the prefilling groups and running sequences, an O(running) choice. The victim
 frees its pages (those in the prefix cache stay findable) and goes back to the queue
-(runtime/waiting_queue.py: the front for FCFS, its own place by priority); in-flight
+(host/waiting_queue.py: the front for FCFS, its own place by priority); in-flight
 tokens of a running victim are discarded (its row epoch no longer matches) and
 recomputed, which gives the same tokens because sampling noise depends only on (seed,
 position, token). The waiting queue admits in arrival order (FCFS) or by (priority,
 arrival).
 
-The plan (runtime/plan.py) says all of it to the runner: rows cleared since the last
+The plan (plan.py) says all of it to the runner: rows cleared since the last
 plan (finished, aborted, preempted, retired), rows started, block tables grown,
 prefill chunks, the window's bucket.
 
@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 
 from .page_pool import ROOT_KEY, PagePool, page_key
-from .plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
+from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .sequence import Sequence
 from .waiting_queue import make_waiting_queue
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from ..outputs import Logprob
-from .pythonizer import WindowResult
+from ..device.pythonizer import WindowResult
 from .sequence import Sequence
 
 

@@ -4,7 +4,7 @@ Struct of arrays indexed by row (a sequence's slot), sized to the largest bucket
 B_max. A bucket of B rows works on views [:B]; rows >= B and padded rows inside the
 bucket are `done`, so they compute harmlessly against the scratch page. The host
 never writes these buffers directly: row changes arrive as copies from pinned
-staging (runtime/row_staging.py), ordered on the stream after the running window.
+staging (device/row_staging.py), ordered on the stream after the running window.
 
 Penalty state (read only by windows whose variant has penalties; see sampler.py):
 per-row repetition / presence / frequency penalties [B_max] float32, a `penalized`
@@ -107,7 +107,7 @@ class DecodeState:
         self.spec_drafted = buf(rows, dtype=torch.int32)  # [B_max]: drafts proposed in the last window
         self.spec_accepted = buf(rows, dtype=torch.int32)  # [B_max]: ... of which accepted
         self.spec_rounds = buf(rows, dtype=torch.int32)  # [B_max]: verify rounds the row was live in
-        self.bounds = None  # BoundsCheck in the bounds-checked mode (compiled/bounds.py)
+        self.bounds = None  # BoundsCheck in the bounds-checked mode (device/bounds.py)
 
     @property
     def verify_pages(self) -> int:
@@ -251,5 +251,5 @@ class DecodeState:
         self.out_lp_top[rows, column] = logprobs.top_logprobs
 
     def window_tensors(self) -> dict[str, torch.Tensor]:
-        """Every buffer of the state (a window may write any of them: compiled/window_writes.py)."""
+        """Every buffer of the state (a window may write any of them: device/window_writes.py)."""
         return {name: t for name, t in vars(self).items() if isinstance(t, torch.Tensor)}

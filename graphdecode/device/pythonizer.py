@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..compiled.decode_state import DecodeState
+from .decode_state import DecodeState
 
 
 @dataclass

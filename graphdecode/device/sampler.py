@@ -19,8 +19,8 @@ frequency penalties) only when a row has one of them.
 
 Order of logit processing (vLLM's), after the raw logprobs:
 0. allowed_token_ids: every other token masked (-inf), from the row's packed bitmask
-   (compiled/token_mask.py); then a structured-outputs row's automaton state masks every
-   token its state does not allow (compiled/structured_tables.py), and after sampling
+   (device/token_mask.py); then a structured-outputs row's automaton state masks every
+   token its state does not allow (device/structured_tables.py), and after sampling
    the window moves the state by the sampled token;
 1. logit_bias added, bad words masked (-inf on a word's last token when the row's last
    output tokens are the word's other tokens; one-token words always);
@@ -81,7 +81,7 @@ class SamplerVariant:
     penalties: bool = False  # some row has logit_bias, bad_words or a repetition/presence/frequency penalty
     allowed_ids: bool = False  # some row has allowed_token_ids: the rows' token masks apply
     structured: bool = False  # some row has a structured-outputs constraint: its automaton masks and advances
-    speculative: bool = False  # the window drafts and verifies (compiled/speculative.py); the host decides
+    speculative: bool = False  # the window drafts and verifies (device/speculative.py); the host decides
 
 
 GREEDY = SamplerVariant()

@@ -20,21 +20,21 @@ import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
-from ..compiled.advance_step import use_cuda_kernel
-from ..compiled.bounds import BoundsCheck
-from ..compiled.decode_state import DecodeState
-from ..compiled.graphs import WindowGraphs
-from ..compiled.sampler import RowCounts, Sampler
-from ..compiled.structured_tables import StructuredTables
-from ..compiled.torch_compile import CompiledForward
-from ..compiled.window_writes import WindowWrites
-from ..compiled.window import sample_into
+from .advance_step import use_cuda_kernel
+from .bounds import BoundsCheck
+from .decode_state import DecodeState
+from .graphs import WindowGraphs
+from .sampler import RowCounts, Sampler
+from .structured_tables import StructuredTables
+from .torch_compile import CompiledForward
+from .window_writes import WindowWrites
+from .window import sample_into
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
 from .host_memory import keep_freed_host_memory
-from .plan import PrefillChunk, StepPlan
+from ..plan import PrefillChunk, StepPlan
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
 

@@ -29,8 +29,8 @@ def run_worker(rank: int, world_size: int, port: int, config, watched, started) 
     started.close()
     threading.Thread(target=_exit_when_driver_is_gone, args=(watched,), daemon=True).start()
     torch.set_num_threads(config.cpu_threads)  # before init: the runner sets it again on CPU
-    from ..runtime.runner import ModelRunner
-    from .executor import init_rank
+    from .runner import ModelRunner
+    from .tensor_parallel import init_rank
 
     tp, plans = init_rank(rank, world_size, port, config.torch_device)
     with torch.inference_mode():

@@ -36,9 +36,9 @@ import time
 import numpy as np
 import torch
 
-from ..compiled.decode_state import FLOAT_COLUMNS, INT_COLUMNS, DecodeState
-from ..compiled.sampler import COUNT_MASK, PROMPT_BIT
-from ..compiled.token_mask import pack_token_ids
+from .decode_state import FLOAT_COLUMNS, INT_COLUMNS, DecodeState
+from .sampler import COUNT_MASK, PROMPT_BIT
+from .token_mask import pack_token_ids
 
 _COL = {name: i for i, name in enumerate(INT_COLUMNS)}
 _NEUTRAL_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # FLOAT_COLUMNS of an inert row

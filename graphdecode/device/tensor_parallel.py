@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..models.parallel import TPGroup
-from .worker import run_worker
+from .tp_worker import run_worker
 
 INIT_TIMEOUT_S = 600  # model load on every rank
 OP_TIMEOUT_S = 300  # one collective (gloo raises on a closed peer long before)

@@ -10,7 +10,7 @@ everything alive then into a permanent generation that collections skip; objects
 later are collected as before. vLLM's server and engine core do the same after start-up.
 
 For long-running processes we own (the engine core, the server); the offline
-`LLM.generate` pauses the collector during the call instead (runtime/llm.py).
+`LLM.generate` pauses the collector during the call instead (host/llm.py).
 """
 
 from __future__ import annotations

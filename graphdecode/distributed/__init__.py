@@ -1,1 +1,0 @@
-"""Tensor parallelism over torch.distributed: the driver's executor and the worker ranks."""

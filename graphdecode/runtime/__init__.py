@@ -1,1 +1,0 @@
-"""Sequences, pages, scheduler, runner, pythonizer, detokenizer and the LLM front end."""
