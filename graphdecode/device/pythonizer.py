@@ -18,7 +18,7 @@ the window runs eagerly inside the launch). The speculation policy reads it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +48,11 @@ class PendingCopy:
     speculative: bool = False
     timed: bool = False  # a decode window ran between start_window() and enqueue()
     cpu_seconds: float | None = None  # its wall time on a CPU (CUDA: the slot's timing events)
+    pythonizer: "Pythonizer | None" = field(default=None, repr=False)  # whose slot holds it
+
+    def result(self) -> "WindowResult":
+        """The window's outputs on the host: the one place the host waits for the device."""
+        return self.pythonizer.wait(self)
 
 
 class Pythonizer:
@@ -101,7 +106,8 @@ class Pythonizer:
         if self.cuda:
             event = torch.cuda.Event()
             event.record()
-        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative, timed, cpu_seconds)
+        return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative, timed, cpu_seconds,
+                           self)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:

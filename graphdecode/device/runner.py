@@ -31,6 +31,7 @@ from .window_writes import WindowWrites
 from .window import sample_into
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
+from ..models.moe import moe_stats
 from ..models.parallel import TPGroup, local_kv_heads
 from ..ranges import annotate
 from .host_memory import keep_freed_host_memory
@@ -127,6 +128,24 @@ class ModelRunner:
         bucket = window.bucket if window is not None else 0
         return self.pythonizer.enqueue(bucket, with_logprobs=variant.num_logprobs > 0, extras=prompt_results,
                                        speculative=variant.speculative)
+
+    def stats(self) -> dict:
+        """The device side's counters (EngineStats' names; engine.stats() merges them)."""
+        windows = self.windows
+        out = {
+            "seconds_blocked": self.pythonizer.seconds_blocked,
+            "staged_rows": self.staging.num_rows_staged,
+            "staging_flushes": self.staging.num_flushes,
+            "staging_seconds_blocked": self.staging.seconds_blocked,
+            "compile_seconds": windows.compile_seconds,
+            "compile_warm_start": getattr(windows.logits_fn, "warm_start", None),
+            "capture_seconds": windows.capture_seconds,
+            "graphs_captured": len(windows.graphs),
+            "graph_memory_bytes": windows.graph_memory_bytes,
+            "cpu_attention_kernels": self.backend.reads_pages_in_place,  # CPU: pages read in place
+        }
+        out.update(moe_stats(self.model))
+        return out
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""

@@ -2,7 +2,7 @@
 
     plan    = scheduler.schedule(spec)    rows in/out, lookahead pages, prefill chunks, the window's bucket
                                           (spec: the speculation policy's choice for this window)
-    pending = runner.execute(plan)        stage rows, prefill, launch the window, copy out
+    pending = executor.execute(plan)      stage rows, prefill, launch the window, copy out
                                           (with tensor parallelism the plan goes to every rank first)
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
 
@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.moe import moe_stats
-from ..models.parallel import TPGroup
 from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
 from .page_pool import PagePool
 from ..plan import StepPlan
-from ..device.pythonizer import PendingCopy
-from ..device.runner import ModelRunner
+from ..device.executor import make_executor
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy
@@ -86,26 +83,15 @@ class Engine:
     def __init__(self, config):
         self.config = config
         self.tokenizer = load_tokenizer(str(config.model))
-        self.executor = None  # the tensor-parallel workers, when there are some
-        tp = TPGroup()
-        if config.tensor_parallel_size > 1:
-            from ..device.tensor_parallel import TPExecutor
-
-            self.executor = TPExecutor(config)
-            tp = self.executor.tp
-        try:
-            self.runner = ModelRunner(config, tp)
-        except BaseException:
-            self.close()
-            raise
+        self.executor = make_executor(config)  # the device side: one process, or every tensor-parallel rank
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.pool)
         self.structured = StructuredStore(config.structured_max_states, config.structured_max_exceptions)
+        self.scheduler = Scheduler(config, self.pool, self.structured)
         self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)  # speculative or plain, per window
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self._inflight: tuple[StepPlan, PendingCopy] | None = None
+        self._inflight: tuple[StepPlan, object] | None = None  # the plan and its pending copy
         self._aborted: list[Sequence] = []  # ended by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self._stats = EngineStats()
@@ -174,12 +160,11 @@ class Engine:
             with annotate("graphdecode.schedule"):
                 speculative = self.spec_policy.speculate(self.scheduler.bucket)
                 plan = self.scheduler.schedule(speculative)
-                plan.table_uploads = self.structured.take_uploads()  # constraints placed since the last plan
                 if speculative and not (plan.window is not None and plan.window.decode):
                     self.spec_policy.withdraw()  # no decode window this step
             t1 = time.perf_counter()
             with annotate("graphdecode.launch"):
-                pending = self._launch(plan)
+                pending = self.executor.execute(plan)
             t2 = time.perf_counter()
             changed: list[Sequence] = []
             if self._inflight is not None:
@@ -193,30 +178,23 @@ class Engine:
             self._aborted = []
         return changed
 
-    def _launch(self, plan: StepPlan) -> PendingCopy | None:
-        if self.executor is None:
-            return self.runner.execute(plan)
-        try:
-            self.executor.broadcast_plan(plan)
-            return self.runner.execute(plan)
-        except Exception as exc:
-            dead = self.executor.collective_failed(exc)
-            if dead is None:
-                raise
-            self.close()
-            raise dead from exc
+    @property
+    def runner(self):
+        """Rank 0's model runner, for tests and profiling (the engine speaks only to the executor)."""
+        return self.executor.runner
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and the constraint compile workers; the engine cannot
-        step after it."""
+        """Stop the executor (tensor-parallel workers) and the constraint compile workers; the engine
+        cannot step after it."""
         inputs = getattr(self, "inputs", None)  # None when construction failed before it
         if inputs is not None:
             inputs.close()
-        if self.executor is not None:
-            self.executor.shutdown()
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.close()
 
-    def _postprocess(self, plan: StepPlan, pending: PendingCopy) -> list[Sequence]:
-        result = self.runner.pythonizer.wait(pending)
+    def _postprocess(self, plan: StepPlan, pending) -> list[Sequence]:
+        result = pending.result()
         if pending.extras:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
         decode = plan.window is not None and plan.window.decode
@@ -273,15 +251,10 @@ class Engine:
         s.prefix_cache_queries = self.scheduler.prefix_cache_queries
         s.prefix_cache_hits = self.scheduler.prefix_cache_hits
         s.cached_pages = self.pool.num_cached
-        s.seconds_blocked = self.runner.pythonizer.seconds_blocked
-        s.staged_rows = self.runner.staging.num_rows_staged
-        s.staging_flushes = self.runner.staging.num_flushes
-        s.staging_seconds_blocked = self.runner.staging.seconds_blocked
-        s.compile_seconds = self.runner.windows.compile_seconds
-        s.compile_warm_start = getattr(self.runner.windows.logits_fn, "warm_start", None)
-        s.capture_seconds = self.runner.windows.capture_seconds
-        s.graphs_captured = len(self.runner.windows.graphs)
-        s.graph_memory_bytes = self.runner.windows.graph_memory_bytes
+        device = self.executor.stats()
+        for name in ("seconds_blocked", "staged_rows", "staging_flushes", "staging_seconds_blocked", "compile_seconds",
+                     "compile_warm_start", "capture_seconds", "graphs_captured", "graph_memory_bytes"):
+            setattr(s, name, device.pop(name))
         out = dict(vars(s))
         out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))
         steps = max(s.steps, 1)
@@ -294,7 +267,6 @@ class Engine:
         out["kv_pages_total"] = self.pool.num_pages - 1  # the scratch page aside
         out["kv_pages_free"] = self.pool.num_free  # an allocation could take them now (cached ones included)
         out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
-        out["cpu_attention_kernels"] = self.runner.backend.reads_pages_in_place  # CPU: pages read in place
         automata = self.inputs.automata  # structured outputs: compiles (cold / cached) and the device store
         compiled = automata.stats().as_dict() if automata is not None else {}
         out["structured_compiles"] = compiled.get("compiled", 0)
@@ -302,5 +274,5 @@ class Engine:
         out["structured_compile_seconds"] = compiled.get("compile_seconds", 0.0)
         out["structured_uploads"] = self.structured.num_uploads
         out["structured_states_in_use"] = self.structured.states_in_use
-        out.update(moe_stats(self.runner.model))
+        out.update(device)  # the rest of the device's: CPU kernels in use, MoE load
         return out

@@ -86,7 +86,8 @@ class PrefillGroup:
 
 
 class Scheduler:
-    def __init__(self, config, pool: PagePool):
+    def __init__(self, config, pool: PagePool, tables=None):
+        self.tables = tables  # the structured-outputs table store: its uploads travel in the plan (or None)
         self.window_tokens = config.window_tokens  # most tokens a row gains per window (k, or k (d + 1))
         self.num_decode_steps = config.num_decode_steps  # ... and the fewest (one per round)
         self.speculative = config.num_speculative_tokens > 0  # rows need their token history on the device
@@ -130,6 +131,8 @@ class Scheduler:
         """speculative: the engine's choice for this step's window; a plain window reserves
         lookahead for k tokens per row, a speculative one for k (d + 1)."""
         plan = StepPlan()
+        if self.tables is not None:  # constraints placed since the last plan, uploaded before their rows start
+            plan.table_uploads = self.tables.take_uploads()
         window_tokens = self.window_tokens if speculative else self.num_decode_steps
         self._retire_drained()
         if not self._reserve_lookahead(plan, window_tokens):

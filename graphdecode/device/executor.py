@@ -1,0 +1,71 @@
+"""Executors: what the host hands each plan to, and all it knows of the device.
+
+    pending = executor.execute(plan)   stage rows, prefill, launch the window, start the copy out
+    result  = pending.result()         the window's outputs on the host (the one wait)
+    executor.stats()                   the device side's counters
+    executor.close()                   stop whatever the executor started
+
+`LocalExecutor` runs one model runner in this process. `TensorParallelExecutor` owns every rank:
+it starts the worker ranks, sends each plan to them before its own runner (rank 0) applies it,
+and turns a collective that failed because a worker died into TPWorkerError (closing the rest).
+`make_executor` picks one from the config. `runner` (rank 0's) is there for tests and profiling;
+the engine itself uses only the calls above.
+"""
+
+from __future__ import annotations
+
+from ..models.parallel import TPGroup
+from ..plan import StepPlan
+from .pythonizer import PendingCopy
+from .runner import ModelRunner
+
+
+class LocalExecutor:
+    def __init__(self, config, tp: TPGroup = TPGroup()):
+        self.runner = ModelRunner(config, tp)
+
+    def execute(self, plan: StepPlan) -> PendingCopy | None:
+        return self.runner.execute(plan)
+
+    def stats(self) -> dict:
+        return self.runner.stats()
+
+    def close(self) -> None:
+        """Nothing to stop in one process."""
+
+
+class TensorParallelExecutor(LocalExecutor):
+    def __init__(self, config):
+        from .tensor_parallel import TPExecutor
+
+        self.ranks = TPExecutor(config)  # ranks 1..N-1, started and waited for
+        try:
+            super().__init__(config, self.ranks.tp)
+        except BaseException:
+            self.ranks.shutdown()
+            raise
+
+    def execute(self, plan: StepPlan) -> PendingCopy | None:
+        try:
+            self.ranks.broadcast_plan(plan)
+            return self.runner.execute(plan)
+        except Exception as exc:
+            dead = self.ranks.collective_failed(exc)
+            if dead is None:
+                raise
+            self.close()
+            raise dead from exc
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.ranks.worker_pids
+
+    def gather_from_workers(self, request: str) -> list:
+        return self.ranks.gather_from_workers(request)
+
+    def close(self) -> None:
+        self.ranks.shutdown()
+
+
+def make_executor(config) -> LocalExecutor:
+    return TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else LocalExecutor(config)
