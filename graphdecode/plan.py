@@ -13,9 +13,14 @@ columns belong to which sequence once this step's copy arrives.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .sampling_params import SamplingParams
-from .host.sequence import Sequence
+
+if TYPE_CHECKING:  # readouts carry the host's sequences back to it; the device never looks inside
+    from .host.sequence import Sequence
+
+SCRATCH_PAGE = 0  # page 0: never handed to a sequence; padded and finished rows write their K/V there
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import httpx  # noqa: E402
 
 from graphdecode.bench_common import git_commit, write_json  # noqa: E402
-from graphdecode.device.tensor_parallel import free_port  # noqa: E402
+from graphdecode.device.tp_rank import free_port  # noqa: E402
 
 NAME = "faults"
 REGEX_OVER = "[a-z]{1,2000}"

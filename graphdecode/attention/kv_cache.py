@@ -1,14 +1,13 @@
 """The paged KV cache: one tensor [num_pages, 2, page_size, H_kv, D] per layer (NHD).
 
-Page 0 is reserved as the scratch page: padded rows and finished rows of a decode
-window write their K/V there, so their writes can never touch a live sequence.
+Page 0 is reserved as the scratch page (plan.SCRATCH_PAGE, the host's and the device's
+convention): padded rows and finished rows of a decode window write their K/V there, so their
+writes can never touch a live sequence.
 """
 
 from __future__ import annotations
 
 import torch
-
-SCRATCH_PAGE = 0
 
 
 def allocate_kv_caches(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):

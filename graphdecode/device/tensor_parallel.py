@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import multiprocessing
-import socket
 import sys
 import time
 import weakref
 from multiprocessing.connection import wait as wait_for_any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..models.parallel import TPGroup
+from .tp_rank import INIT_TIMEOUT_S, free_port, init_rank
 from .tp_worker import run_worker
 
-INIT_TIMEOUT_S = 600  # model load on every rank
-OP_TIMEOUT_S = 300  # one collective (gloo raises on a closed peer long before)
 EXIT_UNGUARDED_MAIN = 64  # a worker's exit status: it found the main module building an LLM (sysexits EX_USAGE)
 GUARD_ADVICE = ('put the code that builds the LLM under `if __name__ == "__main__":` (tensor-parallel workers '
                 "are spawned processes: each imports the script again as its main module before it starts)")
@@ -52,32 +47,6 @@ GUARD_ADVICE = ('put the code that builds the LLM under `if __name__ == "__main_
 
 class TPWorkerError(RuntimeError):
     """A tensor-parallel worker died; the engine cannot go on."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
-def init_rank(rank: int, world_size: int, port: int, device: torch.device):
-    """torch.distributed for one rank: (TPGroup for the model's collectives, gloo group for plans)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(rank_device(device, rank))
-    dist.init_process_group(
-        backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
-    )
-    plans = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
-    return TPGroup(rank, world_size, dist.group.WORLD), plans
 
 
 def _in_spawn_bootstrap() -> bool:

@@ -4,7 +4,7 @@ applies every plan the driver broadcasts, exactly as the driver's runner does.
 It leaves its loop on a None plan (shutdown), and exits at once when the pipe from the
 driver reads EOF (the driver died): a watcher thread, so no worker outlives its engine.
 Its first act is a message on `started`: the driver waits for it (a worker that exits
-during its bootstrap, before it gets here, is reported at once; see executor.py).
+during its bootstrap, before it gets here, is reported at once; see tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def run_worker(rank: int, world_size: int, port: int, config, watched, started) 
     threading.Thread(target=_exit_when_driver_is_gone, args=(watched,), daemon=True).start()
     torch.set_num_threads(config.cpu_threads)  # before init: the runner sets it again on CPU
     from .runner import ModelRunner
-    from .tensor_parallel import init_rank
+    from .tp_rank import init_rank
 
     tp, plans = init_rank(rank, world_size, port, config.torch_device)
     with torch.inference_mode():

@@ -10,10 +10,13 @@ the rows in the window and the tokens they produced.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from ..outputs import Logprob
-from ..device.pythonizer import WindowResult
 from .sequence import Sequence
+
+if TYPE_CHECKING:  # what the executor's pending copy returns
+    from ..device.pythonizer import WindowResult
 
 
 class OutputProcessor:

@@ -33,7 +33,7 @@ from itertools import islice
 
 import numpy as np
 
-from ..attention.kv_cache import SCRATCH_PAGE
+from ..plan import SCRATCH_PAGE
 
 ROOT_KEY = b""
 PARTIAL_CANDIDATES = 4  # children of a page compared by a partial lookup, most recent first

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from ..engine_args import add_engine_args
 
@@ -21,9 +22,19 @@ DESCRIPTION = ("Serve the model over HTTP with the OpenAI API: POST /v1/completi
                "requests get 503, running ones finish (at most --shutdown-timeout), then the server exits 0.")
 
 
-def _metrics_prefix(text: str) -> str:
-    from .metrics import check_metrics_prefix
+DEFAULT_METRICS_PREFIX = "graphdecode:"
+_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # a Prometheus metric name (':' allowed), or its start
 
+
+def check_metrics_prefix(prefix) -> str:
+    """The prefix, if every family name it starts is a valid Prometheus name; else ValueError."""
+    if not isinstance(prefix, str) or (prefix and not _PREFIX.fullmatch(prefix)):
+        raise ValueError(f"--metrics-prefix: {prefix!r} cannot start Prometheus metric names: use letters, digits, "
+                         "'_' and ':', not a digit first (e.g. 'graphdecode:' or 'vllm:')")
+    return prefix
+
+
+def _metrics_prefix(text: str) -> str:
     try:
         return check_metrics_prefix(text)
     except ValueError as e:
@@ -49,7 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
-    p.add_argument("--metrics-prefix", type=_metrics_prefix, default="graphdecode:",
+    p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_METRICS_PREFIX,
                    help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
                         "gateways built for vLLM (docs/metrics.md)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",

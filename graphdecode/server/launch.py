@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from ..device.tensor_parallel import free_port
+from ..device.tp_rank import free_port
 
 
 def start_server(args: list[str], log_path: str, timeout_s: float = 600.0,

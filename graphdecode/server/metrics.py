@@ -32,17 +32,15 @@ Counters end in `_total` in the exposition.
 
 from __future__ import annotations
 
-import re
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from .args import DEFAULT_METRICS_PREFIX, check_metrics_prefix
 from .engine_core import ITERATION_TOKEN_BUCKETS
 
-DEFAULT_METRICS_PREFIX = "graphdecode:"
-_PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # a Prometheus metric name (':' allowed), or its start
 
 # vLLM's buckets, with finer ones below theirs (a CPU or GPU window's tokens come in milliseconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -52,14 +50,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0,
                            10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
-
-
-def check_metrics_prefix(prefix) -> str:
-    """The prefix, if every family name it starts is a valid Prometheus name; else ValueError."""
-    if not isinstance(prefix, str) or (prefix and not _PREFIX.fullmatch(prefix)):
-        raise ValueError(f"--metrics-prefix: {prefix!r} cannot start Prometheus metric names: use letters, digits, "
-                         "'_' and ':', not a digit first (e.g. 'graphdecode:' or 'vllm:')")
-    return prefix
 
 
 def token_buckets(max_value: int) -> tuple[int, ...]:
