@@ -108,7 +108,8 @@ def measure_compile(llm) -> dict:
 
 
 def measure_admission(llm, repeats: int = 200) -> dict:
-    """prepare + table placement of one request, with a cached constraint and without one (best of)."""
+    """prepare + table placement of one request (add_requests' first half), with a cached constraint
+    and without one (best of)."""
     from graphdecode import SamplingParams
 
     engine = llm.engine

@@ -109,9 +109,26 @@ class Engine:
 
     def add_request(self, prompt, params=None, request_id=None, priority: int = 0) -> Request:
         (text, ids), = self.inputs.tokenize_all([prompt])
-        request = self.prepare(text, ids, params, request_id, priority)
-        self.add_prepared(request)
+        (request,) = self.add_requests([self.prepare(text, ids, params, request_id, priority)])
         return request
+
+    def add_requests(self, requests: list[Request]) -> list[Request]:
+        """Admit prepared requests, all or none: every constraint's tables are placed in the device's
+        table store first (a ValueError naming structured_outputs rolls back the ones placed before
+        it; its `index` says which request did not fit); only then do the requests join the
+        scheduler. The one admission call every front end makes."""
+        for i, request in enumerate(requests):
+            try:
+                self.place_tables(request)
+            except ValueError as e:
+                for placed in requests[:i]:
+                    self.release_tables(placed)
+                e.index = i
+                raise
+        for request in requests:
+            self.requests[request.request_id] = request
+            self.scheduler.add(list(request.seqs))
+        return requests
 
     def place_tables(self, request: Request) -> None:
         """Give a constrained request's automaton its room in the device's table store (ValueError
@@ -123,11 +140,6 @@ class Engine:
         if request.placement is not None:
             self.structured.release(request.placement)
             request.placement = None
-
-    def add_prepared(self, request: Request) -> None:
-        self.place_tables(request)
-        self.requests[request.request_id] = request
-        self.scheduler.add(list(request.seqs))
 
     def abort_request(self, request_id: str) -> Request | None:
         """End every unfinished sequence of the request with finish_reason 'abort'."""

@@ -242,13 +242,8 @@ class LLM:
                 requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-        for i, request in enumerate(requests):  # constraint tables first: all of them fit, or nothing is added
-            try:
-                self.engine.place_tables(request)
-            except ValueError as e:
-                for placed in requests[:i]:
-                    self.engine.release_tables(placed)
-                raise ValueError(f"prompts[{i}]: {e}") from None
-        for request in requests:
-            self.engine.add_prepared(request)
+        try:
+            self.engine.add_requests(requests)  # constraint tables first: all of them fit, or nothing is added
+        except ValueError as e:
+            raise ValueError(f"prompts[{e.index}]: {e}") from None
         return requests

@@ -131,7 +131,7 @@ def _add(engine, message: tuple, outputs) -> None:
     traceback, and whatever of it reached the engine is aborted, so the core keeps serving."""
     _, request_id, text, ids, params, priority = message
     try:
-        engine.add_prepared(engine.prepare(text, ids, params, request_id, priority))
+        engine.add_requests([engine.prepare(text, ids, params, request_id, priority)])
     except (ValueError, TypeError) as exc:
         outputs.send(("rejected", request_id, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the request-failure boundary: this request fails, the core goes on
