@@ -150,7 +150,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bucket_sweep_cli
+    from .bench.sweep import run_bucket_sweep_cli
 
     try:
         for name in ("buckets", "steps"):
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="bucket sweep: tokens/s per bucket and k, beside transformers",
                            formatter_class=HelpFormatter)
-    from .bench import add_sweep_args
+    from .bench.sweep import add_sweep_args
 
     add_sweep_args(bench)
     for action in bench._actions:  # options without a help string still show their default

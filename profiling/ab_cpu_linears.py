@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
 
     from graphdecode import LLM, SamplingParams
-    from graphdecode.bench_common import random_prompt_ids
+    from graphdecode.bench.common import random_prompt_ids
     from graphdecode.gguf_import import smollm2_dir
     from graphdecode.models.cpu_linear import PackedWeight, PanelWeight
 

@@ -6,15 +6,10 @@ greedy) on the same model and lengths. Writes PREFIX.json, PREFIX.png, prints a 
     python profiling/bench_buckets.py --preset llama-3.2-1b --device cuda --dtype bfloat16 \
         --buckets 1,2,4,8,16,32,64,128,256 --steps 1,8 --prompt-len 128 --gen-len 128 --out $OUT/bench_buckets
 
-The implementation is graphdecode.bench (also `graphdecode bench`).
+The implementation is graphdecode.bench.sweep (also `graphdecode bench`).
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode.bench import main  # noqa: E402
+from graphdecode.bench.sweep import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -6,7 +6,7 @@ One run, same model, dtype and thread count for both:
   transformers' own prefill as `generate` runs it (one forward with `logits_to_keep=1`,
   SDPA attention);
 * decode: B prompts of `--prompt-len` tokens, `--gen-len` greedy tokens with ignore_eos
-  (graphdecode.bench's point: decode = full run - prefill-only run), eager and compiled,
+  (graphdecode.bench.sweep's point: decode = full run - prefill-only run), eager and compiled,
   against `generate(cache_implementation="static")`; rows whose tokens equal
   transformers' are counted (fp32: all should);
 * peak RSS of each side (every (side, dtype, mode) runs in a subprocess of its own; the
@@ -33,11 +33,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode.bench_common import machine_info, random_prompt_ids, write_json  # noqa: E402
+from graphdecode.bench.common import machine_info, random_prompt_ids, write_json
 
 MARK = "BENCH_CPU_RESULT "
 
@@ -93,7 +91,7 @@ def hf_prefill(args) -> dict:
 
 def engine_decode(args) -> dict:
     from graphdecode import LLM
-    from graphdecode.bench import measure_engine_point
+    from graphdecode.bench.sweep import measure_engine_point
 
     batches = [int(x) for x in args.batches.split(",")]
     start = time.perf_counter()
@@ -279,7 +277,7 @@ def main(argv=None) -> dict:
     if args.model is not None:
         args.model_dir, name = args.model, os.path.basename(os.path.normpath(args.model))
     elif args.preset is not None:
-        from graphdecode.presets import ensure_preset
+        from graphdecode.bench.presets import ensure_preset
 
         args.model_dir, name = ensure_preset(args.preset, "cpu"), args.preset
     else:

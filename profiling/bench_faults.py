@@ -38,12 +38,10 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import httpx
 
-import httpx  # noqa: E402
-
-from graphdecode.bench_common import git_commit, write_json  # noqa: E402
-from graphdecode.device.tp_rank import free_port  # noqa: E402
+from graphdecode.bench.common import git_commit, write_json
+from graphdecode.device.tp_rank import free_port
 
 NAME = "faults"
 REGEX_OVER = "[a-z]{1,2000}"

@@ -20,16 +20,12 @@ What the numbers mean:
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode import LLM, SamplingParams  # noqa: E402
-from graphdecode.bench_common import (  # noqa: E402
+from graphdecode import LLM, SamplingParams
+from graphdecode.bench.common import (
     cuda_sync,
     machine_info,
     random_prompt_ids,

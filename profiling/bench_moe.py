@@ -10,7 +10,7 @@ One run, one process, the same model, dtype, device and thread count for both si
   sliding window 128, YaRN). `--tiny`: a minimal preset for smoke tests; `--model DIR` any
   MoE checkpoint instead;
 * decode tokens/s at each batch: B prompts of `--prompt-len` random tokens, `--new-tokens`
-  greedy tokens with ignore_eos; decode = full run - prefill-only run (graphdecode.bench's
+  greedy tokens with ignore_eos; decode = full run - prefill-only run (graphdecode.bench.sweep's
   measure_engine_point), best of `--repeats`; transformers: batched greedy `generate` with
   `min_new_tokens=max_new_tokens` (it cannot stop early) and a static cache (`--hf-cache`),
   timed the same way (full - `max_new_tokens=1`). ratio = graphdecode / transformers (> 1:
@@ -43,14 +43,11 @@ import gc
 import hashlib
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode.bench_common import (  # noqa: E402
+from graphdecode.bench.common import (
     add_compile_arg,
     compile_option,
     cuda_sync,
@@ -284,7 +281,7 @@ def hf_point(model, batch: int, args, device: torch.device) -> dict:
 
 
 def engine_point(llm, share_llm, batch: int, args, device: torch.device) -> dict:
-    from graphdecode.bench import measure_engine_point
+    from graphdecode.bench.sweep import measure_engine_point
 
     p = measure_engine_point(llm, batch, llm.config.num_decode_steps, args.prompt_len, args.new_tokens,
                              args.repeats, device)

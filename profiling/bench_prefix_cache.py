@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode import LLM, SamplingParams  # noqa: E402
-from graphdecode.bench_common import machine_info, random_prompt_ids, resolve_model, write_json  # noqa: E402
-from graphdecode.models import load_model_config  # noqa: E402
+from graphdecode import LLM, SamplingParams
+from graphdecode.bench.common import machine_info, random_prompt_ids, resolve_model, write_json
+from graphdecode.models import load_model_config
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode.device import sampler as S  # noqa: E402
+from graphdecode.device import sampler as S
 
 
 def _noise_int64(seed, position, keys64):

@@ -20,19 +20,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import os
 import pstats
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode import LLM, SamplingParams  # noqa: E402
-from graphdecode.bench_common import machine_info, resolve_model, rss_bytes, write_json  # noqa: E402
-from graphdecode.host.gc_heap import freeze_startup_heap  # noqa: E402
+from graphdecode import LLM, SamplingParams
+from graphdecode.bench.common import machine_info, resolve_model, rss_bytes, write_json
+from graphdecode.host.gc_heap import freeze_startup_heap
 
 
 def one_token_words(tokenizer) -> list[str]:

@@ -41,16 +41,13 @@ import contextlib
 import os
 import resource
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode import LLM, SamplingParams  # noqa: E402
-from graphdecode.bench_clients import MODEL_NAME, ClientPool  # noqa: E402
-from graphdecode.bench_common import (  # noqa: E402
+from graphdecode import LLM, SamplingParams
+from graphdecode.bench.clients import MODEL_NAME, ClientPool
+from graphdecode.bench.common import (
     add_compile_arg,
     compile_option,
     machine_info,
@@ -58,9 +55,9 @@ from graphdecode.bench_common import (  # noqa: E402
     resolve_model,
     write_json,
 )
-from graphdecode.models import load_model_config  # noqa: E402
-from graphdecode.host.gc_heap import freeze_startup_heap  # noqa: E402
-from graphdecode.server.launch import start_server, stop_server  # noqa: E402
+from graphdecode.models import load_model_config
+from graphdecode.host.gc_heap import freeze_startup_heap
+from graphdecode.server.launch import start_server, stop_server
 
 
 

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode.bench_common import add_compile_arg, compile_option, machine_info, write_json  # noqa: E402
+from graphdecode.bench.common import add_compile_arg, compile_option, machine_info, write_json
 
 PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
            "the members agreed to fund the children's reading room, to repair the roof before winter, and to "
@@ -109,7 +106,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.preset is not None:
-        from graphdecode.presets import ensure_preset
+        from graphdecode.bench.presets import ensure_preset
 
         args.model = ensure_preset(args.preset, args.device)
     if args.model is None:

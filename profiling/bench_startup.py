@@ -21,9 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode.bench_common import machine_info, resolve_model, write_json  # noqa: E402
+from graphdecode.bench.common import machine_info, resolve_model, write_json
 
 _CHILD = r"""
 import json, sys, time

@@ -25,21 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from graphdecode.bench_common import (  # noqa: E402
-    add_compile_arg,
-    compile_option,
-    machine_info,
-    resolve_model,
-    write_json,
-)
+from graphdecode.bench.common import add_compile_arg, compile_option, machine_info, resolve_model, write_json
 
 SCHEMA = {
     "type": "object",

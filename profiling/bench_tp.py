@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from graphdecode.bench_common import (  # noqa: E402
+from graphdecode.bench.common import (
     add_compile_arg,
     compile_option,
     machine_info,
@@ -32,7 +29,7 @@ from graphdecode.bench_common import (  # noqa: E402
     resolve_model,
     write_json,
 )
-from graphdecode.models.parallel import TPGroup  # noqa: E402
+from graphdecode.models.parallel import TPGroup
 
 _collective_seconds = [0.0]
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from graphdecode.models.model_config import parse_model_config
-from graphdecode.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
+from graphdecode.bench.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +61,7 @@ def test_micro_preset_is_cached_and_loads(tmp_path, monkeypatch):
 
 
 def test_bucket_sweep_smoke(micro_dir, tmp_path):
-    from graphdecode.bench import main
+    from graphdecode.bench.sweep import main
 
     out = tmp_path / "sweep"
     main(["--model", micro_dir, "--device", "cpu", "--buckets", "1,2", "--steps", "1,2",
@@ -84,7 +84,7 @@ def test_bucket_sweep_smoke(micro_dir, tmp_path):
 def test_bucket_sweep_interleaves_the_baseline_and_survives_its_failure(micro_dir, tmp_path, monkeypatch):
     """transformers' repeats of a batch run between the engine's (the same minutes of a drifting machine);
     a baseline that fails is recorded and the engine's points stay."""
-    import graphdecode.bench as bench
+    from graphdecode.bench import sweep as bench
 
     events = []
     timed, generate = bench._timed_generate, bench.Baseline._generate

@@ -125,12 +125,12 @@ def test_argparse_errors_exit_2_before_any_model(no_model_load, capsys):
 
 
 def test_bench_arguments_are_checked_before_the_sweep(capsys, monkeypatch):
-    import graphdecode.bench
+    from graphdecode.bench import sweep
 
     def refuse(args):
         raise AssertionError("the sweep started before the arguments were checked")
 
-    monkeypatch.setattr(graphdecode.bench, "run_bucket_sweep", refuse)
+    monkeypatch.setattr(sweep, "run_bucket_sweep", refuse)
     assert "--buckets" in _one_line_error(capsys, ["bench", "--buckets", "1,x"])
     assert "--steps" in _one_line_error(capsys, ["bench", "--steps", "0"])
     assert "--gen-len" in _one_line_error(capsys, ["bench", "--gen-len", "0"])

@@ -28,8 +28,8 @@ import os
 
 import torch
 
-from .cache import cache_root, cached_model_dir
-from .default_model import default_model_dir
+from ..cache import cache_root, cached_model_dir
+from ..default_model import default_model_dir
 
 PRESET_VERSION = "v2"  # v2: micro's tokenizer has the default model's chat template
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preset_configs")
@@ -126,7 +126,7 @@ def write_random_weights(raw: dict, file: str, device: str = "cpu") -> None:
 
 def _save_tokenizer(path: str, vocab_size: int) -> str | None:
     try:
-        from .default_model import build_tokenizer
+        from ..default_model import build_tokenizer
 
         tokenizer = build_tokenizer(vocab_size)
     except ImportError as exc:  # transformers/tokenizers missing: token-id prompts still work

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from .bench_common import (
+from .common import (
     add_compile_arg,
     compile_option,
     copy_bandwidth,
@@ -64,7 +64,7 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-compile", action="store_true", help="let transformers torch.compile (CUDA)")
     add_compile_arg(p)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models: 1 is fastest)")
-    from .cache import cache_root
+    from ..cache import cache_root
 
     p.add_argument("--out", default=os.path.join(cache_root(), "bench", "bench_buckets"),
                    help="output path prefix (.json, .png); unless given, under the graphdecode cache directory "
@@ -90,7 +90,7 @@ def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int,
                          between=None) -> dict:
     """One (batch, k) point, best of `repeats`; `between()`, when given, runs after each timed repeat (the
     baseline's turn, so both sides are measured in the same minutes)."""
-    from . import SamplingParams
+    from .. import SamplingParams
 
     vocab = llm.config.model_config.vocab_size
     prompts = [{"prompt_token_ids": ids} for ids in random_prompt_ids(batch, prompt_len, vocab)]
@@ -139,7 +139,7 @@ def measure_engine_point(llm, batch: int, k: int, prompt_len: int, gen_len: int,
 
 
 def _engine_sizes(llm, prompt_len: int, gen_len: int) -> dict:
-    from .config import model_weight_bytes
+    from ..config import model_weight_bytes
 
     cfg = llm.config.model_config
     weight_bytes = model_weight_bytes(cfg, llm.config.torch_dtype)  # read once a step, packed or dense
@@ -164,7 +164,7 @@ def _add_bandwidth(point: dict, sizes: dict, copy_bytes_per_s: float | None) -> 
 
 def sweep_engine(model_dir: str, args, device: torch.device, result: dict, out_prefix: str,
                  baseline: "Baseline | None" = None) -> None:
-    from . import LLM
+    from .. import LLM
 
     for k in _ints(args.steps):
         llm = LLM(

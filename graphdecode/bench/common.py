@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks (graphdecode.bench and profiling/bench_*.py).
+"""Helpers shared by the benchmarks (graphdecode.bench.sweep and profiling/bench_*.py).
 
 Model resolution (a directory or a preset), machine description for the JSON
 records, stats deltas, memory snapshots, a copy-bandwidth probe, deterministic
