@@ -7,7 +7,8 @@ shares the batch, and after a preemption recomputes it. Only plain tensor ops ar
 used, so the sampler is captured inside the decode-window CUDA graph.
 
 The [R, V] part of the hash runs on int32 (wrapping multiplies, masked logical
-shifts): half the bytes of the int64 version it replaced, bit for bit the same noise.
+shifts): half the bytes of an int64 hash, bit for bit the same noise (hash32 is the int64
+reference the tests compare with).
 
 A variant is chosen by the host per window from what the rows need (like vLLM's
 all_greedy), by one function (`RowCounts.variant`): GREEDY skips the noise, SAMPLE

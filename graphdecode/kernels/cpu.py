@@ -3,13 +3,13 @@
 The torch reference gathers every row's pages into fresh tensors at every decode step and
 layer; on a CPU that copy is most of attention's cost (SmolLM2's heads, batch 16, 200-token
 rows, fp32: 3.6 ms a layer gathered, 0.7 ms read in place; batch 64, 300 tokens: 38 ms and
-5.6 ms; profiling/bench_cpu.py's attention probe, 2026-12-01). The kernel reads K and V
+5.6 ms; profiling/bench_cpu.py's attention probe, BENCHMARKS.md section 12). The kernel reads K and V
 straight from the pages through each row's block table, in float32 arithmetic, with the
 attention variants (sliding window, soft-cap, sinks) as parameters.
 
 `cpu_kernels()` loads the library that `pip install` built for this CPU into the package
 (`graphdecode/_kernels/<source hash>-cpu-<cpu hash>/`), else builds it at first use with the
-system C++ compiler (`kernel_build.build_cpu`, -march=native, a few seconds) into
+system C++ compiler (`build.build_cpu`, -march=native, a few seconds) into
 `$GRAPHDECODE_CACHE/kernels/<same key>/`, and returns a `CpuKernels` (or None, with one
 warning saying why, where no compiler works; GRAPHDECODE_CPU_KERNELS=0 turns it off): the
 torch reference then runs.
