@@ -257,6 +257,28 @@ class Engine:
             s.live_rows += len(plan.readout)
             s.windows_per_bucket[window.bucket] = s.windows_per_bucket.get(window.bucket, 0) + 1
 
+    def load(self) -> dict:
+        """The cheap counters a server reports every step (O(1): no walk over requests, nothing from
+        the device); stats() has everything."""
+        s, sched, pool = self._stats, self.scheduler, self.pool
+        usable = pool.num_pages - 1  # page 0 is the scratch page, held forever
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(sched.prefilling),
+            "preemptions": sched.num_preemptions,
+            "windows": s.windows,
+            "prefill_tokens": s.prefill_tokens,
+            "generated_tokens": s.generated_tokens,
+            "requests_finished": s.requests_finished,
+            # vLLM's meanings: sequences in the batch (decoding, or admitted and prefilling), sequences not admitted
+            "num_running_seqs": len(sched.running) + sum(len(g.seqs) for g in sched.prefilling.values()),
+            "num_waiting_seqs": sched.waiting.num_seqs,  # O(1): kept by the queue
+            "kv_pages_in_use": usable - pool.num_free,  # held by a sequence (cached pages nobody holds are free)
+            "kv_pages": usable,
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
+        }
+
     def stats(self) -> dict:
         s = self._stats
         s.preemptions = self.scheduler.num_preemptions

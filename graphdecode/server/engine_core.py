@@ -92,8 +92,8 @@ class StepTokens:
         self._seen = 0
 
     def after_step(self, engine) -> None:
-        s = engine._stats
-        total = s.prefill_tokens + s.generated_tokens
+        load = engine.load()
+        total = load["prefill_tokens"] + load["generated_tokens"]
         tokens, self._seen = total - self._seen, total
         if tokens > 0:
             self.counts[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
@@ -101,25 +101,8 @@ class StepTokens:
 
 
 def _load(engine, step_tokens: StepTokens | None = None) -> dict:
-    """What the serving side reports as gauges and counters (cheap: no walk over requests)."""
-    s, sched, pool = engine._stats, engine.scheduler, engine.pool
-    usable = pool.num_pages - 1  # page 0 is the scratch page, held forever
-    load = {
-        "running": len(sched.running),
-        "waiting": len(sched.waiting) + len(sched.prefilling),
-        "preemptions": sched.num_preemptions,
-        "windows": s.windows,
-        "prefill_tokens": s.prefill_tokens,
-        "generated_tokens": s.generated_tokens,
-        "requests_finished": s.requests_finished,
-        # vLLM's meanings: sequences in the batch (decoding, or admitted and prefilling), sequences not admitted
-        "num_running_seqs": len(sched.running) + sum(len(g.seqs) for g in sched.prefilling.values()),
-        "num_waiting_seqs": sched.waiting.num_seqs,  # O(1): kept by the queue
-        "kv_pages_in_use": usable - pool.num_free,  # held by a sequence (cached pages nobody holds are free)
-        "kv_pages": usable,
-        "prefix_cache_queries": sched.prefix_cache_queries,
-        "prefix_cache_hits": sched.prefix_cache_hits,
-    }
+    """What the serving side reports as gauges and counters: the engine's load, and this step's tokens."""
+    load = engine.load()
     if step_tokens is not None:
         load["iteration_tokens"] = (tuple(step_tokens.counts), step_tokens.sum)
     return load
