@@ -20,6 +20,8 @@ from graphdecode.attention.spec import AttentionSpec
 from graphdecode.device.decode_state import DecodeState
 from graphdecode.device.speculative import verify_metadata
 from graphdecode.models.model_config import FULL, SLIDING, load_model_config, parse_model_config
+from graphdecode.models.registry import FAMILIES as REGISTERED
+from graphdecode.models.registry import MODEL_CLASSES
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -132,6 +134,16 @@ def test_configs_read_as_transformers_does(tiny_models):
     assert [gemma_hub.layer_window(i) for i in (4, 5, 6, 11)] == [512, None, 512, None]
     assert gemma_hub.rope.rope_type == "linear" and gemma_hub.local_rope.rope_type == "default"
     assert gemma_hub.tie_word_embeddings and gemma_hub.attn_scale == 256**-0.5
+
+
+def test_each_family_file_declares_its_config():
+    """Every family file's Family is registered, in the registry's order (the order the error lists),
+    and names the model class that runs it."""
+    types = ", ".join(family.model_type for family in REGISTERED)
+    assert types == "llama, mistral, qwen2, qwen3, phi3, gemma3_text, mixtral, qwen3_moe, gpt_oss"
+    with pytest.raises(ValueError, match=rf"^config.json: model_type: 'gpt2' is not supported \(supported: {types}\)$"):
+        parse_model_config({"model_type": "gpt2"})
+    assert all(MODEL_CLASSES[family.model_type] is family.model_class is not None for family in REGISTERED)
 
 
 def test_longrope_within_the_original_length_runs_one_stream(tiny_models):

@@ -1,8 +1,9 @@
 """The decoder every family is built from: attention, gated MLP, norms, the causal LM around them.
 
 A family is a small file (llama.py, qwen2.py, qwen3.py, phi3.py, gemma3.py, mixtral.py,
-qwen3_moe.py, gpt_oss.py) that picks
-variants of these parts; nothing here branches on model_type. The variants:
+qwen3_moe.py, gpt_oss.py) that picks variants of these parts and declares how its
+config.json reads (a Family, models/model_config.py); nothing here branches on model_type.
+The variants:
 
 * attention (`Attention`): q/k RMSNorm over head_dim before rotary (`qk_norm`), the
   layer's sliding window, soft-cap and query scale (an `AttentionSpec` the backends

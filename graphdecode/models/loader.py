@@ -32,9 +32,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import expert_weights
+from .config_fields import read_json_object
 from .cpu_linear import can_prepack, prepack_cpu_linears
 from .layers import attach_cpu_kernels
-from .model_config import ModelConfig, read_json_object
+from .model_config import ModelConfig
 from .parallel import ShardSpec, TPGroup
 from .registry import model_class
 

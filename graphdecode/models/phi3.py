@@ -8,6 +8,9 @@ and longrope.
   checkpoints.
 * `partial_rotary_factor` (Phi-4-mini: 0.75): only the first dims of each head rotate.
 * No biases; the sliding window, when config.json has one, is every layer's.
+* config.json (Phi3Family below): rope default or longrope (Phi3Config reads the old
+  names "su" and "yarn" as longrope); its own `original_max_position_embeddings` (4,096)
+  and `partial_rotary_factor` win over rope_parameters' copies.
 
 longrope, as transformers' generate runs it
 -------------------------------------------
@@ -45,9 +48,10 @@ from __future__ import annotations
 import torch
 
 from .decoder import DecoderForCausalLM
-from .model_config import ModelConfig
+from .model_config import Family, ModelConfig
 from .parallel import TPGroup
 from .rope import RotaryEmbedding
+from .rope_config import RopeRules
 
 
 class _TwoStreams:
@@ -105,3 +109,14 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             hidden = layer(rows, hidden, self._streams_rotary, streams)
         long = (positions >= self.config.rope.original_max_position_embeddings)[:, None]
         return self.model.norm(torch.where(long, hidden[tokens:], hidden[:tokens]))
+
+
+class Phi3Family(Family):
+    model_type = "phi3"
+    model_class = Phi3ForCausalLM
+    rope = RopeRules(types=("default", "longrope"), aliases=(("su", "longrope"), ("yarn", "longrope")),
+                     partial_rotary=True, original_max=4096)
+
+    def biases(self, where: str, raw: dict) -> tuple[bool, bool]:
+        super().biases(where, raw)  # attention_bias is still checked; Phi-3's projections have no bias
+        return False, False

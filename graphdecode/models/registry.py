@@ -1,29 +1,36 @@
-"""model_type -> model class."""
+"""The families this engine runs: model_type -> its Family (how config.json reads) and model class.
+
+FAMILIES is the one list; importing this module registers each family with model_config.py
+(which never imports a family), in this order, which is the order errors list them in.
+graphdecode.models imports it, so every family is registered before any config is parsed.
+"""
 
 from __future__ import annotations
 
-from .gemma3 import Gemma3ForCausalLM
-from .gpt_oss import GptOssForCausalLM
-from .llama import LlamaForCausalLM
-from .mixtral import MixtralForCausalLM
-from .model_config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .phi3 import Phi3ForCausalLM
-from .qwen2 import Qwen2ForCausalLM
-from .qwen3 import Qwen3ForCausalLM
-from .qwen3_moe import Qwen3MoeForCausalLM
+from .gemma3 import Gemma3Family
+from .gpt_oss import GptOssFamily
+from .llama import LlamaFamily, MistralFamily
+from .mixtral import MixtralFamily
+from .model_config import Family, ModelConfig, register_family
+from .phi3 import Phi3Family
+from .qwen2 import Qwen2Family
+from .qwen3 import Qwen3Family
+from .qwen3_moe import Qwen3MoeFamily
 
-MODEL_CLASSES = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,  # same architecture; its sliding window is a per-layer AttentionSpec
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    "phi3": Phi3ForCausalLM,
-    "gemma3_text": Gemma3ForCausalLM,
-    "mixtral": MixtralForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    "gpt_oss": GptOssForCausalLM,
-}
-assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
+FAMILIES: tuple[Family, ...] = (
+    LlamaFamily(),
+    MistralFamily(),
+    Qwen2Family(),
+    Qwen3Family(),
+    Phi3Family(),
+    Gemma3Family(),
+    MixtralFamily(),
+    Qwen3MoeFamily(),
+    GptOssFamily(),
+)
+for _family in FAMILIES:
+    register_family(_family)
+MODEL_CLASSES = {family.model_type: family.model_class for family in FAMILIES}
 
 
 def model_class(cfg: ModelConfig):

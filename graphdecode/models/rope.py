@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .model_config import RopeConfig
+from .rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
