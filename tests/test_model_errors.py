@@ -102,6 +102,7 @@ BAD_CONFIG_VALUES = [
     (GQA, dict(tie_word_embeddings="yes"), ["tie_word_embeddings"]),
     (GQA, dict(dtype=["float32"]), ["dtype"]),
     (GQA, dict(sliding_window=0, model_type="mistral"), ["sliding_window"]),
+    ("phi3_longrope", dict(original_max_position_embeddings=1), ["original_max_position_embeddings"]),
 ]
 
 

@@ -136,6 +136,9 @@ def _longrope(where: str, params: dict, rope: RopeConfig, max_positions: int, ro
     """longrope's fields as transformers' _compute_longrope_parameters reads them: factor defaults to the
     context's growth, the attention factor to sqrt(1 + ln(factor) / ln(original))."""
     original = rope.original_max_position_embeddings
+    if original < 2:  # its log divides the attention factor below
+        raise ValueError(f"{where}: original_max_position_embeddings must be an integer >= 2 for longrope, got "
+                         f"{original}")
     factor = params.get("factor")
     factor = max_positions / original if factor is None else read_float(where, params, "factor", 1.0)
     attention = params.get("attention_factor")
