@@ -1,0 +1,171 @@
+"""POST /v1/chat/completions: the request, its engine request, and its response, streamed or whole.
+
+`messages` go through the tokenizer's chat template (as LLM.chat renders them, `tools` and
+chat_template_kwargs passed on; long conversations in a worker thread), cut to
+truncate_prompt_tokens, checked against the context; the constraint (response_format,
+guided_*, tool_choice "required" or named) is compiled, and one engine request with n choices
+is sent to the core. vLLM's `echo` puts the last message's content before the reply when the
+reply continues its role. With tools, each choice's text is parsed into content and OpenAI
+`tool_calls` (choices.py, tools.py). A stream starts each choice with a chunk carrying its
+role (OpenAI's), then its echo, then a chunk per delta.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from .async_llm import EngineDeadError, RequestFailedError
+from .choices import Choice, Choices
+from .logprobs import prompt_logprobs_json
+from .protocol import APIError, ChatCompletionRequest
+from .responses import DONE, dumps, error_event, event_stream, json_response
+from .serving import INLINE_CHARS, Job, OpenAIServer, off_loop, outputs_error
+
+
+async def create_chat_completion(server: OpenAIServer, request: Request) -> Response:
+    arrival = time.perf_counter()
+    server.check_ready()
+    req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+    server.check_model(req.model)
+    conversation = req.conversation()
+    truncate = req.truncation(server.max_model_len)
+    size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
+    text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, req, conversation)
+    if truncate is not None and len(ids) > truncate:
+        text, ids = None, ids[-truncate:]
+    max_tokens = req.requested_max_tokens()
+    server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
+    params = req.sampling_params(max_tokens, server.vocab_size)
+    renames = req.renames()
+    await server.constrain(request, req, params, renames)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+    streams = [(rid, server.start(prompt, params, rid, renames, req.priority))]
+    role = req.response_role
+    last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
+    echo = last["content"] if req.echo and last["role"] == role else ""
+    job = Job(rid, streams, arrival, [ids], params, req, echo, server.tokenizer)
+    job.role = role
+    job.prompt_logprobs = req.wants_prompt_logprobs is not None
+    job.tool_mode, job.tool_name = req.tool_mode, req.named_function
+    if req.stream:
+        return event_stream(_stream(server, job))
+    return await server.unless_client_leaves(request, _whole(server, job))
+
+
+def _render(tokenizer, req: ChatCompletionRequest, conversation: list[dict]) -> tuple[str, list[int]]:
+    """The conversation through the chat template, tokenized as LLM.chat does."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+    kwargs = dict(req.chat_template_kwargs or {})
+    tools = req.template_tools()
+    if tools is not None:
+        kwargs.setdefault("tools", tools)
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=bool(req.add_generation_prompt),
+                                             tokenize=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the template's own complaint (roles, order) is the message
+        raise APIError(f"messages: the chat template failed: {exc}", param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
+    if not ids:
+        raise APIError("messages: the conversation renders to an empty prompt", param="messages")
+    return text, ids
+
+
+def _chunk(head: bytes, body: dict, job: Job, choices: Choices, choice: Choice, first: bool = False) -> bytes:
+    chunk = head + dumps(body).encode() + b"]"
+    if first and job.token_ids:  # vLLM's: the prompt's ids ride on the first chunk of each choice
+        chunk += b',"prompt_token_ids":' + dumps(job.prompt_ids[0]).encode()
+    if job.continuous:
+        chunk += b',"usage":' + dumps(choices.running_usage(choice)).encode()
+    return chunk + b"}\n\n"
+
+
+async def _stream(server: OpenAIServer, job: Job):
+    """Per choice a role chunk (and the echo), then a chunk per delta, then the usage (include_usage)."""
+    head = (f'data: {{"id":"{job.rid}","object":"chat.completion.chunk","created":{job.created},'
+            f'"model":{server.model_json},"choices":[').encode()
+    fmt = job.logprobs
+    choices = Choices(job, server.prefix_caching)
+    first_content = None if job.tool_mode in ("required", "named") else ""  # a reply of calls has no content
+    try:
+        for choice in choices:  # OpenAI's first chunk of a choice carries the role
+            first = {"index": choice.index, "delta": {"role": job.role, "content": first_content}, "logprobs": None,
+                     "finish_reason": None}
+            yield _chunk(head, first, job, choices, choice, first=True)
+        if job.echo:
+            for choice in choices:
+                echoed = {"index": choice.index, "delta": {"content": job.echo}, "logprobs": None,
+                          "finish_reason": None}
+                yield _chunk(head, echoed, job, choices, choice)
+        async for p, out in server.outputs(job):
+            for choice, delta in choices.fold(p, out):
+                if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                    continue
+                finish_reason = delta.finish_reason
+                if choice.tools is None:
+                    message = {"content": delta.text}
+                else:  # tools: content and tool calls parsed out of the text as it comes
+                    content, calls, finish_reason = choice.stream_calls(delta)
+                    message = {}
+                    if content:
+                        message["content"] = content
+                    if calls:
+                        message["tool_calls"] = calls
+                    if not message and finish_reason is None and not job.token_ids and not (
+                            fmt is not None and delta.token_ids):
+                        continue  # text held back, nothing else to say
+                body = {"index": choice.index, "delta": message, "logprobs": None, "finish_reason": finish_reason}
+                if fmt is not None and delta.token_ids:
+                    body["logprobs"] = {"content": fmt.chat(delta.token_ids, delta.logprobs)}
+                if delta.finish_reason is not None:
+                    body["stop_reason"] = delta.stop_reason
+                if job.token_ids:
+                    body["token_ids"] = list(delta.token_ids)
+                yield _chunk(head, body, job, choices, choice)
+        if job.include_usage:
+            yield head + b'],"usage":' + dumps(choices.usage()).encode() + b"}\n\n"
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error goes in it
+        yield error_event(exc)
+    yield DONE
+
+
+async def _whole(server: OpenAIServer, job: Job) -> Response:
+    """One body once every choice is done; with tools, each choice's whole text parsed once."""
+    choices = Choices(job, server.prefix_caching, keep=True)
+    try:
+        async for p, out in server.outputs(job):
+            choices.fold(p, out)
+    except (EngineDeadError, RequestFailedError, ValueError) as exc:
+        raise outputs_error(exc, {"prompt": "messages"}) from None
+    out_choices = []
+    for choice in choices:
+        message = {"role": job.role, "content": job.echo + choice.whole_text()}
+        finish_reason = choice.finish_reason
+        if choice.tools is not None:
+            content, calls, finish_reason = choice.whole_calls()
+            message["content"] = (job.echo + content) or None
+            if calls:
+                message["tool_calls"] = calls
+        body = {"index": choice.index, "message": message,
+                "logprobs": ({"content": job.logprobs.chat(choice.token_ids, choice.logprobs)}
+                             if job.logprobs is not None else None),
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
+        if job.token_ids:
+            body["token_ids"] = choice.token_ids
+        out_choices.append(body)
+    body = {
+        "id": job.rid, "object": "chat.completion", "created": job.created, "model": server.model_name,
+        "choices": out_choices, "usage": choices.usage(),
+    }
+    if job.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_json(choices.prompt_logprobs.get(0))
+    if job.token_ids:
+        body["prompt_token_ids"] = job.prompt_ids[0]
+    return json_response(body)
