@@ -289,6 +289,11 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
+    def constrained(self) -> bool:
+        """Whether the row follows a constraint automaton (structured outputs or allowed_token_ids)."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None
+
+    @property
     def needs_penalties(self) -> bool:
         """Whether the sampler's penalty path must run for this request (any penalty, bias or bad word)."""
         return self.needs_token_counts or bool(self.logit_bias) or bool(self.bad_words)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from graphdecode.device.structured_tables import StructuredTables
-from graphdecode.device.token_mask import TokenMaskUnpacker, pack_token_ids
+from graphdecode.device.token_mask import TokenMaskUnpacker
+from graphdecode.structured.automaton import TokenAutomaton, allowed_ids_automaton, pack_token_ids, restrict
 from graphdecode.host.structured_store import RangeAllocator, StructuredStore
 
 
@@ -48,7 +49,7 @@ def random_automaton(key: str, states: int, vocab: int, seed: int):
         key=key, vocab_size=vocab, initial_state=0, allowed=allowed, default_next=np.asarray(default, np.int32),
         exc_offsets=np.asarray(offsets, np.int32), exc_tokens=np.asarray(tokens, np.int32),
         exc_next=np.asarray(nexts, np.int32), num_states=states, num_exceptions=len(tokens),
-        next_state=next_state, allowed_ids=allowed_ids,
+        next_state=next_state, allowed_ids=allowed_ids, field="structured_outputs",
     )
 
 
@@ -79,6 +80,37 @@ def test_store_shares_evicts_least_recently_unused_and_refuses_by_name():
     assert [u.placement.key for u in store.take_uploads()] == ["c"]
     with pytest.raises(ValueError, match=r"structured_max_states"):
         store.acquire(random_automaton("big", 11, 64, 9))
+
+
+def test_allowed_token_ids_are_a_one_state_constraint_shared_by_list_and_refused_by_name():
+    vocab = 100
+    ids = [3, 7, 64, 99]
+    one = allowed_ids_automaton(ids, vocab)
+    assert one.num_states == 1 and one.num_exceptions == 0 and not one.accepting[0]
+    assert one.allowed_tokens(0).tolist() == ids
+    assert all(one.next_state(0, t) == 0 for t in ids) and one.next_state(0, 4) == -1
+    assert allowed_ids_automaton(list(reversed(ids)), vocab).key == one.key  # the same set, the same tables
+    store = StructuredStore(max_states=1, max_exceptions=10)
+    placed = store.acquire(one)
+    assert store.acquire(allowed_ids_automaton(ids, vocab)) is placed
+    with pytest.raises(ValueError, match="^allowed_token_ids: no room"):
+        store.acquire(allowed_ids_automaton([5], vocab))
+    tables = StructuredTables(max_states=1, max_exceptions=10, vocab_size=vocab, device=torch.device("cpu"))
+    (upload,) = store.take_uploads()
+    tables.upload(upload.placement, upload.automaton)
+    state = torch.tensor([placed.state(0)], dtype=torch.int32)
+    mask = expand(tables.allowed_words(state), vocab)[0]
+    assert mask.nonzero()[:, 0].tolist() == ids
+    assert tables.advance(state, torch.tensor([64])).tolist() == [placed.state(0)]
+    # with a structured-outputs constraint too: every state's mask cut to the list, the walk unchanged
+    fake = random_automaton("k", 6, vocab, seed=4)
+    automaton = TokenAutomaton(vocab, 0, fake.allowed, fake.default_next, fake.exc_offsets, fake.exc_tokens,
+                               fake.exc_next, np.zeros(6, dtype=bool), (), 0.0, "k")
+    both = restrict(automaton, ids)
+    assert both.key != automaton.key and both.field == automaton.field
+    for s in range(automaton.num_states):
+        assert both.allowed_tokens(s).tolist() == [t for t in automaton.allowed_tokens(s).tolist() if t in ids]
+        assert (both.default_next == automaton.default_next).all()
 
 
 @pytest.mark.parametrize("vocab", [64, 100])

@@ -131,6 +131,20 @@ def test_preemption_prefix_hits_and_speculation_keep_constrained_outputs(text_mo
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
 
 
+def test_allowed_token_ids_cut_a_constraint_and_share_the_table_store(llm):
+    tok = llm.get_tokenizer()
+    letters = tok.convert_tokens_to_ids(list("abcdef"))
+    both = constrained(regex="[a-z]{3,6}", temperature=1.0, seed=9, n=4)
+    both.allowed_token_ids = letters + [tok.eos_token_id]  # every state keeps a way on: no dead end
+    before = llm.stats()["structured_uploads"]
+    texts = [c.text for out in llm.generate(PROMPTS, both) for c in out.outputs]
+    assert all(re.fullmatch("[a-f]{3,6}", t) for t in texts) and len(set(texts)) > 1
+    only = SamplingParams(temperature=1.0, seed=2, max_tokens=12, ignore_eos=True, allowed_token_ids=letters[:2])
+    outs = llm.generate(PROMPTS, only)
+    assert all(set(o.outputs[0].token_ids) <= set(letters[:2]) for o in outs)
+    assert llm.stats()["structured_uploads"] == before + 2  # one placement per distinct table, shared by its requests
+
+
 def test_bad_constraints_are_refused_by_name_before_any_work(llm):
     with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
         StructuredOutputsParams(regex="[unclosed")

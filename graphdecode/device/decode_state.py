@@ -34,15 +34,13 @@ from ..attention.metadata import DecodeMetadata
 from . import advance_step as _advance_step  # noqa: F401  (registers the graphdecode::advance_step op)
 from .advance_step import advance_rows_reference
 from .sampler import COUNT_MASK, SamplingRows
-from .token_mask import num_words
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done", "penalized", "restricted",
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done", "penalized",
                "constrained", "struct_state")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # Rows with penalties also send, separately, [L bias ids, W * T bad-word tokens, T recent tokens]
-# as integers, L bias values as floats, and their token counts sparsely; rows with
-# allowed_token_ids send their packed token mask.
+# as integers, L bias values as floats, and their token counts sparsely.
 
 
 class DecodeState:
@@ -87,9 +85,6 @@ class DecodeState:
         self.bias_values = buf(rows, max_logit_bias, dtype=torch.float32)
         self.bad_words = buf(rows, bad_word_slots, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, W, T]
         self.recent = buf(rows, max_bad_word_tokens, dtype=torch.int64, fill=-1)  # [B_max, T]
-        # allowed_token_ids (token_mask.py): a row's mask applies where `restricted` is set
-        self.restricted = buf(rows, dtype=torch.bool)
-        self.allowed_words = buf(rows, num_words(vocab_size), dtype=torch.int32, fill=-1)  # [B_max, ceil(V / 32)]
         # structured outputs: a constrained row's automaton state (a global id into `structured`'s tables)
         self.constrained = buf(rows, dtype=torch.bool)
         self.struct_state = buf(rows, dtype=torch.int32)
@@ -116,18 +111,14 @@ class DecodeState:
         scratch page)."""
         return self.max_pages + 1 if self.spec_tokens else self.max_pages
 
-    def sampling_rows(self, rows, penalties: bool = False, allowed: bool = False,
-                      structured: bool = False) -> SamplingRows:
+    def sampling_rows(self, rows, penalties: bool = False, structured: bool = False) -> SamplingRows:
         """`rows`: a slice (views, for the window) or an index tensor (gathers, for prefill).
-        The penalty inputs only when `penalties` (a gather of token_counts is [R, V]), the
-        token masks only when `allowed`, the automaton states and their masks only when
+        The penalty inputs only when `penalties` (a gather of token_counts is [R, V]), the automaton states and their masks only when
         `structured`."""
         names = ()
         if penalties:
             names += ("penalized", "repetition_penalty", "presence_penalty", "frequency_penalty", "token_counts",
                       "bias_ids", "bias_values", "bad_words", "recent")
-        if allowed:
-            names += ("restricted", "allowed_words")
         if structured:
             names += ("constrained", "struct_state")
         extra = {name: getattr(self, name)[rows] for name in names}
@@ -227,10 +218,6 @@ class DecodeState:
         self.bad_words.index_copy_(0, index, ints[:, width : width + slots * tokens].reshape(n, slots, tokens))
         self.recent.index_copy_(0, index, ints[:, width + slots * tokens :])
         self.bias_values.index_copy_(0, index, floats)
-
-    def apply_allowed_rows(self, index: torch.Tensor, words: torch.Tensor) -> None:
-        """Rows with allowed_token_ids: their packed masks, words [n, ceil(V / 32)] int32."""
-        self.allowed_words.index_copy_(0, index, words)
 
     def apply_token_counts(self, index: torch.Tensor, flat: torch.Tensor, values: torch.Tensor) -> None:
         """Zero rows `index` [n] of token_counts, then set entries flat [m] (row * V + token) to values [m] int16."""

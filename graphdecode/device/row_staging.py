@@ -24,9 +24,6 @@ copy that reads it has run (it records an event on the stream), like the runner'
 prefill inputs. Other rows send none of it: their `penalized` flag is 0, which keeps
 whatever stale bias or bad words their row holds inert, and their neutral penalties
 make stale counts harmless.
-
-Rows with allowed_token_ids send their packed token mask (V / 8 bytes) the same way;
-other rows' `restricted` flag is 0, which keeps a stale mask inert.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ import torch
 
 from .decode_state import FLOAT_COLUMNS, INT_COLUMNS, DecodeState
 from .sampler import COUNT_MASK, PROMPT_BIT
-from .token_mask import pack_token_ids
 
 _COL = {name: i for i, name in enumerate(INT_COLUMNS)}
 _NEUTRAL_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # FLOAT_COLUMNS of an inert row
@@ -84,8 +80,6 @@ class RowStaging:
         self.num_bias = state.bias_ids.shape[1]
         self.num_word_slots, self.num_word_tokens = state.bad_words.shape[1:]
         self._last_counts: tuple | None = None  # (key, counts): n children share one computation
-        self._allowed: dict[int, np.ndarray] = {}  # row -> its packed token mask, waiting for the next flush
-        self._last_mask: tuple | None = None  # (allowed_token_ids, mask): n children share one packing
         self.num_flushes = 0
         self.num_rows_staged = 0
 
@@ -103,7 +97,6 @@ class RowStaging:
         ints[_COL["seed"]] = seed
         ints[_COL["done"]] = 0
         ints[_COL["penalized"]] = params.needs_penalties
-        ints[_COL["restricted"]] = params.allowed_token_ids is not None
         ints[_COL["constrained"]] = struct_state is not None
         ints[_COL["struct_state"]] = struct_state or 0
         ints[len(INT_COLUMNS) :] = -1
@@ -117,17 +110,8 @@ class RowStaging:
             self._penalties[row] = self._penalty_row(params, token_ids, num_prompt_tokens)
         else:
             self._penalties.pop(row, None)
-        if params.allowed_token_ids is not None:
-            self._allowed[row] = self._mask(params.allowed_token_ids)
-        else:
-            self._allowed.pop(row, None)
         if self.history_len:
             self._history[row] = np.asarray(token_ids, dtype=np.int64)  # speculation drafts from it
-
-    def _mask(self, token_ids) -> np.ndarray:
-        if self._last_mask is None or self._last_mask[0] is not token_ids:
-            self._last_mask = (token_ids, pack_token_ids(token_ids, self.vocab_size))
-        return self._last_mask[1]
 
     def _penalty_row(self, params, token_ids, num_prompt_tokens: int):
         """(ints [L + W * T + T]: bias ids, bad words right-aligned, last T output tokens; floats [L]:
@@ -177,7 +161,6 @@ class RowStaging:
         self.block_table[row] = 0
         self._dirty_rows.add(row)
         self._penalties.pop(row, None)
-        self._allowed.pop(row, None)
         self._history.pop(row, None)
 
     def flush(self, state: DecodeState) -> int:
@@ -204,10 +187,6 @@ class RowStaging:
             state.apply_rows(self._send(row_idx[:n]), self._send(ints[:n]), self._send(floats[:n]))
             if self._penalties:
                 self._flush_penalties(state)
-            if self._allowed:
-                rows = sorted(self._allowed)
-                masks = np.stack([self._allowed.pop(r) for r in rows])
-                state.apply_allowed_rows(self._upload(np.asarray(rows, dtype=np.int64)), self._upload(masks))
             if self._history:
                 self._flush_history(state)
         n = len(tables)

@@ -14,15 +14,14 @@ A variant is chosen by the host per window from what the rows need (like vLLM's
 all_greedy), by one function (`RowCounts.variant`): GREEDY skips the noise, SAMPLE
 adds temperature + noise, FILTERED also applies min_p / top_k / top_p (a sort over
 the vocabulary); logprobs only when a row asks; stop ids masked (min_tokens) only
-when a row has min_tokens; the allowed-token masks only when a row has
-allowed_token_ids; the penalty path (logit_bias, bad_words, repetition, presence and
+when a row has min_tokens; the constraint masks only when a row has a constraint
+(structured outputs or allowed_token_ids, one automaton each); the penalty path (logit_bias, bad_words, repetition, presence and
 frequency penalties) only when a row has one of them.
 
 Order of logit processing (vLLM's), after the raw logprobs:
-0. allowed_token_ids: every other token masked (-inf), from the row's packed bitmask
-   (device/token_mask.py); then a structured-outputs row's automaton state masks every
-   token its state does not allow (device/structured_tables.py), and after sampling
-   the window moves the state by the sampled token;
+0. constraints: a constrained row's automaton state masks every token its state does not
+   allow (device/structured_tables.py: structured outputs, and allowed_token_ids as a
+   one-state automaton), and after sampling the window moves the state by the sampled token;
 1. logit_bias added, bad words masked (-inf on a word's last token when the row's last
    output tokens are the word's other tokens; one-token words always);
 2. repetition penalty over prompt and output tokens: positive logits divided by it,
@@ -80,8 +79,7 @@ class SamplerVariant:
     num_logprobs: int = 0  # 0 = no logprobs, else the engine's max_logprobs
     mask_stops: bool = False  # some row has min_tokens: stop ids are masked until it is reached
     penalties: bool = False  # some row has logit_bias, bad_words or a repetition/presence/frequency penalty
-    allowed_ids: bool = False  # some row has allowed_token_ids: the rows' token masks apply
-    structured: bool = False  # some row has a structured-outputs constraint: its automaton masks and advances
+    structured: bool = False  # some row has a constraint (structured outputs, allowed_token_ids): its automaton masks and advances
     speculative: bool = False  # the window drafts and verifies (device/speculative.py); the host decides
 
 
@@ -94,8 +92,7 @@ class RowCounts:
 
     def __init__(self, max_logprobs: int, params=()):
         self.max_logprobs = max_logprobs
-        self.sampled = self.filtered = self.logprobs = self.min_tokens = self.penalized = self.restricted = 0
-        self.constrained = 0
+        self.sampled = self.filtered = self.logprobs = self.min_tokens = self.penalized = self.constrained = 0
         for p in params:
             self.add(p)
 
@@ -105,8 +102,7 @@ class RowCounts:
         self.logprobs += sign * (params.logprobs is not None)
         self.min_tokens += sign * (params.min_tokens > 0)
         self.penalized += sign * params.needs_penalties
-        self.restricted += sign * (params.allowed_token_ids is not None)
-        self.constrained += sign * (params.structured_outputs is not None)
+        self.constrained += sign * params.constrained
 
     def remove(self, params) -> None:
         self.add(params, -1)
@@ -115,7 +111,7 @@ class RowCounts:
         mode = SamplerMode.FILTERED if self.filtered else SamplerMode.SAMPLE if self.sampled else SamplerMode.GREEDY
         return SamplerVariant(
             mode, self.max_logprobs if self.logprobs else 0, self.min_tokens > 0, self.penalized > 0,
-            allowed_ids=self.restricted > 0, structured=self.constrained > 0,
+            structured=self.constrained > 0,
         )
 
 
@@ -141,9 +137,6 @@ class SamplingRows:
     bias_values: torch.Tensor | None = None  # [R, L] float32
     bad_words: torch.Tensor | None = None  # [R, W, T] int64: token sequences right-aligned, -1 padded
     recent: torch.Tensor | None = None  # [R, T] int64: the last T output tokens, newest last; -1 = none
-    # allowed_token_ids (only read by variants with allowed_ids)
-    restricted: torch.Tensor | None = None  # [R] bool: the row's mask applies
-    allowed_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32 packed mask
     # structured outputs (only read by variants with structured)
     constrained: torch.Tensor | None = None  # [R] bool: the row follows an automaton
     struct_state: torch.Tensor | None = None  # [R] int32: its state
@@ -229,8 +222,6 @@ class Sampler:
         raw = None
         if variant.num_logprobs and self.logprobs_mode.startswith("raw"):
             raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
-        if variant.allowed_ids:
-            self.masks.mask_disallowed_(logits, rows.allowed_words, rows.restricted)
         if variant.structured:
             self.masks.mask_disallowed_(logits, rows.struct_words, rows.constrained)
         if variant.penalties:

@@ -127,7 +127,7 @@ def speculative_window(
     device = state.input_ids.device
     offsets = torch.arange(queries, device=device)
     flat_rows = torch.arange(bucket, device=device).repeat_interleave(queries)  # [B * Q]
-    params = state.sampling_rows(flat_rows, allowed=variant.allowed_ids)
+    params = state.sampling_rows(flat_rows)
     tables = state.structured if variant.structured else None
     if tables is not None:
         constrained = state.constrained[rows]

@@ -1,16 +1,15 @@
 """Packed token bitmasks: which token ids a row may sample, 32 ids per int32 word.
 
 A mask over a V-token vocabulary is ceil(V / 32) int32 words (bit b of word w: token
-32 w + b), so a row's mask is V / 8 bytes on the device (6 KB for a 49k vocabulary),
-uploaded once when the row is admitted. The sampler masks the logits of the rows' disallowed
-tokens with one gather, one and, one compare (`mask_disallowed_`), inside the window: static
-shapes, no host involvement. allowed_token_ids and the constraint automata (one mask per
-state, device/structured_tables.py) share it.
+32 w + b): V / 8 bytes on the device (6 KB for a 49k vocabulary), one per constraint
+state (device/structured_tables.py; structured/automaton.py packs them on the host, for
+structured outputs and for allowed_token_ids, a one-state automaton). The sampler masks
+the logits of the rows' disallowed tokens with one gather, one and, one compare
+(`mask_disallowed_`), inside the window: static shapes, no host involvement.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..kernels.cpu import cpu_kernels_for
@@ -18,13 +17,6 @@ from ..kernels.cpu import cpu_kernels_for
 
 def num_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
-
-
-def pack_token_ids(token_ids, vocab_size: int) -> np.ndarray:
-    """The mask allowing exactly `token_ids` (each in [0, vocab_size)): [ceil(V / 32)] int32."""
-    bits = np.zeros(num_words(vocab_size) * 32, dtype=bool)
-    bits[np.asarray(list(token_ids), dtype=np.int64)] = True
-    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
 
 
 class TokenMaskUnpacker:

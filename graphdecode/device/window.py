@@ -29,7 +29,7 @@ def sample_into(
 ) -> torch.Tensor:
     """Sample R rows, write output column `column` and the done flags; returns tokens [R].
     With penalties, live rows' token counts and recent tokens take the sampled token."""
-    params = state.sampling_rows(rows, variant.penalties, variant.allowed_ids, variant.structured)
+    params = state.sampling_rows(rows, variant.penalties, variant.structured)
     tokens, logprobs = sampler(logits, params, next_pos, variant)
     if done_before is None:
         done_before = torch.zeros_like(tokens, dtype=torch.bool)

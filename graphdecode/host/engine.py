@@ -114,7 +114,7 @@ class Engine:
 
     def add_requests(self, requests: list[Request]) -> list[Request]:
         """Admit prepared requests, all or none: every constraint's tables are placed in the device's
-        table store first (a ValueError naming structured_outputs rolls back the ones placed before
+        table store first (a ValueError naming the field, structured_outputs or allowed_token_ids, rolls back the ones placed before
         it; its `index` says which request did not fit); only then do the requests join the
         scheduler. The one admission call every front end makes."""
         for i, request in enumerate(requests):
@@ -132,7 +132,7 @@ class Engine:
 
     def place_tables(self, request: Request) -> None:
         """Give a constrained request's automaton its room in the device's table store (ValueError
-        naming structured_outputs when it does not fit beside the ones in flight)."""
+        naming its field when it does not fit beside the ones in flight)."""
         if request.automaton is not None and request.placement is None:
             request.placement = self.structured.acquire(request.automaton)
 

@@ -14,6 +14,7 @@ import time
 
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
+from ..structured.automaton import allowed_ids_automaton, restrict
 from .detokenizer import Detokenizer
 from .sequence import Request, Sequence
 from .structured_store import check_capacity
@@ -251,8 +252,7 @@ class InputProcessor:
                         )
                     sequences.append(tuple(ids))
             params._bad_words_token_ids = tuple(sequences)  # on the engine's copy: the caller's stays as it is
-        constraint = params.structured_outputs
-        automaton = self.compile_constraint(constraint) if constraint is not None else None
+        automaton = self._constraint(params)
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
         max_len = cfg.max_model_len
@@ -289,6 +289,17 @@ class InputProcessor:
             )
             self._next_seq_id += 1
         return request
+
+    def _constraint(self, params):
+        """The request's constraint automaton: its structured outputs, its allowed_token_ids (one
+        state), both (the first cut to the second), or None."""
+        constraint, allowed = params.structured_outputs, params.allowed_token_ids
+        automaton = self.compile_constraint(constraint) if constraint is not None else None
+        if allowed is None:
+            return automaton
+        if automaton is None:
+            return allowed_ids_automaton(allowed, self.vocab_size)
+        return restrict(automaton, allowed)
 
     def compile_constraint(self, constraint, cancelled: threading.Event | None = None):
         """The constraint compiled for this model's tokenizer (cached in memory and on disk), under

@@ -7,8 +7,9 @@ first request using it is submitted, shared by every request using it (a referen
 count), and kept after the last one ends until its room is needed (least recently used
 first), so a repeated schema is neither compiled nor uploaded again. The store is bounded
 (`structured_max_states`, `structured_max_exceptions`): a constraint that does not fit
-beside the ones in use is refused at submission with a ValueError naming
-`structured_outputs`, and nothing else is disturbed.
+beside the ones in use is refused at submission with a ValueError naming its field
+(`structured_outputs`, or `allowed_token_ids`: a one-state constraint), and nothing else is
+disturbed.
 
 Placing a new constraint queues a TableUpload; the engine hands the queued uploads to
 the runner with the next step's plan, before any row that uses them starts. Nothing
@@ -80,11 +81,11 @@ class RangeAllocator:
 
 
 def check_capacity(automaton, max_states: int, max_exceptions: int) -> None:
-    """ValueError naming structured_outputs when the constraint alone exceeds the store."""
+    """ValueError naming the constraint's field when it alone exceeds the store."""
     states, exceptions = automaton.num_states, automaton.num_exceptions
     if states > max_states or exceptions > max_exceptions:
         raise ValueError(
-            f"structured_outputs: the constraint compiles to {states} states and {exceptions} transition "
+            f"{automaton.field}: the constraint compiles to {states} states and {exceptions} transition "
             f"exceptions, more than the table store holds (structured_max_states={max_states}, "
             f"structured_max_exceptions={max_exceptions})"
         )
@@ -140,7 +141,7 @@ class StructuredStore:
                 self._states.free(state_base, states)
             if not self._unused:
                 raise ValueError(
-                    f"structured_outputs: no room for this constraint's {states} states and {exceptions} exceptions "
+                    f"{automaton.field}: no room for this constraint's {states} states and {exceptions} exceptions "
                     f"beside the constraints of the requests in flight ({self.states_in_use} of "
                     f"{self.max_states} states in use); retry when they finish, or raise structured_max_states / "
                     f"structured_max_exceptions"

@@ -15,11 +15,19 @@ Invariants (built by compiler.py, relied on by the device half):
 * every non-accepting state allows at least one token (dead ends are pruned), and
   every allowed non-EOS token has a next state (default or exception);
 * ids >= the tokenizer's size (padding rows of the embedding, up to V) are never allowed.
+
+allowed_token_ids is a constraint too (`allowed_ids_automaton`): one state, which allows
+exactly the listed ids and loops to itself, never complete (EOS ends the row only if it is
+listed, like any stop id, and min_tokens masks it as usual). A request with both a
+structured-outputs constraint and allowed_token_ids gets the constraint's automaton with
+every state's mask cut to the listed ids (`restrict`). So the device has one masking path
+for both, and the table store shares a repeated list like a repeated schema.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,6 +45,7 @@ class TokenAutomaton:
     eos_token_ids: tuple[int, ...]
     compile_seconds: float
     key: str
+    field: str = "structured_outputs"  # the request field it comes from (errors name it)
 
     @property
     def num_states(self) -> int:
@@ -80,3 +89,41 @@ class TokenAutomaton:
         return (f"TokenAutomaton(key={self.key[:60]!r}, states={self.num_states}, "
                 f"exceptions={self.num_exceptions}, max_exceptions={self.max_exceptions}, "
                 f"bytes={self.nbytes}, compile_seconds={self.compile_seconds:.3f})")
+
+
+def num_words(vocab_size: int) -> int:
+    """Packed int32 words per mask row: ceil(V / 32)."""
+    return -(-vocab_size // 32)
+
+
+def pack_token_ids(token_ids, vocab_size: int) -> np.ndarray:
+    """The mask allowing exactly `token_ids` (each in [0, vocab_size)): [ceil(V / 32)] int32."""
+    bits = np.zeros(num_words(vocab_size) * 32, dtype=bool)
+    bits[np.asarray(list(token_ids), dtype=np.int64)] = True
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.int32)[:, 0]
+
+
+def _ids_key(token_ids) -> str:
+    ids = np.unique(np.asarray(list(token_ids), dtype=np.int64))
+    return hashlib.sha256(ids.tobytes()).hexdigest()[:32]
+
+
+def allowed_ids_automaton(token_ids, vocab_size: int) -> TokenAutomaton:
+    """allowed_token_ids as a one-state constraint: the ids allowed, each looping back."""
+    return TokenAutomaton(
+        vocab_size=vocab_size, initial_state=0,
+        allowed=pack_token_ids(token_ids, vocab_size)[None, :],
+        default_next=np.zeros(1, dtype=np.int32),
+        exc_offsets=np.zeros(2, dtype=np.int32),
+        exc_tokens=np.zeros(0, dtype=np.int32),
+        exc_next=np.zeros(0, dtype=np.int32),
+        accepting=np.zeros(1, dtype=bool),
+        eos_token_ids=(), compile_seconds=0.0,
+        key=f"allowed_token_ids:{vocab_size}:{_ids_key(token_ids)}", field="allowed_token_ids",
+    )
+
+
+def restrict(automaton: TokenAutomaton, token_ids) -> TokenAutomaton:
+    """The automaton with every state's mask cut to `token_ids` (both fields of a request)."""
+    allowed = automaton.allowed & pack_token_ids(token_ids, automaton.vocab_size)[None, :]
+    return replace(automaton, allowed=allowed, key=f"{automaton.key}|allowed_token_ids:{_ids_key(token_ids)}")
