@@ -16,18 +16,9 @@ import torch
 from conftest import random_prompts
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.device import sampler as sampler_module
 from graphdecode.device.decode_state import DecodeState
-from graphdecode.device.sampler import (
-    COUNT_MASK,
-    GREEDY,
-    PROMPT_BIT,
-    RowCounts,
-    SamplerMode,
-    SamplerVariant,
-    SamplingRows,
-    apply_penalties,
-)
+from graphdecode.device.features.penalties import COUNT_MASK, PROMPT_BIT, PenaltyRows
+from graphdecode.device.sampler import GREEDY, RowCounts, SamplerMode, SamplerVariant
 
 ENGINE = dict(max_model_len=256, max_batch_size=16)
 _HF: dict = {}
@@ -184,10 +175,7 @@ def _rows(r, v, *, rep=1.0, presence=0.0, frequency=0.0, penalized=True, counts=
     def full(value, dtype=torch.float32):
         return torch.full((r,), value, dtype=dtype)
 
-    return SamplingRows(
-        temperature=full(0.0), top_p=full(1.0), top_k=full(0, torch.int32), min_p=full(0.0),
-        seed=full(0, torch.int64), stop_ids=torch.full((r, 1), -1, dtype=torch.int64),
-        min_len=full(0, torch.int32), max_len=full(1000, torch.int32),
+    return PenaltyRows(
         penalized=full(penalized, torch.bool), repetition_penalty=full(rep), presence_penalty=full(presence),
         frequency_penalty=full(frequency),
         token_counts=counts if counts is not None else torch.zeros(r, v, dtype=torch.int16),
@@ -205,7 +193,7 @@ def test_neutral_rows_come_out_bit_for_bit_unchanged_whatever_their_stale_state(
     words = torch.randint(0, 40, (3, 2, 3), generator=g)
     bias = (torch.randint(0, 40, (3, 2), generator=g), torch.full((3, 2), 50.0))
     rows = _rows(3, 40, penalized=False, counts=stale, bias=bias, words=words, recent=words[:, 0])
-    assert torch.equal(apply_penalties(logits.clone(), rows), logits)
+    assert torch.equal(rows.apply(logits.clone()), logits)
 
 
 def test_penalties_follow_the_reference_order():
@@ -221,7 +209,7 @@ def test_penalties_follow_the_reference_order():
         counts[0, t] += c
     bias = (torch.tensor([[0, 3]]), torch.tensor([[2.5, -7.0]]))
     rows = _rows(1, 12, rep=1.7, presence=0.4, frequency=0.3, counts=counts, bias=bias)
-    got = apply_penalties(raw.clone(), rows)[0]
+    got = rows.apply(raw.clone())[0]
     assert torch.allclose(got, reference_logits(raw[0], prompt, outputs, params, stop_ids=()), atol=1e-6)
 
 
@@ -234,7 +222,7 @@ def test_bad_words_are_masked_when_their_prefix_was_just_produced():
 
     def banned(recent, penalized=True):
         rows = _rows(1, v, penalized=penalized, words=words, recent=torch.tensor([recent]), slots=3)
-        return (apply_penalties(torch.zeros(1, v), rows)[0] == -math.inf).nonzero().flatten().tolist()
+        return (rows.apply(torch.zeros(1, v))[0] == -math.inf).nonzero().flatten().tolist()
 
     assert banned([-1, -1, -1]) == [7]  # nothing produced yet
     assert banned([-1, -1, 4]) == [5, 7]
@@ -248,53 +236,65 @@ def test_bad_words_are_masked_when_their_prefix_was_just_produced():
 def test_window_counts_saturate_and_skip_inert_rows():
     state = DecodeState(3, 2, 1, num_decode_steps=1, max_logprobs=1, device="cpu", vocab_size=8,
                         max_bad_word_tokens=3)
-    state.token_counts[0, 4] = PROMPT_BIT | COUNT_MASK
-    state.token_counts[1, 4] = PROMPT_BIT | 2
+    pen = state.penalties
+    pen.token_counts[0, 4] = PROMPT_BIT | COUNT_MASK
+    pen.token_counts[1, 4] = PROMPT_BIT | 2
     tokens, live = torch.tensor([4, 4, 4]), torch.tensor([True, True, False])
-    state.record_penalty_tokens(slice(0, 3), tokens, live)
-    assert state.token_counts[:, 4].tolist() == [PROMPT_BIT | COUNT_MASK, PROMPT_BIT | 3, 0]
-    assert state.recent.tolist() == [[-1, -1, 4], [-1, -1, 4], [-1, -1, -1]]
-    state.record_penalty_tokens(torch.tensor([1, 2]), torch.tensor([6, 5]), torch.tensor([True, True]))  # prefill
-    assert state.token_counts[1, 6] == 1 and state.token_counts[2, 5] == 1
-    assert state.recent.tolist() == [[-1, -1, 4], [-1, 4, 6], [-1, -1, 5]]
+    pen.record(slice(0, 3), tokens, live)
+    assert pen.token_counts[:, 4].tolist() == [PROMPT_BIT | COUNT_MASK, PROMPT_BIT | 3, 0]
+    assert pen.recent.tolist() == [[-1, -1, 4], [-1, -1, 4], [-1, -1, -1]]
+    pen.record(torch.tensor([1, 2]), torch.tensor([6, 5]), torch.tensor([True, True]))  # prefill
+    assert pen.token_counts[1, 6] == 1 and pen.token_counts[2, 5] == 1
+    assert pen.recent.tolist() == [[-1, -1, 4], [-1, 4, 6], [-1, -1, 5]]
 
 
 def test_staging_sends_penalty_state_only_for_penalized_rows():
     from dataclasses import replace
 
     from graphdecode.device.row_staging import RowStaging
+    from graphdecode.plan import RowStart
 
     state = DecodeState(4, 4, 2, num_decode_steps=1, max_logprobs=1, device="cpu", vocab_size=10, max_logit_bias=2,
                         bad_word_slots=2, max_bad_word_tokens=3)
+    pen = state.penalties
     staging = RowStaging(state, torch.device("cpu"))
-    state.token_counts.fill_(7)  # a previous occupant's counts
+    pen.token_counts.fill_(7)  # a previous occupant's counts
     params = replace(SamplingParams(repetition_penalty=1.2, logit_bias={4: -1.5}, bad_words=["x"]),
                      _bad_words_token_ids=((5,), (6, 7)))
-    common = dict(position=6, max_len=20, min_len=0, stop_ids=(2,), seed=1, pages=[1])
     tokens = (1, 1, 2, 3, 3, 3, 9)  # prompt 1 1 2, output 3 3 3 9
+
+    def start(row, params, token_ids=tokens, num_prompt_tokens=3):
+        return RowStart(row=row, position=6, pages=(1,), params=params, seed=1, stop_ids=(2,), max_len=20,
+                        min_len=0, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)
+
     for row in (0, 1):  # n > 1: children share the tokens
-        staging.set_row(row, params=params, token_ids=tokens, num_prompt_tokens=3, **common)
-    staging.set_row(2, params=SamplingParams(), token_ids=tokens, num_prompt_tokens=3, **common)
+        staging.set_row(start(row, params))
+    staging.set_row(start(2, SamplingParams()))
     staging.flush(state)
     want = [0, PROMPT_BIT, PROMPT_BIT, 3, 0, 0, 0, 0, 0, 1]
-    assert state.token_counts[:3].tolist() == [want, want, [7] * 10]
-    assert state.penalized[:4].tolist() == [True, True, False, False]
-    assert state.bias_ids[0].tolist() == [4, -1] and state.bias_values[0].tolist() == [-1.5, 0.0]
-    assert state.bad_words[1].tolist() == [[-1, -1, 5], [-1, 6, 7]] and state.bad_words[2].min() == -1
-    assert state.recent[:3].tolist() == [[3, 3, 9], [3, 3, 9], [-1, -1, -1]]
-    assert state.repetition_penalty[:3].tolist() == pytest.approx([1.2, 1.2, 1.0])
-    staging.set_row(0, params=params, token_ids=(), num_prompt_tokens=0, **common)  # nothing seen yet
-    staging.clear_row(1)
+    assert pen.token_counts[:3].tolist() == [want, want, [7] * 10]
+    assert pen.penalized[:4].tolist() == [True, True, False, False]
+    assert pen.bias_ids[0].tolist() == [4, -1] and pen.bias_values[0].tolist() == [-1.5, 0.0]
+    assert pen.bad_words[1].tolist() == [[-1, -1, 5], [-1, 6, 7]] and pen.bad_words[2].min() == -1
+    assert pen.recent[:3].tolist() == [[3, 3, 9], [3, 3, 9], [-1, -1, -1]]
+    assert pen.repetition_penalty[:3].tolist() == pytest.approx([1.2, 1.2, 1.0])
+    staging.set_row(start(0, params, token_ids=(), num_prompt_tokens=0))  # nothing seen yet
+    staging.clear_row(1)  # nothing sent: the row is inert ...
     staging.flush(state)
-    assert state.token_counts[0].tolist() == [0] * 10 and state.recent[0].tolist() == [-1, -1, -1]
-    assert not state.penalized[1] and state.repetition_penalty[1] == 1.0
+    assert pen.token_counts[0].tolist() == [0] * 10 and pen.recent[0].tolist() == [-1, -1, -1]
+    assert pen.penalized[1] and pen.repetition_penalty[1] == pytest.approx(1.2)
+    staging.set_row(start(1, SamplingParams()))  # ... until a plain occupant takes it: neutral again
+    staging.set_row(start(3, SamplingParams()))  # a row never penalized sends nothing
+    pen.repetition_penalty[3] = 9.0
+    staging.flush(state)
+    assert not pen.penalized[1] and pen.repetition_penalty[1] == 1.0 and pen.repetition_penalty[3] == 9.0
 
 
 def test_counts_buffer_is_int16_rows_by_vocab(tiny_models):
     llm = LLM(tiny_models["llama_head_dim"], max_model_len=64, max_batch_size=8)
-    state = llm.engine.runner.state
-    assert state.token_counts.dtype == torch.int16 and tuple(state.token_counts.shape) == (8, 512)
-    assert state.token_counts.element_size() * 256 * 128256 == 65_667_072  # what Llama-3 with 256 rows costs
+    counts = llm.engine.runner.state.penalties.token_counts
+    assert counts.dtype == torch.int16 and tuple(counts.shape) == (8, 512)
+    assert counts.element_size() * 256 * 128256 == 65_667_072  # what Llama-3 with 256 rows costs
 
 
 # ------------------------------------------------------------- end to end
@@ -467,11 +467,11 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_models):
 def test_windows_without_penalty_rows_skip_the_penalty_path(tiny_models, monkeypatch):
     llm = LLM(tiny_models["qwen2_tied"], num_decode_steps=4, **ENGINE)
     calls, flags = [], []
-    real_apply, execute = sampler_module.apply_penalties, llm.engine.runner.execute
+    real_apply, execute = PenaltyRows.apply, llm.engine.runner.execute
 
-    def counting(logits, rows):
+    def counting(rows, logits):
         calls.append(logits.shape[0])
-        return real_apply(logits, rows)
+        return real_apply(rows, logits)
 
     def recording(plan):
         pending = execute(plan)
@@ -479,7 +479,7 @@ def test_windows_without_penalty_rows_skip_the_penalty_path(tiny_models, monkeyp
             flags.append(llm.engine.runner.row_counts.variant().penalties)
         return pending
 
-    monkeypatch.setattr(sampler_module, "apply_penalties", counting)
+    monkeypatch.setattr(PenaltyRows, "apply", counting)
     monkeypatch.setattr(llm.engine.runner, "execute", recording)
     prompt = {"prompt_token_ids": [5, 6, 7, 8]}
     llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=20))

@@ -10,6 +10,7 @@ import torch
 
 from graphdecode.device.decode_state import DecodeState
 from graphdecode.device.row_staging import RowStaging
+from graphdecode.plan import RowStart
 from graphdecode.sampling_params import SamplingParams
 
 
@@ -35,8 +36,8 @@ class FencedStaging(RowStaging):
 
 
 def _row(staging, row):
-    staging.set_row(row, position=3, max_len=10, min_len=0, stop_ids=(2,), params=SamplingParams(), seed=7,
-                    pages=[1, 2])
+    staging.set_row(RowStart(row=row, position=3, pages=(1, 2), params=SamplingParams(), seed=7, stop_ids=(2,),
+                             max_len=10, min_len=0))
 
 
 def test_a_buffer_is_refilled_only_after_its_fence():

@@ -70,7 +70,7 @@ def test_acceptance_is_counted_exactly():
                         spec_tokens=d, history_len=64 + d + 1)
     prompts = [list(range(10)) + list(range(5)), [7, 3]]
     for row, prompt in enumerate(prompts):
-        state.history[row, : len(prompt)] = torch.tensor(prompt)
+        state.speculation.history[row, : len(prompt)] = torch.tensor(prompt)
         state.input_ids[row] = prompt[-1]
         state.positions[row] = len(prompt) - 1
         state.seq_lens[row] = len(prompt)
@@ -82,10 +82,10 @@ def test_acceptance_is_counted_exactly():
     assert state.out_count[:2].tolist() == [8, 2]
     assert state.out_tokens[0, 1:9].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
     assert state.out_tokens[1, 1:3].tolist() == [4, 5]  # nothing to copy: one token per round
-    assert state.spec_drafted[:2].tolist() == [6, 0] and state.spec_accepted[:2].tolist() == [6, 0]
-    assert state.spec_rounds[:2].tolist() == [2, 2]
+    assert state.speculation.spec_drafted[:2].tolist() == [6, 0] and state.speculation.spec_accepted[:2].tolist() == [6, 0]
+    assert state.speculation.spec_rounds[:2].tolist() == [2, 2]
     assert state.positions[0].item() == 14 + 8 and state.input_ids[0].item() == 2
-    assert state.history[0, 15:23].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
+    assert state.speculation.history[0, 15:23].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
 
 
 def test_a_stop_inside_an_accepted_run_ends_it():
@@ -93,7 +93,7 @@ def test_a_stop_inside_an_accepted_run_ends_it():
     state = DecodeState(1, 8, 2, num_decode_steps=2, max_logprobs=1, device="cpu", vocab_size=vocab,
                         spec_tokens=d, history_len=64 + d + 1)
     prompt = list(range(10)) + list(range(5))
-    state.history[0, : len(prompt)] = torch.tensor(prompt)
+    state.speculation.history[0, : len(prompt)] = torch.tensor(prompt)
     state.input_ids[0], state.positions[0], state.seq_lens[0] = prompt[-1], len(prompt) - 1, len(prompt)
     state.block_table[0] = torch.arange(1, 9)
     state.done[0], state.max_len[0] = False, 64

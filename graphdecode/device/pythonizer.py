@@ -2,8 +2,8 @@
 
 `enqueue()` is called right after a window (or a prefill-only step) is launched: it
 issues non-blocking copies of the bucket's output rows into one of two pinned
-buffers and records an event. `wait()` is the only place in the engine that waits
-on the device; the engine calls it for window w - 1 after launching window w, so in
+buffers and records an event. `wait()` is where the host waits for the device's
+outputs (besides it, only the staging fence waits: device/row_staging.py); the engine calls it for window w - 1 after launching window w, so in
 steady state the event has long completed and the device never idles.
 
 Double buffering: window w fills buffer w % 2; the host has finished reading window
@@ -56,17 +56,15 @@ class PendingCopy:
 
 
 class Pythonizer:
-    _ALWAYS = ("out_tokens", "out_count")
     _LOGPROBS = ("out_lp_sampled", "out_lp_rank", "out_lp_top_ids", "out_lp_top")
     _SPEC = ("spec_drafted", "spec_accepted", "spec_rounds")
 
     def __init__(self, state: DecodeState, device: torch.device):
         self.state = state
         self.cuda = device.type == "cuda"
-        names = self._ALWAYS + self._LOGPROBS + self._SPEC
+        sources = state.output_tensors(logprobs=True, speculative=state.speculation is not None)
         self._slots = [
-            {name: torch.empty(getattr(state, name).shape, dtype=getattr(state, name).dtype, pin_memory=self.cuda)
-             for name in names}
+            {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for name, t in sources.items()}
             for _ in range(2)
         ]
         self._next = 0
@@ -96,9 +94,8 @@ class Pythonizer:
                 self._timing[slot_index][1].record()
             else:
                 cpu_seconds = time.perf_counter() - self._window_start
-        names = self._ALWAYS + (self._LOGPROBS if with_logprobs else ()) + (self._SPEC if speculative else ())
-        for name in names:
-            slot[name][:bucket].copy_(getattr(self.state, name)[:bucket], non_blocking=True)  # a row prefix
+        for name, source in self.state.output_tensors(with_logprobs, speculative).items():
+            slot[name][:bucket].copy_(source[:bucket], non_blocking=True)  # a row prefix
         host_extras = None
         if extras:
             host_extras = [tuple(self._to_host(t) for t in group) for group in extras]

@@ -25,7 +25,6 @@ from .bounds import BoundsCheck
 from .decode_state import DecodeState
 from .graphs import WindowGraphs
 from .sampler import RowCounts, Sampler
-from .structured_tables import StructuredTables
 from .torch_compile import CompiledForward
 from .window_writes import WindowWrites
 from .window import sample_into
@@ -79,6 +78,8 @@ class ModelRunner:
             bad_word_slots=2 * config.max_bad_words, max_bad_word_tokens=config.max_bad_word_tokens,
             spec_tokens=config.num_speculative_tokens,
             history_len=config.max_model_len + config.num_speculative_tokens + 1,
+            structured_max_states=config.structured_max_states,
+            structured_max_exceptions=config.structured_max_exceptions,
         )
         if config.check_bounds:
             self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages)
@@ -158,11 +159,7 @@ class ModelRunner:
     # ------------------------------------------------------------ device rows
     def _apply_rows(self, plan: StepPlan) -> None:
         for upload in plan.table_uploads:  # before the rows that read them, in stream order
-            if self.state.structured is None:
-                cfg = self.config
-                self.state.structured = StructuredTables(cfg.structured_max_states, cfg.structured_max_exceptions,
-                                                         cfg.model_config.vocab_size, self.device)
-            self.state.structured.upload(upload.placement, upload.automaton)
+            self.state.constraints.upload(upload)
         for row in plan.cleared_rows:
             params = self._row_params[row]
             if params is not None:
@@ -171,15 +168,7 @@ class ModelRunner:
             self._row_pages[row] = 0
             self.staging.clear_row(row)
         for start in plan.started_rows:
-            struct_state = None
-            if start.structured is not None:  # recomputed from the outputs so far (a resumed row has some)
-                struct_state = self.state.structured.initial_state(
-                    start.structured, start.token_ids[start.num_prompt_tokens :])
-            self.staging.set_row(
-                start.row, position=start.position, max_len=start.max_len, min_len=start.min_len,
-                stop_ids=start.stop_ids, params=start.params, seed=start.seed, pages=start.pages,
-                token_ids=start.token_ids, num_prompt_tokens=start.num_prompt_tokens, struct_state=struct_state,
-            )
+            self.staging.set_row(start)
             self.row_counts.add(start.params)
             self._row_params[start.row] = start.params
             self._row_pages[start.row] = len(start.pages)

@@ -33,11 +33,9 @@ What logprobs report is the engine's `logprobs_mode` (vLLM's names): "raw_logpro
 (the default) and "raw_logits" are taken before step 0; "processed_logprobs" and
 "processed_logits" after step 5's temperature and filters (before the noise).
 
-Token counts per row live in the decode state as one int16 [B_max, V] buffer
-(`token_counts`): bits 0..13 count the row's output tokens (saturating at 16383),
-bit 14 marks tokens of its prompt. 2 bytes per (row, token): 65.7 MB for 256 rows and
-Llama-3's 128256 tokens. The window updates it (and the last-tokens ring the bad words
-are matched against) as it samples, for live rows only.
+Each feature's inputs and logit processing live with its state (device/features/):
+penalties.py's `PenaltyRows.apply`, constraints.py's `ConstraintRows.mask_`; the order
+above is this sampler's.
 """
 
 from __future__ import annotations
@@ -47,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .features.constraints import ConstraintRows
+from .features.penalties import PenaltyRows
 from .token_mask import TokenMaskUnpacker
 
 _M32 = 0xFFFFFFFF
@@ -60,9 +60,6 @@ def _i32(value: int) -> int:
 
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 _MUL1_I32, _MUL2_I32 = _i32(_MUL1), _i32(_MUL2)
-
-COUNT_MASK = 0x3FFF  # token_counts bits 0..13: output count, saturating
-PROMPT_BIT = 0x4000  # token_counts bit 14: the token is in the prompt
 
 
 class SamplerMode(enum.IntEnum):
@@ -127,21 +124,9 @@ class SamplingRows:
     stop_ids: torch.Tensor  # [R, S] int64; -1 = unused
     min_len: torch.Tensor  # [R] int32: stop ids are masked while the next index < min_len
     max_len: torch.Tensor  # [R] int32: done once the sequence holds max_len tokens
-    # the penalty path's inputs (only read by variants with penalties; None otherwise)
-    penalized: torch.Tensor | None = None  # [R] bool: the row's logit_bias / bad_words apply
-    repetition_penalty: torch.Tensor | None = None  # [R] float32; 1 = off
-    presence_penalty: torch.Tensor | None = None  # [R] float32; 0 = off
-    frequency_penalty: torch.Tensor | None = None  # [R] float32; 0 = off
-    token_counts: torch.Tensor | None = None  # [R, V] int16: output count | PROMPT_BIT
-    bias_ids: torch.Tensor | None = None  # [R, L] int64; -1 = unused
-    bias_values: torch.Tensor | None = None  # [R, L] float32
-    bad_words: torch.Tensor | None = None  # [R, W, T] int64: token sequences right-aligned, -1 padded
-    recent: torch.Tensor | None = None  # [R, T] int64: the last T output tokens, newest last; -1 = none
-    # structured outputs (only read by variants with structured)
-    constrained: torch.Tensor | None = None  # [R] bool: the row follows an automaton
-    struct_state: torch.Tensor | None = None  # [R] int32: its state
-    struct_words: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: that state's allowed tokens
-    struct_complete: torch.Tensor | None = None  # [R] bool: that state allows only EOS (constraint complete)
+    # the features' inputs, only for variants that read them (None otherwise)
+    penalties: PenaltyRows | None = None
+    constraint: ConstraintRows | None = None
 
 
 @dataclass
@@ -223,9 +208,9 @@ class Sampler:
         if variant.num_logprobs and self.logprobs_mode.startswith("raw"):
             raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
         if variant.structured:
-            self.masks.mask_disallowed_(logits, rows.struct_words, rows.constrained)
+            rows.constraint.mask_(logits, self.masks)
         if variant.penalties:
-            logits = apply_penalties(logits, rows)
+            logits = rows.penalties.apply(logits)
         if variant.mask_stops:
             _mask_stop_ids_(logits, rows, next_pos)
         greedy = logits.argmax(dim=-1)
@@ -260,36 +245,13 @@ def _logprobs_out(values, tokens, num: int) -> LogprobsOut:
     return LogprobsOut(sampled, rank, top_ids, top_values)
 
 
-def apply_penalties(logits, rows: SamplingRows):
-    """logit_bias, bad words, repetition, then frequency / presence penalties (see the module
-    docstring). Modifies `logits` in place for the first two; returns the processed logits.
-    Rows with neutral parameters (penalized False, repetition 1, frequency and presence 0)
-    come out bit for bit unchanged, whatever their token counts hold."""
-    live = rows.penalized[:, None]
-    bias = torch.where(live & (rows.bias_ids >= 0), rows.bias_values, 0.0)  # [R, L]
-    logits.scatter_add_(1, rows.bias_ids.clamp(min=0), bias)
-    words = rows.bad_words  # [R, W, T]
-    last = words[:, :, -1]  # [R, W]: the token a word bans
-    prefix = words[:, :, :-1]  # [R, W, T - 1]: what must just have been produced (-1: nothing)
-    produced = (prefix < 0) | (prefix == rows.recent[:, None, 1:])
-    banned = produced.all(dim=-1) & (last >= 0) & live
-    logits.scatter_add_(1, last.clamp(min=0), torch.where(banned, float("-inf"), 0.0))
-    counts = rows.token_counts  # [R, V] int16
-    factor = torch.where(counts != 0, rows.repetition_penalty[:, None], 1.0)  # seen in prompt or output
-    logits = torch.where(logits > 0, logits / factor, logits * factor)
-    output = (counts & COUNT_MASK).to(logits.dtype)  # output counts
-    logits -= output * rows.frequency_penalty[:, None]
-    logits -= output.clamp_(max=1.0).mul_(rows.presence_penalty[:, None])  # (count > 0) * presence
-    return logits
-
-
 def _mask_stop_ids_(logits, rows: SamplingRows, next_pos) -> None:
     """min_tokens, in place: stop ids cannot be sampled before the row holds min_len tokens,
     except by a constrained row whose constraint is complete (its state allows only EOS: masking
     it would leave nothing to sample; the constraint wins)."""
     early = next_pos < rows.min_len  # [R]
-    if rows.struct_complete is not None:
-        early = early & ~(rows.constrained & rows.struct_complete)
+    if rows.constraint is not None:
+        early = early & ~(rows.constraint.constrained & rows.constraint.complete)
     blocked = early[:, None] & (rows.stop_ids >= 0)  # [R, S]
     penalty = torch.where(blocked, float("-inf"), 0.0)
     logits.scatter_add_(1, rows.stop_ids.clamp(min=0), penalty)

@@ -4,7 +4,7 @@ Each of a window's k rounds, per row, with no host involvement:
 
 1. draft (`ngram_drafts`): find the most recent earlier occurrence of the row's last n
    tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own token history
-   (prompt + outputs, DecodeState.history) and propose the up-to-d tokens that followed;
+   (prompt + outputs, features/speculation.py's history) and propose the up-to-d tokens that followed;
 2. verify: one forward over the d + 1 query tokens (the row's next input and its
    drafts) at positions p .. p + d, causal attention over the paged cache (the K/V of
    all d + 1 is written first), then sample every position with the row's usual
@@ -33,13 +33,12 @@ CUDA graph per bucket like a plain one.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..attention.backend import AttentionBackend, ForwardContext
 from ..attention.metadata import VerifyMetadata
 from .decode_state import DecodeState
+from .features.constraints import ConstraintRows
 from .sampler import Sampler, SamplerVariant
 
 
@@ -128,15 +127,17 @@ def speculative_window(
     offsets = torch.arange(queries, device=device)
     flat_rows = torch.arange(bucket, device=device).repeat_interleave(queries)  # [B * Q]
     params = state.sampling_rows(flat_rows)
-    tables = state.structured if variant.structured else None
+    constraints = state.constraints
+    tables = constraints.tables if variant.structured else None
     if tables is not None:
-        constrained = state.constrained[rows]
-        params = dataclasses.replace(params, constrained=constrained.repeat_interleave(queries))
+        constrained = constraints.constrained[rows]
+        flat_constrained = constrained.repeat_interleave(queries)
     count = torch.zeros(bucket, dtype=torch.int64, device=device)
     drafted = torch.zeros(bucket, dtype=torch.int32, device=device)
     accepted = torch.zeros(bucket, dtype=torch.int32, device=device)
     rounds = torch.zeros(bucket, dtype=torch.int32, device=device)
-    history = state.history[rows]
+    speculation = state.speculation
+    history = speculation.history[rows]
     max_len = state.max_len[rows].to(torch.int64)  # [B]
     for _ in range(num_decode_steps):
         live = ~state.done[rows]
@@ -152,14 +153,14 @@ def speculative_window(
         logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ForwardContext(backend, verify=meta))
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
         if tables is not None:  # each position's automaton state: the row's, moved over the drafts before it
-            before = state.struct_state[rows]
+            before = constraints.struct_state[rows]
             walk = [before]
             for j in range(d):
                 moved = tables.advance(walk[-1], drafts[:, j])
                 walk.append(torch.where(moved >= 0, moved.to(torch.int32), walk[-1]))
             position_states = torch.stack(walk, dim=1)  # [B, Q]
             flat = position_states.reshape(-1)
-            params = dataclasses.replace(params, **tables.row_inputs(flat))
+            params.constraint = ConstraintRows(flat_constrained, **tables.row_inputs(flat))
         sampled, logprobs = sampler(logits, params, next_pos, variant)
         sampled = sampled.view(bucket, queries)
         # accept drafts while each equals the token sampled at its position
@@ -179,19 +180,19 @@ def speculative_window(
         out = state.out_tokens[rows]
         out.scatter_(1, columns, torch.where(written, sampled, out.gather(1, columns)))
         if logprobs is not None:
-            _record_logprobs(state, bucket, queries, columns, written, logprobs)
+            state.logprobs.record_columns(bucket, queries, columns, written, logprobs)
         history.scatter_(1, index, torch.where(written, sampled, history.gather(1, index)))
         # advance each row by its own count
         last = sampled.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
         state.input_ids[rows] = torch.where(emit > 0, last, state.input_ids[rows])
         if tables is not None and state.bounds is not None:  # each emitted token under its position's state
-            state.bounds.automaton(tables, params.struct_state, params.struct_words, sampled.reshape(-1),
+            state.bounds.automaton(tables, params.constraint.state, params.constraint.words, sampled.reshape(-1),
                                    (written & constrained[:, None]).reshape(-1))
         if tables is not None:  # the state after the emitted tokens (accepted drafts, then the sampled one)
             last_state = position_states.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
             moved = tables.advance(last_state, last)
             after = torch.where(moved >= 0, moved.to(torch.int32), last_state)
-            state.struct_state[rows] = torch.where((emit > 0) & constrained, after, before)
+            constraints.struct_state[rows] = torch.where((emit > 0) & constrained, after, before)
         state.positions[rows] += emit
         state.seq_lens[rows] += emit.to(torch.int32)
         state.done[rows] |= live & stopping.any(dim=1)
@@ -202,21 +203,7 @@ def speculative_window(
     # slot mapping (and the CSR where the backend reads it): for what comes next
     state.advance(bucket, state.input_ids[rows], page_size, advance=False, csr=backend.needs_csr)
     state.out_count[rows] = count.to(torch.int32)
-    state.spec_drafted[rows] = drafted
-    state.spec_accepted[rows] = accepted
-    state.spec_rounds[rows] = rounds
+    speculation.spec_drafted[rows] = drafted
+    speculation.spec_accepted[rows] = accepted
+    speculation.spec_rounds[rows] = rounds
 
-
-def _record_logprobs(state: DecodeState, bucket: int, queries: int, columns, written, logprobs) -> None:
-    """Logprobs of the emitted positions into their output columns."""
-    def put(target, values):
-        values = values.view(bucket, queries, *values.shape[1:])
-        view = target[:bucket]
-        index = columns.view(bucket, queries, *([1] * (values.dim() - 2))).expand_as(values)
-        mask = written.view(bucket, queries, *([1] * (values.dim() - 2)))
-        view.scatter_(1, index, torch.where(mask, values, view.gather(1, index)))
-
-    put(state.out_lp_sampled, logprobs.sampled)
-    put(state.out_lp_rank, logprobs.rank)
-    put(state.out_lp_top_ids, logprobs.top_ids)
-    put(state.out_lp_top, logprobs.top_logprobs)

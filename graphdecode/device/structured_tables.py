@@ -90,8 +90,8 @@ class StructuredTables:
         """What the sampler reads for rows in `states` [R]: the states, their masks, and whether
         each state allows nothing but EOS (its constraint is complete: min_tokens yields to it)."""
         index = states.to(torch.int64)
-        return {"struct_state": states, "struct_words": self.allowed.index_select(0, index),
-                "struct_complete": self.default_next.index_select(0, index) < 0}
+        return {"state": states, "words": self.allowed.index_select(0, index),
+                "complete": self.default_next.index_select(0, index) < 0}
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[R] state ids and [R] sampled tokens -> [R] next state ids (-1: none, e.g. EOS)."""

@@ -3,9 +3,9 @@
 The forward is compiled with `dynamic=True`: the batch dimension (and the KV width
 the torch reference gathers in eager windows) is symbolic, so one compiled entry
 serves every bucket of two rows or more. Dynamo specialises a dimension of size 1,
-so bucket 1 gets an entry of its own: two compiles in all, however many buckets
-(before, every bucket was a static-shape compile of its own: minutes of cold start
-for a 16-layer model on a GPU). Compilation is lazy, the first time a window of that
+so bucket 1 gets an entry of its own: two compiles in all, however many buckets (a
+static-shape compile per bucket would cost minutes of cold start for a 16-layer model
+on a GPU). Compilation is lazy, the first time a window of that
 shape runs; the engine triggers it at construction (the warm-up before each graph
 capture on CUDA, `WindowGraphs.warm_up` otherwise), so requests never pay for it.
 

@@ -28,7 +28,7 @@ def sample_into(
     done_before: torch.Tensor | None,  # [R] bool, or None when all rows are live
 ) -> torch.Tensor:
     """Sample R rows, write output column `column` and the done flags; returns tokens [R].
-    With penalties, live rows' token counts and recent tokens take the sampled token."""
+    Each feature the variant uses records the sampled token (device/features/)."""
     params = state.sampling_rows(rows, variant.penalties, variant.structured)
     tokens, logprobs = sampler(logits, params, next_pos, variant)
     if done_before is None:
@@ -37,19 +37,14 @@ def sample_into(
         tokens = torch.where(done_before, state.input_ids[rows], tokens)  # inert rows keep their token
     state.out_tokens[rows, column] = tokens
     if logprobs is not None:
-        state.record_logprobs(rows, column, logprobs)
+        state.logprobs.record(rows, column, logprobs)
     state.done[rows] = stop_check(tokens, params, next_pos, done_before)
     if variant.penalties:
-        state.record_penalty_tokens(rows, tokens, ~done_before)
-    if variant.structured:  # constrained live rows move by the token they sampled
-        if state.bounds is not None:
-            state.bounds.automaton(state.structured, params.struct_state, params.struct_words, tokens,
-                                   params.constrained & ~done_before)
-        moved = state.structured.advance(params.struct_state, tokens)
-        keep = done_before | ~params.constrained | (moved < 0)
-        state.struct_state[rows] = torch.where(keep, params.struct_state, moved.to(torch.int32))
-    if state.history is not None:
-        state.record_history(rows, next_pos, tokens, ~done_before)
+        state.penalties.record(rows, tokens, ~done_before)
+    if variant.structured:
+        state.constraints.advance(rows, params.constraint, tokens, done_before, state.bounds)
+    if state.speculation is not None:
+        state.speculation.record(rows, next_pos, tokens, ~done_before)
     return tokens
 
 
