@@ -68,3 +68,23 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
         engine.step()
     assert free_pages(llm) == pages
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == want
+
+
+def test_checked_params_are_built_without_checking_again(llm, monkeypatch):
+    """The engine core builds AsyncLLM's requests from params its serving side already checked:
+    the same request as a checked submission, and no check runs a second time."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=5, bad_words=["hello"], stop_token_ids=[7],
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    ids = prompts(1)[0]["prompt_token_ids"]
+    checked, _ = engine.inputs.check(ids, params)
+    whole = engine.prepare(None, ids, params)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checked twice")
+
+    monkeypatch.setattr(engine.inputs, "check", refuse)
+    built = engine.prepare(None, ids, checked, checked=True)
+    assert built.params.bad_words_token_ids == whole.params.bad_words_token_ids != ()
+    assert built.automaton.key == whole.automaton.key
+    assert [(s.stop_ids, s.max_len) for s in built.seqs] == [(s.stop_ids, s.max_len) for s in whole.seqs]

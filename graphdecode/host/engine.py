@@ -7,8 +7,9 @@
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
 
 Postprocessing lags one window behind the launch, so the device always has the next
-window queued while the host turns tokens into text; the pythonizer's wait is the
-only place the host waits for the device.
+window queued while the host turns tokens into text; `pending.result()` (the
+pythonizer's wait) is where the host waits for the device's outputs (the only other wait
+is the staging fence, device/row_staging.py, which returns at once in steady state).
 """
 
 from __future__ import annotations
@@ -98,14 +99,15 @@ class Engine:
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None, priority: int = 0,
-                verified: bool = False) -> Request:
+                verified: bool = False, checked: bool = False) -> Request:
         """Validate and build a request without adding it (raises ValueError or TypeError).
-        verified: params is already a checked private copy (SamplingParams.submitted())."""
+        verified: params is already a private copy (SamplingParams.submitted()); checked: the
+        engine's checks already ran on it (host/inputs.py: Inputs.check), so they do not again."""
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified)
+        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified, checked)
 
     def add_request(self, prompt, params=None, request_id=None, priority: int = 0) -> Request:
         (text, ids), = self.inputs.tokenize_all([prompt])

@@ -176,9 +176,18 @@ class InputProcessor:
         return self.tokenizer(texts)["input_ids"]
 
     def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int,
-                priority: int = 0, verified: bool = False) -> Request:
-        """verified: `params` is already this submission's private, checked copy
-        (SamplingParams.submitted()); otherwise the copy is made and checked here."""
+                priority: int = 0, verified: bool = False, checked: bool = False) -> Request:
+        """Check a submission (`check`) and build its request. verified: `params` is already this
+        submission's private copy (SamplingParams.submitted()); checked: `check` already ran on it
+        (the engine core's requests: AsyncLLM checked them before sending), so it is not run again."""
+        automaton = None
+        if not checked:
+            params, automaton = self.check(prompt_ids, params, priority, verified)
+        return self._build(request_id, prompt_text, prompt_ids, params, arrival, priority, automaton)
+
+    def check(self, prompt_ids: list[int], params, priority: int = 0, verified: bool = False):
+        """Every check of a submission, before any work: ValueError / TypeError naming the field.
+        Returns (the engine's checked copy of params, its constraint automaton or None)."""
         cfg = self.config
         if params is None:
             params = SamplingParams()
@@ -201,7 +210,7 @@ class InputProcessor:
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
-        stop_ids = tuple(dict.fromkeys(stop_token_ids + (() if params.ignore_eos else self.eos_ids)))
+        stop_ids = self._stop_ids(params)
         if len(stop_ids) > cfg.max_stop_ids:
             raise ValueError(
                 f"stop_token_ids: {len(stop_ids)} stop ids (with EOS) exceed max_stop_ids ({cfg.max_stop_ids})"
@@ -255,9 +264,7 @@ class InputProcessor:
         automaton = self._constraint(params)
         if params.n > cfg.max_batch_size:
             raise ValueError(f"n: {params.n} exceeds max_batch_size ({cfg.max_batch_size})")
-        max_len = cfg.max_model_len
-        if params.max_tokens is not None:
-            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        max_len = self._max_len(len(prompt_ids), params)
         # on the engine's copy: min_tokens past the end of the sequence means "never stop early", which
         # ending the sequence at max_len already gives, and it keeps min_len (int32 on the device) in range
         params.min_tokens = min(params.min_tokens, max_len - len(prompt_ids))
@@ -265,7 +272,16 @@ class InputProcessor:
             params.temperature = 0.0  # on the engine's copy (see GREEDY_BELOW)
         if self.group_pages(len(prompt_ids), params.n, max_len) > cfg.num_pages - 1:
             raise ValueError(f"n: {params.n} sequences of this prompt do not fit in the KV cache ({cfg.num_pages} pages)")
+        return params, automaton
 
+    def _build(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int, priority: int,
+               automaton) -> Request:
+        """The request and its n sequences, from checked params (automaton: None to look it up again:
+        a cache hit for a constraint this engine's inputs compiled)."""
+        cfg = self.config
+        if automaton is None and params.constrained:
+            automaton = self._constraint(params)
+        stop_ids, max_len = self._stop_ids(params), self._max_len(len(prompt_ids), params)
         request = Request(request_id, prompt_text, list(prompt_ids), params, arrival, priority=priority,
                           metrics=RequestMetrics(arrival_time=time.time()))
         request.automaton = automaton
@@ -289,6 +305,16 @@ class InputProcessor:
             )
             self._next_seq_id += 1
         return request
+
+    def _stop_ids(self, params) -> tuple[int, ...]:
+        """The request's stop ids: its own, then EOS unless ignore_eos (duplicates once)."""
+        return tuple(dict.fromkeys(tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else self.eos_ids)))
+
+    def _max_len(self, num_prompt_tokens: int, params) -> int:
+        """Total tokens at which its sequences end."""
+        if params.max_tokens is None:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, num_prompt_tokens + params.max_tokens)
 
     def _constraint(self, params):
         """The request's constraint automaton: its structured outputs, its allowed_token_ids (one

@@ -8,7 +8,7 @@ depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHM
   of W in column panels (`PanelWeight`, csrc/cpu_linear.cpp). Up to PANEL_ROWS rows the panel
   kernel runs: each panel of 64 output columns is one sequential stream, its sums stay in
   registers, 1.1-2x aten's and oneDNN's GEMMs at 4-32 rows of SmolLM2's shapes with every
-  layer's weights streaming from memory, about even at 1-2 rows (2026-12-01). More rows (a batch
+  layer's weights streaming from memory, about even at 1-2 rows (BENCHMARKS.md). More rows (a batch
   of 64 and up, prefill) run aten's NN GEMM on the column-major parameter, 1.0-1.4x oneDNN's
   packed one from 48 rows to 2,048. With more than one torch thread all rows take aten's threaded
   GEMM (the panel kernel runs on one).

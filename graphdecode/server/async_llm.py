@@ -23,8 +23,8 @@ core reported a failure or its process exited; `death_cause()` says how it died.
 A request goes to the core when `generate` is called inside a running event loop, not
 when its stream is first read: a server answering a burst of requests hands each one to
 the core as soon as it is validated, instead of after every other handler of the burst
-has run (bench_serve at 256 clients: the first request reached the core 80 ms sooner,
-TTFT p50 597 ms against 706 ms over three alternating runs). A sender thread writes
+has run (at 256 clients the first request reaches the core ~80 ms sooner: BENCHMARKS.md).
+A sender thread writes
 what is queued for the core as one message per wake-up, so a burst costs a few pickles
 and pipe writes rather than one per request.
 """
@@ -250,8 +250,8 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # the engine's own checks, on its own copy of the params: that copy is what the core gets, so a
         # change the caller makes to theirs afterwards never reaches the request
-        request = self.inputs.prepare(request_id, text, ids, sampling_params, arrival=0, priority=priority)
-        stream = RequestStream(self, request_id, ("add", request_id, text, ids, request.params, priority))
+        params, _ = self.inputs.check(ids, sampling_params, priority)
+        stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority))
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -114,7 +114,8 @@ def _add(engine, message: tuple, outputs) -> None:
     traceback, and whatever of it reached the engine is aborted, so the core keeps serving."""
     _, request_id, text, ids, params, priority = message
     try:
-        engine.add_requests([engine.prepare(text, ids, params, request_id, priority)])
+        # AsyncLLM ran the engine's checks on these params before sending them: not again here
+        engine.add_requests([engine.prepare(text, ids, params, request_id, priority, checked=True)])
     except (ValueError, TypeError) as exc:
         outputs.send(("rejected", request_id, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the request-failure boundary: this request fails, the core goes on
