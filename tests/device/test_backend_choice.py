@@ -100,7 +100,7 @@ def test_gpu_tests_skip_through_the_engines_probe(probe_env, monkeypatch):
     """The GPU tests' `require_flashinfer` asks the same probe: with the gpu-kit's bf16 modules
     and JIT off, fp16 skips (it used to fail the stage with the engine's ValueError), bf16 runs,
     and under gpu_check a combination the kit promises fails instead of skipping."""
-    from tests.conftest import require_flashinfer
+    from tests.helpers import require_flashinfer
 
     probe, tmp = probe_env
     monkeypatch.setenv("FLASHINFER_DISABLE_JIT", "1")

@@ -12,7 +12,7 @@ from graphdecode.device import speculative
 from graphdecode.device.bounds import BoundsCheck, BoundsError
 from graphdecode.device.decode_state import DecodeState
 from graphdecode.device.speculative import verify_metadata
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 P, MAX_PAGES, NUM_PAGES, ROPE_ROWS = 4, 6, 40, 24
 

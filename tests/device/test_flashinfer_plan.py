@@ -247,11 +247,11 @@ def test_decode_forward_through_the_op_compiles_fullgraph(tiny_models):
 
 
 def test_the_gpu_tests_padded_cta_check_reads_plan_info_as_flashinfer_writes_it():
-    """conftest.assert_padded_ctas_masked (run on every decode and verify graph plan on the GPU)
+    """helpers.assert_padded_ctas_masked (run on every decode and verify graph plan on the GPU)
     checked here on plan infos laid out as flashinfer 0.7.2.post1's PrefillPlanInfo::ToVector."""
     from types import SimpleNamespace
 
-    from tests.conftest import assert_padded_ctas_masked
+    from tests.helpers import assert_padded_ctas_masked
 
     def wrapper(padded, offset, scheduled, cuda_graph=1, split_kv=0, hole=None):
         buf = torch.zeros(4096, dtype=torch.uint8)

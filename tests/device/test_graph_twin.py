@@ -16,17 +16,13 @@ import torch
 from graphdecode import LLM, SamplingParams
 from graphdecode.device.graph_runtime import RecordedWindow
 from graphdecode.device.sampler import GREEDY, SamplerMode, SamplerVariant
-from tests.conftest import random_prompts
+from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
 
-ENGINE = dict(num_decode_steps=4, max_model_len=128, max_batch_size=8, buckets=[1, 2, 8])
+ENGINE = dict(SMALL_ENGINE, max_model_len=128, buckets=[1, 2, 8])
 
 
 def prompts(count: int, seed: int = 0) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in random_prompts(count, [5, 17, 33], seed=seed)]
-
-
-def outputs(outs):
-    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+    return token_prompts(random_prompts(count, [5, 17, 33], seed=seed))
 
 
 def staggered(llm: LLM, first: list[dict], first_params, later: list[dict], later_params) -> list[tuple]:
@@ -64,7 +60,7 @@ def test_twin_captures_largest_first_and_replays_the_eager_tokens(model):
     batch = prompts(7)
     for params in (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                    SamplingParams(temperature=0.9, top_k=30, seed=3, max_tokens=20, n=2)):
-        assert outputs(graphed.generate(batch, params)) == outputs(eager.generate(batch, params))
+        assert completions(graphed.generate(batch, params)) == completions(eager.generate(batch, params))
     assert sum(g.replays for g in windows.graphs.values()) > 0  # the windows ran as replays
 
 
@@ -192,7 +188,7 @@ def test_twin_speculative_structured_and_penalty_windows_replay_the_eager_tokens
                        logprobs=2),
     ]
     for params in cases:
-        assert outputs(graphed.generate(texts, params)) == outputs(eager.generate(texts, params)), params
+        assert completions(graphed.generate(texts, params)) == completions(eager.generate(texts, params)), params
     captured = graphed.engine.runner.windows.graphs
     assert any(v.speculative for _, v in captured) and any(v.structured for _, v in captured)
     assert any(v.penalties and v.mask_stops for _, v in captured)

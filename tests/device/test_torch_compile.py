@@ -12,16 +12,16 @@ import torch._dynamo
 from graphdecode import LLM, SamplingParams
 from graphdecode.device import torch_compile
 from graphdecode.device.torch_compile import CompiledForward
-from tests.conftest import random_prompts
+from tests.helpers import first_tokens, random_prompts, token_prompts
 
 
 def test_one_compile_serves_every_bucket_and_width(tiny_models):
     torch._dynamo.reset()
     path = tiny_models["llama_gqa_llama3"]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(11, [3, 20, 70])]
+    prompts = token_prompts(random_prompts(11, [3, 20, 70]))
     eager = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=16)
-    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    want = first_tokens(eager.generate(prompts, params))
 
     llm = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=16)
     windows = llm.engine.runner.windows
@@ -32,8 +32,8 @@ def test_one_compile_serves_every_bucket_and_width(tiny_models):
     assert compiled.compiles == 2 and compiled.compile_seconds > 0
     got = []
     for i, j in ((0, 4), (4, 6), (6, 11)):  # buckets 4, 2, 8; KV widths 2, 4 and 8 pages
-        got += [o.outputs[0].token_ids for o in llm.generate(prompts[i:j], params)]
-    got += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
+        got += first_tokens(llm.generate(prompts[i:j], params))
+    got += first_tokens(llm.generate(prompts[:1], params))
     assert got[: len(prompts)] == want and got[-1] == want[0]
     buckets = llm.stats()["windows_per_bucket"]
     assert set(buckets) == {1, 2, 4, 8}

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO
+
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 CORE = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs"]
 STAGES = CORE + ["pytest_extended", "bench", "bench_spec", "pytest_compile", "bench_tp", "bench_serve",

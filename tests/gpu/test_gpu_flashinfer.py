@@ -15,7 +15,7 @@ import torch
 from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
 from graphdecode.device.decode_state import DecodeState
-from tests.conftest import assert_padded_ctas_masked, require_flashinfer
+from tests.helpers import assert_padded_ctas_masked, require_flashinfer
 
 pytestmark = pytest.mark.gpu
 

@@ -43,7 +43,7 @@ import gc
 import pytest
 import torch
 
-from tests.conftest import require_flashinfer
+from tests.helpers import first_tokens, require_flashinfer
 
 pytestmark = pytest.mark.gpu
 
@@ -127,10 +127,6 @@ def greedy(max_tokens=24, logprobs=None):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
 
 
-def token_ids(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
-
-
 def llm(path, **kwargs):
     """An engine on CUDA; FlashInfer cases skip where the engine's probe says it cannot run,
     and only two buckets are captured (the largest and a quarter of it)."""
@@ -184,17 +180,17 @@ def test_graph_replay_gives_the_eager_tokens(bf16_model, engines, backend, dtype
     config = FLASHINFER if backend == "flashinfer" else TORCH
     assert config["dtype"] == dtype
     graphed = engines(bf16_model, **config)
-    got = token_ids(graphed.generate(prompts(10), greedy()))
+    got = first_tokens(graphed.generate(prompts(10), greedy()))
     stats = graphed.stats()
     assert stats["capture_seconds"] > 0 and stats["graph_memory_bytes"] > 0
     assert stats["windows"] > 0
     eager = engines(bf16_model, **{**config, "cuda_graphs": False})
-    assert token_ids(eager.generate(prompts(10), greedy())) == got
+    assert first_tokens(eager.generate(prompts(10), greedy())) == got
     assert eager.stats()["capture_seconds"] == 0
 
 
 def test_k8_gives_the_k1_tokens(bf16_model, engines):
-    runs = [token_ids(engines(bf16_model, **{**FLASHINFER, "num_decode_steps": k}).generate(
+    runs = [first_tokens(engines(bf16_model, **{**FLASHINFER, "num_decode_steps": k}).generate(
         prompts(20), greedy(max_tokens=30))) for k in (1, 8)]
     assert runs[0] == runs[1]
 
@@ -217,8 +213,8 @@ def test_prefix_cache_hits_give_the_uncached_tokens(bf16_model, engines, backend
     for caching in (True, False):
         engine = engines(bf16_model, **(config if caching else {**config, "enable_prefix_caching": False}))
         hits_before = engine.stats()["prefix_cache_hits"]
-        got = token_ids(engine.generate(groups[0][:5], greedy()))
-        got += token_ids(engine.generate(groups[1][:1], greedy()) + engine.generate(groups[1][1:], greedy()))
+        got = first_tokens(engine.generate(groups[0][:5], greedy()))
+        got += first_tokens(engine.generate(groups[1][:1], greedy()) + engine.generate(groups[1][1:], greedy()))
         runs[caching] = got
         assert engine.stats()["prefix_cache_hits"] - hits_before == (9 * 37 if caching else 0)
     if dtype == "float32":
@@ -366,16 +362,16 @@ def test_structured_windows_replay_the_eager_tokens_without_syncing(bf16_model, 
     batch = prompts(90)
     params = [constrained if i % 2 else free for i in range(len(batch))]
     graphed = engines(bf16_model, **TORCH)
-    got = [o.outputs[0].token_ids for o in graphed.generate(batch, params)]
+    got = first_tokens(graphed.generate(batch, params))
     assert any(v.structured for _, v in graphed.engine.runner.windows.graphs)
-    again = [o.outputs[0].token_ids for o in generate_without_syncing(graphed, batch, params)]
+    again = first_tokens(generate_without_syncing(graphed, batch, params))
     assert again == got
     texts = [o.outputs[0].text for o in graphed.generate(batch[1::2], constrained)]
     for text in texts:
         value = json.loads(text)
         assert 0 <= value["a"] <= 99 and value["b"] in ("x", "y")
     eager = engines(bf16_model, **TORCH_EAGER)
-    assert [o.outputs[0].token_ids for o in eager.generate(batch, params)] == got
+    assert first_tokens(eager.generate(batch, params)) == got
 
 
 # ------------------------------------------------------------------ sliding windows (extended)
@@ -454,7 +450,7 @@ def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, fa
     assert all(len(o.outputs[0].token_ids) == 8 for o in again)
     del graphed
     eager = llm(path, cuda_graphs=False, **common)
-    assert token_ids(eager.generate(batch, greedy(max_tokens=steps))) == token_ids(outs)
+    assert first_tokens(eager.generate(batch, greedy(max_tokens=steps))) == first_tokens(outs)
     del eager
     reference = llm(path, attention_backend="torch", dtype="float32", compile=False, cuda_graphs=False,
                     max_batch_size=64, num_pages=1024)

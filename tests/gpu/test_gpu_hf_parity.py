@@ -49,7 +49,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import assert_padded_ctas_masked, require_flashinfer
+from tests.helpers import assert_padded_ctas_masked, require_flashinfer
 from tests.hf_parity_models import (
     CPU_SMALL,
     GPU_D64,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from graphdecode import LLM, SamplingParams, StructuredOutputsParams
-from tests.conftest import random_prompts
+from tests.helpers import first_tokens, random_prompts, token_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -19,7 +19,7 @@ def llm(text_model):
 
 
 def prompts(count: int, seed: int = 0) -> list[dict]:
-    return [{"prompt_token_ids": p} for p in random_prompts(count, [4, 11, 23], seed=seed)]
+    return token_prompts(random_prompts(count, [4, 11, 23], seed=seed))
 
 
 def free_pages(llm: LLM) -> int:
@@ -48,7 +48,7 @@ def test_a_constraint_over_budget_in_the_second_prompt_adds_nothing(llm):
 
 def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
     batch = prompts(5, seed=3)
-    want = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
+    want = first_tokens(llm.generate(batch, GREEDY))
     pages = free_pages(llm)
     engine = llm.llm_engine
     real_step, calls = engine.step, []
@@ -67,4 +67,4 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
     while engine.has_unfinished():  # the aborts are reported by the next step
         engine.step()
     assert free_pages(llm) == pages
-    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)] == want
+    assert first_tokens(llm.generate(batch, GREEDY)) == want

@@ -3,12 +3,12 @@ pythonizer's wait is the only place the host waits on the device."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 from graphdecode import LLM, SamplingParams
+from tests.helpers import REPO
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "graphdecode"
+PACKAGE = REPO / "graphdecode"
 
 
 def test_window_is_launched_before_the_previous_one_is_pythonized(tiny_models):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts, token_prompts
 
 
 def prompts_of(lengths, seed=0):
-    return [{"prompt_token_ids": p} for p in random_prompts(len(lengths), lengths, seed=seed)]
+    return token_prompts(random_prompts(len(lengths), lengths, seed=seed))
 
 
 def record_plans(llm: LLM) -> list:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts, token_prompts
 
 
 def test_logprobs_match_transformers(tiny_models):
@@ -18,7 +18,7 @@ def test_logprobs_match_transformers(tiny_models):
         SamplingParams(temperature=1.0, seed=3, max_tokens=12, logprobs=2),
         SamplingParams(temperature=0, max_tokens=12),  # no logprobs asked: none returned
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outs = llm.generate(token_prompts(prompts), params)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for prompt, out, p in zip(prompts, outs, params):
         c = out.outputs[0]

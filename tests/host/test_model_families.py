@@ -21,7 +21,7 @@ from graphdecode.device.speculative import verify_metadata
 from graphdecode.models.model_config import FULL, SLIDING, load_model_config, parse_model_config
 from graphdecode.models.registry import FAMILIES as REGISTERED
 from graphdecode.models.registry import MODEL_CLASSES
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import SMALL_ENGINE, generate_tokens, hf_greedy, random_prompts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -31,14 +31,6 @@ LENGTHS = [3, 17, 50, 60, 100, 150]
 FAMILIES = ["qwen3_untied", "qwen3_tied_swa", "mistral_swa", "phi3_partial_swa", "phi3_longrope", "gemma3_text",
             "mixtral", "qwen3_moe", "gpt_oss"]  # the last three: mixtures of experts (issue 23, test_moe.py)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
-
-
-def _ids(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), params)]
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -54,22 +46,22 @@ def test_greedy_parity_with_transformers(tiny_models, model):
     buckets = set()
 
     llm = LLM(path, num_decode_steps=1, page_size=16, max_model_len=256, max_batch_size=8)
-    assert _tokens(llm, prompts) == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
     buckets |= set(llm.stats()["windows_per_bucket"])
 
     # chunked prefill (32 tokens a step, windows attend across chunk boundaries), k=4, page 32, 4 rows;
     # then the same prompts again: every prompt hits the pages the first pass cached
     llm = LLM(path, num_decode_steps=4, page_size=32, max_model_len=256, max_batch_size=4,
               max_num_batched_tokens=32)
-    assert _tokens(llm, prompts) == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
     hits = llm.stats()["prefix_cache_hits"]
-    assert _tokens(llm, prompts) == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
     assert llm.stats()["prefix_cache_hits"] > hits
     buckets |= set(llm.stats()["windows_per_bucket"])
 
     # speculative decoding: the verify forward (d + 1 queries per row) honours the windows too
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=8, speculative_config=SPEC)
-    assert _tokens(llm, prompts) == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
     assert llm.stats()["spec_windows"] > 0
     assert len(buckets) >= 3, buckets
 
@@ -79,9 +71,9 @@ def test_seeded_sampling_does_not_depend_on_batch_company(tiny_models, model):
     prompts = _prompts(seed=5)[:4]
     llm = LLM(tiny_models[model], num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=8)
     params = SamplingParams(temperature=1.0, seed=17, max_tokens=12, ignore_eos=True)
-    alone = [_tokens(llm, [p], params)[0] for p in prompts]
-    assert _tokens(llm, prompts, params) == alone
-    assert _tokens(llm, prompts[::-1], params) == alone[::-1]
+    alone = [generate_tokens(llm, [p], params)[0] for p in prompts]
+    assert generate_tokens(llm, prompts, params) == alone
+    assert generate_tokens(llm, prompts[::-1], params) == alone[::-1]
 
 
 @pytest.mark.parametrize("model", ["mistral_swa", "gemma3_text"])
@@ -92,9 +84,9 @@ def test_windows_on_the_gathering_reference(tiny_models, model):
     prompts = _prompts(seed=4)
     expected = hf_greedy(path, prompts, MAX_NEW)
     for extra in ({"page_size": 16}, {"page_size": 32, "speculative_config": SPEC}):
-        llm = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8, **extra)
+        llm = LLM(path, **SMALL_ENGINE, **extra)
         llm.engine.runner.backend.kernels = None  # as cpu_kernels() leaves it where nothing can build the kernel
-        assert _tokens(llm, prompts) == expected
+        assert generate_tokens(llm, prompts, GREEDY) == expected
 
 
 def test_configs_read_as_transformers_does(tiny_models):
@@ -154,7 +146,7 @@ def test_longrope_within_the_original_length_runs_one_stream(tiny_models):
     expected = hf_greedy(path, prompts, MAX_NEW)  # every prompt + output within 64 positions
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=64, max_batch_size=4)
     assert not llm.engine.runner.model.two_streams
-    assert _tokens(llm, prompts) == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=128, max_batch_size=4)
     assert llm.engine.runner.model.two_streams and len(llm.engine.runner.kv_caches) == 4
 
@@ -164,7 +156,7 @@ def test_longrope_streams_in_a_compiled_window(tiny_models):
     path = tiny_models["phi3_longrope"]
     prompts = random_prompts(3, [50, 100, 5], seed=6)
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=4, compile=True)
-    assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
+    assert generate_tokens(llm, prompts, GREEDY) == hf_greedy(path, prompts, MAX_NEW)
 
 
 def test_tp2_splits_fused_phi3_tensors_like_tp1(tiny_models):
@@ -173,10 +165,10 @@ def test_tp2_splits_fused_phi3_tensors_like_tp1(tiny_models):
     path = tiny_models["phi3_longrope"]
     prompts = random_prompts(4, [17, 50, 100, 5], seed=8)
     engine = dict(num_decode_steps=4, max_model_len=256, max_batch_size=4)
-    single = _tokens(LLM(path, **engine), prompts)
+    single = generate_tokens(LLM(path, **engine), prompts, GREEDY)
     assert single == hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, tensor_parallel_size=2, **engine) as tp2:
-        assert _tokens(tp2, prompts) == single
+        assert generate_tokens(tp2, prompts, GREEDY) == single
 
 
 # ------------------------------------------------------------- FlashInfer windows, dry run on CPU

@@ -6,9 +6,6 @@ in gpu/test_gpu_graphs.py."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -17,18 +14,19 @@ from graphdecode.config import model_weight_bytes
 from graphdecode.models.model_config import load_model_config, parse_model_config
 from graphdecode.models.moe import IMPLEMENTATIONS, MoEConfig, moe_experts, route
 from graphdecode.models.rope import inverse_frequencies
-from tests.conftest import hf_greedy, random_prompts, rewrite_config
+from tests.helpers import (
+    copy_model,
+    edit_tensors,
+    generate_tokens,
+    hf_greedy,
+    random_prompts,
+    remove_tensor,
+    rewrite_config,
+    token_prompts,
+)
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe", "gpt_oss"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-
-
-def _ids(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), params)]
 
 
 # ------------------------------------------------------------------------------- the layer itself
@@ -157,7 +155,7 @@ def test_each_live_token_is_counted_once_per_layer_and_slot(tiny_models):
     prompts = random_prompts(5, [3, 17, 40, 70, 9], seed=3)
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=8)
     lengths = [5, 11, 2, 7, 13]
-    outs = llm.generate(_ids(prompts), [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate(token_prompts(prompts), [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                                         for n in lengths])
     stats = llm.stats()
     counts = stats["moe_tokens_per_expert"]
@@ -165,7 +163,7 @@ def test_each_live_token_is_counted_once_per_layer_and_slot(tiny_models):
     computed = sum(map(len, prompts)) + sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     assert [sum(layer) for layer in counts] == [3 * computed] * 2
     assert stats["moe_max_over_mean_load"] >= 1.0
-    llm.generate(_ids([prompts[3]]), SamplingParams(temperature=0, max_tokens=1))  # 64 of 70 tokens cached
+    llm.generate(token_prompts([prompts[3]]), SamplingParams(temperature=0, max_tokens=1))  # 64 of 70 tokens cached
     again = llm.stats()["moe_tokens_per_expert"]
     assert sum(again[0]) - sum(counts[0]) == 3 * (70 - 64)
     dense = LLM(tiny_models["qwen3_untied"], max_model_len=64, max_batch_size=2)
@@ -193,10 +191,10 @@ def test_tp2_splits_every_expert_like_tp1(tiny_models, model):
     path = tiny_models[model]
     prompts = random_prompts(4, [17, 50, 100, 5], seed=8)
     engine = dict(num_decode_steps=4, max_model_len=256, max_batch_size=4)
-    single = _tokens(LLM(path, **engine), prompts)
+    single = generate_tokens(LLM(path, **engine), prompts, GREEDY)
     assert single == hf_greedy(path, prompts, 16)
     with LLM(path, tensor_parallel_size=2, **engine) as tp2:
-        assert _tokens(tp2, prompts) == single
+        assert generate_tokens(tp2, prompts, GREEDY) == single
         counts = tp2.stats()["moe_tokens_per_expert"]
     computed = sum(map(len, prompts)) + sum(len(t) - 1 for t in single)
     assert sum(counts[0]) == load_model_config(path).moe.top_k * computed
@@ -228,36 +226,21 @@ def test_configs_read_as_transformers_does(tiny_models):
     assert parse_model_config(dict(gpt, quantization_config={"quant_method": "mxfp4"})).quantization == "mxfp4"
 
 
-def _copy(tiny_models, model, tmp_path, name):
-    path = str(tmp_path / name)
-    shutil.copytree(tiny_models[model], path)
-    return path
-
-
-def _edit_tensors(path, edit):
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
 def test_checkpoint_errors_name_the_expert_tensor(tiny_models, tmp_path):
-    missing = _copy(tiny_models, "mixtral", tmp_path, "missing")
-    _edit_tensors(missing, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.5.w2.weight"))
+    missing = copy_model(tiny_models, "mixtral", tmp_path, "missing")
+    edit_tensors(missing, remove_tensor("model.layers.1.block_sparse_moe.experts.5.w2.weight"))
     with pytest.raises(ValueError, match=r"model\.layers\.1\.block_sparse_moe\.experts\.5\.w2\.weight' is missing"):
         LLM(missing, max_model_len=64)
-    extra = _copy(tiny_models, "qwen3_moe", tmp_path, "extra")
+    extra = copy_model(tiny_models, "qwen3_moe", tmp_path, "extra")
     rewrite_config(extra, lambda raw: raw.update(num_experts=7))  # the checkpoint has 8
     with pytest.raises(ValueError, match=r"experts\.7\.(gate|up|down)_proj\.weight' has no place"):
         LLM(extra, max_model_len=64)
-    shape = _copy(tiny_models, "gpt_oss", tmp_path, "shape")
-    _edit_tensors(shape, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 64, 63)}))
+    shape = copy_model(tiny_models, "gpt_oss", tmp_path, "shape")
+    edit_tensors(shape, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 64, 63)}))
     with pytest.raises(ValueError, match=r"experts\.down_proj' has shape \(4, 64, 63\), expected \(4, 64, 64\)"):
         LLM(shape, max_model_len=64)
-    router = _copy(tiny_models, "gpt_oss", tmp_path, "router")
-    _edit_tensors(router, lambda t: t.pop("model.layers.0.mlp.router.bias"))
+    router = copy_model(tiny_models, "gpt_oss", tmp_path, "router")
+    edit_tensors(router, remove_tensor("model.layers.0.mlp.router.bias"))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.router\.bias' is missing"):
         LLM(router, max_model_len=64)
 
@@ -269,20 +252,20 @@ def test_a_compiled_window_runs_the_experts_op(tiny_models):
     prompts = random_prompts(3, [50, 9, 20], seed=6)
     llm = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=4, buckets=[4],
               compile=True)
-    assert _tokens(llm, prompts) == hf_greedy(path, prompts, 16)
+    assert generate_tokens(llm, prompts, GREEDY) == hf_greedy(path, prompts, 16)
     assert llm.stats()["compile_seconds"] > 0
 
 
 def test_an_expert_tensor_in_two_forms_is_refused(tiny_models, tmp_path):
-    both = _copy(tiny_models, "qwen3_moe", tmp_path, "both")
+    both = copy_model(tiny_models, "qwen3_moe", tmp_path, "both")
     stacked = torch.zeros(8, 64, 32)
-    _edit_tensors(both, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": stacked}))
+    edit_tensors(both, lambda t: t.update({"model.layers.0.mlp.experts.down_proj": stacked}))
     with pytest.raises(ValueError, match=r"both hold model\.layers\.0\.mlp\.experts\.down_proj"):
         LLM(both, max_model_len=64)
 
 
 def test_quantization_config_must_match_the_expert_tensors(tiny_models, tmp_path):
-    liar = _copy(tiny_models, "gpt_oss", tmp_path, "liar")
+    liar = copy_model(tiny_models, "gpt_oss", tmp_path, "liar")
     rewrite_config(liar, lambda raw: raw.update(quantization_config={"quant_method": "mxfp4"}))
     with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj' is float, but config\.json says "
                                          r"quantization_config mxfp4"):

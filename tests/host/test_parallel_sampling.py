@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import hf_greedy, random_prompts, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_greedy_children_match_transformers(llm, tiny_models):
     """Shared prompt pages + copied partial page give every child the exact greedy continuation."""
     prompts = random_prompts(3, [16, 37, 50], seed=33)  # page-aligned, and two with a partial last page
     expected = hf_greedy(tiny_models["llama_gqa_llama3"], prompts, 20)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(n=3, temperature=0, max_tokens=20))
+    outs = llm.generate(token_prompts(prompts), SamplingParams(n=3, temperature=0, max_tokens=20))
     for out, ref in zip(outs, expected):
         assert [c.token_ids for c in out.outputs] == [ref] * 3
 

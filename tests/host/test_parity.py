@@ -6,15 +6,19 @@ from __future__ import annotations
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import (
+    SMALL_ENGINE,
+    copy_model,
+    generate_tokens,
+    hf_greedy,
+    random_prompts,
+    rewrite_config,
+    token_prompts,
+)
 
 LENGTHS = [1, 7, 16, 17, 33, 64, 100, 129, 150, 200, 3, 48]
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
-
-
-def _ids(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
 
 
 def _run_staggered(llm: LLM, prompts, waves: int, steps_between: int):
@@ -41,7 +45,7 @@ def test_greedy_parity_with_transformers(tiny_models, model):
 
     # all at once: k=1, page size 16
     llm = LLM(path, num_decode_steps=1, page_size=16, max_model_len=256, max_batch_size=16)
-    got = [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)]
+    got = generate_tokens(llm, prompts, GREEDY)
     assert got == expected
     buckets_used |= set(llm.stats()["windows_per_bucket"])
 
@@ -52,7 +56,7 @@ def test_greedy_parity_with_transformers(tiny_models, model):
 
     # a KV pool so small that sequences get preempted and recomputed: k=8, page size 16
     llm = LLM(path, num_decode_steps=8, page_size=16, max_model_len=256, max_batch_size=16, num_pages=24)
-    got = [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)]
+    got = generate_tokens(llm, prompts, GREEDY)
     assert got == expected
     assert llm.stats()["preemptions"] > 0
     buckets_used |= set(llm.stats()["windows_per_bucket"])
@@ -66,14 +70,13 @@ def test_parity_k4_page16_and_k8_page32(tiny_models):
     expected = hf_greedy(path, prompts, MAX_NEW)
     for k, page in [(4, 16), (8, 32)]:
         llm = LLM(path, num_decode_steps=k, page_size=page, max_model_len=256, max_batch_size=4)
-        assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+        assert generate_tokens(llm, prompts, GREEDY) == expected
 
 
 def test_transformers_4x_config_layout_and_shards(tiny_models, tmp_path):
     """A 4.x-style config.json (rope_theta/rope_scaling/torch_dtype) and sharded safetensors load the same model."""
     import shutil
 
-    from tests.conftest import rewrite_config
     from transformers import AutoModelForCausalLM
 
     src = tiny_models["llama_gqa_llama3"]
@@ -95,16 +98,11 @@ def test_transformers_4x_config_layout_and_shards(tiny_models, tmp_path):
     prompts = random_prompts(4, [5, 40, 90, 130], seed=5)
     expected = hf_greedy(src, prompts, MAX_NEW)
     llm = LLM(dst, num_decode_steps=4, max_model_len=256, max_batch_size=4)
-    assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
 
 
 def test_mistral_model_type_without_sliding_window(tiny_models, tmp_path):
-    import shutil
-
-    from tests.conftest import rewrite_config
-
-    dst = str(tmp_path / "mistral")
-    shutil.copytree(tiny_models["llama_head_dim"], dst)
+    dst = copy_model(tiny_models, "llama_head_dim", tmp_path, "mistral")
 
     def to_mistral(raw):
         raw["model_type"] = "mistral"
@@ -115,7 +113,7 @@ def test_mistral_model_type_without_sliding_window(tiny_models, tmp_path):
     prompts = random_prompts(3, [4, 20, 60], seed=9)
     expected = hf_greedy(dst, prompts, MAX_NEW)
     llm = LLM(dst, max_model_len=256, max_batch_size=4)
-    assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+    assert generate_tokens(llm, prompts, GREEDY) == expected
 
 
 @pytest.mark.parametrize("model", ["llama_gqa_llama3", "qwen2_tied"])
@@ -125,7 +123,7 @@ def test_greedy_parity_through_stream(tiny_models, model):
     expected = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(path, num_decode_steps=8, page_size=16, max_model_len=256, max_batch_size=8)
     got: dict[str, list[int]] = {}
-    for delta in llm.stream(_ids(prompts), GREEDY):
+    for delta in llm.stream(token_prompts(prompts), GREEDY):
         (c,) = delta.outputs
         got.setdefault(delta.request_id, []).extend(c.token_ids)
     assert [got[str(i)] for i in range(len(prompts))] == expected
@@ -140,10 +138,10 @@ def test_parity_with_and_without_the_cpu_kernel(tiny_models, kernels):
     prompts = random_prompts(8, LENGTHS, seed=11)
     expected = hf_greedy(path, prompts, MAX_NEW)
     for extra in ({"max_num_batched_tokens": 48}, {"compile": True}):
-        llm = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8, **extra)
+        llm = LLM(path, **SMALL_ENGINE, **extra)
         backend = llm.engine.runner.backend
         if not kernels:
             backend.kernels = None  # as cpu_kernels() leaves it where nothing can build the kernel
         assert backend.reads_pages_in_place == (kernels and backend.kernels is not None)
-        assert [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), GREEDY)] == expected
+        assert generate_tokens(llm, prompts, GREEDY) == expected
         assert llm.stats()["cpu_attention_kernels"] == backend.reads_pages_in_place

@@ -27,32 +27,9 @@ from graphdecode.device.sampler import (
     SamplingRows,
     apply_penalties,
 )
-from tests.conftest import random_prompts
+from tests.helpers import first_tokens, generate_tokens, hf_logits, hf_model, random_prompts, token_prompts
 
 ENGINE = dict(max_model_len=256, max_batch_size=16)
-_HF: dict = {}
-
-
-def _ids(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def _tokens(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    if path not in _HF:
-        _HF[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return _HF[path]
-
-
-def _hf_logits(path, tokens: list[int]) -> torch.Tensor:
-    """transformers' fp32 logits [T, V] of a whole sequence (teacher forcing)."""
-    with torch.no_grad():
-        return _hf_model(path)(torch.tensor([tokens])).logits[0].float()
 
 
 # ----------------------------------------------------------------- reference
@@ -78,7 +55,7 @@ def reference_logits(raw, prompt, outputs, params, bad_sequences=(), stop_ids=(2
 def check_teacher_forced(path, prompt, outputs, params, bad_sequences=()):
     """Every engine token is the argmax of the reference's processed logits (ties within 1e-4
     allowed); returns how many steps the processing changed the plain argmax."""
-    logits = _hf_logits(path, prompt + outputs)
+    logits = hf_logits(path, prompt + outputs)
     changed = 0
     for i, token in enumerate(outputs):
         raw = logits[len(prompt) - 1 + i]
@@ -92,7 +69,7 @@ def hf_generate_rep(path, prompts, max_new_tokens, penalty):
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        gen = _hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        gen = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                        do_sample=False, repetition_penalty=penalty)
         out.append(gen[0, len(p) :].tolist())
     return out
@@ -303,9 +280,9 @@ def test_repetition_penalty_matches_transformers(tiny_models, model):
     path = tiny_models[model]
     prompts = random_prompts(5, [1, 9, 17, 40, 70], seed=21)
     llm = LLM(path, num_decode_steps=4, page_size=16, **ENGINE)
-    plain = _tokens(llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=20)))
+    plain = first_tokens(llm.generate(token_prompts(prompts), SamplingParams(temperature=0, max_tokens=20)))
     for penalty in (1.3, 0.8):
-        got = _tokens(llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=20,
+        got = first_tokens(llm.generate(token_prompts(prompts), SamplingParams(temperature=0, max_tokens=20,
                                                                repetition_penalty=penalty)))
         assert got == hf_generate_rep(path, prompts, 20, penalty), penalty
         assert got != plain  # the penalty really changed something
@@ -322,7 +299,7 @@ def test_repetition_penalty_matches_transformers_on_smollm2():
     prompts = [tokenizer(t).input_ids for t in texts]
     llm = LLM(path, num_decode_steps=4, max_model_len=128, max_batch_size=2)
     for penalty in (1.3, 0.8):
-        got = _tokens(llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=10,
+        got = first_tokens(llm.generate(token_prompts(prompts), SamplingParams(temperature=0, max_tokens=10,
                                                                repetition_penalty=penalty)))
         assert got == hf_generate_rep(path, prompts, 10, penalty), penalty
 
@@ -344,14 +321,14 @@ def test_presence_frequency_and_logit_bias_follow_the_reference_step_by_step(tin
     llm = LLM(path, num_decode_steps=4, **ENGINE)
     changed = 0
     for params in PENALTY_SETS:
-        outs = llm.generate(_ids(prompts), params)
+        outs = llm.generate(token_prompts(prompts), params)
         for prompt, out in zip(prompts, outs):
             c = out.outputs[0]
             changed += check_teacher_forced(path, prompt, c.token_ids, params)
             if params.min_tokens:
                 assert len(c.token_ids) >= params.min_tokens
             if params.logprobs is not None:  # raw: the model's log_softmax, before any penalty
-                raw = torch.log_softmax(_hf_logits(path, prompt + c.token_ids), dim=-1)
+                raw = torch.log_softmax(hf_logits(path, prompt + c.token_ids), dim=-1)
                 for i, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
                     assert abs(entry[token].logprob - raw[len(prompt) - 1 + i, token].item()) < 1e-4
     assert changed >= 5  # the penalties really steered the output
@@ -376,7 +353,7 @@ def _hf_greedy_reference(path, prompt, max_tokens, params, bad_sequences):
     """Host-side greedy with the reference processing (full recompute each step)."""
     outputs: list[int] = []
     for _ in range(max_tokens):
-        raw = _hf_logits(path, prompt + outputs)[-1]
+        raw = hf_logits(path, prompt + outputs)[-1]
         outputs.append(int(reference_logits(raw, prompt, outputs, params, bad_sequences).argmax()))
     return outputs
 
@@ -387,7 +364,7 @@ def test_bad_words_never_appear_and_match_the_host_reference(text_model):
     tokenizer = AutoTokenizer.from_pretrained(text_model)
     prompts = [tokenizer(t).input_ids for t in ("The capital of France is", "Once upon a time", "One, two,")]
     llm = LLM(text_model, num_decode_steps=4, **ENGINE)
-    plain = _tokens(llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+    plain = generate_tokens(llm, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     # a one-token and a two-token word that greedy decoding does produce
     single = next(w for seq in plain for t in seq if (w := _word_for(tokenizer, [t])) and len(w) > 1)
     pair = next(w for seq in plain for a, b in zip(seq, seq[1:])
@@ -398,7 +375,7 @@ def test_bad_words_never_appear_and_match_the_host_reference(text_model):
     assert any(_contains(seq, s) for seq in plain for s in sequences if len(s) == 1)
     assert any(_contains(seq, s) for seq in plain for s in sequences if len(s) == 2)
 
-    got = _tokens(llm.generate(_ids(prompts), params))
+    got = first_tokens(llm.generate(token_prompts(prompts), params))
     for seq in got:
         assert not any(_contains(seq, s) for s in sequences), (seq, sequences)
     assert got != plain
@@ -427,7 +404,7 @@ def test_seeded_sampling_with_penalties_same_alone_and_in_a_batch_of_20(text_mod
                           presence_penalty=0.5, frequency_penalty=0.4, logit_bias={50: 2.0},
                           bad_words=["the", "engine"], ignore_eos=True)
     alone = llm.generate([prompt], mine)[0].outputs[0].token_ids
-    others = _ids(random_prompts(19, [3, 17, 60, 9], vocab=len(tokenizer), seed=31))
+    others = token_prompts(random_prompts(19, [3, 17, 60, 9], vocab=len(tokenizer), seed=31))
     params = _mixed_params(19, max_tokens=25)
     batched = llm.generate(others[:7] + [prompt] + others[7:], params[:7] + [mine] + params[7:])
     assert batched[7].outputs[0].token_ids == alone
@@ -439,7 +416,7 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_models):
     prompts = random_prompts(6, [40, 20, 33], seed=25)
     params = _mixed_params(6, max_tokens=60)
     roomy = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=16)
-    want = _tokens(roomy.generate(_ids(prompts), params))
+    want = first_tokens(roomy.generate(token_prompts(prompts), params))
     # 19 usable pages for 6 sequences growing to 5-7 pages: running sequences are preempted mid-output
     tight = LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=16, num_pages=20)
     preempted = []
@@ -452,14 +429,14 @@ def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_models):
         preempt()
 
     scheduler._preempt = recording
-    assert _tokens(tight.generate(_ids(prompts), params)) == want
+    assert first_tokens(tight.generate(token_prompts(prompts), params)) == want
     assert any(penalized and produced > 0 for penalized, produced in preempted), preempted
 
     shared = random_prompts(1, [70], seed=26)[0]
     penalized = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.4, frequency_penalty=0.5)
-    first = roomy.generate(_ids([shared]), penalized)[0].outputs[0].token_ids
+    first = roomy.generate(token_prompts([shared]), penalized)[0].outputs[0].token_ids
     hits = roomy.stats()["prefix_cache_hits"]
-    assert roomy.generate(_ids([shared]), penalized)[0].outputs[0].token_ids == first
+    assert roomy.generate(token_prompts([shared]), penalized)[0].outputs[0].token_ids == first
     assert roomy.stats()["prefix_cache_hits"] > hits
     check_teacher_forced(path, shared, first, penalized)
 
@@ -500,7 +477,7 @@ def test_k1_k4_k8_give_the_same_tokens(text_model):
         SamplingParams(temperature=0.7, seed=3, max_tokens=21, bad_words=["the", "engine", "Paris"],
                        frequency_penalty=0.2, ignore_eos=True)]
     path = text_model
-    runs = [_tokens(LLM(path, num_decode_steps=k, **ENGINE).generate(_ids(prompts), params)) for k in (1, 4, 8)]
+    runs = [generate_tokens(LLM(path, num_decode_steps=k, **ENGINE), prompts, params) for k in (1, 4, 8)]
     assert runs[0] == runs[1] == runs[2]
 
 
@@ -509,8 +486,8 @@ def test_parallel_children_each_count_their_own_tokens(tiny_models):
     llm = LLM(path, num_decode_steps=4, **ENGINE)
     prompt = random_prompts(1, [40], seed=28)
     greedy = dict(temperature=0, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True)
-    one = _tokens(llm.generate(_ids(prompt), SamplingParams(**greedy)))[0]
-    three = [c.token_ids for c in llm.generate(_ids(prompt), SamplingParams(n=3, **greedy))[0].outputs]
+    one = first_tokens(llm.generate(token_prompts(prompt), SamplingParams(**greedy)))[0]
+    three = [c.token_ids for c in llm.generate(token_prompts(prompt), SamplingParams(n=3, **greedy))[0].outputs]
     assert three == [one] * 3
 
 
@@ -520,9 +497,9 @@ def test_a_rows_previous_penalties_never_leak_into_its_next_request(tiny_models)
     llm = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, **ENGINE)
     prompt, other = random_prompts(2, [12, 20], seed=29)
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = _tokens(llm.generate(_ids([prompt]), plain))[0]
+    want = first_tokens(llm.generate(token_prompts([prompt]), plain))[0]
     heavy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=0.3,
                            logit_bias={t: -100 for t in want[:8]} | {77: 100})
-    assert _tokens(llm.generate(_ids([prompt]), heavy))[0] == [77] * 12  # row 0 held those entries
+    assert first_tokens(llm.generate(token_prompts([prompt]), heavy))[0] == [77] * 12  # row 0 held those entries
     penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=0.5)
-    assert _tokens(llm.generate(_ids([prompt, other]), [plain, penalized]))[0] == want
+    assert first_tokens(llm.generate(token_prompts([prompt, other]), [plain, penalized]))[0] == want

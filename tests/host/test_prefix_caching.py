@@ -5,15 +5,14 @@ counts exact, LRU eviction harmless, a cached page never written; and the plan r
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.host.page_pool import PagePool, page_key
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import REPO, first_tokens, hf_greedy, random_prompts, token_prompts
 
-PACKAGE = Path(__file__).resolve().parents[2] / "graphdecode"
+PACKAGE = REPO / "graphdecode"
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 
 
@@ -63,7 +62,7 @@ def pages_written_are_never_cached(llm: LLM) -> list[str]:
 @pytest.mark.parametrize("model", ["llama_gqa_llama3", "qwen2_tied", "llama_head_dim"])
 def test_outputs_identical_with_caching_on_and_off(tiny_models, model):
     path = tiny_models[model]
-    prompts = shared_prefix_prompts(8, 70, 9) + [{"prompt_token_ids": p} for p in random_prompts(3, [5, 40, 90])]
+    prompts = shared_prefix_prompts(8, 70, 9) + token_prompts(random_prompts(3, [5, 40, 90]))
     prompts.append(dict(prompts[2]))  # an exact repeat: wholly cached but for its last token
     common = dict(num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=16)
     cases = [
@@ -172,13 +171,13 @@ def test_lru_eviction_under_a_tight_pool_keeps_outputs(tiny_models):
 def test_preemption_with_cached_pages(tiny_models):
     """Preempted sequences find their own pages (prompt and produced tokens) when they come back."""
     path = tiny_models["llama_gqa_llama3"]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(12, [10, 30, 60])]
+    prompts = token_prompts(random_prompts(12, [10, 30, 60]))
     common = dict(num_decode_steps=8, page_size=16, max_model_len=256, max_batch_size=16, num_pages=24)
     params = SamplingParams(temperature=0.7, seed=9, max_tokens=40)
     on = LLM(path, **common)
-    got = [o.outputs[0].token_ids for o in on.generate(prompts, params)]
+    got = first_tokens(on.generate(prompts, params))
     off = LLM(path, enable_prefix_caching=False, **common)
-    assert got == [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert got == first_tokens(off.generate(prompts, params))
     assert on.stats()["preemptions"] > 0 and on.stats()["prefix_cache_hits"] > 0
 
 

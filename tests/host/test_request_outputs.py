@@ -4,21 +4,9 @@ SamplingParams conveniences (clone, detokenize=False, output_kind, any int seed)
 from __future__ import annotations
 
 import pytest
-import torch
 
 from graphdecode import LLM, RequestOutputKind, SamplingParams
-from tests.conftest import random_prompts
-
-ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
-
-
-def hf_prompt_logprobs(model_dir: str, prompt: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)  # [len, V]: row j predicts token j + 1
+from tests.helpers import SMALL_ENGINE, hf_prompt_logprobs, random_prompts, token_prompts
 
 
 @pytest.mark.parametrize("budget", [8192, 16])
@@ -26,7 +14,7 @@ def test_prompt_logprobs_match_transformers(tiny_models, budget):
     path = tiny_models["llama_gqa_llama3"]
     prompt = random_prompts(1, [70], seed=8)[0]
     ref = hf_prompt_logprobs(path, prompt)
-    llm = LLM(path, max_num_batched_tokens=budget, **ENGINE)
+    llm = LLM(path, max_num_batched_tokens=budget, **SMALL_ENGINE)
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=4)
     for _ in range(2):  # the second time the prompt is in the prefix cache: still computed, same values
         (out,) = llm.generate({"prompt_token_ids": prompt}, params)
@@ -45,7 +33,7 @@ def test_prompt_logprobs_match_transformers(tiny_models, budget):
 
 
 def test_prompt_logprobs_in_the_first_stream_delta(text_model):
-    llm = LLM(text_model, **ENGINE)
+    llm = LLM(text_model, **SMALL_ENGINE)
     deltas = list(llm.stream("The capital of France is", SamplingParams(max_tokens=6, prompt_logprobs=0, seed=1)))
     carrying = [d for d in deltas if d.prompt_logprobs is not None]
     assert len(carrying) == 1 and carrying[0] is deltas[0]
@@ -56,7 +44,7 @@ def test_prompt_logprobs_in_the_first_stream_delta(text_model):
 
 def test_request_metrics(tiny_models):
     path = tiny_models["llama_gqa_llama3"]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(10, [10, 30, 60])]
+    prompts = token_prompts(random_prompts(10, [10, 30, 60]))
     llm = LLM(path, num_decode_steps=8, max_model_len=256, max_batch_size=16, num_pages=24)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40))
     for out in outs:
@@ -74,7 +62,7 @@ def test_clone_detokenize_and_seeds(text_model):
     copy.logit_bias[4] = 2.0
     assert params.stop == ["a"] and params.logit_bias == {3: 1.0}
 
-    llm = LLM(text_model, **ENGINE)
+    llm = LLM(text_model, **SMALL_ENGINE)
     prompt = "Once upon a time"
     with_text = llm.generate(prompt, SamplingParams(max_tokens=8, seed=3, logprobs=2))[0].outputs[0]
     bare = llm.generate(prompt, SamplingParams(max_tokens=8, seed=3, logprobs=2, detokenize=False))[0].outputs[0]
@@ -92,7 +80,7 @@ def test_clone_detokenize_and_seeds(text_model):
 
 
 def test_output_kinds_of_stream(text_model):
-    llm = LLM(text_model, **ENGINE)
+    llm = LLM(text_model, **SMALL_ENGINE)
     prompts = ["The quick brown fox", "Pack my box"]
     base = dict(temperature=0, max_tokens=12, ignore_eos=True)
     want = {o.prompt: o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**base))}

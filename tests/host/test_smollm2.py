@@ -5,11 +5,10 @@ scripts/test.sh installs the wheel (--no-deps); without it this test fails, it d
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.gguf_import import smollm2_dir
+from tests.helpers import first_tokens
 
 PROMPTS = [
     "The capital of France is",
@@ -18,11 +17,6 @@ PROMPTS = [
     "Once upon a time",
 ]
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return smollm2_dir()
 
 
 def test_smollm2_greedy_matches_transformers_and_knows_paris(smollm2):
@@ -38,7 +32,7 @@ def test_smollm2_greedy_matches_transformers_and_knows_paris(smollm2):
 
     llm = LLM(smollm2, num_decode_steps=4, max_model_len=256, max_batch_size=4)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW))
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert first_tokens(outs) == expected
     assert outs[0].outputs[0].text.startswith(" Paris")
     assert outs[0].prompt == PROMPTS[0]
     assert outs[0].outputs[0].text == tokenizer.decode(expected[0], skip_special_tokens=True)
@@ -55,7 +49,7 @@ def test_smollm2_prefix_caching_and_chunking_change_nothing(smollm2):
     for extra in ({}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 16}):
         llm = LLM(smollm2, num_decode_steps=4, max_model_len=256, max_batch_size=4, **extra)
         outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
-        results.append([o.outputs[0].token_ids for o in outs])
+        results.append(first_tokens(outs))
         if not extra:
             assert llm.stats()["prefix_cache_hits"] > 0
     assert results[0] == results[1] == results[2]

@@ -14,10 +14,9 @@ from graphdecode.attention import TorchAttentionBackend
 from graphdecode.device.decode_state import DecodeState
 from graphdecode.device.sampler import GREEDY, Sampler
 from graphdecode.device.speculative import ngram_drafts, speculative_window
-from tests.conftest import random_prompts
+from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
 
 
 def reference_drafts(history: list[int], d: int, n_max: int, n_min: int) -> list[int]:
@@ -104,10 +103,6 @@ def test_a_stop_inside_an_accepted_run_ends_it():
     assert bool(state.done[0]) and state.positions[0].item() == 14 + 3
 
 
-def tokens_of(outs):
-    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
-
-
 def repetitive_prompts(count: int, seed: int = 0) -> list[dict]:
     """Prompts that repeat a short pattern: greedy random models keep copying them."""
     bases = random_prompts(count, [3, 5, 8], seed=seed)
@@ -117,18 +112,18 @@ def repetitive_prompts(count: int, seed: int = 0) -> list[dict]:
 @pytest.mark.parametrize("model", ["llama_gqa_llama3", "qwen2_tied", "llama_head_dim"])
 def test_speculation_gives_the_plain_tokens(tiny_models, model):
     path = tiny_models[model]
-    prompts = repetitive_prompts(5) + [{"prompt_token_ids": p} for p in random_prompts(3, [4, 30, 60])]
+    prompts = repetitive_prompts(5) + token_prompts(random_prompts(3, [4, 30, 60]))
     cases = [
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
         SamplingParams(n=2, temperature=0.8, top_k=20, seed=4, max_tokens=30),
         SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[17, 300], logprobs=2),
     ]
-    plain = LLM(path, **ENGINE)
-    spec = LLM(path, speculative_config=SPEC, **ENGINE)
+    plain = LLM(path, **SMALL_ENGINE)
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
     for params in cases:
         want = plain.generate(prompts, params)
         got = spec.generate(prompts, params)
-        assert tokens_of(got) == tokens_of(want), params
+        assert completions(got) == completions(want), params
         if params.logprobs:
             for a, b in zip(got, want):
                 for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -141,19 +136,19 @@ def test_speculation_gives_the_plain_tokens(tiny_models, model):
 def test_speculation_with_preemption_prefix_cache_and_stop_strings(tiny_models, text_model):
     path = tiny_models["llama_gqa_llama3"]
     prompts = repetitive_prompts(10, seed=2)
-    tight = dict(num_decode_steps=4, max_model_len=256, max_batch_size=16, num_pages=30)
+    tight = dict(SMALL_ENGINE, max_batch_size=16, num_pages=30)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    want = tokens_of(LLM(path, **tight).generate(prompts, params))
+    want = completions(LLM(path, **tight).generate(prompts, params))
     spec = LLM(path, speculative_config=SPEC, **tight)
-    assert tokens_of(spec.generate(prompts, params)) == want
-    assert tokens_of(spec.generate(prompts, params)) == want  # the second time from the prefix cache
+    assert completions(spec.generate(prompts, params)) == want
+    assert completions(spec.generate(prompts, params)) == want  # the second time from the prefix cache
     stats = spec.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["spec_accepted_tokens"] > 0
 
     texts = ["one two three one two three one two three", "The capital of France is"]
     stops = SamplingParams(temperature=0, max_tokens=40, stop=["e t", "o"], include_stop_str_in_output=True)
-    want = [[c.text for c in o.outputs] for o in LLM(text_model, **ENGINE).generate(texts, stops)]
-    spec_text = LLM(text_model, speculative_config=SPEC, **ENGINE)
+    want = [[c.text for c in o.outputs] for o in LLM(text_model, **SMALL_ENGINE).generate(texts, stops)]
+    spec_text = LLM(text_model, speculative_config=SPEC, **SMALL_ENGINE)
     assert [[c.text for c in o.outputs] for o in spec_text.generate(texts, stops)] == want
     streamed = {}
     for delta in spec_text.stream(texts, stops):
@@ -162,8 +157,8 @@ def test_speculation_with_preemption_prefix_cache_and_stop_strings(tiny_models, 
 
 
 def test_nothing_to_copy_falls_back_to_plain_windows(tiny_models):
-    llm = LLM(tiny_models["llama_head_dim"], speculative_config={"num_speculative_tokens": 4}, **ENGINE)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [3, 9], seed=9)]
+    llm = LLM(tiny_models["llama_head_dim"], speculative_config={"num_speculative_tokens": 4}, **SMALL_ENGINE)
+    prompts = token_prompts(random_prompts(4, [3, 9], seed=9))
     llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=120, ignore_eos=True))
     stats = llm.stats()
     assert stats["spec_windows"] >= 1 and stats["spec_window_share"] < 0.5  # probes only
@@ -174,14 +169,14 @@ def test_penalty_windows_run_plain_and_do_not_stall_the_policy(tiny_models):
     """A window chosen to speculate runs plain when a row needs penalties; the policy is told,
     so a later request without penalties still speculates (and both give plain tokens)."""
     path = tiny_models["llama_head_dim"]
-    plain = LLM(path, **ENGINE)
-    spec = LLM(path, speculative_config=SPEC, **ENGINE)
+    plain = LLM(path, **SMALL_ENGINE)
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
     prompts = repetitive_prompts(3)
     penalised = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5)
-    assert tokens_of(spec.generate(prompts, penalised)) == tokens_of(plain.generate(prompts, penalised))
+    assert completions(spec.generate(prompts, penalised)) == completions(plain.generate(prompts, penalised))
     assert spec.stats()["spec_windows"] == 0
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    assert tokens_of(spec.generate(prompts, greedy)) == tokens_of(plain.generate(prompts, greedy))
+    assert completions(spec.generate(prompts, greedy)) == completions(plain.generate(prompts, greedy))
     assert spec.stats()["spec_windows"] > 0  # the probe chosen during the penalty windows did not stay pending
 
 
@@ -201,9 +196,9 @@ def test_smollm2_greedy_with_speculation():
     prompts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
     params = SamplingParams(temperature=0, max_tokens=16)
-    want = tokens_of(LLM(path, **ENGINE).generate(prompts, params))
-    spec = LLM(path, speculative_config=SPEC, **ENGINE)
-    assert tokens_of(spec.generate(prompts, params)) == want
+    want = completions(LLM(path, **SMALL_ENGINE).generate(prompts, params))
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
+    assert completions(spec.generate(prompts, params)) == want
     assert spec.stats()["spec_accepted_tokens"] > 0
 
 
@@ -271,7 +266,7 @@ def always_speculate(llm: LLM) -> LLM:
 
 
 END_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-END_ENGINE = dict(num_decode_steps=4, max_model_len=96, max_batch_size=16, page_size=16)
+END_ENGINE = dict(SMALL_ENGINE, max_model_len=96, max_batch_size=16, page_size=16)
 
 
 def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_models):
@@ -292,8 +287,8 @@ def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_model
     plain = LLM(path, **END_ENGINE)
     spec = always_speculate(LLM(path, speculative_config=END_SPEC, **END_ENGINE))
     for params in cases:
-        want = tokens_of(plain.generate(prompts, params))
-        assert tokens_of(spec.generate(prompts, params)) == want, params
+        want = completions(plain.generate(prompts, params))
+        assert completions(spec.generate(prompts, params)) == want, params
     assert spec.stats()["spec_accepted_tokens"] > 0
 
 
@@ -315,5 +310,5 @@ def test_speculation_at_the_end_with_constraints_and_penalties(text_model):
         SamplingParams(temperature=0.8, seed=4, max_tokens=None, repetition_penalty=1.2, ignore_eos=True),
     ]
     for params in cases:
-        want = tokens_of(plain.generate(prompts, params))
-        assert tokens_of(spec.generate(prompts, params)) == want, params
+        want = completions(plain.generate(prompts, params))
+        assert completions(spec.generate(prompts, params)) == want, params

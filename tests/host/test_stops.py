@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import rewrite_config
+from tests.helpers import rewrite_config
 
 PROMPT = "The quick brown fox"
 K = 8

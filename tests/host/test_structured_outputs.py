@@ -14,6 +14,7 @@ import pytest
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.structured import StructuredOutputsParams
+from tests.helpers import first_tokens
 
 ENGINE = dict(num_decode_steps=8, max_model_len=512, max_batch_size=16, buckets=[1, 4, 16])
 SCHEMA = {
@@ -81,7 +82,7 @@ def test_json_object(llm):
 
 def test_unconstrained_company_is_untouched_and_seeded_rows_do_not_depend_on_it(llm):
     free = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
-    alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free)]
+    alone = first_tokens(llm.generate(PROMPTS, free))
     json_params = constrained(json=SCHEMA, temperature=1.0, seed=2)
     json_alone = llm.generate(PROMPTS[1], json_params)[0].outputs[0].token_ids
     mixed = llm.generate(PROMPTS + [PROMPTS[1]], [free, json_params, free, free, json_params])
@@ -116,19 +117,19 @@ def test_the_host_is_not_in_the_loop(llm):
 def test_preemption_prefix_hits_and_speculation_keep_constrained_outputs(text_model, llm):
     params = constrained(json=SCHEMA, temperature=1.0, seed=9)
     prompts = [p + " and more words to share a page or two" for p in PROMPTS]
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected  # prefix-cache hits now
+    expected = first_tokens(llm.generate(prompts, params))
+    assert first_tokens(llm.generate(prompts, params)) == expected  # prefix-cache hits now
     tight = LLM(text_model, **{**ENGINE, "max_model_len": 256, "num_pages": 20, "page_size": 16})
     outs = tight.generate(prompts, params)
     assert tight.stats()["preemptions"] > 0
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert first_tokens(outs) == expected
     spec = LLM(text_model, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     # drafts are accepted inside a constraint (the automaton walks them), and change nothing
     repeat = constrained(regex="(ab){20}", max_tokens=60)
     plain = llm.generate("go", repeat)[0].outputs[0]
     assert spec.generate("go", repeat)[0].outputs[0].token_ids == plain.token_ids and plain.text == "ab" * 20
     assert spec.stats()["spec_accepted_tokens"] > 0
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    assert first_tokens(spec.generate(prompts, params)) == expected
 
 
 def test_bad_constraints_are_refused_by_name_before_any_work(llm):
@@ -148,6 +149,6 @@ def test_bad_constraints_are_refused_by_name_before_any_work(llm):
 
 def test_tensor_parallel_ranks_follow_the_same_automaton(text_model, llm):
     params = constrained(json=SCHEMA, temperature=1.0, seed=21)
-    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+    want = first_tokens(llm.generate(PROMPTS[:2], params))
     with LLM(text_model, tensor_parallel_size=2, **ENGINE) as tp2:
-        assert [o.outputs[0].token_ids for o in tp2.generate(PROMPTS[:2], params)] == want
+        assert first_tokens(tp2.generate(PROMPTS[:2], params)) == want

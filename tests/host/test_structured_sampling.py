@@ -44,13 +44,6 @@ ENGINE = dict(num_decode_steps=8, max_model_len=384, max_batch_size=16, buckets=
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from graphdecode.gguf_import import smollm2_dir
-
-    return smollm2_dir()
-
-
-@pytest.fixture(scope="module")
 def llm(smollm2):
     return LLM(smollm2, **ENGINE)
 

@@ -13,9 +13,7 @@ import pytest
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.device.tensor_parallel import TPWorkerError
-from tests.conftest import random_prompts
-
-ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
+from tests.helpers import SMALL_ENGINE, random_prompts, token_prompts
 
 
 def alive(pid: int) -> bool:
@@ -38,16 +36,16 @@ def outputs(llm, prompts, params):
 def test_tp2_gives_the_tp1_tokens(tiny_models, model):
     """GQA (4:2), one KV head for two ranks (replicated), MHA with head_dim != hidden / heads."""
     path = tiny_models[model]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(7, [1, 17, 40, 100])]
+    prompts = token_prompts(random_prompts(7, [1, 17, 40, 100]))
     cases = [
         SamplingParams(temperature=0, max_tokens=24),
         SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=5, max_tokens=16),
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7, 99, 300], logprobs=3),
     ]
-    single = LLM(path, **ENGINE)
+    single = LLM(path, **SMALL_ENGINE)
     want = [outputs(single, prompts, params) for params in cases]
     logprobs_one = single.generate(prompts[:2], cases[2])
-    with LLM(path, tensor_parallel_size=2, **ENGINE) as tp2:
+    with LLM(path, tensor_parallel_size=2, **SMALL_ENGINE) as tp2:
         assert [outputs(tp2, prompts, params) for params in cases] == want
         logprobs_two = tp2.generate(prompts[:2], cases[2])
         pids = tp2.engine.executor.worker_pids
@@ -60,7 +58,7 @@ def test_tp2_gives_the_tp1_tokens(tiny_models, model):
 
 def test_tp2_preemption_and_stop_strings(tiny_models, text_model):
     path = tiny_models["llama_gqa_llama3"]
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(10, [10, 30, 60])]
+    prompts = token_prompts(random_prompts(10, [10, 30, 60]))
     tight = dict(num_decode_steps=8, max_model_len=256, max_batch_size=16, num_pages=24)
     params = SamplingParams(temperature=0.7, seed=9, max_tokens=40)
     want = outputs(LLM(path, **tight), prompts, params)
@@ -69,15 +67,15 @@ def test_tp2_preemption_and_stop_strings(tiny_models, text_model):
         assert tp2.stats()["preemptions"] > 0
     texts = ["The capital of France is", "Once upon a time", "def main():"]
     stops = SamplingParams(temperature=0, max_tokens=40, stop=["e", "in"], include_stop_str_in_output=True)
-    want = outputs(LLM(text_model, **ENGINE), texts, stops)
-    with LLM(text_model, tensor_parallel_size=2, **ENGINE) as tp2:
+    want = outputs(LLM(text_model, **SMALL_ENGINE), texts, stops)
+    with LLM(text_model, tensor_parallel_size=2, **SMALL_ENGINE) as tp2:
         assert outputs(tp2, texts, stops) == want
 
 
 def test_each_rank_holds_its_share(tiny_models):
     path = tiny_models["llama_gqa_llama3"]  # 4 query heads, 2 KV heads: an even split
-    single = LLM(path, **ENGINE).engine.runner.memory_sizes()
-    with LLM(path, tensor_parallel_size=2, **ENGINE) as tp2:
+    single = LLM(path, **SMALL_ENGINE).engine.runner.memory_sizes()
+    with LLM(path, tensor_parallel_size=2, **SMALL_ENGINE) as tp2:
         driver = tp2.engine.runner.memory_sizes()
         _, worker = tp2.engine.executor.gather_from_workers("sizes")
     for rank in (driver, worker):
@@ -94,7 +92,7 @@ def test_tp_validation(tiny_models):
 
 
 def test_a_killed_worker_raises_within_seconds(tiny_models):
-    llm = LLM(tiny_models["llama_head_dim"], tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny_models["llama_head_dim"], tensor_parallel_size=2, **SMALL_ENGINE)
     (pid,) = llm.engine.executor.worker_pids
     engine = llm.engine
     engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
@@ -137,8 +135,8 @@ def test_tp3_on_smollm2():
         LLM(path, tensor_parallel_size=2)
     prompts = ["The capital of France is", "Water boils at"]
     params = SamplingParams(temperature=0, max_tokens=8)
-    want = outputs(LLM(path, **ENGINE), prompts, params)
-    with LLM(path, tensor_parallel_size=3, **ENGINE) as tp3:
+    want = outputs(LLM(path, **SMALL_ENGINE), prompts, params)
+    with LLM(path, tensor_parallel_size=3, **SMALL_ENGINE) as tp3:
         assert outputs(tp3, prompts, params) == want
 
 
@@ -158,8 +156,8 @@ def test_tp2_speculation_gives_the_tp1_tokens(tiny_models):
     bases = random_prompts(4, [3, 5, 8], seed=2)
     prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in bases]  # repetitive: drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    want = outputs(LLM(path, **ENGINE), prompts, params)
+    want = outputs(LLM(path, **SMALL_ENGINE), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as tp2:
+    with LLM(path, tensor_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as tp2:
         assert outputs(tp2, prompts, params) == want
         assert tp2.stats()["spec_windows"] > 0

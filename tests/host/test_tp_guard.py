@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from tests.helpers import REPO
+
 GUARD = 'if __name__ == "__main__"'
 
 
@@ -35,7 +37,7 @@ def session_members(sid: int) -> list[int]:
 def run_script(tmp_path, source: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, float, int]:
     script = tmp_path / "script.py"
     script.write_text(source)
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # graphdecode importable from tmp_path
+    root = str(REPO)  # graphdecode importable from tmp_path
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
     start = time.monotonic()

@@ -11,28 +11,11 @@ import pytest
 import torch
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.helpers import SMALL_ENGINE, first_tokens, generate_tokens, hf_logits, random_prompts, token_prompts
 
 MODEL = "llama_gqa_llama3"
-ENGINE = dict(num_decode_steps=4, max_model_len=128, max_batch_size=8, buckets=[1, 8])
+ENGINE = dict(SMALL_ENGINE, max_model_len=128, buckets=[1, 8])
 ALLOWED = [7, 19, 42, 77, 100, 256, 300, 511]
-_HF: dict = {}
-
-
-def _ids(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
-
-def hf_logits(path, tokens: list[int]) -> torch.Tensor:
-    """transformers' fp32 logits [T, V] of a whole sequence."""
-    from transformers import AutoModelForCausalLM
-
-    if path not in _HF:
-        _HF[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        return _HF[path](torch.tensor([tokens])).logits[0].float()
-
-
 @pytest.fixture(scope="module")
 def path(tiny_models):
     return tiny_models[MODEL]
@@ -47,7 +30,7 @@ def llm(path):
 def test_allowed_token_ids_greedy_is_the_argmax_over_the_allowed_set(llm, path):
     prompts = random_prompts(3, [6, 17, 30], seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=ALLOWED)
-    outs = llm.generate(_ids(prompts), params)
+    outs = llm.generate(token_prompts(prompts), params)
     changed = 0
     for prompt, out in zip(prompts, outs):
         tokens = out.outputs[0].token_ids
@@ -64,9 +47,9 @@ def test_allowed_token_ids_greedy_is_the_argmax_over_the_allowed_set(llm, path):
 def test_allowed_token_ids_sampled_rows_stay_in_the_set_and_others_are_untouched(llm):
     prompts = random_prompts(6, [5, 12, 20], seed=8)
     free = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
-    alone = [o.outputs[0].token_ids for o in llm.generate(_ids(prompts), free)]
+    alone = generate_tokens(llm, prompts, free)
     masked = SamplingParams(temperature=1.0, seed=5, max_tokens=10, ignore_eos=True, allowed_token_ids=ALLOWED[:3])
-    mixed = llm.generate(_ids(prompts), [masked if i % 2 else free for i in range(len(prompts))])
+    mixed = llm.generate(token_prompts(prompts), [masked if i % 2 else free for i in range(len(prompts))])
     for i, out in enumerate(mixed):
         tokens = out.outputs[0].token_ids
         if i % 2:
@@ -78,16 +61,17 @@ def test_allowed_token_ids_sampled_rows_stay_in_the_set_and_others_are_untouched
 def test_allowed_token_ids_survive_speculation_and_are_checked_against_the_vocabulary(path, llm):
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=[5, 6, 7, 8, 9])
-    plain = llm.generate(_ids([prompt]), params)[0].outputs[0].token_ids
+    plain = llm.generate(token_prompts([prompt]), params)[0].outputs[0].token_ids
     spec = LLM(path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert spec.generate(_ids([prompt]), params)[0].outputs[0].token_ids == plain
+    assert spec.generate(token_prompts([prompt]), params)[0].outputs[0].token_ids == plain
     with pytest.raises(ValueError, match=r"prompts\[0\]: allowed_token_ids: token id 512 is outside"):
-        llm.generate(_ids([prompt]), SamplingParams(allowed_token_ids=[3, 512]))
+        llm.generate(token_prompts([prompt]), SamplingParams(allowed_token_ids=[3, 512]))
 
 
 # -------------------------------------------------------------------- logprobs
 def test_logprobs_zero_returns_only_the_sampled_token(llm):
-    out = llm.generate(_ids([[4, 5, 6]]), SamplingParams(temperature=0, max_tokens=5, logprobs=0))[0].outputs[0]
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=0)
+    out = llm.generate(token_prompts([[4, 5, 6]]), params)[0].outputs[0]
     assert len(out.logprobs) == 5
     for token, entry in zip(out.token_ids, out.logprobs):
         assert list(entry) == [token] and entry[token].rank >= 1
@@ -95,10 +79,10 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
 
 def test_whole_vocabulary_logprobs_with_max_logprobs_unlimited(path, llm):
     with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs: the whole vocabulary \(-1\) exceeds max_logprobs"):
-        llm.generate(_ids([[4, 5]]), SamplingParams(logprobs=-1))
+        llm.generate(token_prompts([[4, 5]]), SamplingParams(logprobs=-1))
     full = LLM(path, **ENGINE, max_logprobs=-1)
     prompt = [4, 5, 6, 9]
-    out = full.generate(_ids([prompt]), SamplingParams(temperature=0, max_tokens=3, logprobs=-1,
+    out = full.generate(token_prompts([prompt]), SamplingParams(temperature=0, max_tokens=3, logprobs=-1,
                                                       prompt_logprobs=-1))[0]
     vocab = full.config.model_config.vocab_size
     reference = torch.log_softmax(hf_logits(path, prompt + out.outputs[0].token_ids), dim=-1)
@@ -120,7 +104,7 @@ def test_logprobs_mode(path, mode):
     prompt = random_prompts(1, [9], seed=4)[0]
     bias = {17: 5.0, 33: -3.0}
     params = SamplingParams(temperature=0.5, seed=3, max_tokens=6, ignore_eos=True, logprobs=4, logit_bias=bias)
-    out = engine.generate(_ids([prompt]), params)[0].outputs[0]
+    out = engine.generate(token_prompts([prompt]), params)[0].outputs[0]
     logits = hf_logits(path, prompt + out.token_ids)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         raw = logits[len(prompt) - 1 + i]
@@ -142,9 +126,9 @@ def test_logprobs_mode(path, mode):
 # ------------------------------------------------------------------- priority
 def test_priority_needs_the_priority_policy(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: priority: got 3, but priority scheduling is not enabled"):
-        llm.generate(_ids([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[0, 3])
+        llm.generate(token_prompts([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[0, 3])
     with pytest.raises(TypeError, match="priority must be a list of integers, one per prompt"):
-        llm.generate(_ids([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[1])
+        llm.generate(token_prompts([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[1])
 
 
 def test_priority_orders_admission_and_keeps_the_tokens(path, llm):
@@ -153,11 +137,10 @@ def test_priority_orders_admission_and_keeps_the_tokens(path, llm):
     prompts = random_prompts(5, [4, 9, 13], seed=12)
     priorities = [3, -1, 7, 0, 3]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    outs = engine.generate(_ids(prompts), greedy, priority=priorities)
+    outs = engine.generate(token_prompts(prompts), greedy, priority=priorities)
     order = sorted(range(5), key=lambda i: outs[i].metrics.first_scheduled_time)
     assert order == [1, 3, 0, 4, 2]  # lowest value first, ties by arrival
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(_ids(prompts),
-                                                                                                 greedy)]
+    assert first_tokens(outs) == generate_tokens(llm, prompts, greedy)
 
 
 def test_priority_preemption_takes_the_lowest_priority_first(path):
@@ -178,7 +161,7 @@ def test_priority_preemption_takes_the_lowest_priority_first(path):
     scheduler._victim = recording
     prompts = random_prompts(4, [20], seed=2)
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    outs = engine.generate(_ids(prompts), params, priority=[2, 0, 9, 1])
+    outs = engine.generate(token_prompts(prompts), params, priority=[2, 0, 9, 1])
     assert victims and all(v == worst for v, worst in victims)
     assert victims[0][0] == 9
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs)

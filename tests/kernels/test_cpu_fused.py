@@ -11,7 +11,7 @@ from graphdecode.kernels.cpu import FUSED_MAX_ROWS, CpuKernels, cpu_kernels
 from graphdecode.models.layers import RMSNorm
 from graphdecode.models.model_config import RopeConfig
 from graphdecode.models.rope import RotaryEmbedding
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import generate_tokens, hf_greedy, random_prompts
 
 KERNELS = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ compiler: the CPU kernels cannot be built here")
@@ -80,7 +80,7 @@ def test_fused_and_torch_passes_give_transformers_tokens(tiny_models, monkeypatc
     prompts = random_prompts(4, [5, 40, 90, 17], seed=12)
     params = SamplingParams(temperature=0, max_tokens=20)
     fused = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=4)
-    tokens = [o.outputs[0].token_ids for o in fused.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    tokens = generate_tokens(fused, prompts, params)
     assert tokens == hf_greedy(path, prompts, 20)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # several threads: long prefills keep torch's ops
     assert not KERNELS.fused_rows(FUSED_MAX_ROWS + 1) and KERNELS.fused_rows(FUSED_MAX_ROWS)

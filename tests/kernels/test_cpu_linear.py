@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from graphdecode.kernels import cpu as cpu_kernels_module
 from graphdecode.models import cpu_linear
 from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
+from tests.helpers import first_tokens
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -158,5 +159,5 @@ def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkey
         assert isinstance(proj.packed, PanelWeight if kernels and cpu_kernels_module.cpu_kernels() else PackedWeight)
         if not kernels:
             assert proj.packed.dense is not None and proj.weight.is_contiguous()
-        tokens[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        tokens[kernels] = first_tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert tokens[True] == tokens[False]

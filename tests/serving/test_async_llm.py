@@ -12,8 +12,9 @@ import pytest
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.server import AsyncLLM, EngineDeadError
+from tests.helpers import SMALL_ENGINE
 
-ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=16, cpu_threads=1)
+ENGINE = dict(SMALL_ENGINE, max_batch_size=16, cpu_threads=1)
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

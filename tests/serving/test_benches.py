@@ -12,8 +12,7 @@ import pytest
 
 from graphdecode.models.model_config import parse_model_config
 from graphdecode.bench.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import REPO
 
 
 def _script(name: str):

@@ -15,6 +15,7 @@ from graphdecode import LLM, SamplingParams
 from graphdecode.cli import main
 from graphdecode.config import EngineConfig
 from graphdecode.default_model import build_default_model
+from tests.helpers import one_line_cli_error
 
 
 def _digest(path):
@@ -52,17 +53,6 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(LLM, "__init__", refuse)
 
 
-def _one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    captured = capsys.readouterr()
-    lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphdecode: error: "), captured.err
-    assert "Traceback" not in captured.err and captured.out == ""
-    return lines[0]
-
-
 SAMPLING_ERRORS = [
     (["--temperature", "-1"], "temperature must be a number >= 0"),
     (["--top-p", "2"], "top_p"),
@@ -76,7 +66,7 @@ SAMPLING_ERRORS = [
 @pytest.mark.parametrize("args,fragment", SAMPLING_ERRORS)
 def test_sampling_errors_are_one_line_before_any_model(no_model_load, capsys, tmp_path, monkeypatch, args, fragment):
     monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
-    assert fragment in _one_line_error(capsys, ["generate", *args, "Hi"])
+    assert fragment in one_line_cli_error(capsys, ["generate", *args, "Hi"], clean=True)
     assert not (tmp_path / "cache").exists()  # not even the default model was built
 
 
@@ -92,16 +82,17 @@ ENGINE_ERRORS = [
 
 @pytest.mark.parametrize("args,fragment", ENGINE_ERRORS)
 def test_engine_errors_are_one_line_before_the_model_loads(no_model_load, capsys, text_model, args, fragment):
-    assert fragment in _one_line_error(capsys, ["generate", "--model", text_model, *args])
+    assert fragment in one_line_cli_error(capsys, ["generate", "--model", text_model, *args], clean=True)
 
 
 def test_missing_or_broken_model_is_one_line(capsys, text_model, tmp_path, no_model_load):
-    assert "model must be a HuggingFace model directory" in _one_line_error(
-        capsys, ["generate", "--model", str(tmp_path / "nope")])
+    assert "model must be a HuggingFace model directory" in one_line_cli_error(
+        capsys, ["generate", "--model", str(tmp_path / "nope")], clean=True)
     broken = tmp_path / "broken"
     shutil.copytree(text_model, broken)
     (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
-    assert f"{broken / 'config.json'}: not valid JSON" in _one_line_error(capsys, ["generate", "--model", str(broken)])
+    assert f"{broken / 'config.json'}: not valid JSON" in one_line_cli_error(
+        capsys, ["generate", "--model", str(broken)], clean=True)
 
 
 def test_broken_weights_and_long_prompts_are_one_line(capsys, text_model, tmp_path):
@@ -109,9 +100,10 @@ def test_broken_weights_and_long_prompts_are_one_line(capsys, text_model, tmp_pa
     shutil.copytree(text_model, broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
-    assert f"{weights}: not a readable safetensors file" in _one_line_error(
-        capsys, ["generate", "--model", str(broken)])
-    line = _one_line_error(capsys, ["generate", "--model", text_model, "--max-model-len", "8", "one two " * 20])
+    assert f"{weights}: not a readable safetensors file" in one_line_cli_error(
+        capsys, ["generate", "--model", str(broken)], clean=True)
+    line = one_line_cli_error(capsys, ["generate", "--model", text_model, "--max-model-len", "8", "one two " * 20],
+                              clean=True)
     assert "prompts[0]: prompt:" in line and "max_model_len (8)" in line
 
 
@@ -131,9 +123,9 @@ def test_bench_arguments_are_checked_before_the_sweep(capsys, monkeypatch):
         raise AssertionError("the sweep started before the arguments were checked")
 
     monkeypatch.setattr(sweep, "run_bucket_sweep", refuse)
-    assert "--buckets" in _one_line_error(capsys, ["bench", "--buckets", "1,x"])
-    assert "--steps" in _one_line_error(capsys, ["bench", "--steps", "0"])
-    assert "--gen-len" in _one_line_error(capsys, ["bench", "--gen-len", "0"])
+    assert "--buckets" in one_line_cli_error(capsys, ["bench", "--buckets", "1,x"], clean=True)
+    assert "--steps" in one_line_cli_error(capsys, ["bench", "--steps", "0"], clean=True)
+    assert "--gen-len" in one_line_cli_error(capsys, ["bench", "--gen-len", "0"], clean=True)
 
 
 def _help(capsys, command: str) -> str:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from graphdecode.server.args import HEARTBEAT_INTERVAL_S
 from graphdecode.server.launch import start_server, stop_server
 from graphdecode.server.metrics import ServerMetrics
-from tests.conftest import stream_events
+from tests.helpers import stream_events
 
 pytestmark = pytest.mark.faults
 

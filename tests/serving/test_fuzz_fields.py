@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import live_server
+from tests.helpers import SMALL_ENGINE, live_server
 
 pytestmark = pytest.mark.faults  # the fault-injection suite (pytest -m faults)
 
 MODEL = "fuzz-model"
 MAX_MODEL_LEN = 96
-ENGINE = dict(num_decode_steps=2, max_model_len=MAX_MODEL_LEN, max_batch_size=8)
+ENGINE = dict(SMALL_ENGINE, num_decode_steps=2, max_model_len=MAX_MODEL_LEN)
 EOS = 2  # the text model's </s>
 
 # label -> JSON text (NaN and Infinity are what Python's json writes; the server's parser reads them)

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from graphdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from graphdecode.server import metrics as server_metrics
 from graphdecode.server.metrics import ServerMetrics
-from tests.conftest import live_server
+from tests.helpers import live_server
 
 MODEL = "test-model"
 P = "vllm:"

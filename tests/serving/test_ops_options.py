@@ -17,6 +17,7 @@ from graphdecode.cli import main
 from graphdecode.engine_args import byte_size
 from graphdecode.config import ACTIVATION_RESERVE_BYTES, EngineConfig, model_weight_bytes
 from graphdecode.server.launch import start_server, stop_server
+from tests.helpers import one_line_cli_error
 
 GIB = 1 << 30
 
@@ -166,16 +167,6 @@ def test_kv_options_reach_the_engine(llm_options, text_model):
         {"gpu_memory_utilization": 0.9}, {}]
 
 
-def _one_line_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("graphdecode: error: "), err
-    return lines[0]
-
-
 def test_serve_takes_the_model_as_a_positional_argument(monkeypatch, text_model, tmp_path, capsys):
     import graphdecode.server.openai_api as openai_api
 
@@ -188,14 +179,15 @@ def test_serve_takes_the_model_as_a_positional_argument(monkeypatch, text_model,
     assert main(["serve", "--model", text_model]) == 0  # --model stays
     assert served[-1].model == text_model
     assert main(["serve", text_model, "--model", text_model + "/"]) == 0  # the same directory twice
-    line = _one_line_error(capsys, ["serve", text_model, "--model", str(tmp_path)])
+    line = one_line_cli_error(capsys, ["serve", text_model, "--model", str(tmp_path)])
     assert "MODEL" in line and "--model" in line and text_model in line and str(tmp_path) in line
     # the pool options are checked before the server starts
-    line = _one_line_error(capsys, ["serve", text_model, "--max-model-len", "128", "--num-gpu-blocks-override", "8"])
+    line = one_line_cli_error(capsys, ["serve", text_model, "--max-model-len", "128", "--num-gpu-blocks-override", "8"])
     assert "num_pages (8) must hold one sequence of max_model_len (128 tokens = 8 pages)" in line
-    line = _one_line_error(capsys, ["serve", text_model, "--num-pages", "100", "--kv-cache-memory-bytes", "1G"])
+    line = one_line_cli_error(capsys, ["serve", text_model, "--num-pages", "100", "--kv-cache-memory-bytes", "1G"])
     assert "num_pages and kv_cache_memory_bytes both size the KV pool" in line
-    assert "gpu_memory_utilization" in _one_line_error(capsys, ["serve", text_model, "--gpu-memory-utilization", "2"])
+    assert "gpu_memory_utilization" in one_line_cli_error(
+        capsys, ["serve", text_model, "--gpu-memory-utilization", "2"])
     assert len(served) == 4
 
 

@@ -20,11 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.server.launch import start_server, stop_server
-from tests.conftest import stream_events
+from tests.helpers import SMALL_ENGINE, stream_events
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 1024
-ENGINE = dict(num_decode_steps=4, max_model_len=MAX_MODEL_LEN, max_batch_size=128)
+ENGINE = dict(SMALL_ENGINE, max_model_len=MAX_MODEL_LEN, max_batch_size=128)
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 L = f"model_name={MODEL}"  # the label on every /metrics sample

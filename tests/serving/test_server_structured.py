@@ -23,7 +23,7 @@ from openai import BadRequestError
 from transformers import AutoTokenizer
 
 from graphdecode.server import tools as tool_calls
-from tests.conftest import live_server
+from tests.helpers import live_server
 
 MODEL = "structured-model"
 TEMPLATE = (

@@ -16,17 +16,16 @@ import time
 
 import httpx
 import pytest
-import torch
 
 import graphdecode
 from graphdecode import LLM, SamplingParams
-from tests.conftest import live_server
+from tests.helpers import SMALL_ENGINE, hf_prompt_logprobs, live_server
 
 MODEL = "vllm-model"
 MAX_MODEL_LEN = 1024
 PAGE_SIZE = 16
 BODY_LIMIT = 8 << 20
-ENGINE = dict(num_decode_steps=4, max_model_len=MAX_MODEL_LEN, max_batch_size=32, page_size=PAGE_SIZE)
+ENGINE = dict(SMALL_ENGINE, max_model_len=MAX_MODEL_LEN, max_batch_size=32, page_size=PAGE_SIZE)
 PROMPT = "The capital of France is"
 
 
@@ -57,11 +56,7 @@ def _sse(response: httpx.Response) -> list[dict]:
 
 def _hf_prompt_logprobs(model_dir: str, ids: list[int]) -> list[float]:
     """transformers' log-probability of each prompt token given the ones before it (fp32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        rows = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    rows = hf_prompt_logprobs(model_dir, ids)
     return [rows[j - 1, ids[j]].item() for j in range(1, len(ids))]
 
 

@@ -8,7 +8,7 @@ import pytest
 from graphdecode import LLM, SamplingParams
 from graphdecode.cli import main
 from graphdecode.config import EngineConfig
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts, token_prompts
 
 
 def test_default_buckets_are_powers_of_two_up_to_max_batch_size(tiny_models):
@@ -44,7 +44,7 @@ def test_only_the_listed_buckets_run(tiny_models):
     llm = LLM(tiny_models["llama_gqa_llama3"], buckets=[3, 12], num_decode_steps=2, max_model_len=128)
     assert llm.engine.runner.windows.buckets == (3, 12)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(12, [5, 9])]
+    prompts = token_prompts(random_prompts(12, [5, 9]))
     outs = llm.generate(prompts[:1], params) + llm.generate(prompts[:5], params) + llm.generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     assert set(llm.stats()["windows_per_bucket"]) == {3, 12}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,17 +16,11 @@ from safetensors.torch import load_file, save_file
 from graphdecode import LLM
 from graphdecode.models.loader import load_model
 from graphdecode.models.model_config import load_model_config
-from tests.conftest import rewrite_config
+from tests.helpers import copy_model, edit_tensors, remove_tensor, rewrite_config
 
 GQA = "llama_gqa_llama3"  # hidden 64, 4 heads, 2 KV heads, no head_dim, untied, 2 layers, intermediate 128
 QWEN = "qwen2_tied"  # q/k/v biases, tied embeddings
 HEAD_DIM = "llama_head_dim"  # explicit head_dim 32
-
-
-def _copy(tiny_models, tmp_path, name: str) -> str:
-    dst = tmp_path / name
-    shutil.copytree(tiny_models[name], dst)
-    return str(dst)
 
 
 def _expect_error(model_dir: str, *fragments: str, **engine_args) -> str:
@@ -63,7 +56,7 @@ BROKEN_FILES = [
 
 @pytest.mark.parametrize("filename,damage,fragment", BROKEN_FILES)
 def test_unreadable_json_names_the_file(tiny_models, tmp_path, filename, damage, fragment):
-    model_dir = _copy(tiny_models, tmp_path, GQA)
+    model_dir = copy_model(tiny_models, GQA, tmp_path)
     path = os.path.join(model_dir, filename)
     assert os.path.exists(path)
     _truncate(path, damage)
@@ -108,13 +101,13 @@ BAD_CONFIG_VALUES = [
 
 @pytest.mark.parametrize("model,edit,fragments", BAD_CONFIG_VALUES)
 def test_bad_config_value_names_file_and_field(tiny_models, tmp_path, model, edit, fragments):
-    model_dir = _copy(tiny_models, tmp_path, model)
+    model_dir = copy_model(tiny_models, model, tmp_path)
     rewrite_config(model_dir, edit if callable(edit) else lambda raw: raw.update(edit))
     _expect_error(model_dir, os.path.join(model_dir, "config.json"), *fragments)
 
 
 def test_bad_eos_id_in_generation_config(tiny_models, tmp_path):
-    model_dir = _copy(tiny_models, tmp_path, GQA)
+    model_dir = copy_model(tiny_models, GQA, tmp_path)
     path = os.path.join(model_dir, "generation_config.json")
     with open(path) as f:
         raw = json.load(f)
@@ -146,15 +139,9 @@ BROKEN_SAFETENSORS = [
 
 @pytest.mark.parametrize("what,damage", BROKEN_SAFETENSORS, ids=[c[0] for c in BROKEN_SAFETENSORS])
 def test_broken_safetensors_file_names_the_file(tiny_models, tmp_path, what, damage):
-    model_dir = _copy(tiny_models, tmp_path, GQA)
+    model_dir = copy_model(tiny_models, GQA, tmp_path)
     _truncate(_weights(model_dir), damage)
     _expect_error(model_dir, _weights(model_dir), "not a readable safetensors file")
-
-
-def _edit_tensors(model_dir: str, edit) -> None:
-    tensors = load_file(_weights(model_dir))
-    edit(tensors)
-    save_file(tensors, _weights(model_dir), metadata={"format": "pt"})
 
 
 def _reshape(key, shape):
@@ -165,21 +152,19 @@ def _retype(key, dtype):
     return lambda t: t.__setitem__(key, t[key].to(dtype))
 
 
-def _remove(key):
-    return lambda t: t.pop(key)
-
-
 def _add(key, shape):
     return lambda t: t.__setitem__(key, torch.zeros(shape))
 
 
 BAD_TENSORS = [
     # (model, edit, fragments): the checkpoint's own names, never the fused ones
-    (GQA, _remove("model.layers.1.self_attn.k_proj.weight"), ["'model.layers.1.self_attn.k_proj.weight'", "missing"]),
-    (GQA, _remove("model.layers.0.mlp.up_proj.weight"), ["'model.layers.0.mlp.up_proj.weight'", "missing"]),
-    (GQA, _remove("model.norm.weight"), ["'model.norm.weight'", "missing"]),
-    (GQA, _remove("lm_head.weight"), ["'lm_head.weight'", "missing", "tie_word_embeddings"]),
-    (QWEN, _remove("model.layers.1.self_attn.v_proj.bias"), ["'model.layers.1.self_attn.v_proj.bias'", "missing"]),
+    (GQA, remove_tensor("model.layers.1.self_attn.k_proj.weight"),
+     ["'model.layers.1.self_attn.k_proj.weight'", "missing"]),
+    (GQA, remove_tensor("model.layers.0.mlp.up_proj.weight"), ["'model.layers.0.mlp.up_proj.weight'", "missing"]),
+    (GQA, remove_tensor("model.norm.weight"), ["'model.norm.weight'", "missing"]),
+    (GQA, remove_tensor("lm_head.weight"), ["'lm_head.weight'", "missing", "tie_word_embeddings"]),
+    (QWEN, remove_tensor("model.layers.1.self_attn.v_proj.bias"),
+     ["'model.layers.1.self_attn.v_proj.bias'", "missing"]),
     (GQA, _reshape("model.layers.1.mlp.up_proj.weight", (127, 64)),
      ["'model.layers.1.mlp.up_proj.weight'", "(127, 64)", "expected (128, 64)"]),
     (GQA, _reshape("model.layers.0.mlp.gate_proj.weight", (64, 128)),  # transposed: same size, wrong shape
@@ -202,8 +187,8 @@ BAD_TENSORS = [
 @pytest.mark.parametrize("model,edit,fragments", BAD_TENSORS)
 def test_bad_tensor_names_file_and_checkpoint_key_before_allocating(tiny_models, tmp_path, monkeypatch, model, edit,
                                                                     fragments):
-    model_dir = _copy(tiny_models, tmp_path, model)
-    _edit_tensors(model_dir, edit)
+    model_dir = copy_model(tiny_models, model, tmp_path)
+    edit_tensors(model_dir, edit)
 
     def no_weights_yet(*args, **kwargs):
         raise AssertionError("the weights were materialised before the checkpoint headers were checked")
@@ -215,8 +200,8 @@ def test_bad_tensor_names_file_and_checkpoint_key_before_allocating(tiny_models,
 def test_tensor_is_checked_against_the_untouched_model_too(tiny_models, tmp_path):
     """The same directories load once repaired: the checks reject nothing a good checkpoint has."""
     for name in (GQA, QWEN, HEAD_DIM):
-        model_dir = _copy(tiny_models, tmp_path, name)
-        _edit_tensors(model_dir, lambda t: None)  # re-saved by safetensors.torch, same tensors
+        model_dir = copy_model(tiny_models, name, tmp_path)
+        edit_tensors(model_dir, lambda t: None)  # re-saved by safetensors.torch, same tensors
         assert LLM(model_dir, max_model_len=64, max_batch_size=2).generate({"prompt_token_ids": [3, 4]})[0].finished
 
 
@@ -236,7 +221,7 @@ def _shard(model_dir: str) -> tuple[str, str]:
 
 
 def test_sharded_checkpoint_errors(tiny_models, tmp_path):
-    model_dir = _copy(tiny_models, tmp_path, GQA)
+    model_dir = copy_model(tiny_models, GQA, tmp_path)
     first, second = _shard(model_dir)
     index = os.path.join(model_dir, "model.safetensors.index.json")
     assert LLM(model_dir, max_model_len=64, max_batch_size=2).generate({"prompt_token_ids": [3, 4]})[0].finished
@@ -277,21 +262,21 @@ NON_FINITE = [
 
 @pytest.mark.parametrize("model,key,value,fragment", NON_FINITE)
 def test_non_finite_weights_are_refused_at_load(tiny_models, tmp_path, model, key, value, fragment):
-    model_dir = _copy(tiny_models, tmp_path, model)
+    model_dir = copy_model(tiny_models, model, tmp_path)
 
     def poison(tensors):
         flat = tensors[key].view(-1)
         flat[flat.numel() // 2] = value
 
-    _edit_tensors(model_dir, poison)
+    edit_tensors(model_dir, poison)
     _expect_error(model_dir, _weights(model_dir), repr(key), fragment, "corrupt")
 
 
 def test_values_that_overflow_the_load_dtype_are_refused(tiny_models, tmp_path):
     """A finite float32 weight beyond float16's range would load as inf: say so, and what to do."""
-    model_dir = _copy(tiny_models, tmp_path, GQA)
+    model_dir = copy_model(tiny_models, GQA, tmp_path)
     key = "model.layers.1.mlp.up_proj.weight"
-    _edit_tensors(model_dir, lambda t: t[key].view(-1).__setitem__(7, 1e6))
+    edit_tensors(model_dir, lambda t: t[key].view(-1).__setitem__(7, 1e6))
     cfg = load_model_config(model_dir)
     with pytest.raises(ValueError) as info:
         load_model(model_dir, cfg, torch.float16, torch.device("cpu"), 64)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.models import mxfp4
-from tests.conftest import hf_greedy, random_prompts
+from tests.helpers import SMALL_ENGINE, edit_tensors, generate_tokens, hf_greedy, random_prompts, remove_tensor
 
 FP4 = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float32)
 # the FP4 E2M1 magnitudes' spacing: 0.5 below 2, 1 below 4, 2 up to 6
@@ -30,6 +30,7 @@ QUANTIZATION_CONFIG = {
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # [E, H, 2I] and [E, I, H]: [E, in, out], quantized along in
 MAX_NEW = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+ENGINE = dict(SMALL_ENGINE, page_size=16, max_batch_size=4)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -182,14 +183,6 @@ def checkpoints(tmp_path_factory):
     return float_dir, mxfp4_dir, plain
 
 
-def _engine(path: str, **kwargs) -> LLM:
-    return LLM(path, num_decode_steps=4, page_size=16, max_model_len=256, max_batch_size=4, **kwargs)
-
-
-def _tokens(llm: LLM, prompts) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-
-
 def _experts(llm: LLM, layer: int):
     return llm.engine.runner.model.model.layers[layer].mlp.experts
 
@@ -199,14 +192,14 @@ def test_mxfp4_checkpoint_decodes_as_the_float_one_and_as_transformers(checkpoin
     prompts = random_prompts(4, [3, 17, 40, 70], seed=3)  # past the 16-token window and YaRN's 64 positions
     expected = hf_greedy(float_dir, prompts, MAX_NEW)
     assert len({tuple(t) for t in expected}) == len(prompts)  # not a degenerate model
-    assert _tokens(_engine(float_dir), prompts) == expected
-    assert _tokens(_engine(mxfp4_dir), prompts) == expected
+    assert generate_tokens(LLM(float_dir, **ENGINE), prompts, GREEDY) == expected
+    assert generate_tokens(LLM(mxfp4_dir, **ENGINE), prompts, GREEDY) == expected
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mxfp4_experts_load_the_float_checkpoints_weights(checkpoints, dtype):
     float_dir, mxfp4_dir, plain = checkpoints
-    ours, reference = _engine(mxfp4_dir, dtype=dtype), _engine(float_dir, dtype=dtype)
+    ours, reference = LLM(mxfp4_dir, **ENGINE, dtype=dtype), LLM(float_dir, **ENGINE, dtype=dtype)
     for layer in range(2):
         got, want = _experts(ours, layer), _experts(reference, layer)
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -237,10 +230,6 @@ def test_transformers_dequantizes_the_mxfp4_checkpoint_to_the_same_weights(check
 
 
 # ------------------------------------------------------------------------------ errors
-def _remove(key):
-    return lambda t: t.pop(key)
-
-
 def _replace(key, shape, dtype=torch.uint8):
     return lambda t: t.__setitem__(key, torch.zeros(shape, dtype=dtype))
 
@@ -248,9 +237,9 @@ def _replace(key, shape, dtype=torch.uint8):
 L0 = "model.layers.0.mlp.experts."
 L1 = "model.layers.1.mlp.experts."
 BAD_MXFP4 = [
-    (_remove(L0 + "gate_up_proj_scales"), [f"'{L0}gate_up_proj_scales'", "missing"]),
-    (_remove(L1 + "down_proj_scales"), [f"'{L1}down_proj_scales'", "missing"]),
-    (_remove(L1 + "down_proj_blocks"), [f"'{L1}down_proj_blocks'", "missing"]),
+    (remove_tensor(L0 + "gate_up_proj_scales"), [f"'{L0}gate_up_proj_scales'", "missing"]),
+    (remove_tensor(L1 + "down_proj_scales"), [f"'{L1}down_proj_scales'", "missing"]),
+    (remove_tensor(L1 + "down_proj_blocks"), [f"'{L1}down_proj_blocks'", "missing"]),
     (_replace(L0 + "gate_up_proj_blocks", (4, 128, 2, 8)), [f"'{L0}gate_up_proj_blocks'", "(4, 128, 2, 8)",
                                                             "expected (4, 128, 2, 16)"]),
     (_replace(L1 + "down_proj_blocks", (4, 64, 4, 16)), [f"'{L1}down_proj_blocks'", "expected (4, 64, 2, 16)"]),
@@ -268,9 +257,7 @@ def test_bad_mxfp4_tensors_are_named_before_any_weight_is_read(checkpoints, tmp_
     model_dir = str(tmp_path / "broken")
     shutil.copytree(mxfp4_dir, model_dir)
     weights = os.path.join(model_dir, "model.safetensors")
-    tensors = load_file(weights)
-    edit(tensors)
-    save_file(tensors, weights, metadata={"format": "pt"})
+    edit_tensors(model_dir, edit)
 
     def not_yet(*args, **kwargs):
         raise AssertionError("weights were read before the checkpoint headers were checked")
@@ -278,7 +265,7 @@ def test_bad_mxfp4_tensors_are_named_before_any_weight_is_read(checkpoints, tmp_
     monkeypatch.setattr(torch.nn.Module, "to_empty", not_yet)
     monkeypatch.setattr(mxfp4, "dequantize", not_yet)
     with pytest.raises(Exception) as info:
-        _engine(model_dir)
+        LLM(model_dir, **ENGINE)
     assert type(info.value) is ValueError, f"{type(info.value).__name__}: {info.value}"
     message = str(info.value)
     assert weights in message, message

@@ -9,7 +9,7 @@ import torch
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.device.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows, _filter
-from tests.conftest import random_prompts
+from tests.helpers import first_tokens, random_prompts, token_prompts
 
 
 def _rows(r: int, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0, stop_ids=None) -> SamplingRows:
@@ -41,7 +41,7 @@ def test_seeded_request_same_alone_and_in_a_batch_of_30(llm):
         for i in range(30)
     ]
     # put it in the middle of the batch, so it lands in another row than when alone
-    prompts = [{"prompt_token_ids": p} for p in others[:13]] + [prompt] + [{"prompt_token_ids": p} for p in others[13:]]
+    prompts = token_prompts(others[:13]) + [prompt] + token_prompts(others[13:])
     params = other_params[:13] + [mine] + other_params[13:]
     batched = llm.generate(prompts, params)[13].outputs[0].token_ids
     assert batched == alone
@@ -58,12 +58,12 @@ def test_seeded_sampling_reproducible_and_seed_dependent(llm):
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, [4, 30], seed=13)]
-    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))]
+    prompts = token_prompts(random_prompts(4, [4, 30], seed=13))
+    greedy = first_tokens(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20)))
     top_k = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=20))
     top_p = llm.generate(prompts, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=20))
-    assert [o.outputs[0].token_ids for o in top_k] == greedy
-    assert [o.outputs[0].token_ids for o in top_p] == greedy
+    assert first_tokens(top_k) == greedy
+    assert first_tokens(top_p) == greedy
 
 
 def test_sampler_draws_follow_softmax():

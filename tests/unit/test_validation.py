@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from tests.conftest import random_prompts, rewrite_config
+from tests.helpers import first_tokens, random_prompts, rewrite_config, token_prompts
 
 BAD_PARAMS = [
     (dict(max_tokens=-1), "max_tokens"),
@@ -182,9 +182,9 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("prompt,params,error,pattern", BAD_REQUESTS)
 def test_bad_request_raises_and_other_requests_keep_running(llm, prompt, params, error, pattern):
-    good_prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 30, 70], seed=21)]
+    good_prompts = token_prompts(random_prompts(3, [5, 30, 70], seed=21))
     greedy = SamplingParams(temperature=0, max_tokens=20)
-    expected = [o.outputs[0].token_ids for o in llm.generate(good_prompts, greedy)]
+    expected = first_tokens(llm.generate(good_prompts, greedy))
 
     engine = llm.engine
     running = [engine.add_request(p, greedy) for p in good_prompts]
