@@ -55,10 +55,9 @@ from graphdecode.bench.common import (
     resolve_model,
     write_json,
 )
-from graphdecode.models import load_model_config
 from graphdecode.host.gc_heap import freeze_startup_heap
+from graphdecode.models import load_model_config
 from graphdecode.server.launch import start_server, stop_server
-
 
 
 def _percentile(values: list[float], q: float) -> float | None:

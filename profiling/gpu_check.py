@@ -91,13 +91,13 @@ from gpu_check_report import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PYTEST_STAGES = {  # stage: (test files, marker expression)
-    "pytest_advance_step": (("tests/test_gpu_advance_step.py",), "gpu"),
-    "pytest_flashinfer": (("tests/test_gpu_flashinfer.py",), "gpu"),
-    "pytest_hf_parity": (("tests/test_gpu_hf_parity.py",), "gpu and not extended"),
-    "pytest_graphs": (("tests/test_gpu_graphs.py",), "gpu and not compile and not extended"),
-    "pytest_extended": (("tests/test_gpu_hf_parity.py", "tests/test_gpu_graphs.py"),
+    "pytest_advance_step": (("tests/gpu/test_gpu_advance_step.py",), "gpu"),
+    "pytest_flashinfer": (("tests/gpu/test_gpu_flashinfer.py",), "gpu"),
+    "pytest_hf_parity": (("tests/gpu/test_gpu_hf_parity.py",), "gpu and not extended"),
+    "pytest_graphs": (("tests/gpu/test_gpu_graphs.py",), "gpu and not compile and not extended"),
+    "pytest_extended": (("tests/gpu/test_gpu_hf_parity.py", "tests/gpu/test_gpu_graphs.py"),
                         "gpu and extended and not compile"),
-    "pytest_compile": (("tests/test_gpu_graphs.py",), "gpu and compile"),
+    "pytest_compile": (("tests/gpu/test_gpu_graphs.py",), "gpu and compile"),
 }
 # Per stage, in the order they run: its own limit, its estimated need on the GPU and in a dry run
 # (seconds). A stage is not started with less budget left than its need; a dry-run need of None

@@ -21,7 +21,7 @@
 #   run(command="bash profiling/gpu_check.sh", carry=[".gpu"], timeout_s=480)
 # Rerun some stages:  bash profiling/gpu_check.sh --only bench,pytest_graphs --budget 200   (env always runs;
 #                     --only core: the must-pass core)
-# Rehearse on CPU:    bash profiling/gpu_check.sh --dry-run                    (tests/test_gpu_check.py)
+# Rehearse on CPU:    bash profiling/gpu_check.sh --dry-run                    (tests/gpu/test_gpu_check.py)
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 1

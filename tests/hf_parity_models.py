@@ -1,5 +1,5 @@
 """Seeded random Llama checkpoints with wide greedy margins, and the harness that
-compares graphdecode with transformers on them (used by tests/test_gpu_hf_parity.py).
+compares graphdecode with transformers on them (used by tests/gpu/test_gpu_hf_parity.py).
 
 Why the weights are not plain random
 ------------------------------------

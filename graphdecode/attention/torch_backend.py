@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu import cpu_kernels_for
 from . import cpu_ops  # noqa: F401 - registers the graphdecode::cpu_paged_* ops compiled windows call
 from .backend import AttentionBackend
-from ..kernels.cpu import cpu_kernels_for
 from .handles import register_backend
 from .kv_cache import copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata

@@ -16,7 +16,6 @@ import time
 
 import torch
 
-
 COMPILE_CHOICES = {"auto": None, "on": True, "off": False}
 
 

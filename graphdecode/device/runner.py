@@ -20,23 +20,23 @@ import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
-from .advance_step import use_cuda_kernel
-from .bounds import BoundsCheck
-from .decode_state import DecodeState
-from .graphs import WindowGraphs
-from .sampler import RowCounts, Sampler
-from .torch_compile import CompiledForward
-from .window_writes import WindowWrites
-from .window import sample_into
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.moe import moe_stats
 from ..models.parallel import TPGroup, local_kv_heads
-from ..ranges import annotate
-from .host_memory import keep_freed_host_memory
 from ..plan import PrefillChunk, StepPlan
+from ..ranges import annotate
+from .advance_step import use_cuda_kernel
+from .bounds import BoundsCheck
+from .decode_state import DecodeState
+from .graphs import WindowGraphs
+from .host_memory import keep_freed_host_memory
 from .pythonizer import PendingCopy, Pythonizer
 from .row_staging import RowStaging
+from .sampler import RowCounts, Sampler
+from .torch_compile import CompiledForward
+from .window import sample_into
+from .window_writes import WindowWrites
 
 
 def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device, specs=None):

@@ -9,7 +9,7 @@ the set on purpose: a window's K/V writes land at or past each row's position (o
 scratch page), and the next real window rewrites those slots before anything reads them.
 
 Everything a window may write is registered here by its owner (`register`), and nothing else:
-tests/test_graph_twin.py runs a window and checks that every tensor it changed, outside the KV
+tests/device/test_graph_twin.py runs a window and checks that every tensor it changed, outside the KV
 cache, is in the set, so the next piece of window state cannot leak past a capture unseen.
 """
 

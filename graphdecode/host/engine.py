@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device.executor import make_executor
+from ..plan import StepPlan
 from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
 from .page_pool import PagePool
-from ..plan import StepPlan
-from ..device.executor import make_executor
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy

@@ -55,8 +55,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from .page_pool import ROOT_KEY, PagePool, page_key
 from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
+from .page_pool import ROOT_KEY, PagePool, page_key
 from .sequence import Sequence
 from .waiting_queue import make_waiting_queue
 

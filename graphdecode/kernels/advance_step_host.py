@@ -21,7 +21,8 @@ import os
 import torch
 
 from ..cache import cache_root
-from . import build as kernel_build, cuda as cuda_kernels
+from . import build as kernel_build
+from . import cuda as cuda_kernels
 
 _CPU = torch.device("cpu")
 

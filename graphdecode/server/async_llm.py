@@ -45,10 +45,10 @@ import weakref
 
 from ..config import EngineConfig
 from ..engine_args import check_engine_kwargs
-from ..outputs import RequestOutput
 from ..host.engine import load_tokenizer
 from ..host.inputs import InputProcessor
 from ..host.scheduler import group_pages
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 START_TIMEOUT_S = 600.0  # model load + graph capture on a cold machine

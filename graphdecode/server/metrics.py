@@ -41,7 +41,6 @@ from prometheus_client.utils import floatToGoString
 from .args import DEFAULT_METRICS_PREFIX, check_metrics_prefix
 from .engine_core import ITERATION_TOKEN_BUCKETS
 
-
 # vLLM's buckets, with finer ones below theirs (a CPU or GPU window's tokens come in milliseconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -20,7 +20,7 @@
 Measured (SmolLM2-135M's 49,152-token vocabulary, V = 49,152; 2 shared CPU cores): an
 8-field schema (3 free strings, an integer, a number, a boolean, a 3-value enum, an
 array of 1-4 strings, a nested object with 2 required + 1 optional string fields;
-tests/test_structured_compile.py::test_smollm2_schema_measurement re-measures it):
+tests/unit/test_structured_compile.py::test_smollm2_schema_measurement re-measures it):
   286 states, 3,721 exceptions (at most 319 in one state), 1.79 MB of tables (the
   [286, 1536] int32 masks are nearly all of it; 120 distinct rows); compile 0.5-0.6 s
   cold (outlines-core Index 0.30 s, tables 0.22 s, plus the .npz write), and once per

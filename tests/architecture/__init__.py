@@ -1,0 +1,1 @@
+"""The package's layers as import edges."""

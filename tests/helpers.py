@@ -1,0 +1,212 @@
+"""What tests of every layer share besides fixtures (those are in conftest.py), once: the small
+engine most CPU tests build, prompts as requests and the token ids of outputs, transformers'
+oracles (greedy `generate`, fp32 logits), edits of a model directory, a live server, and the
+FlashInfer checks of the GPU tests. A helper only one file uses stays in that file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+
+import httpx
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]  # the checkout: graphdecode/, profiling/, tests/
+
+# The small engine the CPU tests build; a file that needs more says what differs:
+# dict(SMALL_ENGINE, max_batch_size=16).
+SMALL_ENGINE = dict(num_decode_steps=4, max_model_len=256, max_batch_size=8)
+
+
+# ------------------------------------------------------------------------- prompts and outputs
+def random_prompts(count: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(count)]
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    """Token-id prompts as LLM.generate's requests."""
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def first_tokens(outputs) -> list[list[int]]:
+    """The token ids of each request's first (for n = 1: only) completion."""
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def generate_tokens(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """Generate from token-id prompts; each request's first completion's token ids."""
+    return first_tokens(llm.generate(token_prompts(prompts), params))
+
+
+def completions(outputs) -> list[list[tuple]]:
+    """(token ids, finish reason) of every completion of every request."""
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+# ------------------------------------------------------------------------- transformers, the oracle
+_HF_CACHE: dict = {}
+_HF_MODELS: dict = {}
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers generate, greedy, fp32, CPU, one prompt at a time (cached per model)."""
+    from transformers import AutoModelForCausalLM
+
+    key = (model_dir, tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _HF_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+            outs.append(gen[0, len(p) :].tolist())
+        _HF_CACHE[key] = outs
+    return _HF_CACHE[key]
+
+
+def hf_model(model_dir: str):
+    """transformers' fp32 model of a directory (loaded once per directory)."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF_MODELS:
+        _HF_MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return _HF_MODELS[model_dir]
+
+
+def hf_logits(model_dir: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits [T, V] of a whole sequence (teacher forcing)."""
+    with torch.no_grad():
+        return hf_model(model_dir)(torch.tensor([tokens])).logits[0].float()
+
+
+def hf_prompt_logprobs(model_dir: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' fp32 log_softmax [T, V] of a sequence: row j predicts token j + 1."""
+    return torch.log_softmax(hf_logits(model_dir, tokens), dim=-1)
+
+
+# ------------------------------------------------------------------------- model directories
+def rewrite_config(model_dir: str, edit) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    edit(raw)
+    with open(path, "w") as f:
+        json.dump(raw, f, indent=2)
+
+
+def copy_model(tiny_models: dict, model: str, tmp_path, name: str | None = None) -> str:
+    """A copy of one of the tiny models, to edit, at tmp_path / name (default: the model's name)."""
+    path = str(tmp_path / (name or model))
+    shutil.copytree(tiny_models[model], path)
+    return path
+
+
+def edit_tensors(model_dir: str, edit) -> None:
+    """Load model.safetensors, edit(tensors) the dict in place, save it back."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def remove_tensor(key: str):
+    """An edit for edit_tensors: drop one tensor."""
+    return lambda tensors: tensors.pop(key)
+
+
+# ------------------------------------------------------------------------- the CLI and a live server
+def one_line_cli_error(capsys, argv: list[str], clean: bool = False) -> str:
+    """`graphdecode ARGV` exits 2 with exactly one line on stderr, `graphdecode: error: ...`; returns it.
+    clean: and no traceback, nothing on stdout."""
+    from graphdecode.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphdecode: error: "), captured.err
+    if clean:
+        assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+@contextlib.contextmanager
+def live_server(model: str, log_dir, served_name: str, *extra: str, env: dict | None = None):
+    """`graphdecode serve` on a free loopback port with the tests' common flags (one thread, quiet);
+    yields its URL, and checks it drained and exited 0 afterwards."""
+    from graphdecode.server.launch import start_server, stop_server
+
+    log = os.path.join(str(log_dir), "server.log")
+    proc, url = start_server(["--model", model, "--served-model-name", served_name, "--threads", "1",
+                              "--no-access-log", "--log-level", "warning", *extra], log, timeout_s=180, env=env)
+    try:
+        yield url
+    finally:
+        code = stop_server(proc, 40)
+    assert code == 0, open(log).read()
+
+
+def stream_events(url: str, body: dict, result: dict, timeout: float = 60) -> None:
+    """Stream a completion into `result`: "text", "finish" (each chunk's finish_reason) and "errors"
+    (error events), as the chunks arrive (so another thread can watch them)."""
+    result.update(text="", finish=[], errors=[])
+    with httpx.Client(timeout=timeout) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result["errors"].append(event["error"])
+                    continue
+                result["text"] += event["choices"][0]["text"]
+                result["finish"].append(event["choices"][0]["finish_reason"])
+
+
+# ------------------------------------------------------------------------- FlashInfer on a GPU
+# What the GPU machine's kit (../shared/gpu-kit) prebuilds: bf16 at head_dim 64 and 128. Under
+# profiling/gpu_check (GRAPHDECODE_REQUIRE_FLASHINFER=1) these must run, so a broken kit fails.
+KIT_KERNELS = frozenset({(64, torch.bfloat16), (128, torch.bfloat16)})
+
+
+def require_flashinfer(head_dim: int, dtype: torch.dtype) -> None:
+    """Skip a GPU test that picks FlashInfer for (head_dim, dtype) unless it can run here.
+
+    The decision is the engine's own (`flashinfer_unavailable_reason`, the probe behind
+    `attention_backend` auto and the refusal of an explicit "flashinfer"), so a test
+    skips exactly where the engine would refuse, with the probe's reason. Under
+    gpu_check a combination the kit promises fails instead of skipping."""
+    from graphdecode.attention.flashinfer_probe import flashinfer_unavailable_reason
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    reason = flashinfer_unavailable_reason(head_dim, dtype)
+    if reason is None:
+        return
+    if os.environ.get("GRAPHDECODE_REQUIRE_FLASHINFER") == "1" and (head_dim, dtype) in KIT_KERNELS:
+        pytest.fail(f"the gpu-kit promises FlashInfer for head_dim {head_dim} {dtype}, but: {reason}")
+    pytest.skip(f"FlashInfer cannot run head_dim {head_dim} {dtype} here: {reason}")
+
+
+def assert_padded_ctas_masked(wrapper, rows: int) -> None:
+    """flashinfer issue #4002: a CUDA-graph plan launches a padded grid (padded_batch_size CTAs
+    per KV head, more than the scheduled blocks) and, before the fix, padded CTAs read stale
+    schedule entries when split-KV was off. 0.7.2.post1's plan allocates `block_valid_mask`
+    for every CUDA-graph plan and its run binds it (docs/gpu.md); check that this plan has it
+    and that it marks exactly a prefix of scheduled blocks, at least one per row.
+    PrefillPlanInfo fields: [0] padded_batch_size, [12] block_valid_mask_offset,
+    [13] enable_cuda_graph, [14] split_kv."""
+    info = [int(x) for x in wrapper._plan_info]
+    padded, offset, cuda_graph, split_kv = info[0], info[12], info[13], info[14]
+    assert cuda_graph == 1 and split_kv == 0, info
+    assert offset != 0, f"no block_valid_mask in a CUDA-graph plan: {info}"
+    mask = wrapper._pin_memory_int_workspace_buffer[offset:offset + padded].view(torch.bool)
+    scheduled = int(mask.sum())
+    assert rows <= scheduled <= padded and bool(mask[:scheduled].all()), (scheduled, padded)

@@ -1,0 +1,314 @@
+"""Speculative decoding inside the window: n-gram drafts found, verified and accepted on the
+device, and exactly the tokens plain decoding gives (greedy and seeded, with n > 1, stops,
+logprobs, preemption and the prefix cache)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.attention import TorchAttentionBackend
+from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.sampler import GREEDY, Sampler
+from graphdecode.device.speculative import ngram_drafts, speculative_window
+from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def reference_drafts(history: list[int], d: int, n_max: int, n_min: int) -> list[int]:
+    """The most recent earlier occurrence of the last n tokens (n from n_max down), and what followed."""
+    length = len(history)
+    for n in range(n_max, n_min - 1, -1):
+        if length < n + 1:
+            continue
+        suffix = history[length - n :]
+        for start in range(length - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + d]
+    return []
+
+
+def test_drafts_match_a_python_reference():
+    rng = random.Random(0)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5, 50])
+        width = rng.randint(1, 40)
+        rows = [[rng.randrange(vocab) for _ in range(rng.randint(1, width))] for _ in range(6)]
+        d, n_max = rng.randint(1, 5), rng.randint(1, 4)
+        n_min = rng.randint(1, n_max)
+        history = torch.full((len(rows), width + 3), -7, dtype=torch.int64)  # stale entries past each length
+        for i, row in enumerate(rows):
+            history[i, : len(row)] = torch.tensor(row)
+        lengths = torch.tensor([len(r) for r in rows])
+        drafts, counts = ngram_drafts(history, lengths, d, n_max, n_min)
+        for i, row in enumerate(rows):
+            want = reference_drafts(row, d, n_max, n_min)
+            assert counts[i].item() == len(want), (trial, row)
+            assert drafts[i, : len(want)].tolist() == want and not drafts[i, len(want) :].any()
+
+
+def counting_model(vocab: int):
+    """logits_fn whose greedy choice after token t is (t + 1) % vocab."""
+
+    def logits_fn(tokens, positions, ctx):
+        return torch.nn.functional.one_hot((tokens + 1) % vocab, vocab).float() * 10
+
+    return logits_fn
+
+
+def test_acceptance_is_counted_exactly():
+    """A prompt that counts 0..9 then 0..4: every round's 3 drafts are the counting model's next
+    tokens, so each round accepts all 3 and emits 4 tokens; a second row with nothing to copy
+    emits one per round."""
+    vocab, d = 10, 3
+    state = DecodeState(2, 8, 2, num_decode_steps=2, max_logprobs=1, device="cpu", vocab_size=vocab,
+                        spec_tokens=d, history_len=64 + d + 1)
+    prompts = [list(range(10)) + list(range(5)), [7, 3]]
+    for row, prompt in enumerate(prompts):
+        state.speculation.history[row, : len(prompt)] = torch.tensor(prompt)
+        state.input_ids[row] = prompt[-1]
+        state.positions[row] = len(prompt) - 1
+        state.seq_lens[row] = len(prompt)
+        state.block_table[row] = torch.arange(1, 9) + 8 * row
+    state.done[:2] = False
+    state.max_len[:2] = 64
+    backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4, 3, 1)
+    assert state.out_count[:2].tolist() == [8, 2]
+    assert state.out_tokens[0, 1:9].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
+    assert state.out_tokens[1, 1:3].tolist() == [4, 5]  # nothing to copy: one token per round
+    assert state.speculation.spec_drafted[:2].tolist() == [6, 0] and state.speculation.spec_accepted[:2].tolist() == [6, 0]
+    assert state.speculation.spec_rounds[:2].tolist() == [2, 2]
+    assert state.positions[0].item() == 14 + 8 and state.input_ids[0].item() == 2
+    assert state.speculation.history[0, 15:23].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
+
+
+def test_a_stop_inside_an_accepted_run_ends_it():
+    vocab, d = 10, 3
+    state = DecodeState(1, 8, 2, num_decode_steps=2, max_logprobs=1, device="cpu", vocab_size=vocab,
+                        spec_tokens=d, history_len=64 + d + 1)
+    prompt = list(range(10)) + list(range(5))
+    state.speculation.history[0, : len(prompt)] = torch.tensor(prompt)
+    state.input_ids[0], state.positions[0], state.seq_lens[0] = prompt[-1], len(prompt) - 1, len(prompt)
+    state.block_table[0] = torch.arange(1, 9)
+    state.done[0], state.max_len[0] = False, 64
+    state.stop_ids[0, 0] = 7  # the third token of the first run
+    backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 1, 2, 16, GREEDY, 4, 3, 1)
+    assert state.out_count[0].item() == 3 and state.out_tokens[0, 1:4].tolist() == [5, 6, 7]
+    assert bool(state.done[0]) and state.positions[0].item() == 14 + 3
+
+
+def repetitive_prompts(count: int, seed: int = 0) -> list[dict]:
+    """Prompts that repeat a short pattern: greedy random models keep copying them."""
+    bases = random_prompts(count, [3, 5, 8], seed=seed)
+    return [{"prompt_token_ids": (b * 12)[: 20 + 7 * i]} for i, b in enumerate(bases)]
+
+
+@pytest.mark.parametrize("model", ["llama_gqa_llama3", "qwen2_tied", "llama_head_dim"])
+def test_speculation_gives_the_plain_tokens(tiny_models, model):
+    path = tiny_models[model]
+    prompts = repetitive_prompts(5) + token_prompts(random_prompts(3, [4, 30, 60]))
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.8, top_k=20, seed=4, max_tokens=30),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[17, 300], logprobs=2),
+    ]
+    plain = LLM(path, **SMALL_ENGINE)
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
+    for params in cases:
+        want = plain.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        assert completions(got) == completions(want), params
+        if params.logprobs:
+            for a, b in zip(got, want):
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                    assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    stats = spec.stats()
+    assert stats["spec_windows"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["generated_tokens"] == plain.stats()["generated_tokens"]
+
+
+def test_speculation_with_preemption_prefix_cache_and_stop_strings(tiny_models, text_model):
+    path = tiny_models["llama_gqa_llama3"]
+    prompts = repetitive_prompts(10, seed=2)
+    tight = dict(SMALL_ENGINE, max_batch_size=16, num_pages=30)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = completions(LLM(path, **tight).generate(prompts, params))
+    spec = LLM(path, speculative_config=SPEC, **tight)
+    assert completions(spec.generate(prompts, params)) == want
+    assert completions(spec.generate(prompts, params)) == want  # the second time from the prefix cache
+    stats = spec.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["spec_accepted_tokens"] > 0
+
+    texts = ["one two three one two three one two three", "The capital of France is"]
+    stops = SamplingParams(temperature=0, max_tokens=40, stop=["e t", "o"], include_stop_str_in_output=True)
+    want = [[c.text for c in o.outputs] for o in LLM(text_model, **SMALL_ENGINE).generate(texts, stops)]
+    spec_text = LLM(text_model, speculative_config=SPEC, **SMALL_ENGINE)
+    assert [[c.text for c in o.outputs] for o in spec_text.generate(texts, stops)] == want
+    streamed = {}
+    for delta in spec_text.stream(texts, stops):
+        streamed[delta.prompt] = streamed.get(delta.prompt, "") + delta.outputs[0].text
+    assert [streamed[t] for t in texts] == [w[0] for w in want]
+
+
+def test_nothing_to_copy_falls_back_to_plain_windows(tiny_models):
+    llm = LLM(tiny_models["llama_head_dim"], speculative_config={"num_speculative_tokens": 4}, **SMALL_ENGINE)
+    prompts = token_prompts(random_prompts(4, [3, 9], seed=9))
+    llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=120, ignore_eos=True))
+    stats = llm.stats()
+    assert stats["spec_windows"] >= 1 and stats["spec_window_share"] < 0.5  # probes only
+    assert llm.engine.spec_policy.accepted_per_verify < llm.engine.spec_policy.min_accepted
+
+
+def test_penalty_windows_run_plain_and_do_not_stall_the_policy(tiny_models):
+    """A window chosen to speculate runs plain when a row needs penalties; the policy is told,
+    so a later request without penalties still speculates (and both give plain tokens)."""
+    path = tiny_models["llama_head_dim"]
+    plain = LLM(path, **SMALL_ENGINE)
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
+    prompts = repetitive_prompts(3)
+    penalised = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.5)
+    assert completions(spec.generate(prompts, penalised)) == completions(plain.generate(prompts, penalised))
+    assert spec.stats()["spec_windows"] == 0
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert completions(spec.generate(prompts, greedy)) == completions(plain.generate(prompts, greedy))
+    assert spec.stats()["spec_windows"] > 0  # the probe chosen during the penalty windows did not stay pending
+
+
+def test_speculative_config_is_validated(tiny_models):
+    path = tiny_models["llama_head_dim"]
+    for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"num_speculative_tokens": 16}, "num_speculative_tokens"), ({"lookahead": 3}, "lookahead"),
+                       ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"), ("ngram", "dict")]:
+        with pytest.raises(ValueError, match=field):
+            LLM(path, speculative_config=bad)
+
+
+def test_smollm2_greedy_with_speculation():
+    from graphdecode.gguf_import import smollm2_dir
+
+    path = smollm2_dir()
+    prompts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+               "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = completions(LLM(path, **SMALL_ENGINE).generate(prompts, params))
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
+    assert completions(spec.generate(prompts, params)) == want
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_cli_speculative_config(text_model, capsys):
+    from graphdecode.cli import main
+
+    args = ["generate", "--model", text_model, "--max-tokens", "12", "--json", "one two one two one two"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert capsys.readouterr().out == plain
+    with pytest.raises(SystemExit):
+        main(args + ["--speculative-config", "ngram"])
+
+
+def test_spec_policy_probes_and_waits_for_reports():
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
+    assert policy.speculate(8) and not policy.speculate(8)  # one probe, then plain until it reports
+    policy.observe(verifies=8, accepted=0)
+    assert [policy.speculate(8) for _ in range(9)] == [False] * 7 + [True, False]  # the interval doubled: 8
+    policy.observe(verifies=8, accepted=24)  # copying pays now (average 1.5)
+    assert all(policy.speculate(8) for _ in range(3))
+    assert policy.interval == 4  # a paying report resets the probe interval
+    assert not SpecPolicy(enabled=False).speculate(8)
+
+
+def test_spec_policy_weighs_acceptance_against_measured_cost():
+    """Speculate while 1 + accepted per verify >= speculative window time / plain window time."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
+    for speculative, seconds in [(False, 9.0), (False, 1.0), (True, 9.0), (True, 3.0)]:  # the first of each: warm-up
+        policy.observe_window(8, speculative, seconds)
+    assert policy.cost_ratio(8) == pytest.approx(3.0) and policy.cost_ratio(16) is None
+    assert policy.speculate(8)
+    policy.observe(verifies=10, accepted=15)  # 1.5 accepted: 2.5 tokens per verify, for 3x the cost
+    assert not policy.speculate(8)
+    assert policy.speculate(16)  # no cost measured at bucket 16: acceptance alone decides
+    policy.observe_window(8, True, 1.5)  # verify got cheaper: ratio (3 + 1.5) / 2 = 2.25
+    assert policy.speculate(8)
+
+
+def test_spec_policy_backs_off_and_withdraws():
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=8)
+    assert policy.speculate(1)
+    policy.withdraw()  # it ran plain: no report, so the next window may probe again
+    assert policy.speculate(1)
+    intervals = []
+    for _ in range(5):
+        policy.observe(verifies=4, accepted=0)
+        intervals.append(policy.interval)
+        while not policy.speculate(1):
+            pass
+    assert intervals == [4, 8, 8, 8, 8]  # each failed probe doubles the interval, up to the cap
+
+
+def always_speculate(llm: LLM) -> LLM:
+    """Every decode window speculates (the policy would otherwise choose by measured cost)."""
+    llm.engine.spec_policy.speculate = lambda bucket: True
+    return llm
+
+
+END_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+END_ENGINE = dict(SMALL_ENGINE, max_model_len=96, max_batch_size=16, page_size=16)
+
+
+def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_models):
+    """Prompts ending at every distance 1 .. d + k + 2 from max_model_len (rows whose drafts and
+    verify positions reach past their last position), with and without max_tokens, greedy and
+    seeded: token for token what plain decoding gives."""
+    path = tiny_models["llama_gqa_llama3"]
+    d, k, limit = END_SPEC["num_speculative_tokens"], END_ENGINE["num_decode_steps"], END_ENGINE["max_model_len"]
+    bases = random_prompts(d + k + 2, [2, 3, 5], seed=31)
+    prompts = [{"prompt_token_ids": (base * limit)[: limit - distance]}
+               for distance, base in enumerate(bases, start=1)]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=None, ignore_eos=True),
+        [SamplingParams(temperature=0, max_tokens=max(1, distance - 2), ignore_eos=True)
+         for distance in range(1, len(prompts) + 1)],
+    ]
+    plain = LLM(path, **END_ENGINE)
+    spec = always_speculate(LLM(path, speculative_config=END_SPEC, **END_ENGINE))
+    for params in cases:
+        want = completions(plain.generate(prompts, params))
+        assert completions(spec.generate(prompts, params)) == want, params
+    assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_speculation_at_the_end_with_constraints_and_penalties(text_model):
+    """The same edge with a structured-outputs regex (its automaton walks the drafts) and with
+    penalties (such windows run plain), on the text model."""
+    from graphdecode.structured import StructuredOutputsParams
+
+    d, limit = END_SPEC["num_speculative_tokens"], END_ENGINE["max_model_len"]
+    plain = LLM(text_model, **END_ENGINE)
+    spec = always_speculate(LLM(text_model, speculative_config=END_SPEC, **END_ENGINE))
+    tokenizer = plain.get_tokenizer()
+    unit = tokenizer.encode("ab ab ab ab", add_special_tokens=False)
+    prompts = [{"prompt_token_ids": (unit * limit)[: limit - distance]} for distance in range(1, d + 6)]
+    regex = StructuredOutputsParams(regex="(ab ?)+")
+    cases = [
+        SamplingParams(temperature=0, max_tokens=None, structured_outputs=regex),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=None, structured_outputs=regex),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=None, repetition_penalty=1.2, ignore_eos=True),
+    ]
+    for params in cases:
+        want = completions(plain.generate(prompts, params))
+        assert completions(spec.generate(prompts, params)) == want, params

@@ -1,0 +1,113 @@
+"""Stops: EOS and stop_token_ids on the device, stop strings on the host, min/max tokens.
+
+Each test first runs greedy to learn what the model says, then picks a stop that
+lands inside a window (k=8) and checks that nothing past it reaches the user.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from transformers import AutoTokenizer
+
+from graphdecode import LLM, SamplingParams
+from tests.helpers import rewrite_config
+
+PROMPT = "The quick brown fox"
+K = 8
+
+
+@pytest.fixture(scope="module")
+def llm(text_model):
+    return LLM(text_model, num_decode_steps=K, max_model_len=256, max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].outputs[0]
+    return out.token_ids
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_model):
+    return AutoTokenizer.from_pretrained(text_model)
+
+
+def _first_repeatable(tokens, start):
+    """A position >= start whose token did not occur before it."""
+    for i in range(start, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    raise AssertionError("no fresh token to stop on")
+
+
+def test_stop_token_ids_end_at_first_occurrence_inside_a_window(llm, greedy, tokenizer):
+    i = _first_repeatable(greedy, 11)  # not on a window boundary: k=8, the prefill token is index 0
+    stop = greedy[i]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == greedy[: i + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == tokenizer.decode(greedy[:i], skip_special_tokens=True)  # the stop token's text is not output
+    kept = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[stop], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == tokenizer.decode(greedy[: i + 1], skip_special_tokens=True)
+
+
+def test_stop_string_straddling_tokens_is_caught_and_trimmed(llm, greedy, tokenizer):
+    # a stop string made of the tail of token i-1 and the head of token i
+    i = 13
+    left = tokenizer.decode(greedy[:i], skip_special_tokens=True)
+    right = tokenizer.decode(greedy[: i + 1], skip_special_tokens=True)
+    assert len(right) > len(left) and len(left) >= 2 and "\ufffd" not in right[len(left) - 2 :]
+    stop = left[-2:] + right[len(left)]
+    assert left.find(stop) == -1 or left.find(stop) >= len(left) - 2  # first occurrence spans the boundary
+    params = SamplingParams(temperature=0, max_tokens=48, stop=[stop, "zzzzzz"])
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == left[:-2]
+    assert out.token_ids == greedy[: i + 1]  # tokens after the one that completed the stop are dropped
+    kept = llm.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=48, stop=stop, include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == left[:-2] + stop
+
+
+def test_max_tokens_and_min_tokens(llm, greedy):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=13, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy[:13] and out.finish_reason == "length" and out.stop_reason is None
+    i = _first_repeatable(greedy, 3)
+    stop = greedy[i]
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], min_tokens=i + 5)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert stop not in out.token_ids[: i + 5]  # the stop id could not be sampled before min_tokens
+    assert len(out.token_ids) >= i + 5
+
+
+def test_eos_and_ignore_eos(text_model, greedy, tmp_path):
+    """Make the token greedy emits at index 9 the EOS: generation stops there unless ignore_eos."""
+    i = _first_repeatable(greedy, 9)
+    model = tmp_path / "eos_model"
+    shutil.copytree(text_model, model)
+    rewrite_config(str(model), lambda raw: raw.update(eos_token_id=greedy[i]))
+    (model / "generation_config.json").unlink(missing_ok=True)
+    llm = LLM(str(model), num_decode_steps=K, max_model_len=256, max_batch_size=8)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
+    assert out.token_ids == greedy[: i + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy and out.finish_reason == "length"
+
+
+def test_abort_ends_every_child(llm):
+    engine = llm.engine
+    request = engine.add_request(PROMPT, SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=100))
+    engine.step()
+    engine.step()
+    llm.abort(request.request_id)
+    assert [s.finish_reason for s in request.seqs] == ["abort"] * 3
+    assert not engine.scheduler.running
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.config.num_pages - 1  # every page came back

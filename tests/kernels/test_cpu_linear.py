@@ -1,0 +1,163 @@
+"""The CPU's linears (models/cpu_linear.py): prepacked and panelled weights give the same products as
+aten's linear, through eager calls and the opaque op a compiled forward uses; a CPU model gets them at
+load (fp32: column-major parameters and panels, or without the CPU kernels oneDNN's packed weights; bf16
+packed, its dense weights dropped), and memory accounting counts the extra copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphdecode.kernels import cpu as cpu_kernels_module
+from graphdecode.models import cpu_linear
+from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
+from tests.helpers import first_tokens
+
+pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weight_equals_dense_linear(dtype, rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    packed = PackedWeight(weight)
+    assert (packed.dense is not None) == (dtype == torch.float32)  # bf16 keeps only the packed copy
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed(x, b).float(), want, **tol)
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels_module.cpu_kernels() is None,
+                                   reason="no C++ compiler for the CPU kernels")
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(96, 64), (100, 37), (130, 200), (5, 3), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias):
+    """The panel kernel (csrc/cpu_linear.cpp) for 0..PANEL_ROWS rows, across its register tiles (6 rows),
+    passes (64 rows), a last panel narrower than 64 columns and K not a multiple of its 64-row blocks; aten's
+    NN GEMM on the column-major parameter past PANEL_ROWS. A row's result does not depend on the batch."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    cpu_linear.column_major_(weight)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    assert panel.dense.t().is_contiguous() and panel.extra_bytes == -(-n // 64) * 64 * k * 4
+    x = torch.randn(70, k, generator=g)
+    for rows in (0, 1, 2, 5, 6, 7, 13, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1, 70):
+        got = panel(x[:rows], b)
+        want = F.linear(x[:rows].double(), weight.double(), None if b is None else b.double()).float()
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    one = [panel(x[i : i + 1], b) for i in range(13)]
+    assert torch.equal(torch.cat(one), panel(x[:13], b))  # the same sums whichever tile a row lands in
+    assert panel(x[:6].view(2, 3, k), b).shape == (2, 3, n)
+
+
+@needs_kernels
+def test_panel_weight_leaves_threaded_calls_to_aten(monkeypatch):
+    """The kernel runs on one thread: with more torch threads every call takes aten's threaded GEMM."""
+    weight = torch.randn(128, 64)
+    cpu_linear.column_major_(weight)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    calls = []
+    monkeypatch.setattr(panel, "kernels", type("Spy", (), {"panel_linear": lambda self, *a: calls.append(a)})())
+    x = torch.randn(4, 64)
+    panel(x)
+    assert len(calls) == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    torch.testing.assert_close(panel(x), x @ weight.T)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kind", ["packed", "panel"])
+def test_compiled_calls_go_through_the_opaque_op(kind):
+    weight = torch.randn(48, 32)
+    if kind == "panel":
+        if cpu_kernels_module.cpu_kernels() is None:
+            pytest.skip("no C++ compiler for the CPU kernels")
+        cpu_linear.column_major_(weight)
+        packed = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    else:
+        packed = PackedWeight(weight)
+    x = torch.randn(5, 32)
+
+    def fn(x):
+        return torch.relu(packed(x)) + 1  # noqa: F821 - the closure is deleted with packed below
+
+    compiled = torch.compile(fn, fullgraph=True, backend="inductor")
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), torch.relu(x @ weight.T) + 1, rtol=1e-5, atol=1e-5)
+    handle = packed.handle
+    del packed, fn, compiled
+    import gc
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no live packed weight"):  # a dead engine leaves nothing behind
+        torch.ops.graphdecode.packed_linear(x, None, handle, 48)
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_untied"])
+def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
+    """A 64-wide model's fp32 weights are far below FP32_PACK_MIN: nothing is copied; the projections (and an
+    untied LM head) are stored column-major, the embedding (a tied head) row-major for its lookups."""
+    from graphdecode import LLM
+    from graphdecode.models.layers import FusedLinear
+    from graphdecode.models.parallel import RowParallelLinear
+
+    model = LLM(tiny_models[name], max_model_len=64, max_batch_size=4).engine.runner.model
+    assert model.packed_head is None and all(getattr(m, "packed", None) is None for m in model.modules())
+    linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
+    assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert model.model.embed_tokens.weight.is_contiguous()
+    if not model.config.tie_word_embeddings:
+        assert model.lm_head.weight.t().is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
+    from graphdecode import LLM
+
+    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's fp32 weights count as large
+    llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4)
+    model = llm.engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
+    if dtype == "float32" and cpu_kernels_module.cpu_kernels() is not None:  # panels + the column-major parameter
+        assert isinstance(layer.mlp.gate_up_proj.packed, PanelWeight)
+        assert layer.mlp.gate_up_proj.weight.t().is_contiguous()
+    assert model.packed_head is not None  # tied: a packed copy of the embedding, which stays
+    assert model.model.embed_tokens.weight.numel() > 0
+    dense = layer.mlp.gate_up_proj.weight.numel()
+    assert (dense > 0) == (dtype == "float32")
+    sizes = llm.engine.runner.memory_sizes()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sizes["weight_bytes"] == params + cpu_linear.packed_bytes(model) > params
+
+
+def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkeypatch):
+    """No C++ compiler (or GRAPHDECODE_CPU_KERNELS=0): fp32 projections get oneDNN's packed weight with the
+    row-major dense one beside it for 1-2 rows, and greedy tokens are those of the panelled engine."""
+    from graphdecode import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)
+    prompts = [{"prompt_token_ids": [3, 7, 11, 5]}, {"prompt_token_ids": [9, 2]}]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
+        llm = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4)
+        proj = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert isinstance(proj.packed, PanelWeight if kernels and cpu_kernels_module.cpu_kernels() else PackedWeight)
+        if not kernels:
+            assert proj.packed.dense is not None and proj.weight.is_contiguous()
+        tokens[kernels] = first_tokens(llm.generate(prompts, sp, use_tqdm=False))
+    assert tokens[True] == tokens[False]

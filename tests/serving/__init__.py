@@ -1,0 +1,1 @@
+"""Serving: the OpenAI server live on loopback, AsyncLLM, metrics, the CLI, operations options, benchmarks."""

@@ -1,0 +1,265 @@
+"""Smoke tests for the benchmarks: tiny configurations, well-formed JSON, never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+from graphdecode.bench.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
+from graphdecode.models.model_config import parse_model_config
+from tests.helpers import REPO
+
+
+def _script(name: str):
+    path = os.path.join(REPO, "profiling", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"profiling_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(prefix) -> dict:
+    with open(f"{prefix}.json") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def micro_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("presets") / "micro")
+    build_preset("micro", path)
+    return path
+
+
+def test_llama_1b_preset_config_matches_llama_3_2_1b():
+    raw = preset_config("llama-3.2-1b")
+    cfg = parse_model_config(raw)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2048, 16, 32, 8, 64)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (8192, 128256, True)
+    assert cfg.rope.rope_type == "llama3" and cfg.rope.factor == 32.0
+    shapes = llama_tensor_shapes(raw)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    assert 1.2e9 < params < 1.3e9  # Llama-3.2-1B has 1.24B parameters
+    assert "lm_head.weight" not in shapes
+
+
+def test_micro_preset_is_cached_and_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path))
+    path = ensure_preset("micro")
+    assert path.startswith(str(tmp_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+    assert ensure_preset("micro") == path  # second call reuses it
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_bucket_sweep_smoke(micro_dir, tmp_path):
+    from graphdecode.bench.sweep import main
+
+    out = tmp_path / "sweep"
+    main(["--model", micro_dir, "--device", "cpu", "--buckets", "1,2", "--steps", "1,2",
+          "--prompt-len", "4", "--gen-len", "5", "--out", str(out)])
+    result = _load(out)
+    assert [(p["k"], p["batch"]) for p in result["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert result["engine_config"]["buckets"] == [1, 2]
+    for p in result["points"]:
+        assert p["generated_tokens"] == p["batch"] * 5 and p["prefill_tokens"] == p["batch"] * 4
+        assert p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 and 0 <= p["padding_waste"] < 1
+        assert set(p["host_ms_per_window"]) == {"schedule", "launch", "pythonize", "blocked"}
+        assert p["bandwidth_fraction"] is not None and p["step_bytes"] > 0
+    assert [b["batch"] for b in result["baseline"]] == [1, 2]
+    assert all(0 <= b["rows_matching_engine"] <= b["batch"] for b in result["baseline"])
+    assert len(result["speedups"]) == 4 and all(s["speedup"] > 0 for s in result["speedups"])
+    assert result["machine"]["date"] and result["model_sizes"]["weight_bytes"] > 0
+    assert os.path.getsize(f"{out}.png") > 0
+
+
+def test_bucket_sweep_interleaves_the_baseline_and_survives_its_failure(micro_dir, tmp_path, monkeypatch):
+    """transformers' repeats of a batch run between the engine's (the same minutes of a drifting machine);
+    a baseline that fails is recorded and the engine's points stay."""
+    from graphdecode.bench import sweep as bench
+
+    events = []
+    timed, generate = bench._timed_generate, bench.Baseline._generate
+    monkeypatch.setattr(bench, "_timed_generate", lambda llm, prompts, *a: events.append(("engine", len(prompts)))
+                        or timed(llm, prompts, *a))
+    monkeypatch.setattr(bench.Baseline, "_generate", lambda self, ids, n: events.append(("hf", ids.shape[0]))
+                        or generate(self, ids, n))
+    out = tmp_path / "sweep"
+    bench.main(["--model", micro_dir, "--device", "cpu", "--buckets", "1,2", "--steps", "1", "--prompt-len", "4",
+                "--gen-len", "5", "--repeats", "2", "--out", str(out)])
+    want = []
+    for b in (1, 2):  # per repeat: the engine's prefill-only and full runs, then transformers' (a warm-up first)
+        want += [("engine", b)] * 2 + [("hf", b)] * 3 + [("engine", b)] * 2 + [("hf", b)] * 2
+    assert events == want
+    assert [b["batch"] for b in _load(out)["baseline"]] == [1, 2]
+
+    monkeypatch.setattr(bench.Baseline, "_load", lambda self: (_ for _ in ()).throw(OSError("no weights")))
+    bench.main(["--model", micro_dir, "--device", "cpu", "--buckets", "1", "--steps", "1", "--prompt-len", "4",
+                "--gen-len", "5", "--out", str(out)])
+    result = _load(out)
+    assert result["baseline"] == [] and "no weights" in result["baseline_skipped"]
+    assert len(result["points"]) == 1 and result["speedups"][0]["speedup"] is None
+
+
+def test_cli_bench_without_baseline(micro_dir, tmp_path):
+    from graphdecode.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["bench", "--model", micro_dir, "--buckets", "3", "--steps", "2", "--prompt-len", "3",
+                 "--gen-len", "4", "--no-baseline", "--out", str(out)]) == 0
+    result = _load(out)
+    (point,) = result["points"]
+    assert point["bucket"] == 3 and result["baseline"] == [] and result["speedups"][0]["speedup"] is None
+    assert result["engine_config"]["buckets"] == [3]  # only the asked-for bucket was built
+
+
+def test_scale_smoke(micro_dir, tmp_path):
+    out = tmp_path / "scale"
+    result = _script("bench_scale").main(["--model", micro_dir, "--num-prompts", "20,40", "--warmup", "0",
+                                          "--max-batch-size", "8", "--out", str(out)])
+    assert _load(out)["ratios"] == result["ratios"] and list(result["ratios"]) == ["40/20"]
+    for p, count in zip(result["points"], (20, 40)):
+        assert p["num_prompts"] == count and p["requests_per_s"] > 0
+        assert p["mean_prompt_tokens"] == 16 and p["mean_output_tokens"] == 16  # text prompts: exactly 16 tokens
+        assert p["steps"]["num_steps"] > 0 and p["setup_s"] >= 0 and p["collect_s"] >= 0
+
+
+def test_parallel_sampling_smoke(micro_dir, tmp_path):
+    out = tmp_path / "n"
+    result = _script("bench_n").main(["--model", micro_dir, "--n", "1,3", "--max-tokens", "1,3",
+                                      "--prompt-len", "40", "--repeats", "1", "--out", str(out)])
+    assert len(_load(out)["points"]) == 8
+    for p in result["points"]:
+        assert p["completions"] == p["n"] and p["generated_tokens"] == p["n"] * p["max_tokens"]
+        assert p["prefill_tokens"] == (40 if p["mode"] == "n" else 40 * p["n"])  # n>1 prefills once
+    assert set(result["ratios"]) == {f"{m}: max_tokens={t} n=3/n=1" for m in ("n", "copies") for t in (1, 3)}
+
+
+def test_host_overhead_smoke(micro_dir, tmp_path):
+    out = tmp_path / "host"
+    result = _script("bench_host").main(["--model", micro_dir, "--batches", "1,2", "--steps", "1,2",
+                                         "--measured-steps", "2", "--warm", "2", "--out", str(out)])
+    assert [(p["k"], p["batch"]) for p in _load(out)["points"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    for p in result["points"]:
+        assert p["windows_measured"] == 2 and p["window_us"] > 0 and p["host_us"] >= 0
+        assert 0 <= p["host_fraction"] <= 1
+
+
+def test_nsys_script_skips_without_nsys(tmp_path):
+    env = dict(os.environ, PATH="/usr/bin:/bin", NSYS="")
+    done = subprocess.run(["bash", os.path.join(REPO, "profiling", "nsys.sh"), str(tmp_path)], env=env, check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "nsys not found" in done.stderr
+
+
+def test_sampler_bench_smoke(tmp_path):
+    out = tmp_path / "sampler.json"
+    result = _script("bench_sampler").main(["--rows", "4", "--vocab", "300", "--repeats", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result and all(ms > 0 for ms in result["ms"].values())
+
+
+def test_prefix_cache_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "prefix"
+    result = _script("bench_prefix_cache").main(["--model", micro_dir, "--requests", "6", "--prefix-len", "40",
+                                                 "--suffix-len", "5", "--max-tokens", "3", "--out", str(out)])
+    on, off = result["modes"]
+    assert _load(out)["unique_tokens"] == 40 + 6 * 5 and result["outputs_identical"]
+    assert off["prefill_tokens"] == 6 * 45 and on["prefill_tokens"] == 40 + 6 * 5  # the prefix computed once
+    assert on["prefix_cache_hits"] == 5 * 40  # 2 full pages + 8 tokens of the first prompt's last page, each
+    assert all(m["ttft_p50_s"] > 0 and m["output_tokens"] == 18 for m in result["modes"])
+
+
+def test_stall_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "stall"
+    result = _script("bench_stall").main(["--model", micro_dir, "--streams", "3", "--long-len", "100",
+                                          "--budgets", "16,512", "-k", "2", "--warm-steps", "3", "--out", str(out)])
+    chunked, whole = _load(out)["points"]
+    assert (chunked["budget"], whole["budget"]) == (16, 512)
+    assert chunked["steps_until_first_token"] == 7 + 1 and whole["steps_until_first_token"] == 1 + 1  # + the lag
+    assert all(p["longest_gap_s"] > 0 and p["window_step_s"] > 0 for p in result["points"])
+
+
+def test_tensor_parallel_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "tp"
+    result = _script("bench_tp").main(["--model", micro_dir, "--batches", "2", "--gen-len", "4", "-k", "2",
+                                       "--out", str(out)])
+    assert [(p["tp"], p["batch"]) for p in _load(out)["points"]] == [(1, 2), (2, 2)]
+    assert result["same_tokens"] and result["points"][1]["collective_s"] > 0
+    from graphdecode.models.parallel import TPGroup
+
+    assert TPGroup.all_reduce.__name__ == "all_reduce"  # the timing wrappers are gone again
+
+
+def test_serve_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "serve"
+    cpus = os.sched_getaffinity(0)
+    result = _script("bench_serve").main(["--model", micro_dir, "--clients", "1,3", "--prompt-len", "4",
+                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--pin", "--out", str(out)])
+    assert _load(out)["points"] == result["points"] and result["server_exit_status"] == 0
+    assert os.sched_getaffinity(0) == cpus  # --pin gave this process its CPUs back
+    for point, n in zip(result["points"], (1, 3)):
+        served, in_process = point["served"], point["in_process"]
+        assert served["clients"] == in_process["clients"] == n
+        assert served["output_tokens"] == in_process["output_tokens"] == 4 * n
+        assert served["tokens_per_s"] > 0 and served["ttft_p50_s"] > 0 and served["itl_p99_s"] > 0
+        assert in_process["window_mean_s"] > 0 and point["served_over_in_process"] > 0
+        # the server's own view, read from /metrics (its names must match the server's)
+        assert served["server_ttft_mean_s"] > 0 and served["engine_windows"] > 0
+    assert list(result["goals"]) == ["served / in-process tokens/s at 3 clients (>= 0.9)"]
+
+
+def test_serve_bench_clients_in_worker_processes(micro_dir, tmp_path):
+    """--client-procs 2: the users spread over two processes, every stream complete; token-id
+    prompts with the raw client."""
+    out = tmp_path / "serve_procs"
+    result = _script("bench_serve").main(["--model", micro_dir, "--clients", "3", "--prompt-len", "4",
+                                          "--max-tokens", "4", "-k", "2", "--repeats", "1", "--client-procs", "2",
+                                          "--client", "raw", "--prompt-kind", "ids", "--out", str(out)])
+    (point,) = result["points"]
+    assert point["served"]["output_tokens"] == point["in_process"]["output_tokens"] == 12
+    assert point["served"]["content_chunks"] >= 3 * 2 and point["served"]["cpu_s"]["client"] > 0
+
+
+def test_speculative_bench_smoke(text_model, tmp_path):
+    out = tmp_path / "spec"
+    result = _script("bench_spec").main(["--model", text_model, "--batches", "2", "--max-tokens", "8", "-k", "2",
+                                         "-d", "3", "--repeats", "1", "--out", str(out)])
+    assert [(p["set"], p["batch"]) for p in _load(out)["points"]] == [("input-grounded", 2), ("open-ended", 2)]
+    assert all(p["same_tokens"] and p["plain_tokens_per_s"] > 0 and p["spec_tokens_per_s"] > 0
+               for p in result["points"])
+
+
+def test_moe_bench_smoke(tmp_path, monkeypatch):
+    """bench_moe --tiny: both implementations and transformers at batch 1 and 2, every number positive, the
+    MoE layers' share of a step in (0, 1), the preset built under the (temporary) cache directory."""
+    import torch
+
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    out = tmp_path / "moe.json"
+    result = _script("bench_moe").main(["--tiny", "--batches", "1,2", "--new-tokens", "2", "--prompt-len", "4",
+                                        "--repeats", "1", "-k", "2", "--compare-impls", "--json", str(out)])
+    assert json.loads(out.read_text())["points"] == json.loads(json.dumps(result["points"]))
+    assert result["model_dir"].startswith(str(tmp_path)) and result["family"] == "qwen3_moe"
+    assert result["impls"] == ["grouped", "reference"] and result["config"]["model_type"] == "qwen3_moe"
+    assert (result["summary"]["num_experts"], result["summary"]["sparse_layers"]) == (8, 2)
+    assert result["transformers"]["moe_layers"] == 2
+    assert [p["batch"] for p in result["points"]] == [1, 2]
+    for point in result["points"]:
+        sides = [*point["graphdecode"].values(), point["transformers"]]
+        assert list(point["graphdecode"]) == ["grouped", "reference"] and all(r > 0 for r in point["ratio"].values())
+        for side in sides:
+            assert side["decode_tokens_per_s"] > 0 and side["ms_per_decode_step"] > 0 and side["decode_s"] > 0
+            assert len(side["output_ids"]) == point["batch"] and side["moe"]["moe_s"] > 0
+            assert 0 < side["moe"]["share"] < 1 and side["moe"]["moe_calls"] > 0
+        for mine in point["graphdecode"].values():  # fp32: the same greedy tokens as transformers
+            assert mine["moe"]["moe_calls"] == mine["moe"]["steps"] * 2  # every step's two MoE layers
+            assert mine["same_rows_as_transformers"] == point["batch"] == mine["same_rows_as_first_impl"]
+    assert torch.get_num_threads() == threads  # --threads 1 was this process's for the run only

@@ -1,0 +1,1 @@
+"""Pure functions: parameters, configs and checkpoints checked by name, sampling, automata, units."""
