@@ -179,13 +179,17 @@ class CompileWorkers:
             return worker
 
     def close(self) -> None:
-        """Stop every worker now (compiles in flight end with an error)."""
+        """Stop every worker now: a compile in flight reads its worker's end of file and raises
+        CompileCancelled. A busy worker's process is only killed here; its pipes are closed by the
+        thread reading them (closing an fd under another thread's read races with the fd's reuse)."""
         with self._lock:
             self._closed = True
-            workers = self._idle + list(self._busy)
+            idle, busy = self._idle, list(self._busy)
             self._idle = []
-        for worker in workers:
+        for worker in idle:
             worker.kill()
+        for worker in busy:
+            worker.process.kill()
 
 
 # ------------------------------------------------------------------ the worker process
@@ -206,9 +210,9 @@ def _limit_memory(budget: int) -> None:
 
 
 def _serve(budget: int) -> None:
-    from . import compiler  # numpy and outlines-core: what a compile needs, loaded before the limit
-
     import outlines_core  # noqa: F401
+
+    from . import compiler  # numpy and outlines-core: what a compile needs, loaded before the limit
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner stops it (a terminal's ^C reaches the group)
     out = os.fdopen(os.dup(1), "wb")

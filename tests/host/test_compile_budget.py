@@ -104,6 +104,41 @@ def test_cancel_and_close_stop_a_compile(vocab):
         workers.compile(StructuredOutputsParams(regex="a"), vocab, "regex")
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_close_at_any_moment_of_a_compile_is_a_cancel(vocab, delay):
+    """Whether close() lands while the worker starts, reads the vocabulary or compiles, the compile
+    in flight raises CompileCancelled (a server's SIGTERM: its request gets a 503), never an OSError
+    from a pipe closed under its read."""
+    workers = CompileWorkers(CompileBudget(seconds=60.0, memory_bytes=1 << 30))
+    threading.Timer(delay, workers.close).start()
+    started = time.perf_counter()
+    with pytest.raises(CompileCancelled):
+        workers.compile(StructuredOutputsParams(regex=EXPLODING + "d"), vocab, "regex")
+    assert time.perf_counter() - started < delay + 2.0
+
+
+def test_close_under_a_waiting_read_is_a_cancel(vocab, monkeypatch):
+    """The reading thread is between its poll and its read when close() returns: its pipe is still
+    open (only the process was killed), so it reads end of file and raises CompileCancelled."""
+    from graphdecode.structured import compile_worker
+
+    workers = CompileWorkers(CompileBudget(seconds=60.0, memory_bytes=1 << 30))
+    closed, real_select = threading.Event(), compile_worker.select.select
+
+    def select_after_close(*args):
+        closed.wait(10)
+        return real_select(*args)
+
+    def close():
+        workers.close()
+        closed.set()
+
+    monkeypatch.setattr(compile_worker.select, "select", select_after_close)
+    threading.Timer(0.3, close).start()
+    with pytest.raises(CompileCancelled):
+        workers.compile(StructuredOutputsParams(regex=EXPLODING + "e"), vocab, "regex")
+
+
 def test_llm_refuses_an_over_budget_constraint_and_goes_on(text_model):
     llm = LLM(text_model, max_model_len=128, max_batch_size=4, structured_compile_timeout=2.0,
               structured_compile_memory_bytes=64 << 20)
