@@ -20,8 +20,9 @@ from fastapi.responses import Response
 
 from .async_llm import EngineDeadError, RequestFailedError
 from .choices import Choice, Choices
+from .errors import APIError
 from .logprobs import prompt_logprobs_json
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import ChatCompletionRequest
 from .responses import DONE, dumps, error_event, event_stream, json_response
 from .serving import INLINE_CHARS, Job, OpenAIServer, off_loop, outputs_error
 

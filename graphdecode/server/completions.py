@@ -19,8 +19,9 @@ from fastapi.responses import Response
 
 from .async_llm import EngineDeadError, RequestFailedError
 from .choices import Choices
+from .errors import APIError
 from .logprobs import joined, prompt_logprobs_json, token_offsets
-from .protocol import APIError, CompletionRequest
+from .protocol import CompletionRequest
 from .responses import DONE, dumps, error_event, event_stream, json_response
 from .serving import INLINE_CHARS, INLINE_TOKENS, Job, OpenAIServer, off_loop, outputs_error
 

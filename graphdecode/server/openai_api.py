@@ -23,7 +23,8 @@ steps (AsyncLLM). A request flows through these modules, top down:
   engine request per prompt: n > 1 is one request with SamplingParams(n=...), prefilled once.
 * choices.py: what each choice accumulates, for the streamed and the whole responses alike;
   logprobs.py: the logprob formats; responses.py: JSON bodies and SSE streams; tools.py:
-  tool calls; protocol.py: the request models. docs/serving.md describes the API.
+  tool calls; protocol.py: the request models; constraints.py: their structured-output fields;
+  errors.py: the error bodies. docs/serving.md describes the API.
 
 SIGTERM (or Ctrl+C): new requests get 503 and /health turns 503, running requests
 finish (at most --shutdown-timeout seconds, then they are aborted), uvicorn closes,
@@ -67,7 +68,7 @@ from .args import (
 from .async_llm import AsyncLLM
 from .chat import create_chat_completion
 from .completions import create_completion
-from .protocol import APIError
+from .errors import APIError
 from .serving import ClientGone, OpenAIServer
 
 __all__ = ["DEFAULT_MODEL_NAME", "DrainingServer", "OpenAIServer", "build_app", "main", "serve", "serve_checked"]

@@ -1,8 +1,8 @@
-"""The OpenAI wire format: request models, SamplingParams from them, error bodies.
+"""The OpenAI wire format: request models and the SamplingParams they ask for.
 
 Requests are parsed and validated in one pass with pydantic (`model_validate_json`,
 strict types: a string where a number belongs is a 400, as at OpenAI), unknown fields
-are ignored like OpenAI and vLLM do, and every failure becomes an `APIError` carrying
+are ignored like OpenAI and vLLM do, and every failure becomes an `APIError` (errors.py) carrying
 the OpenAI error body
 
     {"error": {"message": ..., "type": "invalid_request_error", "param": "temperature", "code": null}}
@@ -19,43 +19,14 @@ since the per-chunk cost of model validation would sit on the streaming path.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ..sampling_params import SamplingParams
 from . import tools as tool_calls
-
-
-class APIError(Exception):
-    """An HTTP error with an OpenAI error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):  # noqa: A002 - OpenAI's name
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def model_not_found(name) -> APIError:
-    return APIError(f"The model `{name}` does not exist.", param="model", status=404, code="model_not_found")
-
-
-def unavailable(message: str) -> APIError:
-    return APIError(message, status=503, type="service_unavailable_error")
-
-
-def request_failed(message: str) -> APIError:
-    """The engine failed this one request (an error inside it, not a bad request): a 500."""
-    return APIError(f"the engine failed while running this request: {message}", status=500, type="server_error")
+from .constraints import ConstraintSource, response_format_source, structured_outputs_source
+from .errors import APIError, param_of
 
 
 # ------------------------------------------------------------------ requests
@@ -112,11 +83,11 @@ class _SamplingRequest(_Base):
         """Every structured-output constraint the request asks for (the server refuses more than one)."""
         sources = []
         if self.response_format is not None:
-            source = _response_format_source(self.response_format)
+            source = response_format_source(self.response_format)
             if source is not None:
                 sources.append(source)
         if self.structured_outputs is not None:
-            sources.append(_structured_outputs_source(self.structured_outputs))
+            sources.append(structured_outputs_source(self.structured_outputs))
         for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                             ("guided_grammar", "grammar")):
             value = getattr(self, name)
@@ -214,88 +185,7 @@ def logit_bias_ids(bias: dict[str, float], vocab_size: int | None) -> dict[int, 
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ConstraintSource:
-    """Where a request's constraint comes from: `param` (the field the client sent, what a 400
-    names), `label` (what replaces `structured_outputs.<field>` in the engine's messages; None
-    keeps them: the client sent structured_outputs itself) and StructuredOutputsParams' kwargs."""
 
-    param: str
-    label: str | None
-    kwargs: dict
-    error_param: str | None = None  # what a 400 about the constraint itself names, when not `param`
-
-
-_SO_PREFIX = re.compile(r"^structured_outputs(\.[A-Za-z_]+(\[\d+\])?)?")
-# vLLM's StructuredOutputsParams knobs that do not change what is allowed here (accepted, ignored)
-_SO_IGNORED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
-
-
-def constraint_error(source: ConstraintSource, exc: Exception) -> APIError:
-    """A constraint's ValueError / TypeError (which names structured_outputs.<field>) as a 400
-    naming the field the client sent."""
-    message = str(exc)
-    if source.label is None:  # their own structured_outputs: the engine's names are theirs
-        match = _SO_PREFIX.match(message)
-        param = match.group(0) if match else source.param
-        return APIError(message, param=param)
-    rest = _SO_PREFIX.sub("", message, count=1) if _SO_PREFIX.match(message) else ": " + message
-    return APIError(source.label + rest, param=source.error_param or source.param)
-
-
-def build_constraint(source: ConstraintSource):
-    """StructuredOutputsParams of `source` (its checks: schema turned into a regex, regex compiled
-    over bytes), a 400 naming the client's field when they fail."""
-    from ..structured import StructuredOutputsParams
-
-    try:
-        return StructuredOutputsParams(**source.kwargs)
-    except (ValueError, TypeError) as exc:
-        raise constraint_error(source, exc) from None
-
-
-def _response_format_source(fmt: dict) -> ConstraintSource | None:
-    """OpenAI's response_format: text (no constraint), json_object, json_schema {name, schema, strict}."""
-    kind = fmt.get("type")
-    if kind is None:
-        raise APIError("response_format.type: this field is required", param="response_format")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ConstraintSource("response_format", "response_format", {"json_object": True})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict):
-            raise APIError("response_format.json_schema: this field is required (an object with name and schema)",
-                           param="response_format")
-        schema = spec.get("schema")
-        if schema is None:
-            raise APIError("response_format.json_schema.schema: this field is required", param="response_format")
-        if not isinstance(schema, dict):
-            raise APIError(f"response_format.json_schema.schema: expected a JSON schema object, "
-                           f"got {type(schema).__name__}", param="response_format")
-        return ConstraintSource("response_format", "response_format.json_schema.schema", {"json": schema})
-    raise APIError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}",
-                   param="response_format")
-
-
-def _structured_outputs_source(spec: dict) -> ConstraintSource:
-    """vLLM's structured_outputs: a dict of StructuredOutputsParams' fields (null ones are not given)."""
-    from ..structured.params import FIELDS
-
-    kwargs = {}
-    for key, value in spec.items():
-        if key in FIELDS:
-            if value is not None:
-                kwargs[key] = value
-        elif key == "structural_tag":
-            if value is not None:
-                raise APIError("structured_outputs.structural_tag: structural tags are not supported; "
-                               "use json, regex, choice or json_object", param="structured_outputs.structural_tag")
-        elif key not in _SO_IGNORED:
-            raise APIError(f"structured_outputs.{key}: unknown field (the fields are {', '.join(FIELDS)})",
-                           param=f"structured_outputs.{key}")
-    return ConstraintSource("structured_outputs", None, kwargs)
 
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -505,90 +395,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return build_sampling_params(given, self.renames())
 
 
-# ------------------------------------------------------------------ errors
-_FIELD = re.compile(r"^([A-Za-z_]+)")
-
-
-def param_of(message: str, renames: dict[str, str] | None = None) -> str | None:
-    """The field a graphdecode ValueError names first (`top_p must be ...`, `prompts[0]: ...`)."""
-    match = _FIELD.match(message)
-    if match is None:
-        return None
-    name = match.group(1)
-    if name in ("prompts", "prompt_token_ids"):
-        name = "prompt"
-    return (renames or {}).get(name, name)
-
-
 def build_sampling_params(given: dict, renames: dict[str, str]) -> SamplingParams:
     try:
         return SamplingParams(**given)
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=param_of(str(exc), renames)) from None
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """A pydantic error as a 400 naming the first offending field."""
-    errors = exc.errors(include_url=False)
-    if not errors:
-        return APIError(str(exc))
-    loc = errors[0]["loc"]
-    if not loc:  # the body itself: not JSON, or not an object
-        return APIError(f"the request body must be a JSON object: {errors[0]['msg']}")
-    param = loc[0] if isinstance(loc[0], str) else None
-    if loc[0] == "messages" and len(loc) > 1 and isinstance(loc[1], int):
-        param = f"messages[{loc[1]}]" + (f".{loc[2]}" if len(loc) > 2 and isinstance(loc[2], str) else "")
-    messages = []
-    for error in errors:
-        if error["loc"][:1] != loc[:1]:
-            continue
-        text = error["msg"]
-        if error["type"] == "missing":
-            text = "this field is required"
-        if text not in messages:
-            messages.append(text)
-    return APIError(f"{param}: {' or '.join(messages)}", param=param)
-
-
-def lone_surrogate_error(exc: ValidationError, body: bytes) -> APIError | None:
-    """The 400 for a body that is JSON but not Unicode: a string escaping a lone surrogate (`"ab\\ud800cd"`),
-    which the parser reports as a broken hex escape. It names the field and the character; None for any
-    other error (a body that Python's parser, which takes lone surrogates, cannot read either)."""
-    errors = exc.errors(include_url=False)
-    if not errors or errors[0]["type"] != "json_invalid" or "escape" not in errors[0]["msg"]:
-        return None
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    stack: list[tuple[tuple, object]] = [((), value)]
-    while stack:  # depth first, in document order
-        path, node = stack.pop()
-        if isinstance(node, dict):
-            for key in node:
-                if _surrogate_at(key) is not None:
-                    return _surrogate_error(path, key, f"the key {key!r} is")
-            stack.extend(reversed([((*path, key), item) for key, item in node.items()]))
-        elif isinstance(node, list):
-            stack.extend(reversed([((*path, i), item) for i, item in enumerate(node)]))
-        elif isinstance(node, str) and _surrogate_at(node) is not None:
-            return _surrogate_error(path, node, "the text is")
-    return None
-
-
-def _surrogate_at(text: str) -> int | None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
-
-def _surrogate_error(path: tuple, text: str, subject: str) -> APIError:
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "the request body"
-    param = path[0] if path and isinstance(path[0], str) else None
-    if param == "messages" and len(path) > 1 and isinstance(path[1], int):  # as validation_error names them
-        param = f"messages[{path[1]}]" + (f".{path[2]}" if len(path) > 2 and isinstance(path[2], str) else "")
-    at = _surrogate_at(text)
-    return APIError(f"{where}: {subject} not valid Unicode: lone surrogate {text[at]!r} at character {at}",
-                    param=param)

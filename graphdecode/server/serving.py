@@ -30,13 +30,9 @@ from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
 from .args import DEFAULT_HEARTBEAT_TIMEOUT_S
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
-from .logprobs import LogprobFormat
-from .metrics import ServerMetrics
-from .protocol import (
+from .constraints import ConstraintSource, build_constraint, constraint_error
+from .errors import (
     APIError,
-    ConstraintSource,
-    build_constraint,
-    constraint_error,
     lone_surrogate_error,
     model_not_found,
     param_of,
@@ -44,6 +40,8 @@ from .protocol import (
     unavailable,
     validation_error,
 )
+from .logprobs import LogprobFormat
+from .metrics import ServerMetrics
 
 # Work done on the event loop only up to these sizes, a few ms at most on a slow core (a worker thread
 # above them; its hop costs ~0.1 ms): JSON token-id lists parse at ~15 MB/s, text tokenizes at ~3 KB/ms,
