@@ -33,7 +33,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 3  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's
+#define GRAPHDECODE_CPU_ABI_VERSION 4  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads
 
 namespace {
 

@@ -70,29 +70,34 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, in
 }  // namespace
 
 // x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (columns past N zero), bias [N] or null,
-// y [M, N] (row stride ldy). Returns nonzero on bad arguments.
+// y [M, N] (row stride ldy); threads: OpenMP threads (torch's own pool: the library binds to the
+// libgomp torch loaded) over the (row block, panel) pairs, each pair's sums in its thread's buffer,
+// so a result does not depend on the thread count either. Returns nonzero on bad arguments.
 extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels,
-                                            int64_t N, const float* bias, float* y, int64_t ldy) {
-  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || (M > 0 && (!x || !panels || !y))) return 1;
+                                            int64_t N, const float* bias, float* y, int64_t ldy, int32_t threads) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
-  alignas(64) float sums[ROWS_MAX * PANEL];
-  for (int64_t m0 = 0; m0 < M; m0 += ROWS_MAX) {
+  const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
+  const int64_t tasks = blocks * num_panels;
+  (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    alignas(64) float sums[ROWS_MAX * PANEL];
+    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const float* panel = panels + p * K * PANEL;
-      const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? bias[p * PANEL + j] : 0.f;
-      for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
-        for (int64_t m = 0; m < rows; m += MR) {
-          const int64_t r = rows - m < MR ? rows - m : MR;
-          tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, m == 0);
-        }
+    const float* panel = panels + p * K * PANEL;
+    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? bias[p * PANEL + j] : 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+      for (int64_t m = 0; m < rows; m += MR) {
+        const int64_t r = rows - m < MR ? rows - m : MR;
+        tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, m == 0);
       }
-      for (int64_t m = 0; m < rows; ++m)
-        std::memcpy(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols * sizeof(float));
     }
+    for (int64_t m = 0; m < rows; ++m)
+      std::memcpy(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols * sizeof(float));
   }
   return 0;
 }

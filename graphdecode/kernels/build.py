@@ -31,9 +31,11 @@ SOURCES = ("advance_step.cu",)
 CPU_LIB_NAME = "libgraphdecode_cpu.so"
 CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_linear.cpp")
 CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped with them, not compiled alone
-# -fopenmp-simd: the `omp simd` loops vectorise without an OpenMP runtime (torch brings its own);
-# -fno-math-errno: tanh/floor need no errno, so they vectorise too
-CPU_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wall")
+# -fopenmp: `omp parallel` loops run on torch's OpenMP pool (the library binds to the libgomp.so.1
+# torch loaded); where the compiler has no OpenMP, -fopenmp-simd (the `omp simd` loops still
+# vectorise, the kernels run on one thread). -fno-math-errno: tanh/floor need no errno, so they vectorise
+OPENMP_FLAGS = ("-fopenmp", "-fopenmp-simd")
+CPU_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-Wall")
 PTXAS_REPORT_FLAGS = ("-Xptxas", "-v")  # ptxas prints each kernel's registers, spills and shared memory
 DEFAULT_ARCH_FLAGS = (
     "-gencode", "arch=compute_90,code=sm_90",
@@ -166,9 +168,12 @@ def build_cpu(out_path: str, src_dir: str, cxx: str | None = None) -> str:
         raise RuntimeError("no C++ compiler found (set CXX or put g++ on PATH)")
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     tmp = f"{out_path}.{os.getpid()}.tmp"
-    cmd = [cxx, *CPU_FLAGS, "-o", tmp, *(os.path.join(src_dir, s) for s in CPU_SOURCES)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
+    for openmp in OPENMP_FLAGS:
+        cmd = [cxx, *CPU_FLAGS, openmp, "-o", tmp, *(os.path.join(src_dir, s) for s in CPU_SOURCES)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode == 0:
+            break
+    else:
         raise RuntimeError(f"{os.path.basename(cxx)} failed ({' '.join(cmd)}):\n{result.stdout}\n{result.stderr}")
     os.replace(tmp, out_path)
     return out_path

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 3
+ABI_VERSION = 4
 FUSED_MAX_ROWS = 256  # rows a fused pass takes when torch runs several threads
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -59,7 +59,7 @@ class CpuKernels:
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
-        self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64]
+        self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32]
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
@@ -114,9 +114,10 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out
 
-    def panel_linear(self, x, panels, out_features: int, bias=None):
+    def panel_linear(self, x, panels, out_features: int, bias=None, threads: int | None = None):
         """x [..., K] float32 @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64]
-        (models/cpu_linear.py: PanelWeight; csrc/cpu_linear.cpp)."""
+        (models/cpu_linear.py: PanelWeight; csrc/cpu_linear.cpp), on `threads` (default torch's) threads;
+        the result does not depend on their number."""
         x = _ready(x)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -125,7 +126,8 @@ class CpuKernels:
         y = torch.empty((x2.shape[0], out_features), dtype=torch.float32)
         if x.dtype != torch.float32 or panels.shape[1] != k or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
-                bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features):
+                bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
+                threads or torch.get_num_threads()):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)}, {out_features} outputs")
         return y.view(*lead, out_features)

@@ -113,7 +113,7 @@ class PanelWeight(CpuWeight):
         return self.panels.numel() * self.panels.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() <= PANEL_ROWS * self.in_features and torch.get_num_threads() == 1:
+        if x.numel() <= PANEL_ROWS * self.in_features:
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return F.linear(x, self.dense, bias)
 

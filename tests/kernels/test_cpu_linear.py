@@ -62,19 +62,33 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias):
 
 
 @needs_kernels
-def test_panel_weight_leaves_threaded_calls_to_aten(monkeypatch):
-    """The kernel runs on one thread: with more torch threads every call takes aten's threaded GEMM."""
+@pytest.mark.parametrize("rows", [1, 7, 48, 130])
+def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows):
+    """The kernel splits its (row block, panel) pairs over OpenMP threads: every output's sum runs in one
+    thread in the same order, so 1, 2 and 5 threads (more than this machine's cores) agree bit for bit."""
+    n, k = 200, 96  # 4 panels, the last narrower than 64 columns
+    g = torch.Generator().manual_seed(rows)
+    weight, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    one = panel.kernels.panel_linear(x, panel.panels, n, b, threads=1)
+    torch.testing.assert_close(one, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    for threads in (2, 5):
+        assert torch.equal(panel.kernels.panel_linear(x, panel.panels, n, b, threads=threads), one)
+
+
+@needs_kernels
+def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
+    """With several torch threads the panel kernel still takes up to PANEL_ROWS rows (on those threads)."""
     weight = torch.randn(128, 64)
     cpu_linear.column_major_(weight)
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     calls = []
     monkeypatch.setattr(panel, "kernels", type("Spy", (), {"panel_linear": lambda self, *a: calls.append(a)})())
-    x = torch.randn(4, 64)
-    panel(x)
-    assert len(calls) == 1
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    torch.testing.assert_close(panel(x), x @ weight.T)
+    panel(torch.randn(4, 64))
     assert len(calls) == 1
+    assert panel(torch.randn(cpu_linear.PANEL_ROWS + 1, 64)).shape == (cpu_linear.PANEL_ROWS + 1, 128)
+    assert len(calls) == 1  # past PANEL_ROWS: aten's GEMM
 
 
 @pytest.mark.parametrize("kind", ["packed", "panel"])
