@@ -79,7 +79,6 @@ extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
   const int64_t tasks = blocks * num_panels;
-  (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     alignas(64) float sums[ROWS_MAX * PANEL];

@@ -127,7 +127,7 @@ class CpuKernels:
         if x.dtype != torch.float32 or panels.shape[1] != k or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
-                threads or torch.get_num_threads()):
+                torch.get_num_threads() if threads is None else threads):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)}, {out_features} outputs")
         return y.view(*lead, out_features)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from graphdecode.kernels import cpu as cpu_kernels_module
 from graphdecode.models import cpu_linear
 from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
-from tests.helpers import first_tokens
+from tests.helpers import first_tokens, generate_tokens, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
 
@@ -89,6 +89,30 @@ def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     assert len(calls) == 1
     assert panel(torch.randn(cpu_linear.PANEL_ROWS + 1, 64)).shape == (cpu_linear.PANEL_ROWS + 1, 128)
     assert len(calls) == 1  # past PANEL_ROWS: aten's GEMM
+
+
+@needs_kernels
+def test_an_engine_on_two_threads_runs_the_panels_and_decodes_transformers_tokens(tiny_models, monkeypatch):
+    """What a user with two cores meets: LLM(cpu_threads=2) runs the panel kernel on both threads (it no longer
+    hands those calls to aten), and its greedy tokens are transformers' fp32 ones, at batch 1 and 3."""
+    from graphdecode import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's weights take the panels
+    kernel_threads = []
+    kernel = cpu_kernels_module.CpuKernels.panel_linear
+    monkeypatch.setattr(cpu_kernels_module.CpuKernels, "panel_linear", lambda self, *a, **kw: (
+        kernel_threads.append(torch.get_num_threads()), kernel(self, *a, **kw))[1])
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4, cpu_threads=2)
+        prompts = random_prompts(3, [5, 9, 3], seed=32)
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        want = hf_greedy(tiny_models["qwen2_tied"], prompts, 8)
+        assert generate_tokens(llm, prompts[:1], sp) == want[:1]
+        assert generate_tokens(llm, prompts, sp) == want
+    finally:
+        torch.set_num_threads(threads)  # the engine set two for the process
+    assert kernel_threads and set(kernel_threads) == {2}
 
 
 @pytest.mark.parametrize("kind", ["packed", "panel"])
