@@ -263,3 +263,27 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
             assert mine["moe"]["moe_calls"] == mine["moe"]["steps"] * 2  # every step's two MoE layers
             assert mine["same_rows_as_transformers"] == point["batch"] == mine["same_rows_as_first_impl"]
     assert torch.get_num_threads() == threads  # --threads 1 was this process's for the run only
+
+
+def test_cpu_peers_bench_smoke(micro_dir, tmp_path):
+    """bench_cpu_peers with graphdecode alone (the peers need their own installs): each point
+    positive, CPU-seconds per token never negative, the table and JSON written; and the helpers that
+    pick each point's best round and compare greedy rows."""
+    module = _script("bench_cpu_peers")
+    out = tmp_path / "peers"
+    report = module.main(["--model", micro_dir, "--threads", "1", "--batches", "1,3", "--prefill", "32",
+                          "--prompt-len", "8", "--gen-len", "4", "--repeats", "1", "--rounds", "1", "--out", str(out)])
+    assert _load(out)["tables"] == report["tables"] and "graphdecode" in report["tables"][0]
+    mine = report["threads"][1]["graphdecode"]
+    assert [p["batch"] for p in mine["decode"]] == [1, 3] and [p["tokens"] for p in mine["prefill"]] == [32]
+    for point in mine["decode"] + mine["prefill"]:
+        assert point["tokens_per_s"] > 0 and point["cpu_s_per_token"] >= 0  # /proc's 10 ms ticks: tiny runs read 0
+    assert [len(p["output_ids"]) for p in mine["decode"]] == [1, 3]
+    assert all(len(row) == 4 for p in mine["decode"] for row in p["output_ids"])
+    slow = {"decode": [{"tokens_per_s": 1.0, "batch": 1}], "prefill": [{"tokens_per_s": 9.0, "tokens": 8}]}
+    fast = {"decode": [{"tokens_per_s": 2.0, "batch": 1}], "prefill": [{"tokens_per_s": 3.0, "tokens": 8}]}
+    best = module.best_of([slow, fast])
+    assert best["decode"][0]["tokens_per_s"] == 2.0 and best["prefill"][0]["tokens_per_s"] == 9.0
+    other = {"decode": [dict(mine["decode"][1], output_ids=[[0] * 4] + mine["decode"][1]["output_ids"][1:])]}
+    assert module.agreement({"graphdecode": {"decode": mine["decode"][1:]}, "vllm": other}) == [
+        "batch 3: 2/3 rows of greedy tokens equal vLLM's"]
