@@ -33,7 +33,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 4  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads
+#define GRAPHDECODE_CPU_ABI_VERSION 5  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's
 
 namespace {
 
@@ -346,25 +346,32 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   }
 }
 
+// Rows are independent: on `threads` OpenMP threads (torch's pool) each thread takes whole rows
+// with a scratch of its own, so a row's result does not depend on the thread count. Rows differ
+// in length, so they are handed out one at a time.
 template <typename T, int DIM>
-void attend(const Args& a) {
-  Scratch w;
-  w.lo.resize(a.queries);
-  w.hi.resize(a.queries);
-  w.q.resize(a.queries * a.heads * a.head_dim);
-  for (int64_t b = 0; b < a.rows; ++b) attend_row<T, DIM>(a, b, w);
+void attend(const Args& a, int32_t threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1 && a.rows > 1)
+  {
+    Scratch w;
+    w.lo.resize(a.queries);
+    w.hi.resize(a.queries);
+    w.q.resize(a.queries * a.heads * a.head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < a.rows; ++b) attend_row<T, DIM>(a, b, w);
+  }
 }
 
 template <typename T>
-void attend_any(const Args& a) {
+void attend_any(const Args& a, int32_t threads) {
   switch (a.head_dim) {  // the common head sizes unrolled; any other through the generic loop
-    case 32: return attend<T, 32>(a);
-    case 64: return attend<T, 64>(a);
-    case 80: return attend<T, 80>(a);
-    case 96: return attend<T, 96>(a);
-    case 128: return attend<T, 128>(a);
-    case 256: return attend<T, 256>(a);
-    default: return attend<T, 0>(a);
+    case 32: return attend<T, 32>(a, threads);
+    case 64: return attend<T, 64>(a, threads);
+    case 80: return attend<T, 80>(a, threads);
+    case 96: return attend<T, 96>(a, threads);
+    case 128: return attend<T, 128>(a, threads);
+    case 256: return attend<T, 256>(a, threads);
+    default: return attend<T, 0>(a, threads);
   }
 }
 
@@ -376,23 +383,25 @@ int graphdecode_cpu_abi_version() { return GRAPHDECODE_CPU_ABI_VERSION; }
 
 // q [rows, queries, heads, head_dim] and out (same shape) contiguous; block_table [rows, >= width]
 // with row stride bt_stride; positions [rows, queries] int64, or null and seq_lens [rows] int32
-// with queries == 1. Returns 0, or 1 for arguments it cannot take (nothing is written then).
+// with queries == 1; threads: OpenMP threads over the rows (>= 1). Returns 0, or 1 for arguments it
+// cannot take (nothing is written then).
 int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t* block_table, int64_t bt_stride,
                                     const int64_t* positions, const int32_t* seq_lens, void* out, int64_t rows,
                                     int64_t queries, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                     int64_t page_size, int64_t width, int64_t num_pages, float scale,
-                                    int64_t window_left, float soft_cap, const float* sinks, int32_t dtype) {
+                                    int64_t window_left, float soft_cap, const float* sinks, int32_t dtype,
+                                    int32_t threads) {
   if (!q || !kv || !block_table || !out || (!positions && (!seq_lens || queries != 1)) || rows < 0 ||
       queries < 1 || kv_heads < 1 ||
       heads < kv_heads || heads % kv_heads != 0 || head_dim < 1 || head_dim > 512 || page_size < 1 ||
-      width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f)
+      width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f || threads < 1)
     return 1;
   Args a{q, kv, block_table, positions, seq_lens, out, rows, queries, heads, kv_heads, head_dim, page_size,
          width, num_pages, bt_stride, scale, window_left, soft_cap, sinks};
   if (dtype == kFloat32) {
-    attend_any<float>(a);
+    attend_any<float>(a, threads);
   } else if (dtype == kBFloat16) {
-    attend_any<uint16_t>(a);
+    attend_any<uint16_t>(a, threads);
   } else {
     return 1;
   }

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 4
+ABI_VERSION = 5
 FUSED_MAX_ROWS = 256  # rows a fused pass takes when torch runs several threads
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -46,7 +46,7 @@ class CpuKernels:
             raise RuntimeError(f"{path}: ABI {self._lib.graphdecode_cpu_abi_version()}, expected {ABI_VERSION}")
         fn = self._lib.graphdecode_cpu_paged_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32]
+        fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32, _I32]
         self._fn = fn
         self._norm = self._lib.graphdecode_cpu_add_rms_norm
         self._norm.restype = ctypes.c_int
@@ -65,10 +65,11 @@ class CpuKernels:
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
 
     def paged_attention(self, out, q, kv, block_table, *, positions=None, seq_lens=None, scale: float,
-                        window_left: int = -1, soft_cap: float = 0.0, sinks=None) -> None:
+                        window_left: int = -1, soft_cap: float = 0.0, sinks=None, threads: int | None = None) -> None:
         """out, q [B, Q, H, D] contiguous; kv [pages, 2, P, H_kv, D] contiguous; block_table
         [B, W] int32 with unit column stride; positions [B, Q] int64 contiguous, or seq_lens [B]
-        int32 (Q = 1, the query at seq_len - 1); sinks [H] float32 or None. All CPU tensors."""
+        int32 (Q = 1, the query at seq_len - 1); sinks [H] float32 or None. All CPU tensors.
+        The rows go over `threads` (default torch's) threads; a row's result does not depend on it."""
         rows, queries, heads, head_dim = q.shape
         err = self._fn(
             q.data_ptr(), kv.data_ptr(), block_table.data_ptr(), block_table.stride(0),
@@ -76,6 +77,7 @@ class CpuKernels:
             seq_lens.data_ptr() if seq_lens is not None else None, out.data_ptr(),
             rows, queries, heads, kv.shape[3], head_dim, kv.shape[2], block_table.shape[1], kv.shape[0],
             scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, _DTYPES[q.dtype],
+            torch.get_num_threads() if threads is None else threads,
         )
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "

@@ -128,6 +128,30 @@ def test_kernel_decode_reads_pages_in_place(spec_name, dtype, heads, kv_heads, h
     assert torch.equal(backend.kv_caches[0][slots // PAGE, 0, slots % PAGE], k)  # written first
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_on_several_threads_equal_one_thread_bit_for_bit(dtype):
+    """The rows go over torch's threads, each with its own scratch: 1, 2 and 4 threads give the
+    same output, and every row still matches the oracle (rows of unequal length: dynamic handout)."""
+    rows, spec, q, k, v, want = _decode_case("all", dtype, 9, 3, 64)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            backend = rows.backend(spec, kernels=True)
+            got.append(backend.decode(0, q, k, v, rows.decode_meta()))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    torch.testing.assert_close(got[0].double(), want, **_tol(dtype))
+    with pytest.raises(ValueError, match="rejected"):  # threads=0 is refused by the kernel, not rounded up
+        out = torch.empty(6, 1, 9, 64, dtype=dtype)
+        backend.kernels.paged_attention(out, q.view(6, 1, 9, 64), backend.kv_caches[0], rows.block_table,
+                                        seq_lens=torch.tensor(rows.lengths, dtype=torch.int32), scale=0.125,
+                                        threads=0)
+
+
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("ragged", [False, True])
 def test_gathering_reference_decode_has_every_variant(spec_name, ragged):
