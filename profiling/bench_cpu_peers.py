@@ -80,7 +80,7 @@ class Timer:
 def _graphdecode_engine(args):
     from graphdecode import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=max(args.prompt_len + args.gen_len, *args.prefill) + 16,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=max([args.prompt_len + args.gen_len, *args.prefill]) + 16,
               enable_prefix_caching=False, cpu_threads=args.threads, max_batch_size=max(args.batches))
 
     def generate(prompts, max_tokens):
@@ -96,7 +96,7 @@ def _vllm_engine(args):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=max(args.prompt_len + args.gen_len, *args.prefill) + 16,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=max([args.prompt_len + args.gen_len, *args.prefill]) + 16,
               enable_prefix_caching=False, max_num_seqs=max(args.batches), seed=0)
 
     def generate(prompts, max_tokens):
