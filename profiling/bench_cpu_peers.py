@@ -41,6 +41,7 @@ DEFAULT_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "graphdecode", "
 
 
 def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Not graphdecode.bench's random_prompt_ids: the vLLM worker's Python has no graphdecode."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
@@ -77,18 +78,27 @@ class Timer:
 
 
 # ------------------------------------------------------------------ workers (one per subprocess)
-def _graphdecode_engine(args):
-    from graphdecode import LLM, SamplingParams
+def _max_model_len(args) -> int:
+    return max([args.prompt_len + args.gen_len, *args.prefill]) + 16
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=max([args.prompt_len + args.gen_len, *args.prefill]) + 16,
-              enable_prefix_caching=False, cpu_threads=args.threads, max_batch_size=max(args.batches))
 
+def _greedy(llm, sampling_params):
+    """generate(prompts, max_tokens) -> each prompt's greedy token ids, through an `LLM` API both
+    engines share (token-id prompts, SamplingParams, use_tqdm)."""
     def generate(prompts, max_tokens):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = sampling_params(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return generate, llm.config.model_config.vocab_size
+    return generate
+
+
+def _graphdecode_engine(args):
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=_max_model_len(args), enable_prefix_caching=False,
+              cpu_threads=args.threads, max_batch_size=max(args.batches))
+    return _greedy(llm, SamplingParams), llm.config.model_config.vocab_size
 
 
 def _vllm_engine(args):
@@ -96,15 +106,9 @@ def _vllm_engine(args):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=max([args.prompt_len + args.gen_len, *args.prefill]) + 16,
-              enable_prefix_caching=False, max_num_seqs=max(args.batches), seed=0)
-
-    def generate(prompts, max_tokens):
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    return generate, llm.llm_engine.model_config.get_vocab_size()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=_max_model_len(args), enable_prefix_caching=False,
+              max_num_seqs=max(args.batches), seed=0)
+    return _greedy(llm, SamplingParams), llm.llm_engine.model_config.get_vocab_size()
 
 
 def worker(args) -> dict:

@@ -77,7 +77,7 @@ class CpuKernels:
             seq_lens.data_ptr() if seq_lens is not None else None, out.data_ptr(),
             rows, queries, heads, kv.shape[3], head_dim, kv.shape[2], block_table.shape[1], kv.shape[0],
             scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, _DTYPES[q.dtype],
-            torch.get_num_threads() if threads is None else threads,
+            _threads(threads),
         )
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
@@ -129,7 +129,7 @@ class CpuKernels:
         if x.dtype != torch.float32 or panels.shape[1] != k or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
-                torch.get_num_threads() if threads is None else threads):
+                _threads(threads)):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)}, {out_features} outputs")
         return y.view(*lead, out_features)
@@ -158,6 +158,11 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_automaton_advance: a state out of range ({states.tolist()[:8]})")
         return out
+
+
+def _threads(threads: int | None) -> int:
+    """A kernel's OpenMP thread count: torch's unless given (0 or less reaches the kernel's check)."""
+    return torch.get_num_threads() if threads is None else threads
 
 
 def _ready(t):

@@ -92,16 +92,18 @@ def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
 
 
 @needs_kernels
-def test_an_engine_on_two_threads_runs_the_panels_and_decodes_transformers_tokens(tiny_models, monkeypatch):
-    """What a user with two cores meets: LLM(cpu_threads=2) runs the panel kernel on both threads (it no longer
-    hands those calls to aten), and its greedy tokens are transformers' fp32 ones, at batch 1 and 3."""
+def test_an_engine_on_two_threads_runs_its_kernels_on_both_and_decodes_transformers_tokens(tiny_models, monkeypatch):
+    """What a user with two cores meets: LLM(cpu_threads=2) runs the panel kernel and the attention kernel on
+    both threads (the panels no longer hand those calls to aten), and its greedy tokens are transformers'
+    fp32 ones, at batch 1 and 3."""
     from graphdecode import LLM, SamplingParams
 
     monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's weights take the panels
-    kernel_threads = []
-    kernel = cpu_kernels_module.CpuKernels.panel_linear
-    monkeypatch.setattr(cpu_kernels_module.CpuKernels, "panel_linear", lambda self, *a, **kw: (
-        kernel_threads.append(torch.get_num_threads()), kernel(self, *a, **kw))[1])
+    kernel_threads = {"panel_linear": [], "paged_attention": []}
+    for name, seen in kernel_threads.items():
+        kernel = getattr(cpu_kernels_module.CpuKernels, name)
+        monkeypatch.setattr(cpu_kernels_module.CpuKernels, name, lambda self, *a, _k=kernel, _s=seen, **kw: (
+            _s.append(torch.get_num_threads()), _k(self, *a, **kw))[1])
     threads = torch.get_num_threads()
     try:
         llm = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4, cpu_threads=2)
@@ -112,7 +114,7 @@ def test_an_engine_on_two_threads_runs_the_panels_and_decodes_transformers_token
         assert generate_tokens(llm, prompts, sp) == want
     finally:
         torch.set_num_threads(threads)  # the engine set two for the process
-    assert kernel_threads and set(kernel_threads) == {2}
+    assert all(seen and set(seen) == {2} for seen in kernel_threads.values())
 
 
 @pytest.mark.parametrize("kind", ["packed", "panel"])
