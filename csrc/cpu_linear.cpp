@@ -1,14 +1,16 @@
 // A float32 linear for few rows, y = x W^T (+ b), over W laid out in column panels
 // (graphdecode/models/cpu_linear.py: PanelWeight).
 //
-// Decode multiplies a few rows by every weight of the model: at 4-32 rows neither aten's GEMM on
-// the row- or column-major weight nor oneDNN's packed one reaches this CPU's memory bandwidth or
-// its FMA peak. Here W is stored once at load as panels of PANEL (64) output columns, each
-// [K][PANEL] contiguous: one panel is one sequential stream from memory. A tile of up to MR (6)
-// rows keeps its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of
-// the panel, one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16
-// KB of panel, so that every tile of the rows reuses the block from L1; the sums wait in a small
-// buffer between blocks. The first tile prefetches the panel PF rows ahead.
+// Decode multiplies a few rows by every weight of the model: at 1-16 rows neither aten's GEMM on
+// the row- or column-major weight nor oneDNN's packed one reaches this CPU's memory bandwidth.
+// Here W is stored once at load as panels of PANEL (64) output columns, each [K][PANEL]
+// contiguous: the panels are one sequential stream from memory. A tile of up to MR (6) rows keeps
+// its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of the panel,
+// one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16 KB of panel,
+// so that every tile of the rows reuses the block from L1; the sums wait in a small buffer between
+// blocks. While a block's tiles run, the next 16 KB of the stream (the next block, or the next
+// panel's first) is prefetched, its cache lines spread over all the tiles' k steps: memory and
+// arithmetic overlap whatever the number of rows.
 //
 // The order of the sums over k is fixed (k ascending per output), so a result does not depend on
 // the number of rows in the call.
@@ -24,23 +26,22 @@ using namespace graphdecode_cpu;
 
 constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
 constexpr int64_t KB = 64;        // k rows per block: 16 KB of panel
-constexpr int64_t PF = 16;        // prefetch distance in k rows (4 KB)
 constexpr int MR = 6;             // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
-// sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]
+constexpr int64_t LINE = 64;      // bytes per cache line
+
+// sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
+// prefetched, `per_k` of them at each k step
 template <int R>
 void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0, int64_t k1,
-          float* __restrict sums, bool prefetch) {
+          float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
   f32x16 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
   for (int64_t k = k0; k < k1; ++k) {
     const float* w = panel + k * PANEL;
-    if (prefetch) {
-      __builtin_prefetch(w + PF * PANEL);
-      __builtin_prefetch(w + PF * PANEL + 32);
-    }
+    for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
     const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
@@ -56,14 +57,14 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
 }
 
 void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* sums,
-               bool prefetch) {
+               const char* pf, int64_t lines, int64_t per_k) {
   switch (rows) {
-    case 6: tile<6>(x, ldx, panel, k0, k1, sums, prefetch); break;
-    case 5: tile<5>(x, ldx, panel, k0, k1, sums, prefetch); break;
-    case 4: tile<4>(x, ldx, panel, k0, k1, sums, prefetch); break;
-    case 3: tile<3>(x, ldx, panel, k0, k1, sums, prefetch); break;
-    case 2: tile<2>(x, ldx, panel, k0, k1, sums, prefetch); break;
-    default: tile<1>(x, ldx, panel, k0, k1, sums, prefetch); break;
+    case 6: tile<6>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 5: tile<5>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 4: tile<4>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 3: tile<3>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 2: tile<2>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    default: tile<1>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
   }
 }
 
@@ -90,9 +91,18 @@ extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K
       for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? bias[p * PANEL + j] : 0.f;
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+      // the next KB rows of the stream come in while this block's tiles run (prefetching past the
+      // panels' end is harmless: a prefetch never faults)
+      const int64_t steps = ((rows + MR - 1) / MR) * (k1 - k0);
+      int64_t lines = KB * PANEL * int64_t(sizeof(float)) / LINE;
+      const int64_t per_k = (lines + steps - 1) / steps;
+      const char* pf = reinterpret_cast<const char*>(panel + k1 * PANEL);
       for (int64_t m = 0; m < rows; m += MR) {
         const int64_t r = rows - m < MR ? rows - m : MR;
-        tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, m == 0);
+        const int64_t mine = lines < per_k * (k1 - k0) ? lines : per_k * (k1 - k0);
+        tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, pf, mine, per_k);
+        pf += mine * LINE;
+        lines -= mine;
       }
     }
     for (int64_t m = 0; m < rows; ++m)

@@ -1,13 +1,15 @@
-"""In-process A/B of the fp32 CPU linears: panels + column-major (today) against oneDNN packed + row-major.
+"""In-process A/B of the fp32 CPU linears: today's dispatch against the one before it.
 
-One engine, one process: the projections' `PanelWeight`s and, built from the same weights, the
-`PackedWeight`s the engine used before the panels (oneDNN's packed weight, the row-major one beside it
-for 1-2 rows) are swapped in and out between timed `generate` calls, in alternating order, so the
-host's drift reaches both alike. Prints the best of each, the best-of ratio, the median of the paired
-ratios and whether the tokens are the same (BENCHMARKS.md section 12d).
+One engine, one process: the projections' and the LM head's weights as the engine loads them today
+(panels up to PANEL_ROWS rows, oneDNN's packed GEMM for more; the head packed) and, rebuilt from the
+same panels, the dispatch before (panels up to 48 rows, aten's NN GEMM on a column-major copy for more;
+the head's row-major dense GEMV for 1-2 rows, packed for more) are swapped in and out between timed
+`generate` calls, in alternating order, so the host's drift reaches both alike. Decode time is a full
+run less a prefill-only one. Prints the best of each, the best-of ratio, the median of the paired ratios
+and whether the tokens are the same (BENCHMARKS.md sections 12d, 18).
 
-    python profiling/ab_cpu_linears.py --batch 16 --gen 24
-    python profiling/ab_cpu_linears.py --batch 1 --gen 1 --prompt-len 2048     # prefill
+    python profiling/ab_cpu_linears.py --batch 16 --gen 33 --threads 2
+    python profiling/ab_cpu_linears.py --batch 1 --gen 1 --prompt-len 2048     # prefill only
 """
 
 from __future__ import annotations
@@ -17,6 +19,34 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
+
+BEFORE_PANEL_ROWS = 48
+BEFORE_DENSE_HEAD_ROWS = 2
+
+
+class Before:
+    """A projection as the engine ran it before: panels up to 48 rows, aten's NN GEMM on W^T for more."""
+
+    def __init__(self, now):
+        self.now = now
+        weight = now.panels.transpose(1, 2).reshape(-1, now.in_features)[: now.out_features]
+        self.column_major = weight.t().contiguous().t()
+
+    def __call__(self, x, bias=None):
+        if x.numel() <= BEFORE_PANEL_ROWS * self.now.in_features:
+            return self.now.kernels.panel_linear(x, self.now.panels, self.now.out_features, bias)
+        return F.linear(x, self.column_major, bias)
+
+
+class BeforeHead:
+    """The LM head before: the row-major dense weight for 1-2 rows, oneDNN's packed one for more."""
+
+    def __init__(self, now, dense):
+        self.now, self.dense = now, dense
+
+    def __call__(self, x, bias=None):
+        return F.linear(x, self.dense, bias) if x.shape[0] <= BEFORE_DENSE_HEAD_ROWS else self.now(x, bias)
 
 
 def main(argv=None) -> dict:
@@ -26,47 +56,56 @@ def main(argv=None) -> dict:
     p.add_argument("--gen", type=int, default=24, help="greedy tokens per prompt")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of the engine")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
 
     from graphdecode import LLM, SamplingParams
     from graphdecode.bench.common import random_prompt_ids
     from graphdecode.gguf_import import smollm2_dir
-    from graphdecode.models.cpu_linear import PackedWeight, PanelWeight
+    from graphdecode.models.cpu_linear import PanelWeight
 
-    llm = LLM(args.model or smollm2_dir(), buckets=[args.batch], num_decode_steps=8,
-              max_model_len=args.prompt_len + args.gen + 8, cpu_threads=1, enable_prefix_caching=False)
-    modules = [m for m in llm.engine.runner.model.modules() if isinstance(getattr(m, "packed", None), PanelWeight)]
-    if not modules:
-        raise SystemExit("no panelled projections: fp32 weights of 2^19 elements and up, with the CPU kernels")
-    variants = {"panel": [m.packed for m in modules],
-                "packed": [PackedWeight(m.packed.dense.contiguous()) for m in modules]}
+    llm = LLM(args.model or smollm2_dir(), max_batch_size=args.batch, max_model_len=args.prompt_len + args.gen + 8,
+              cpu_threads=args.threads, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    modules = [m for m in model.modules() if isinstance(getattr(m, "packed", None), PanelWeight)]
+    if not modules or model.packed_head is None or not model.config.tie_word_embeddings:
+        raise SystemExit("needs panelled projections (fp32, a model that streams its weights, the CPU kernels) "
+                         "and a tied LM head")
+    variants = {"now": ([m.packed for m in modules], model.packed_head),
+                "before": ([Before(m.packed) for m in modules],
+                           BeforeHead(model.packed_head, model.model.embed_tokens.weight))}
     prompts = [{"prompt_token_ids": ids}
                for ids in random_prompt_ids(args.batch, args.prompt_len, llm.config.model_config.vocab_size)]
-    params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True)
 
-    def run(name):
-        for module, weight in zip(modules, variants[name]):
-            module.packed = weight
+    def timed(max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
-    run("panel")  # warm both
-    run("packed")
-    best, tokens, ratios = {"packed": float("inf"), "panel": float("inf")}, {}, []
+    def run(name):
+        weights, model.packed_head = variants[name]
+        for module, weight in zip(modules, weights):
+            module.packed = weight
+        full, tokens = timed(args.gen)
+        return (full - timed(1)[0] if args.gen > 1 else full), tokens
+
+    run("now")  # warm both
+    run("before")
+    best, tokens, ratios = {"before": float("inf"), "now": float("inf")}, {}, []
     for i in range(args.rounds):
         took = {}
-        for name in ("packed", "panel") if i % 2 == 0 else ("panel", "packed"):
+        for name in ("before", "now") if i % 2 == 0 else ("now", "before"):
             took[name], tokens[name] = run(name)
             best[name] = min(best[name], took[name])
-        ratios.append(took["packed"] / took["panel"])
-    result = {"batch": args.batch, "gen": args.gen, "prompt_len": args.prompt_len, "packed_s": best["packed"],
-              "panel_s": best["panel"], "best_ratio": best["packed"] / best["panel"],
-              "median_paired_ratio": statistics.median(ratios), "same_tokens": tokens["packed"] == tokens["panel"]}
-    print(f"batch {args.batch}, {args.gen} tokens, {args.prompt_len}-token prompts: packed {best['packed']:.3f} s, "
-          f"panels {best['panel']:.3f} s; best-of {result['best_ratio']:.3f}x, median paired "
-          f"{result['median_paired_ratio']:.3f}x [{min(ratios):.2f}-{max(ratios):.2f}], "
+        ratios.append(took["before"] / took["now"])
+    result = {"batch": args.batch, "gen": args.gen, "prompt_len": args.prompt_len, "threads": args.threads,
+              "before_s": best["before"], "now_s": best["now"], "best_ratio": best["before"] / best["now"],
+              "median_paired_ratio": statistics.median(ratios), "same_tokens": tokens["before"] == tokens["now"]}
+    what = "decode" if args.gen > 1 else "prefill"
+    print(f"batch {args.batch}, {args.gen} tokens, {args.prompt_len}-token prompts, {args.threads} threads, {what}: "
+          f"before {best['before']:.3f} s, now {best['now']:.3f} s; best-of {result['best_ratio']:.3f}x, median "
+          f"paired {result['median_paired_ratio']:.3f}x [{min(ratios):.2f}-{max(ratios):.2f}], "
           f"same tokens {result['same_tokens']}", flush=True)
     return result
 

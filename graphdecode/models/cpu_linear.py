@@ -1,26 +1,24 @@
-"""The CPU's linears: prepacked oneDNN weights, and float32 panels for few rows.
+"""The CPU's linears: float32 panels for few rows, prepacked oneDNN weights for more.
 
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
-depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12):
+depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12d, 18):
 
-* float32 (with the CPU kernels): every projection keeps its `[out, in]` parameter, stored
-  column-major in place (W^T in memory: aten runs x @ W^T as a plain NN GEMM), and one more copy
-  of W in column panels (`PanelWeight`, csrc/cpu_linear.cpp). Up to PANEL_ROWS rows the panel
-  kernel runs: each panel of 64 output columns is one sequential stream, its sums stay in
-  registers, 1.1-2x aten's and oneDNN's GEMMs at 4-32 rows of SmolLM2's shapes with every
-  layer's weights streaming from memory, about even at 1-2 rows (BENCHMARKS.md). More rows (a batch
-  of 64 and up, prefill) run aten's NN GEMM on the column-major parameter, 1.0-1.4x oneDNN's
-  packed one from 48 rows to 2,048. With more than one torch thread all rows take aten's threaded
-  GEMM (the panel kernel runs on one).
-* bfloat16: oneDNN's blocked layout, made once at load (`torch.ops.mkldnn._reorder_linear_weight`)
-  and used by `_linear_pointwise` (`PackedWeight`): 1.3-2.3x aten's bf16 linear up to 64 rows
+* float32, in a model whose projections stream from memory (FP32_STREAM_BYTES and up, with the
+  CPU kernels): each projection's weight in column panels (`PanelWeight`, csrc/cpu_linear.cpp) and
+  in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, run by
+  `_linear_pointwise`); the dense parameter is released. Up to PANEL_ROWS rows the panel kernel
+  runs: the panels are one sequential stream whose sums stay in registers, 1.2-2.2x oneDNN's and
+  aten's GEMMs at one row with two threads, even with oneDNN at 8-16. More rows (decode batches of
+  32 and up, prefill) run oneDNN's GEMM, at this CPU's FMA peak from 64 rows (1.2-1.7x aten's).
+* float32 in a model that fits in cache (a 256-wide model's): the `[out, in]` parameter stored
+  column-major in place (W^T in memory: aten runs x @ W^T as a plain NN GEMM) and nothing else;
+  there aten's GEMM beats the panels (0.5-0.9x) and a packed or ctypes call's fixed cost counts.
+* bfloat16: oneDNN's blocked layout (`PackedWeight`), 1.3-2.3x aten's bf16 linear up to 64 rows
   (AMX / avx512_bf16); the dense weight is released.
-* float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`, with
-  the dense weight kept for 1-2 rows (aten's GEMV is faster there); weights under FP32_PACK_MIN
-  elements only column-major, where the packed call's fixed cost (~15 us) outweighs its gain.
-* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (at 4-64 rows oneDNN's packed
-  head beats both dense layouts); a tied head packs the embedding, which stays row-major for its
-  lookups.
+* float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`.
+* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (at every row count oneDNN's
+  packed head beats the dense layouts and the panels); a tied head packs the embedding, which stays
+  row-major for its lookups.
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection its weight object and the LM head its `PackedWeight`; their
@@ -36,13 +34,11 @@ import itertools
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-DENSE_ROWS = 2  # fp32 PackedWeight: up to this many rows, aten's dense GEMV is faster than the packed GEMM
-FP32_PACK_MIN = 1 << 19  # fp32 weights with fewer elements stay dense only (without the CPU kernels)
+FP32_STREAM_BYTES = 64 << 20  # fp32 projections of a model this large stream from memory: panels and packed
 PANEL = 64  # output columns per panel (csrc/cpu_linear.cpp)
-PANEL_ROWS = 48  # fp32: up to this many rows the panel kernel, more aten's NN GEMM (decode buckets <= 32 / >= 64)
+PANEL_ROWS = 16  # fp32: up to this many rows the panel kernel, more oneDNN's packed GEMM
 _PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> CpuWeight
 _HANDLES = itertools.count(1)
 
@@ -76,32 +72,27 @@ class CpuWeight:
 
 
 class PackedWeight(CpuWeight):
-    """W in oneDNN's layout; fp32 also keeps W dense for 1-2 rows."""
+    """W in oneDNN's blocked layout, for every row count."""
 
     def __init__(self, weight: torch.Tensor):
-        weight = weight.detach()
         super().__init__(weight)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.dense = weight if weight.dtype == torch.float32 else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     @property
     def extra_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] <= DENSE_ROWS:
-            return F.linear(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-class PanelWeight(CpuWeight):
-    """float32: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), the
-    column-major parameter through aten's NN GEMM for more."""
+class PanelWeight(PackedWeight):
+    """float32: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), and in
+    oneDNN's layout for more."""
 
     def __init__(self, weight: torch.Tensor, kernels):
-        weight = weight.detach()
         super().__init__(weight)
-        self.dense = weight
+        weight = weight.detach()
         panels = -(-self.out_features // PANEL)
         padded = weight.new_zeros((panels * PANEL, self.in_features))
         padded[: self.out_features] = weight
@@ -110,12 +101,12 @@ class PanelWeight(CpuWeight):
 
     @property
     def extra_bytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
+        return super().extra_bytes + self.panels.numel() * self.panels.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() <= PANEL_ROWS * self.in_features:
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
-        return F.linear(x, self.dense, bias)
+        return super().run(x, bias)
 
 
 @torch.library.custom_op("graphdecode::packed_linear", mutates_args=())
@@ -134,35 +125,36 @@ def _(x, bias, handle, out_features):
 def prepack_cpu_linears(model: nn.Module) -> None:
     """Give every linear (FusedLinear, RowParallelLinear) its CPU weight and the LM head a PackedWeight.
 
-    fp32 projections: column-major in place plus a PanelWeight (with the CPU kernels). bf16: packed, the
-    dense weight released. The LM head packs the embedding when they are tied; the embedding stays."""
+    fp32 projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
+    PackedWeight, the dense parameter released; of a model that fits in cache: column-major in place. bf16:
+    packed, the dense weight released. The LM head packs the embedding when they are tied; the embedding
+    stays."""
     from ..kernels.cpu import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
 
     kernels = cpu_kernels()
-
-    def worth_packing(weight: torch.Tensor) -> bool:  # fp32: a weight that streams from memory, not cache
-        return weight.dtype != torch.float32 or weight.numel() >= FP32_PACK_MIN
-
-    for module in model.modules():
-        if isinstance(module, (FusedLinear, RowParallelLinear)):
-            if module.weight.dtype == torch.float32 and kernels is not None and worth_packing(module.weight):
-                column_major_(module.weight)
-                module.packed = PanelWeight(module.weight, kernels)
-            elif worth_packing(module.weight):
-                module.packed = PackedWeight(module.weight)
-                if module.packed.dense is None:
-                    module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-            else:
-                column_major_(module.weight)
+    linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
     tied = model.config.tie_word_embeddings
     head = model.model.embed_tokens if tied else model.lm_head
-    if worth_packing(head.weight):
+    fp32 = [w for w in [m.weight for m in linears] + [head.weight] if w.dtype == torch.float32]
+    streams = sum(w.numel() * w.element_size() for w in fp32) >= FP32_STREAM_BYTES
+
+    def release(module: nn.Module) -> None:
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+    for module in linears:
+        if module.weight.dtype != torch.float32 or streams:
+            fp32_panels = module.weight.dtype == torch.float32 and kernels is not None
+            module.packed = PanelWeight(module.weight, kernels) if fp32_panels else PackedWeight(module.weight)
+            release(module)
+        else:
+            column_major_(module.weight)
+    if head.weight.dtype != torch.float32 or streams:
         model.packed_head = PackedWeight(head.weight)
-        if not tied and model.packed_head.dense is None:
-            head.weight = nn.Parameter(head.weight.new_empty(0), requires_grad=False)
-    elif not tied:  # a tied head is the embedding, whose rows the lookup reads
+        if not tied:  # a tied head is the embedding, whose rows the lookup reads
+            release(head)
+    elif not tied:
         column_major_(head.weight)
 
 
@@ -172,7 +164,7 @@ def column_major_(weight: torch.Tensor) -> None:
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes the packed and panelled weights hold beyond the model's parameters (fp32's dense copies are them)."""
+    """Bytes the packed and panelled weights hold beyond the model's parameters."""
     weights = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
     weights += [model.packed_head] if getattr(model, "packed_head", None) is not None else []
     return sum(w.extra_bytes for w in weights)

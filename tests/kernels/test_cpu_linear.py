@@ -1,7 +1,8 @@
 """The CPU's linears (models/cpu_linear.py): prepacked and panelled weights give the same products as
 aten's linear, through eager calls and the opaque op a compiled forward uses; a CPU model gets them at
-load (fp32: column-major parameters and panels, or without the CPU kernels oneDNN's packed weights; bf16
-packed, its dense weights dropped), and memory accounting counts the extra copies."""
+load (fp32 in a model that streams its weights: panels and oneDNN's packed weights, or without the CPU
+kernels packed only; in a model that fits in cache column-major parameters; bf16 packed; packed models
+drop their dense weights), and memory accounting counts the extra copies."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ def test_packed_weight_equals_dense_linear(dtype, rows, bias):
     b = torch.randn(96, generator=g).to(dtype) if bias else None
     x = torch.randn(rows, 64, generator=g).to(dtype)
     packed = PackedWeight(weight)
-    assert (packed.dense is not None) == (dtype == torch.float32)  # bf16 keeps only the packed copy
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
     tol = dict(rtol=2e-2, atol=5e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(packed(x, b).float(), want, **tol)
@@ -41,21 +41,22 @@ needs_kernels = pytest.mark.skipif(cpu_kernels_module.cpu_kernels() is None,
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias):
     """The panel kernel (csrc/cpu_linear.cpp) for 0..PANEL_ROWS rows, across its register tiles (6 rows),
-    passes (64 rows), a last panel narrower than 64 columns and K not a multiple of its 64-row blocks; aten's
-    NN GEMM on the column-major parameter past PANEL_ROWS. A row's result does not depend on the batch."""
+    a last panel narrower than 64 columns and K not a multiple of its 64-row blocks; oneDNN's packed GEMM
+    past PANEL_ROWS; the kernel itself for any row count (its passes of 64 rows). A row's result does not
+    depend on the batch."""
     n, k = shape
     g = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    cpu_linear.column_major_(weight)
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
-    assert panel.dense.t().is_contiguous() and panel.extra_bytes == -(-n // 64) * 64 * k * 4
+    packed_bytes = panel.packed.numel() * panel.packed.element_size()
+    assert packed_bytes >= n * k * 4 and panel.extra_bytes == -(-n // 64) * 64 * k * 4 + packed_bytes
     x = torch.randn(70, k, generator=g)
     for rows in (0, 1, 2, 5, 6, 7, 13, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1, 70):
-        got = panel(x[:rows], b)
         want = F.linear(x[:rows].double(), weight.double(), None if b is None else b.double()).float()
-        assert got.shape == (rows, n) and got.dtype == torch.float32
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+        for got in (panel(x[:rows], b), panel.kernels.panel_linear(x[:rows], panel.panels, n, b)):
+            assert got.shape == (rows, n) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
     one = [panel(x[i : i + 1], b) for i in range(13)]
     assert torch.equal(torch.cat(one), panel(x[:13], b))  # the same sums whichever tile a row lands in
     assert panel(x[:6].view(2, 3, k), b).shape == (2, 3, n)
@@ -80,7 +81,6 @@ def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows):
 def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     """With several torch threads the panel kernel still takes up to PANEL_ROWS rows (on those threads)."""
     weight = torch.randn(128, 64)
-    cpu_linear.column_major_(weight)
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     calls = []
     monkeypatch.setattr(panel, "kernels", type("Spy", (), {"panel_linear": lambda self, *a: calls.append(a)})())
@@ -88,7 +88,7 @@ def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     panel(torch.randn(4, 64))
     assert len(calls) == 1
     assert panel(torch.randn(cpu_linear.PANEL_ROWS + 1, 64)).shape == (cpu_linear.PANEL_ROWS + 1, 128)
-    assert len(calls) == 1  # past PANEL_ROWS: aten's GEMM
+    assert len(calls) == 1  # past PANEL_ROWS: oneDNN's GEMM
 
 
 @needs_kernels
@@ -98,7 +98,7 @@ def test_an_engine_on_two_threads_runs_its_kernels_on_both_and_decodes_transform
     fp32 ones, at batch 1 and 3."""
     from graphdecode import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's weights take the panels
+    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)  # the tiny model's weights take the panels
     kernel_threads = {"panel_linear": [], "paged_attention": []}
     for name, seen in kernel_threads.items():
         kernel = getattr(cpu_kernels_module.CpuKernels, name)
@@ -123,7 +123,6 @@ def test_compiled_calls_go_through_the_opaque_op(kind):
     if kind == "panel":
         if cpu_kernels_module.cpu_kernels() is None:
             pytest.skip("no C++ compiler for the CPU kernels")
-        cpu_linear.column_major_(weight)
         packed = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     else:
         packed = PackedWeight(weight)
@@ -146,7 +145,7 @@ def test_compiled_calls_go_through_the_opaque_op(kind):
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_untied"])
 def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
-    """A 64-wide model's fp32 weights are far below FP32_PACK_MIN: nothing is copied; the projections (and an
+    """A 64-wide model's fp32 weights fit in cache (under FP32_STREAM_BYTES): nothing is copied; the projections (and an
     untied LM head) are stored column-major, the embedding (a tied head) row-major for its lookups."""
     from graphdecode import LLM
     from graphdecode.models.layers import FusedLinear
@@ -165,29 +164,27 @@ def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
 def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     from graphdecode import LLM
 
-    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)  # the tiny model's fp32 weights count as large
+    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)  # the tiny model's fp32 weights count as streaming
     llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4)
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
-    if dtype == "float32" and cpu_kernels_module.cpu_kernels() is not None:  # panels + the column-major parameter
-        assert isinstance(layer.mlp.gate_up_proj.packed, PanelWeight)
-        assert layer.mlp.gate_up_proj.weight.t().is_contiguous()
+    panels = dtype == "float32" and cpu_kernels_module.cpu_kernels() is not None
+    assert (type(layer.mlp.gate_up_proj.packed) is PanelWeight) == panels  # else PackedWeight only
     assert model.packed_head is not None  # tied: a packed copy of the embedding, which stays
     assert model.model.embed_tokens.weight.numel() > 0
-    dense = layer.mlp.gate_up_proj.weight.numel()
-    assert (dense > 0) == (dtype == "float32")
+    assert layer.mlp.gate_up_proj.weight.numel() == 0 and layer.self_attn.o_proj.weight.numel() == 0
     sizes = llm.engine.runner.memory_sizes()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sizes["weight_bytes"] == params + cpu_linear.packed_bytes(model) > params
 
 
 def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkeypatch):
-    """No C++ compiler (or GRAPHDECODE_CPU_KERNELS=0): fp32 projections get oneDNN's packed weight with the
-    row-major dense one beside it for 1-2 rows, and greedy tokens are those of the panelled engine."""
+    """No C++ compiler (or GRAPHDECODE_CPU_KERNELS=0): fp32 projections get oneDNN's packed weight alone, and
+    greedy tokens are those of the panelled engine."""
     from graphdecode import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_linear, "FP32_PACK_MIN", 0)
+    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)
     prompts = [{"prompt_token_ids": [3, 7, 11, 5]}, {"prompt_token_ids": [9, 2]}]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
@@ -196,8 +193,7 @@ def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkey
             monkeypatch.setattr(cpu_kernels_module, "cpu_kernels", lambda: None)
         llm = LLM(tiny_models["qwen2_tied"], max_model_len=64, max_batch_size=4)
         proj = llm.engine.runner.model.model.layers[0].mlp.down_proj
-        assert isinstance(proj.packed, PanelWeight if kernels and cpu_kernels_module.cpu_kernels() else PackedWeight)
-        if not kernels:
-            assert proj.packed.dense is not None and proj.weight.is_contiguous()
+        assert type(proj.packed) is (PanelWeight if kernels and cpu_kernels_module.cpu_kernels() else PackedWeight)
+        assert proj.weight.numel() == 0
         tokens[kernels] = first_tokens(llm.generate(prompts, sp, use_tqdm=False))
     assert tokens[True] == tokens[False]
