@@ -9,6 +9,8 @@
 //                 multiplied by the weight and rounded again)
 //   rope          out = round(round(x * cos) + round(rotate_half(x) * sin)) for q and k, the cos /
 //                 sin rows of each token's position (full rotary: every dim rotates)
+// Rows (tokens) go over OpenMP threads (torch's pool, as in cpu_linear.cpp) once a call has
+// PARALLEL_MIN elements: a row's arithmetic is the same on any thread, so its result is too.
 // fp32 or bf16 tensors; float32 arithmetic in between. No fused multiply-add is formed
 // (fp-contract off below): torch rounds each product. (SwiGLU stays torch's: a fused pass with
 // the attention kernel's vectorised exp, tried 2026-12-01, ran 0.5-1.0x torch's silu + mul at 16-64 rows
@@ -38,9 +40,12 @@ namespace {
 
 using namespace graphdecode_cpu;
 
+constexpr int64_t PARALLEL_MIN = 1 << 15;  // elements: below this a call stays on its thread (a fork costs µs)
+
 template <typename T>
 void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum, int64_t rows, int64_t hidden,
-                  int64_t x_stride, float eps) {
+                  int64_t x_stride, float eps, int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * hidden >= PARALLEL_MIN)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
     const T* rr = residual ? residual + r * hidden : nullptr;
@@ -93,7 +98,10 @@ void rope_heads(const T* in, T* out, const T* cos, const T* sin, int64_t heads, 
 
 template <typename T>
 void rope(const T* q, const T* k, T* q_out, T* k_out, const T* cos, const T* sin, const int64_t* positions,
-          int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim, int64_t q_stride, int64_t k_stride) {
+          int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim, int64_t q_stride, int64_t k_stride,
+          int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) \
+    if (threads > 1 && tokens * (q_heads + k_heads) * dim >= PARALLEL_MIN)
   for (int64_t t = 0; t < tokens; ++t) {
     const T* c = cos + positions[t] * dim;
     const T* s = sin + positions[t] * dim;
@@ -142,15 +150,16 @@ int graphdecode_cpu_automaton_advance(const int32_t* states, const int64_t* toke
 }
 
 int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* sum,
-                                 int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype) {
-  if (rows < 0 || hidden <= 0 || x_stride < hidden || (residual && !sum)) return 1;
+                                 int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype,
+                                 int32_t threads) {
+  if (rows < 0 || hidden <= 0 || x_stride < hidden || (residual && !sum) || threads < 1) return 1;
   if (dtype == kFloat32) {
     add_rms_norm(static_cast<const float*>(x), static_cast<const float*>(residual), static_cast<const float*>(weight),
-                 static_cast<float*>(out), static_cast<float*>(sum), rows, hidden, x_stride, eps);
+                 static_cast<float*>(out), static_cast<float*>(sum), rows, hidden, x_stride, eps, threads);
   } else if (dtype == kBFloat16) {
     add_rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
                  static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), static_cast<uint16_t*>(sum), rows,
-                 hidden, x_stride, eps);
+                 hidden, x_stride, eps, threads);
   } else {
     return 2;
   }
@@ -159,16 +168,17 @@ int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void
 
 int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out, const void* cos, const void* sin,
                          const int64_t* positions, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim,
-                         int64_t q_stride, int64_t k_stride, int32_t dtype) {
-  if (tokens < 0 || dim <= 0 || dim % 2 || q_stride < q_heads * dim || k_stride < k_heads * dim) return 1;
+                         int64_t q_stride, int64_t k_stride, int32_t dtype, int32_t threads) {
+  if (tokens < 0 || dim <= 0 || dim % 2 || q_stride < q_heads * dim || k_stride < k_heads * dim || threads < 1)
+    return 1;
   if (dtype == kFloat32) {
     rope(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<float*>(q_out),
          static_cast<float*>(k_out), static_cast<const float*>(cos), static_cast<const float*>(sin), positions, tokens,
-         q_heads, k_heads, dim, q_stride, k_stride);
+         q_heads, k_heads, dim, q_stride, k_stride, threads);
   } else if (dtype == kBFloat16) {
     rope(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k), static_cast<uint16_t*>(q_out),
          static_cast<uint16_t*>(k_out), static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
-         positions, tokens, q_heads, k_heads, dim, q_stride, k_stride);
+         positions, tokens, q_heads, k_heads, dim, q_stride, k_stride, threads);
   } else {
     return 2;
   }

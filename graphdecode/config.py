@@ -369,7 +369,7 @@ class EngineConfig:
         weights = model_weight_bytes(cfg, dtype)
         if device.type == "cpu":
             # the ranks are processes sharing the host's RAM; the weights counted twice (a bound: fp32 linears keep
-            # a panel or packed copy beside the parameter, docs/cpu.md)
+            # panels and a packed copy in place of the parameter, a tied head a packed copy, docs/cpu.md)
             free, total = _host_memory()
             weights *= 2
             budget = (int(total * fraction) - (total - free) - weights - tp * ACTIVATION_RESERVE_BYTES) // tp

@@ -28,8 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 5
-FUSED_MAX_ROWS = 256  # rows a fused pass takes when torch runs several threads
+ABI_VERSION = 6
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -50,10 +49,10 @@ class CpuKernels:
         self._fn = fn
         self._norm = self._lib.graphdecode_cpu_add_rms_norm
         self._norm.restype = ctypes.c_int
-        self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32]
+        self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32]
         self._rope = self._lib.graphdecode_cpu_rope
         self._rope.restype = ctypes.c_int
-        self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32]
+        self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32, _I32]
         self._mask = self._lib.graphdecode_cpu_mask_words
         self._mask.restype = ctypes.c_int
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
@@ -83,15 +82,10 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
                              f"{q.dtype}, kv {tuple(kv.shape)}, block_table {tuple(block_table.shape)}")
 
-    @staticmethod
-    def fused_rows(rows: int) -> bool:
-        """Whether the fused passes (one thread each) should take `rows` rows: always with one torch
-        thread; with more, only up to FUSED_MAX_ROWS (a long prefill chunk keeps torch's threaded ops)."""
-        return rows <= FUSED_MAX_ROWS or torch.get_num_threads() == 1
-
-    # Fused decoder-layer passes (csrc/cpu_fused.cpp): torch's arithmetic in one pass each. Inputs are
-    # CPU tensors in a supported dtype whose last dim is contiguous; outputs are new contiguous tensors.
-    def add_rms_norm(self, x, residual, weight, eps: float):
+    # Fused decoder-layer passes (csrc/cpu_fused.cpp): torch's arithmetic in one pass each, rows over
+    # `threads` (default torch's) threads once a call is large enough. Inputs are CPU tensors in a supported
+    # dtype whose last dim is contiguous; outputs are new contiguous tensors.
+    def add_rms_norm(self, x, residual, weight, eps: float, threads: int | None = None):
         """(x + residual, LlamaRMSNorm of it), or (x, its norm) when residual is None; x [T, H]."""
         x, residual = _ready(x), _ready(residual)
         rows, hidden = x.shape
@@ -99,19 +93,19 @@ class CpuKernels:
         total = torch.empty_like(out) if residual is not None else x
         err = self._norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                          out.data_ptr(), total.data_ptr() if residual is not None else None, rows, hidden,
-                         x.stride(0), eps, _DTYPES[x.dtype])
+                         x.stride(0), eps, _DTYPES[x.dtype], _threads(threads))
         if err:
             raise ValueError(f"graphdecode_cpu_add_rms_norm rejected x {tuple(x.shape)} {x.dtype}")
         return total, out
 
-    def rope(self, q, k, cos, sin, positions):
+    def rope(self, q, k, cos, sin, positions, threads: int | None = None):
         """q [T, Hq, D], k [T, Hk, D] (token stride free, heads contiguous) rotated by the table rows at
         positions [T] int64 -> new contiguous (q, k)."""
         tokens, q_heads, dim = q.shape
         q_out, k_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
         err = self._rope(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), positions.data_ptr(), tokens, q_heads, k.shape[1], dim, q.stride(0),
-                         k.stride(0), _DTYPES[q.dtype])
+                         k.stride(0), _DTYPES[q.dtype], _threads(threads))
         if err:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out

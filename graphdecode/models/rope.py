@@ -96,7 +96,7 @@ class RotaryEmbedding:
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, H_kv, D], positions: [T] int64 (table rows) -> rotated (q, k)."""
-        if self.kernels is not None and not torch.compiler.is_compiling() and self.kernels.fused_rows(q.shape[0]) \
+        if self.kernels is not None and not torch.compiler.is_compiling() \
                 and q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]:
             return self.kernels.rope(q, k, self.cos, self.sin, positions.contiguous())
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
