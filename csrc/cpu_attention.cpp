@@ -33,7 +33,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 6  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'
+#define GRAPHDECODE_CPU_ABI_VERSION 7  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv
 
 namespace {
 
@@ -404,6 +404,32 @@ int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t
     attend_any<uint16_t>(a, threads);
   } else {
     return 1;
+  }
+  return 0;
+}
+
+// This step's K and V into the cache, one call for what torch does in eight ops (the slots' pages and
+// offsets, two indexed writes): kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous; k, v
+// [tokens, kv_heads, head_dim] with their heads contiguous and token strides k_stride / v_stride (in
+// elements: the fused qkv projection's views); slots [tokens] int64 (page * page_size + offset).
+// Returns 1, writing nothing, when a slot is outside the cache or an argument is bad.
+int graphdecode_cpu_write_kv(void* kv, const void* k, const void* v, const int64_t* slots, int64_t tokens,
+                             int64_t kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride,
+                             int64_t page_size, int64_t num_pages, int32_t dtype) {
+  const int64_t elem = dtype == kFloat32 ? 4 : dtype == kBFloat16 ? 2 : 0;
+  const int64_t row = kv_heads * head_dim;
+  if (!kv || tokens < 0 || (tokens > 0 && (!k || !v || !slots)) || elem == 0 || kv_heads < 1 || head_dim < 1 ||
+      k_stride < row || v_stride < row || page_size < 1 || num_pages < 1)
+    return 1;
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] < 0 || slots[t] >= num_pages * page_size) return 1;
+  char* cache = static_cast<char*>(kv);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
+    std::memcpy(cache + ((page * 2 + 0) * page_size + offset) * row * elem,
+                static_cast<const char*>(k) + t * k_stride * elem, row * elem);
+    std::memcpy(cache + ((page * 2 + 1) * page_size + offset) * row * elem,
+                static_cast<const char*>(v) + t * v_stride * elem, row * elem);
   }
   return 0;
 }

@@ -76,7 +76,10 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- prefill
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, meta.slot_mapping)
+        if self.kernels is not None and not torch.compiler.is_compiling():
+            self.kernels.write_kv(kv, k, v, meta.slot_mapping)
+        else:
+            write_kv(kv, k, v, meta.slot_mapping)
         if meta.copy_src is not None:
             copy_slots(kv, meta.copy_src, meta.copy_dst)
         spec = self.specs[layer]
@@ -225,14 +228,14 @@ class TorchAttentionBackend(AttentionBackend):
     def run_paged_decode(self, layer, q, k, v, slot_mapping, seq_lens, block_table) -> torch.Tensor:
         """The CPU kernel's decode step: write this step's K/V, attend each row's pages in place."""
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, slot_mapping)
+        self.kernels.write_kv(kv, k, v, slot_mapping)
         out = torch.empty_like(q)
         self._kernel(out[:, None], q[:, None], kv, block_table, self.specs[layer], seq_lens=seq_lens)
         return out
 
     def run_paged_verify(self, layer, q, k, v, slot_mapping, query_positions, block_table) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, slot_mapping)
+        self.kernels.write_kv(kv, k, v, slot_mapping)
         rows, queries = query_positions.shape
         out = torch.empty_like(q)
         shape = (rows, queries, self.num_heads, self.head_dim)

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 6
+ABI_VERSION = 7
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -59,6 +59,9 @@ class CpuKernels:
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32]
+        self._write_kv = self._lib.graphdecode_cpu_write_kv
+        self._write_kv.restype = ctypes.c_int
+        self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32]
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
@@ -81,6 +84,21 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
                              f"{q.dtype}, kv {tuple(kv.shape)}, block_table {tuple(block_table.shape)}")
+
+    def write_kv(self, kv, k, v, slots) -> None:
+        """k, v [T, H_kv, D] into kv [pages, 2, P, H_kv, D] at slots [T] int64 (page * P + offset), in place:
+        kv_cache.write_kv's eight torch ops in one call. A slot outside the cache is a ValueError (nothing
+        written)."""
+        k, v = _heads_contiguous(_ready(k)), _heads_contiguous(_ready(v))
+        slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        pages, _, page_size, kv_heads, head_dim = kv.shape
+        if (k.dtype != kv.dtype or v.dtype != kv.dtype or k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape
+                or slots.shape != k.shape[:1] or not kv.is_contiguous()) or self._write_kv(
+                kv.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], kv_heads, head_dim,
+                k.stride(0), v.stride(0), page_size, pages, _DTYPES.get(kv.dtype, -1)):
+            raise ValueError(f"graphdecode_cpu_write_kv rejected k {tuple(k.shape)} {k.dtype}, kv {tuple(kv.shape)} "
+                             f"{kv.dtype}, slots {tuple(slots.shape)} (a slot outside the cache's "
+                             f"{pages * page_size}?)")
 
     # Fused decoder-layer passes (csrc/cpu_fused.cpp): torch's arithmetic in one pass each, rows over
     # `threads` (default torch's) threads once a call is large enough. Inputs are CPU tensors in a supported
@@ -157,6 +175,11 @@ class CpuKernels:
 def _threads(threads: int | None) -> int:
     """A kernel's OpenMP thread count: torch's unless given (0 or less reaches the kernel's check)."""
     return torch.get_num_threads() if threads is None else threads
+
+
+def _heads_contiguous(t):
+    """t [T, H, D] with its heads and dims packed (any token stride), as the kernels read it."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 def _ready(t):

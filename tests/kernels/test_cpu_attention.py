@@ -17,6 +17,7 @@ The oracle loops over queries and heads in float64 over each row's keys by posit
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -334,3 +335,39 @@ def test_the_kernel_loads_from_the_package_before_the_cache(tmp_path, monkeypatc
         assert module.cpu_kernels() is None
     finally:
         module.cpu_kernels.cache_clear()
+
+
+def test_the_kernels_load_wherever_a_compiler_is_found():
+    """The kernel tests skip where no C++ compiler can build the library; where one is found, a library that
+    fails to build or load (a compile error, an ABI version out of step with kernels/cpu.py) must fail here,
+    not turn every kernel test into a skip."""
+    from graphdecode.kernels import build as kernel_build
+
+    if kernel_build.find_cxx() is None or os.environ.get("GRAPHDECODE_CPU_KERNELS", "1") == "0":
+        pytest.skip("no C++ compiler (or GRAPHDECODE_CPU_KERNELS=0)")
+    assert cpu_kernels() is not None
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_write_kv_equals_the_torch_write(dtype):
+    """The step's K/V into the cache in one call (CpuKernels.write_kv) is kv_cache.write_kv's result exactly,
+    from the fused qkv projection's strided views; a slot outside the cache is a ValueError and writes nothing."""
+    from graphdecode.attention.kv_cache import write_kv
+
+    g = torch.Generator().manual_seed(4)
+    pages, page_size, kv_heads, head_dim, tokens = 6, 4, 3, 64, 7
+    kv = torch.randn(pages, 2, page_size, kv_heads, head_dim, generator=g).to(dtype)
+    qkv = torch.randn(tokens, 9 * 64 + 2 * kv_heads * head_dim, generator=g).to(dtype)
+    _, k, v = qkv.split([576, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([0, 5, 23, 9, 10, 11, 16])  # first and last slot of the cache, a page's tail
+    want = kv.clone()
+    write_kv(want, k, v, slots)
+    cpu_kernels().write_kv(kv, k, v, slots)
+    assert torch.equal(kv, want)
+    before = kv.clone()
+    for bad in (torch.tensor([3, pages * page_size]), torch.tensor([-1, 2])):
+        with pytest.raises(ValueError, match="write_kv"):
+            cpu_kernels().write_kv(kv, k[:2], v[:2], bad)
+        assert torch.equal(kv, before)
