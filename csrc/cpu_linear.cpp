@@ -1,5 +1,6 @@
-// A float32 linear for few rows, y = x W^T (+ b), over W laid out in column panels
-// (graphdecode/models/cpu_linear.py: PanelWeight).
+// A float32 or bf16 linear for few rows, y = x W^T (+ b), over W laid out in column panels
+// (graphdecode/models/cpu_linear.py: PanelWeight). bf16 panels are widened to float32 as they are
+// read (exact) and summed in float32: half the bytes from memory for the same arithmetic.
 //
 // Decode multiplies a few rows by every weight of the model: at 1-16 rows neither aten's GEMM on
 // the row- or column-major weight nor oneDNN's packed one reaches this CPU's memory bandwidth.
@@ -33,19 +34,32 @@ constexpr int64_t LINE = 64;      // bytes per cache line
 
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
 // prefetched, `per_k` of them at each k step
-template <int R>
-void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0, int64_t k1,
+// 16 panel values as floats: float32 as they are, bf16 widened (exact)
+inline f32x16 panel16(const float* p) { return load16(p); }
+inline f32x16 panel16(const uint16_t* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <int R, typename T>
+void tile(const T* __restrict x, int64_t ldx, const T* __restrict panel, int64_t k0, int64_t k1,
           float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
   f32x16 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
   for (int64_t k = k0; k < k1; ++k) {
-    const float* w = panel + k * PANEL;
+    const T* w = panel + k * PANEL;
     for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
-    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+    const f32x16 w0 = panel16(w), w1 = panel16(w + 16), w2 = panel16(w + 32), w3 = panel16(w + 48);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
-      const float a = x[m * ldx + k];
+      const float a = load(x + m * ldx + k);
       acc[m][0] += a * w0;
       acc[m][1] += a * w1;
       acc[m][2] += a * w2;
@@ -56,7 +70,8 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
     for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
 }
 
-void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, float* sums,
+template <typename T>
+void tile_rows(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k0, int64_t k1, float* sums,
                const char* pf, int64_t lines, int64_t per_k) {
   switch (rows) {
     case 6: tile<6>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
@@ -68,15 +83,9 @@ void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, in
   }
 }
 
-}  // namespace
-
-// x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (columns past N zero), bias [N] or null,
-// y [M, N] (row stride ldy); threads: OpenMP threads (torch's own pool: the library binds to the
-// libgomp torch loaded) over the (row block, panel) pairs, each pair's sums in its thread's buffer,
-// so a result does not depend on the thread count either. Returns nonzero on bad arguments.
-extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels,
-                                            int64_t N, const float* bias, float* y, int64_t ldy, int32_t threads) {
-  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
+template <typename T>
+void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
+                  int64_t ldy, int32_t threads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
   const int64_t tasks = blocks * num_panels;
@@ -85,16 +94,16 @@ extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K
     alignas(64) float sums[ROWS_MAX * PANEL];
     const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-    const float* panel = panels + p * K * PANEL;
+    const T* panel = panels + p * K * PANEL;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? bias[p * PANEL + j] : 0.f;
+      for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = k0 + KB < K ? k0 + KB : K;
       // the next KB rows of the stream come in while this block's tiles run (prefetching past the
       // panels' end is harmless: a prefetch never faults)
       const int64_t steps = ((rows + MR - 1) / MR) * (k1 - k0);
-      int64_t lines = KB * PANEL * int64_t(sizeof(float)) / LINE;
+      int64_t lines = KB * PANEL * int64_t(sizeof(T)) / LINE;
       const int64_t per_k = (lines + steps - 1) / steps;
       const char* pf = reinterpret_cast<const char*>(panel + k1 * PANEL);
       for (int64_t m = 0; m < rows; m += MR) {
@@ -106,7 +115,30 @@ extern "C" int graphdecode_cpu_panel_linear(const float* x, int64_t M, int64_t K
       }
     }
     for (int64_t m = 0; m < rows; ++m)
-      std::memcpy(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols * sizeof(float));
+      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, sums[m * PANEL + j]);
+  }
+}
+
+}  // namespace
+
+// x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (columns past N zero), bias [N] or null,
+// y [M, N] (row stride ldy), all float32 or all bf16 (dtype; bf16: float32 sums, each output rounded
+// once, as oneDNN's bf16 GEMM does); threads: OpenMP threads (torch's own pool: the library binds to
+// the libgomp torch loaded) over the (row block, panel) pairs, each pair's sums in its thread's
+// buffer, so a result does not depend on the thread count either. Returns nonzero on bad arguments.
+extern "C" int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels,
+                                            int64_t N, const void* bias, void* y, int64_t ldy, int32_t threads,
+                                            int32_t dtype) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
+  if (dtype == kFloat32) {
+    panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N,
+                 static_cast<const float*>(bias), static_cast<float*>(y), ldy, threads);
+  } else if (dtype == kBFloat16) {
+    panel_linear(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
+                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
+  } else {
+    return 1;
   }
   return 0;
 }
+

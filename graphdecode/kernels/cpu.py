@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 7
+ABI_VERSION = 8
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -58,7 +58,7 @@ class CpuKernels:
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
-        self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32]
+        self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
         self._write_kv = self._lib.graphdecode_cpu_write_kv
         self._write_kv.restype = ctypes.c_int
         self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32]
@@ -129,21 +129,22 @@ class CpuKernels:
         return q_out, k_out
 
     def panel_linear(self, x, panels, out_features: int, bias=None, threads: int | None = None):
-        """x [..., K] float32 @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64]
-        (models/cpu_linear.py: PanelWeight; csrc/cpu_linear.cpp), on `threads` (default torch's) threads;
-        the result does not depend on their number."""
+        """x [..., K] @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64] (models/cpu_linear.py:
+        PanelWeight; csrc/cpu_linear.cpp), x, panels, bias and the result all float32 or all bf16 (float32 sums),
+        on `threads` (default torch's) threads; the result does not depend on their number."""
         x = _ready(x)
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = torch.empty((x2.shape[0], out_features), dtype=torch.float32)
-        if x.dtype != torch.float32 or panels.shape[1] != k or self._panel(
+        y = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+        if x.dtype not in _DTYPES or panels.dtype != x.dtype or panels.shape[1] != k or (
+                bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
-                _threads(threads)):
+                _threads(threads), _DTYPES[x.dtype]):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
-                             f"{tuple(panels.shape)}, {out_features} outputs")
+                             f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
 
     # The structured-outputs step's two pieces (token_mask.py, structured_tables.py), eager CPU windows only.

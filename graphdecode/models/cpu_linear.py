@@ -3,8 +3,8 @@
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
 depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12d, 18):
 
-* float32, in a model whose projections stream from memory (FP32_STREAM_BYTES and up, with the
-  CPU kernels): each projection's weight in column panels (`PanelWeight`, csrc/cpu_linear.cpp) and
+* float32 or bfloat16, in a model whose projections stream from memory (STREAM_BYTES and up,
+  with the CPU kernels): each projection's weight in column panels (`PanelWeight`, csrc/cpu_linear.cpp) and
   in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, run by
   `_linear_pointwise`); the dense parameter is released. Up to PANEL_ROWS rows the panel kernel
   runs: the panels are one sequential stream whose sums stay in registers, 1.2-2.2x oneDNN's and
@@ -13,8 +13,12 @@ depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHM
 * float32 in a model that fits in cache (a 256-wide model's): the `[out, in]` parameter stored
   column-major in place (W^T in memory: aten runs x @ W^T as a plain NN GEMM) and nothing else;
   there aten's GEMM beats the panels (0.5-0.9x) and a packed or ctypes call's fixed cost counts.
-* bfloat16: oneDNN's blocked layout (`PackedWeight`), 1.3-2.3x aten's bf16 linear up to 64 rows
-  (AMX / avx512_bf16); the dense weight is released.
+  bf16 panels are widened to float32 as the kernel reads them: half the bytes of fp32's; they take
+  up to 4 rows (1.3-1.5x oneDNN's bf16 GEMM at 1-4 rows, which from 8 rows computes faster with
+  avx512_bf16 / AMX).
+* bfloat16 in a model that fits in cache, or without the kernels: oneDNN's blocked layout
+  (`PackedWeight`), 1.3-2.3x aten's bf16 linear up to 64 rows (AMX / avx512_bf16); the dense
+  weight is released.
 * float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`.
 * The LM head (`packed_head`) is a `PackedWeight` in both dtypes (at every row count oneDNN's
   packed head beats the dense layouts and the panels); a tied head packs the embedding, which stays
@@ -36,9 +40,9 @@ import weakref
 import torch
 from torch import nn
 
-FP32_STREAM_BYTES = 64 << 20  # fp32 projections of a model this large stream from memory: panels and packed
+STREAM_BYTES = 64 << 20  # projections + head of a model this large stream from memory: panels and packed
 PANEL = 64  # output columns per panel (csrc/cpu_linear.cpp)
-PANEL_ROWS = 16  # fp32: up to this many rows the panel kernel, more oneDNN's packed GEMM
+PANEL_ROWS = {torch.float32: 16, torch.bfloat16: 4}  # up to this many rows the panels, more oneDNN's GEMM
 _PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> CpuWeight
 _HANDLES = itertools.count(1)
 
@@ -87,7 +91,7 @@ class PackedWeight(CpuWeight):
 
 
 class PanelWeight(PackedWeight):
-    """float32: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), and in
+    """float32 or bf16: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), and in
     oneDNN's layout for more."""
 
     def __init__(self, weight: torch.Tensor, kernels):
@@ -98,13 +102,14 @@ class PanelWeight(PackedWeight):
         padded[: self.out_features] = weight
         self.panels = padded.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
         self.kernels = kernels
+        self.rows = PANEL_ROWS[weight.dtype]
 
     @property
     def extra_bytes(self) -> int:
         return super().extra_bytes + self.panels.numel() * self.panels.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() <= PANEL_ROWS * self.in_features:
+        if x.numel() <= self.rows * self.in_features:
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return super().run(x, bias)
 
@@ -125,10 +130,9 @@ def _(x, bias, handle, out_features):
 def prepack_cpu_linears(model: nn.Module) -> None:
     """Give every linear (FusedLinear, RowParallelLinear) its CPU weight and the LM head a PackedWeight.
 
-    fp32 projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
-    PackedWeight, the dense parameter released; of a model that fits in cache: column-major in place. bf16:
-    packed, the dense weight released. The LM head packs the embedding when they are tied; the embedding
-    stays."""
+    Projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
+    PackedWeight, the dense parameter released; of a model that fits in cache: fp32 column-major in place,
+    bf16 a PackedWeight. The LM head packs the embedding when they are tied; the embedding stays."""
     from ..kernels.cpu import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
@@ -137,16 +141,15 @@ def prepack_cpu_linears(model: nn.Module) -> None:
     linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
     tied = model.config.tie_word_embeddings
     head = model.model.embed_tokens if tied else model.lm_head
-    fp32 = [w for w in [m.weight for m in linears] + [head.weight] if w.dtype == torch.float32]
-    streams = sum(w.numel() * w.element_size() for w in fp32) >= FP32_STREAM_BYTES
+    streams = sum(w.numel() * w.element_size() for w in [m.weight for m in linears] + [head.weight]) >= STREAM_BYTES
 
     def release(module: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
     for module in linears:
         if module.weight.dtype != torch.float32 or streams:
-            fp32_panels = module.weight.dtype == torch.float32 and kernels is not None
-            module.packed = PanelWeight(module.weight, kernels) if fp32_panels else PackedWeight(module.weight)
+            panels = streams and kernels is not None and module.weight.dtype in kernels.supported_dtypes
+            module.packed = PanelWeight(module.weight, kernels) if panels else PackedWeight(module.weight)
             release(module)
         else:
             column_major_(module.weight)

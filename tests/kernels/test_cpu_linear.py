@@ -1,8 +1,8 @@
 """The CPU's linears (models/cpu_linear.py): prepacked and panelled weights give the same products as
 aten's linear, through eager calls and the opaque op a compiled forward uses; a CPU model gets them at
-load (fp32 in a model that streams its weights: panels and oneDNN's packed weights, or without the CPU
-kernels packed only; in a model that fits in cache column-major parameters; bf16 packed; packed models
-drop their dense weights), and memory accounting counts the extra copies."""
+load (fp32 and bf16 in a model that streams its weights: panels and oneDNN's packed weights, or without
+the CPU kernels packed only; in a model that fits in cache fp32 column-major parameters, bf16 packed;
+packed models drop their dense weights), and memory accounting counts the extra copies."""
 
 from __future__ import annotations
 
@@ -39,40 +39,50 @@ needs_kernels = pytest.mark.skipif(cpu_kernels_module.cpu_kernels() is None,
 @needs_kernels
 @pytest.mark.parametrize("shape", [(96, 64), (100, 37), (130, 200), (5, 3), (960, 576)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype):
     """The panel kernel (csrc/cpu_linear.cpp) for 0..PANEL_ROWS rows, across its register tiles (6 rows),
     a last panel narrower than 64 columns and K not a multiple of its 64-row blocks; oneDNN's packed GEMM
-    past PANEL_ROWS; the kernel itself for any row count (its passes of 64 rows). A row's result does not
-    depend on the batch."""
+    past PANEL_ROWS; the kernel itself for any row count (its passes of 64 rows). bf16: float32 sums of the
+    exact products, each output rounded once (within one bf16 step of the float64 result rounded). A row's
+    result does not depend on the batch."""
     n, k = shape
     g = torch.Generator().manual_seed(n * k)
-    weight = torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    size = weight.element_size()
     packed_bytes = panel.packed.numel() * panel.packed.element_size()
-    assert packed_bytes >= n * k * 4 and panel.extra_bytes == -(-n // 64) * 64 * k * 4 + packed_bytes
-    x = torch.randn(70, k, generator=g)
-    for rows in (0, 1, 2, 5, 6, 7, 13, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1, 70):
-        want = F.linear(x[:rows].double(), weight.double(), None if b is None else b.double()).float()
+    assert packed_bytes >= n * k * size and panel.extra_bytes == -(-n // 64) * 64 * k * size + packed_bytes
+    x = torch.randn(70, k, generator=g).to(dtype)
+    limit = cpu_linear.PANEL_ROWS[dtype]
+    for rows in sorted({0, 1, 2, 5, 6, 7, 13, limit, limit + 1, 70}):
+        exact = F.linear(x[:rows].double(), weight.double(), None if b is None else b.double())
         for got in (panel(x[:rows], b), panel.kernels.panel_linear(x[:rows], panel.panels, n, b)):
-            assert got.shape == (rows, n) and got.dtype == torch.float32
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
-    one = [panel(x[i : i + 1], b) for i in range(13)]
-    assert torch.equal(torch.cat(one), panel(x[:13], b))  # the same sums whichever tile a row lands in
+            assert got.shape == (rows, n) and got.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-4 * k ** 0.5)
+            else:  # one bf16 step: 2^-7 of the magnitude, plus float32 sums' error near zero
+                step = exact.abs() * 2 ** -7 + 1e-4 * k ** 0.5
+                assert ((got.double() - exact).abs() <= step).all()
+    one = [panel(x[i : i + 1], b) for i in range(limit)]
+    assert torch.equal(torch.cat(one), panel(x[:limit], b))  # the same sums whichever tile a row lands in
     assert panel(x[:6].view(2, 3, k), b).shape == (2, 3, n)
 
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 7, 48, 130])
-def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows, dtype):
     """The kernel splits its (row block, panel) pairs over OpenMP threads: every output's sum runs in one
     thread in the same order, so 1, 2 and 5 threads (more than this machine's cores) agree bit for bit."""
     n, k = 200, 96  # 4 panels, the last narrower than 64 columns
     g = torch.Generator().manual_seed(rows)
-    weight, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+    weight, b, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n,), (rows, k)))
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     one = panel.kernels.panel_linear(x, panel.panels, n, b, threads=1)
-    torch.testing.assert_close(one, F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(one.float(), F.linear(x.float(), weight.float(), b.float()), **tol)
     for threads in (2, 5):
         assert torch.equal(panel.kernels.panel_linear(x, panel.panels, n, b, threads=threads), one)
 
@@ -87,7 +97,8 @@ def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     panel(torch.randn(4, 64))
     assert len(calls) == 1
-    assert panel(torch.randn(cpu_linear.PANEL_ROWS + 1, 64)).shape == (cpu_linear.PANEL_ROWS + 1, 128)
+    rows = cpu_linear.PANEL_ROWS[torch.float32] + 1
+    assert panel(torch.randn(rows, 64)).shape == (rows, 128)
     assert len(calls) == 1  # past PANEL_ROWS: oneDNN's GEMM
 
 
@@ -98,7 +109,7 @@ def test_an_engine_on_two_threads_runs_its_kernels_on_both_and_decodes_transform
     fp32 ones, at batch 1 and 3."""
     from graphdecode import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)  # the tiny model's weights take the panels
+    monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)  # the tiny model's weights take the panels
     kernel_threads = {"panel_linear": [], "paged_attention": []}
     for name, seen in kernel_threads.items():
         kernel = getattr(cpu_kernels_module.CpuKernels, name)
@@ -145,7 +156,7 @@ def test_compiled_calls_go_through_the_opaque_op(kind):
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_untied"])
 def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
-    """A 64-wide model's fp32 weights fit in cache (under FP32_STREAM_BYTES): nothing is copied; the projections (and an
+    """A 64-wide model's fp32 weights fit in cache (under STREAM_BYTES): nothing is copied; the projections (and an
     untied LM head) are stored column-major, the embedding (a tied head) row-major for its lookups."""
     from graphdecode import LLM
     from graphdecode.models.layers import FusedLinear
@@ -164,13 +175,13 @@ def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
 def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     from graphdecode import LLM
 
-    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)  # the tiny model's fp32 weights count as streaming
+    monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)  # the tiny model's fp32 weights count as streaming
     llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4)
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
-    panels = dtype == "float32" and cpu_kernels_module.cpu_kernels() is not None
-    assert (type(layer.mlp.gate_up_proj.packed) is PanelWeight) == panels  # else PackedWeight only
+    panels = cpu_kernels_module.cpu_kernels() is not None  # fp32 and bf16 alike, else PackedWeight only
+    assert (type(layer.mlp.gate_up_proj.packed) is PanelWeight) == panels
     assert model.packed_head is not None  # tied: a packed copy of the embedding, which stays
     assert model.model.embed_tokens.weight.numel() > 0
     assert layer.mlp.gate_up_proj.weight.numel() == 0 and layer.self_attn.o_proj.weight.numel() == 0
@@ -184,7 +195,7 @@ def test_without_the_cpu_kernels_fp32_projections_are_packed(tiny_models, monkey
     greedy tokens are those of the panelled engine."""
     from graphdecode import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_linear, "FP32_STREAM_BYTES", 0)
+    monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)
     prompts = [{"prompt_token_ids": [3, 7, 11, 5]}, {"prompt_token_ids": [9, 2]}]
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
