@@ -1,7 +1,7 @@
 // Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp): their dtype codes,
 // float32 / bf16 element access (bf16 stored as its 16 bits; stores round to nearest even, as torch
 // does), and the 16-float vector type (GCC / Clang vector types: SSE, AVX2 or AVX-512, whatever
-// -march=native gives) with its unaligned load and store.
+// -march=native gives) with its unaligned load (of float32, or bf16 widened) and store.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,18 @@ inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// 16 bf16 values widened to float32 (exact)
+inline f32x16 load16(const uint16_t* p) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }

@@ -7,10 +7,10 @@
 // Here W is stored once at load as panels of PANEL (64) output columns, each [K][PANEL]
 // contiguous: the panels are one sequential stream from memory. A tile of up to MR (6) rows keeps
 // its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of the panel,
-// one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16 KB of panel,
-// so that every tile of the rows reuses the block from L1; the sums wait in a small buffer between
-// blocks. While a block's tiles run, the next 16 KB of the stream (the next block, or the next
-// panel's first) is prefetched, its cache lines spread over all the tiles' k steps: memory and
+// one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16 KB of fp32
+// panel (8 of bf16), so that every tile of the rows reuses the block from L1; the sums wait in a small
+// buffer between blocks. While a block's tiles run, the next block's bytes of the stream (the next
+// block, or the next panel's first) are prefetched, its cache lines spread over all the tiles' k steps: memory and
 // arithmetic overlap whatever the number of rows.
 //
 // The order of the sums over k is fixed (k ascending per output), so a result does not depend on
@@ -26,7 +26,7 @@ namespace {
 using namespace graphdecode_cpu;
 
 constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
-constexpr int64_t KB = 64;        // k rows per block: 16 KB of panel
+constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
 constexpr int MR = 6;             // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
@@ -34,19 +34,6 @@ constexpr int64_t LINE = 64;      // bytes per cache line
 
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
 // prefetched, `per_k` of them at each k step
-// 16 panel values as floats: float32 as they are, bf16 widened (exact)
-inline f32x16 panel16(const float* p) { return load16(p); }
-inline f32x16 panel16(const uint16_t* p) {
-  typedef uint16_t u16x16 __attribute__((vector_size(32)));
-  typedef uint32_t u32x16 __attribute__((vector_size(64)));
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 template <int R, typename T>
 void tile(const T* __restrict x, int64_t ldx, const T* __restrict panel, int64_t k0, int64_t k1,
           float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
@@ -56,7 +43,7 @@ void tile(const T* __restrict x, int64_t ldx, const T* __restrict panel, int64_t
   for (int64_t k = k0; k < k1; ++k) {
     const T* w = panel + k * PANEL;
     for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
-    const f32x16 w0 = panel16(w), w1 = panel16(w + 16), w2 = panel16(w + 32), w3 = panel16(w + 48);
+    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
       const float a = load(x + m * ldx + k);

@@ -1,28 +1,29 @@
-"""The CPU's linears: float32 panels for few rows, prepacked oneDNN weights for more.
+"""The CPU's linears: column panels for few rows, prepacked oneDNN weights for more.
 
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
 depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12d, 18):
 
 * float32 or bfloat16, in a model whose projections stream from memory (STREAM_BYTES and up,
-  with the CPU kernels): each projection's weight in column panels (`PanelWeight`, csrc/cpu_linear.cpp) and
-  in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, run by
-  `_linear_pointwise`); the dense parameter is released. Up to PANEL_ROWS rows the panel kernel
-  runs: the panels are one sequential stream whose sums stay in registers, 1.2-2.2x oneDNN's and
-  aten's GEMMs at one row with two threads, even with oneDNN at 8-16. More rows (decode batches of
-  32 and up, prefill) run oneDNN's GEMM, at this CPU's FMA peak from 64 rows (1.2-1.7x aten's).
+  with the CPU kernels): each projection's weight in column panels (`PanelWeight`,
+  csrc/cpu_linear.cpp) and in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+  run by `_linear_pointwise`); the dense parameter is released. Up to PANEL_ROWS rows the panel
+  kernel runs: the panels are one sequential stream whose sums stay in registers. fp32: 1.2-2.2x
+  oneDNN's and aten's GEMMs at one row with two threads, even with oneDNN at 8-16; more rows
+  (decode batches of 32 and up, prefill) run oneDNN's GEMM, at this CPU's FMA peak from 64 rows
+  (1.2-1.7x aten's). bf16 panels are widened to float32 as the kernel reads them (half the bytes
+  of fp32's) and take up to 4 rows: 1.3-1.5x oneDNN's bf16 GEMM at 1-4 rows, which from 8 rows
+  computes faster with avx512_bf16 / AMX.
 * float32 in a model that fits in cache (a 256-wide model's): the `[out, in]` parameter stored
   column-major in place (W^T in memory: aten runs x @ W^T as a plain NN GEMM) and nothing else;
   there aten's GEMM beats the panels (0.5-0.9x) and a packed or ctypes call's fixed cost counts.
-  bf16 panels are widened to float32 as the kernel reads them: half the bytes of fp32's; they take
-  up to 4 rows (1.3-1.5x oneDNN's bf16 GEMM at 1-4 rows, which from 8 rows computes faster with
-  avx512_bf16 / AMX).
 * bfloat16 in a model that fits in cache, or without the kernels: oneDNN's blocked layout
   (`PackedWeight`), 1.3-2.3x aten's bf16 linear up to 64 rows (AMX / avx512_bf16); the dense
   weight is released.
 * float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`.
-* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (at every row count oneDNN's
-  packed head beats the dense layouts and the panels); a tied head packs the embedding, which stays
-  row-major for its lookups.
+* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (fp32: at every row count oneDNN's
+  packed head beats the dense layouts and the panels; bf16 panels would be 1.4x at one row, at the
+  cost of a third copy of a tied embedding); a tied head packs the embedding, which stays row-major
+  for its lookups.
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection its weight object and the LM head its `PackedWeight`; their
