@@ -33,7 +33,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 8  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels
+#define GRAPHDECODE_CPU_ABI_VERSION 9  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention
 
 namespace {
 
@@ -74,8 +74,6 @@ inline float tree_sum(f32x16 v) {
   const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
-
-inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
 inline float tree_max(f32x16 v) {
   const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);

@@ -60,4 +60,6 @@ inline f32x16 load16(const uint16_t* p) {
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
+inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
 }  // namespace graphdecode_cpu

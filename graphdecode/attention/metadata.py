@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,15 @@ class PrefillMetadata:
     # is written and before attending, slot copy_src[i] is copied to copy_dst[i] ([C] int64)
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
+    _host_lens: tuple | None = field(default=None, repr=False)
+
+    def host_lens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query starts, query lengths, KV lengths) as [G] int64 CPU tensors, built once per batch."""
+        if self._host_lens is None:
+            q_lens = torch.tensor(self.query_lens_host, dtype=torch.int64)
+            starts = torch.cumsum(q_lens, 0) - q_lens
+            self._host_lens = (starts, q_lens, torch.tensor(self.seq_lens_host, dtype=torch.int64))
+        return self._host_lens
 
 
 @dataclass

@@ -1,13 +1,17 @@
 """Torch attention over the paged cache: what CPU runs use, and the oracle FlashInfer is tested against.
 
-Prefill (every device) is `scaled_dot_product_attention`'s flash kernels, not a
-materialised score matrix: a fresh sequence attends its own chunk's K/V causally (no
-gather); a chunk after cached or earlier tokens gathers those once and, on CPU, runs two
-flash calls, the earlier keys unmasked and the chunk's own square causally, merged by
-their log-sum-exps (so no mask is built either); sinks scale the merged output by
-sigmoid(lse - sink). Sliding windows build a mask in query blocks of `MASK_BLOCK` rows,
-which bounds its memory; soft-capped layers run the CPU kernel (or, elsewhere, the
-reference) since SDPA has no soft-cap.
+Prefill on a CPU with the kernels is csrc/cpu_prefill.cpp (`CpuKernels.prefill_attention`):
+every sequence of the batch in one call, fresh or after cached tokens, its keys read from
+the pages in place (this chunk's K/V are written first), windows and sinks included; a
+soft-capped layer runs the paged kernel below. Elsewhere (no compiler, a head size that is
+not a multiple of 16, a compiled graph, CUDA) it is `scaled_dot_product_attention`'s flash
+kernels, not a materialised score matrix: a fresh sequence attends its own chunk's K/V
+causally (no gather); a chunk after cached or earlier tokens gathers those once and, on
+CPU, runs two flash calls, the earlier keys unmasked and the chunk's own square causally,
+merged by their log-sum-exps (so no mask is built either); sinks scale the merged output
+by sigmoid(lse - sink). Sliding windows build a mask in query blocks of `MASK_BLOCK`
+rows, which bounds its memory; soft-capped layers run the reference since SDPA has no
+soft-cap.
 
 Decode and verify on CPU read the pages in place with the CPU kernel
 (kernels/cpu.py, csrc/cpu_attention.cpp): no per-step copy of the KV. Under
@@ -83,6 +87,10 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.copy_src is not None:
             copy_slots(kv, meta.copy_src, meta.copy_dst)
         spec = self.specs[layer]
+        if self._prefill_kernel(spec):
+            return self.kernels.prefill_attention(
+                q, kv, meta.block_table, *meta.host_lens(), scale=spec.scale_for(self.head_dim),
+                window_left=spec.window_left, sinks=None if spec.sinks is None else spec.sinks.float().contiguous())
         out = torch.empty_like(q)
         lens = list(zip(meta.query_lens_host, meta.seq_lens_host))
         start, g = 0, 0
@@ -111,6 +119,12 @@ class TorchAttentionBackend(AttentionBackend):
                 out[start:end] = self._attend_chunk(spec, q[start:end], keys, values, kv_len - q_len)
             start, g = end, g + 1
         return out
+
+    def _prefill_kernel(self, spec: AttentionSpec) -> bool:
+        """Whether the CPU prefill kernel attends this layer (csrc/cpu_prefill.cpp: every variant but
+        soft-cap, head sizes in multiples of 16; not inside a compiled graph)."""
+        return (self.kernels is not None and spec.soft_cap is None and self.kernels.prefill_supports(self.head_dim)
+                and not torch.compiler.is_compiling())
 
     @staticmethod
     def _fresh_run(spec: AttentionSpec, lens, g: int, allowed: bool) -> int:

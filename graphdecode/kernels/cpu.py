@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 8
+ABI_VERSION = 9
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -62,6 +62,10 @@ class CpuKernels:
         self._write_kv = self._lib.graphdecode_cpu_write_kv
         self._write_kv.restype = ctypes.c_int
         self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32]
+        self._prefill = self._lib.graphdecode_cpu_prefill_attention
+        self._prefill.restype = ctypes.c_int
+        self._prefill.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5 + [
+            _F32, _I64, _P, _I32, _I32]
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
@@ -84,6 +88,35 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
                              f"{q.dtype}, kv {tuple(kv.shape)}, block_table {tuple(block_table.shape)}")
+
+    @staticmethod
+    def prefill_supports(head_dim: int) -> bool:
+        """Whether `prefill_attention` takes this head size (csrc/cpu_prefill.cpp: a multiple of 16)."""
+        return head_dim % 16 == 0 and 16 <= head_dim <= 512
+
+    def prefill_attention(self, q, kv, block_table, q_starts, q_lens, kv_lens, *, scale: float,
+                          window_left: int = -1, sinks=None, threads: int | None = None):
+        """Causal attention of prefill chunks over the paged cache (their own K/V already written):
+        sequence b's queries are q[q_starts[b] : q_starts[b] + q_lens[b]] (q [T, H, D], any token stride) at
+        positions kv_lens[b] - q_lens[b] .. kv_lens[b] - 1, over its keys 0 .. kv_lens[b] - 1 read through
+        block_table [B, W] int32. q_starts / q_lens / kv_lens: [B] int64 CPU tensors. -> out [T, H, D].
+        A page outside the cache, or lengths the table cannot hold, is a ValueError (nothing computed)."""
+        q = _heads_contiguous(q)
+        tokens, heads, head_dim = q.shape
+        out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
+        arrays = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+                  for t in (q_starts, q_lens, kv_lens)]
+        if (block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv.is_contiguous()
+                or kv.dtype != q.dtype or kv.shape[4] != head_dim or len({a.shape[0] for a in arrays}) != 1
+                or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()))) or self._prefill(
+                q.data_ptr(), tokens, q.stride(0), kv.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                block_table.shape[1], kv.shape[0], out.data_ptr(), out.stride(0), *(a.data_ptr() for a in arrays),
+                arrays[0].shape[0], heads, kv.shape[3], head_dim, kv.shape[2], scale, window_left,
+                sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1), _threads(threads)):
+            raise ValueError(f"graphdecode_cpu_prefill_attention rejected q {tuple(q.shape)} {q.dtype}, kv "
+                             f"{tuple(kv.shape)}, block_table {tuple(block_table.shape)} (a page outside the cache, "
+                             f"or more pages than the table holds?)")
+        return out
 
     def write_kv(self, kv, k, v, slots) -> None:
         """k, v [T, H_kv, D] into kv [pages, 2, P, H_kv, D] at slots [T] int64 (page * P + offset), in place:

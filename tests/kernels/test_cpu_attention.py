@@ -5,9 +5,10 @@
   (the generic and the two unrolled paths), GQA groups 1 / 3 / 4;
 * the gathering reference (padded and ragged decode, verify) the CUDA torch backend and
   a CPU without a compiler use;
-* prefill through SDPA's flash kernels: a fresh chunk, a chunk after cached tokens (two
-  flash calls merged by log-sum-exp), sliding windows (masked query blocks), sinks (the
-  merged log-sum-exp) and the masked-SDPA path other devices take;
+* prefill through the CPU prefill kernel (csrc/cpu_prefill.cpp; its own tests:
+  test_cpu_prefill.py) and, without it, SDPA's flash kernels: a fresh chunk, a chunk after
+  cached tokens (two flash calls merged by log-sum-exp), sliding windows (masked query
+  blocks), sinks (the merged log-sum-exp) and the masked-SDPA path other devices take;
 * the variants: sliding window, soft-cap, sinks, scale, and all at once;
 * a decode forward with the kernel compiles with fullgraph (the opaque op writes K/V).
 
@@ -210,10 +211,14 @@ def _prefill_case(spec_name, dtype, cached: list[int], new: list[int], heads=9, 
 
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_fresh_and_after_cached_tokens(spec_name, dtype):
-    """Three sequences in one batch: fresh (no gather), 13 cached + 10 new, 40 cached + 3 new."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "sdpa"])
+def test_prefill_fresh_and_after_cached_tokens(spec_name, dtype, kernels):
+    """Three sequences in one batch: fresh (no gather), 13 cached + 10 new, 40 cached + 3 new; through the
+    CPU prefill kernel (soft-cap: the paged kernel) and through SDPA's flash kernels (no compiler)."""
+    if kernels and cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the CPU kernel cannot be built")
     rows, spec, q, k, v, meta, want = _prefill_case(spec_name, dtype, cached=[0, 13, 40], new=[21, 10, 3])
-    got = rows.backend(spec, kernels=cpu_kernels() is not None).prefill(0, q, k, v, meta)
+    got = rows.backend(spec, kernels=kernels).prefill(0, q, k, v, meta)
     torch.testing.assert_close(got.double(), want, **_tol(dtype))
 
 
@@ -302,7 +307,7 @@ def test_fresh_sequences_of_one_length_batch_into_one_flash_call(spec_name, monk
                         real(q, *a, **kw))
     rows, spec, q, k, v, meta, want = _prefill_case(spec_name, torch.float32, cached=[0, 0, 0, 5, 0, 0],
                                                     new=[7, 7, 7, 4, 3, 3])
-    got = rows.backend(spec, kernels=True).prefill(0, q, k, v, meta)
+    got = rows.backend(spec, kernels=False).prefill(0, q, k, v, meta)
     torch.testing.assert_close(got.double(), want, **_tol(torch.float32))
     if spec.sliding_window is None:
         assert calls[0] == 3 and 2 in calls  # the two runs, batched

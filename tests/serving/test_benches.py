@@ -286,4 +286,25 @@ def test_cpu_peers_bench_smoke(micro_dir, tmp_path):
     assert best["decode"][0]["tokens_per_s"] == 2.0 and best["prefill"][0]["tokens_per_s"] == 9.0
     other = {"decode": [dict(mine["decode"][1], output_ids=[[0] * 4] + mine["decode"][1]["output_ids"][1:])]}
     assert module.agreement({"graphdecode": {"decode": mine["decode"][1:]}, "vllm": other}) == [
-        "batch 3: 2/3 rows of greedy tokens equal vLLM's"]
+        "graphdecode, batch 3: 2/3 rows of greedy tokens equal vLLM's"]
+    # --compile both: eager and compiled graphdecode, each against every peer
+    cpu = {name: {kind: [dict(p, cpu_s_per_token=0.0) for p in points] for kind, points in run.items()}
+           for name, run in (("fast", fast), ("slow", slow))}
+    twice = {"graphdecode": cpu["fast"], "graphdecode compiled": cpu["fast"], "llama.cpp": cpu["slow"]}
+    text = module.table(2, twice, None)
+    assert "graphdecode / llama.cpp | graphdecode compiled / llama.cpp |" in text.splitlines()[0]
+    assert text.splitlines()[2].endswith("| 2.00x | 2.00x |") and text.splitlines()[3].endswith("| 0.33x | 0.33x |")
+
+
+def test_ab_cpu_prefill_smoke(micro_dir):
+    """ab_cpu_prefill: the prefill kernel and SDPA alternate in one engine, whole and chunked (later chunks
+    over cached keys); both give the same first tokens and every time is positive."""
+    from graphdecode.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built")
+    results = _script("ab_cpu_prefill").main(["--model", micro_dir, "--lengths", "40,150", "--batch", "2",
+                                              "--chunk", "64", "--rounds", "1"])
+    assert [r["length"] for r in results] == [40, 150]
+    for r in results:
+        assert r["same_tokens"] and r["sdpa_s"] > 0 and r["kernel_s"] > 0 and r["best_ratio"] > 0

@@ -1,0 +1,367 @@
+// Causal prefill attention on the CPU over the paged cache, as register-tiled GEMMs with an online
+// softmax (flash attention's recurrence), reading K and V from the pages in place.
+//
+// A prefill chunk of a sequence attends its queries (positions kv_len - q_len .. kv_len - 1) over the
+// keys 0 .. kv_len - 1 already in the cache (this chunk's K/V are written before the call): fresh
+// prompts, later chunks of a chunked prefill and prefix-cache hits take the same path, with no gather.
+//
+// Work: a sequence's K is first packed per KV head into blocks of KEYS (64) keys transposed,
+// [D][64] (16 KB at D = 64), once per call, so that the score tile is a GEMM whose inner loop reads
+// 64 contiguous keys. A work item is (sequence, KV head, block of QBLK query positions) with the G
+// query heads of the KV head stacked as its rows, so every K and V block it reads serves G heads.
+// For each key block the item visits, tiles of MR (6) rows compute their 6 x 64 scores in 24 vector
+// registers (per d: four loads of the packed keys, one broadcast a row), mask the block's edge
+// (causal diagonal, sliding window), update each row's running max and sum, and add P @ V into the
+// row's output: 6 rows x 64 of D in 24 registers, per key four loads of its V row (widened from bf16
+// where the cache is bf16) and one broadcast of each row's probability. Arithmetic is float32.
+//
+// Each row's result depends only on its own keys, visited in blocks aligned at absolute key
+// positions in ascending order: the same whatever the thread count, the other rows of the batch,
+// and how the prompt was split into chunks (a chunk after cached keys computes what the whole
+// prompt computes for those queries). Items go over torch's OpenMP threads, largest first.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace graphdecode_cpu;
+
+constexpr int64_t KEYS = 64;  // keys per block
+constexpr int64_t QBLK = 64;  // query positions per work item
+constexpr int MR = 6;         // rows per register tile
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// exp(x) lane by lane for x <= 0 (-inf: 0): attention.cpp's exp_nonpositive as vector arithmetic
+// (rounding by the 1.5 * 2^23 trick instead of nearbyint)
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 c = x > -87.f ? x : f32x16{} - 87.f;
+  const f32x16 magic = f32x16{} + 12582912.f;
+  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? f32x16{} : p * scale;
+}
+
+inline float hmax(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(f32x16 v) {  // a fixed tree
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// s[R][64] = q[R][D] @ kt[D][64]
+template <int R>
+void qk_tile(const float* __restrict q, int64_t D, const float* __restrict kt, float* __restrict s) {
+  f32x16 acc[R][4] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* k = kt + d * KEYS;
+    const f32x16 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      const float a = q[m * D + d];
+      acc[m][0] += a * k0;
+      acc[m][1] += a * k1;
+      acc[m][2] += a * k2;
+      acc[m][3] += a * k3;
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) store16(s + m * KEYS + 16 * v, acc[m][v]);
+}
+
+// o[R][c0 : c0 + 16 NV] = o * alpha + p[R][0:nk] @ V[0:nk][c0 : c0 + 16 NV]
+template <int R, int NV, typename T>
+void pv_tile(const float* __restrict p, const T* const* __restrict v, int64_t nk, int64_t c0, float* __restrict o,
+             int64_t D, const float* __restrict alpha) {
+  f32x16 acc[R][NV];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < NV; ++c) acc[m][c] = load16(o + m * D + c0 + 16 * c) * alpha[m];
+  for (int64_t j = 0; j < nk; ++j) {
+    const T* row = v[j] + c0;
+    f32x16 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(row + 16 * c);
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      const float a = p[m * KEYS + j];
+      for (int c = 0; c < NV; ++c) acc[m][c] += a * vv[c];
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < NV; ++c) store16(o + m * D + c0 + 16 * c, acc[m][c]);
+}
+
+template <int R, typename T>
+void pv_rows(const float* p, const T* const* v, int64_t nk, float* o, int64_t D, const float* alpha) {
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    switch ((D - c0) >= 64 ? 4 : (D - c0) / 16) {
+      case 4: pv_tile<R, 4>(p, v, nk, c0, o, D, alpha); break;
+      case 3: pv_tile<R, 3>(p, v, nk, c0, o, D, alpha); break;
+      case 2: pv_tile<R, 2>(p, v, nk, c0, o, D, alpha); break;
+      default: pv_tile<R, 1>(p, v, nk, c0, o, D, alpha); break;
+    }
+  }
+}
+
+template <typename T>
+struct Args {
+  const T* q;
+  int64_t ldq;
+  const T* kv;
+  const int32_t* block_table;
+  int64_t bt_stride;
+  T* out;
+  int64_t ldo;
+  const int64_t* q_starts;
+  const int64_t* q_lens;
+  const int64_t* kv_lens;
+  int64_t seqs, heads, kv_heads, head_dim, page_size;
+  float scale;
+  int64_t window_left;
+  const float* sinks;
+};
+
+struct Item {
+  int64_t seq, head, q0, cost;  // cost: the key blocks it visits
+};
+
+template <typename T>
+class Prefill {
+ public:
+  explicit Prefill(const Args<T>& a) : a_(a), G_(a.heads / a.kv_heads), D_(a.head_dim) {
+    first_block_.resize(a.seqs);
+    block_base_.resize(a.seqs + 1, 0);
+    for (int64_t b = 0; b < a.seqs; ++b) {
+      const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, first_pos(b) - a.window_left) : 0;
+      first_block_[b] = lo / KEYS;
+      block_base_[b + 1] = block_base_[b] + (a.kv_lens[b] + KEYS - 1) / KEYS - first_block_[b];
+    }
+    kt_.assign(block_base_[a.seqs] * a.kv_heads * D_ * KEYS, 0.f);
+  }
+
+  void run(int32_t threads) {
+    pack_keys(threads);
+    std::vector<Item> items;
+    for (int64_t b = 0; b < a_.seqs; ++b)
+      for (int64_t q0 = 0; q0 < a_.q_lens[b]; q0 += QBLK) {
+        const int64_t last = first_pos(b) + std::min(a_.q_lens[b], q0 + QBLK) - 1;
+        for (int64_t h = 0; h < a_.kv_heads; ++h) items.push_back({b, h, q0, last / KEYS - block_lo(b, q0)});
+      }
+    std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    const int64_t n = int64_t(items.size());
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
+    {
+      Scratch w;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) attend(items[i], w);
+    }
+  }
+
+ private:
+  struct Scratch {
+    std::vector<float> q, o, m, l, alpha, s;
+    std::vector<const T*> v;
+  };
+
+  int64_t first_pos(int64_t b) const { return a_.kv_lens[b] - a_.q_lens[b]; }
+
+  // the first key block the queries from q0 on may see
+  int64_t block_lo(int64_t b, int64_t q0) const {
+    if (a_.window_left < 0) return first_block_[b];
+    return std::max<int64_t>(0, first_pos(b) + q0 - a_.window_left) / KEYS;
+  }
+
+  const T* key_row(int64_t b, int64_t t, int64_t which) const {  // which: 0 K, 1 V
+    const int64_t page = a_.block_table[b * a_.bt_stride + t / a_.page_size];
+    return a_.kv + ((page * 2 + which) * a_.page_size + t % a_.page_size) * a_.kv_heads * D_;
+  }
+
+  float* kt_block(int64_t b, int64_t block, int64_t h) {
+    return kt_.data() + ((block_base_[b] + block - first_block_[b]) * a_.kv_heads + h) * D_ * KEYS;
+  }
+
+  void pack_keys(int32_t threads) {
+    const int64_t blocks = block_base_[a_.seqs];
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t b = std::upper_bound(block_base_.begin(), block_base_.end(), i) - block_base_.begin() - 1;
+      const int64_t block = first_block_[b] + i - block_base_[b];
+      const int64_t t0 = block * KEYS, t1 = std::min(a_.kv_lens[b], t0 + KEYS);
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* k = key_row(b, t, 0);
+        for (int64_t h = 0; h < a_.kv_heads; ++h) {
+          float* dst = kt_block(b, block, h) + (t - t0);
+          for (int64_t d = 0; d < D_; ++d) dst[d * KEYS] = load(k + h * D_ + d);
+        }
+      }
+    }
+  }
+
+  void attend(const Item& it, Scratch& w) {
+    const int64_t b = it.seq, h = it.head, nq = std::min(QBLK, a_.q_lens[b] - it.q0);
+    const int64_t rows = G_ * nq, D = D_, kv_len = a_.kv_lens[b];
+    const int64_t pos0 = first_pos(b) + it.q0;  // row r: query head h * G + r / nq at position pos0 + r % nq
+    w.q.resize(rows * D);
+    w.o.assign(rows * D, 0.f);
+    w.m.assign(rows, NEG_INF);
+    w.l.assign(rows, 0.f);
+    w.alpha.resize(rows);
+    w.s.resize(MR * KEYS);
+    w.v.resize(KEYS);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = a_.q + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldq + (h * G_ + r / nq) * D;
+      for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = load(src + d) * a_.scale;
+    }
+    const int64_t last = pos0 + nq - 1;
+    for (int64_t block = block_lo(b, it.q0); block <= last / KEYS; ++block) {
+      const int64_t t0 = block * KEYS, nk = std::min(KEYS, kv_len - t0);
+      // every row sees all 64 keys of the block: no mask
+      const bool whole = nk == KEYS && t0 + nk - 1 <= pos0 && (a_.window_left < 0 || t0 >= last - a_.window_left);
+      const float* kt = kt_block(b, block, h);
+      for (int64_t j = 0; j < nk; ++j) w.v[j] = key_row(b, t0 + j, 1) + h * D;
+      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int R = int(std::min<int64_t>(MR, rows - r0));
+        float* s = w.s.data();
+        switch (R) {
+          case 6: qk_tile<6>(w.q.data() + r0 * D, D, kt, s); break;
+          case 5: qk_tile<5>(w.q.data() + r0 * D, D, kt, s); break;
+          case 4: qk_tile<4>(w.q.data() + r0 * D, D, kt, s); break;
+          case 3: qk_tile<3>(w.q.data() + r0 * D, D, kt, s); break;
+          case 2: qk_tile<2>(w.q.data() + r0 * D, D, kt, s); break;
+          default: qk_tile<1>(w.q.data() + r0 * D, D, kt, s); break;
+        }
+        for (int m = 0; m < R; ++m) {
+          const int64_t r = r0 + m, pos = pos0 + r % nq;
+          float* row = s + m * KEYS;
+          if (!whole) {
+            const int64_t lo = a_.window_left >= 0 ? pos - a_.window_left : 0;
+            for (int64_t j = 0; j < KEYS; ++j) {
+              const int64_t t = t0 + j;
+              if (t > pos || t < lo || j >= nk) row[j] = NEG_INF;
+            }
+          }
+          f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
+          const float m_new = std::max(w.m[r], hmax(mx));
+          if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
+            std::memset(row, 0, KEYS * sizeof(float));
+            w.alpha[r] = 1.f;
+            continue;
+          }
+          f32x16 sum = {};
+          for (int v = 0; v < 4; ++v) {
+            const f32x16 p = exp16(load16(row + 16 * v) - m_new);
+            store16(row + 16 * v, p);
+            sum += p;
+          }
+          const float alpha = w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
+          w.l[r] = w.l[r] * alpha + hsum(sum);
+          w.m[r] = m_new;
+          w.alpha[r] = alpha;
+        }
+        float* o = w.o.data() + r0 * D;
+        const T* const* v = w.v.data();
+        const float* alpha = w.alpha.data() + r0;
+        switch (R) {
+          case 6: pv_rows<6>(s, v, nk, o, D, alpha); break;
+          case 5: pv_rows<5>(s, v, nk, o, D, alpha); break;
+          case 4: pv_rows<4>(s, v, nk, o, D, alpha); break;
+          case 3: pv_rows<3>(s, v, nk, o, D, alpha); break;
+          case 2: pv_rows<2>(s, v, nk, o, D, alpha); break;
+          default: pv_rows<1>(s, v, nk, o, D, alpha); break;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = h * G_ + r / nq;
+      float m = w.m[r], l = w.l[r], factor = 1.f;
+      if (a_.sinks) {  // the sink's logit joins the denominator and attends nothing
+        const float sink = a_.sinks[head], m2 = std::max(m, sink);
+        factor = std::exp(m - m2);
+        l = l * factor + std::exp(sink - m2);
+      }
+      factor = l > 0.f ? factor / l : 0.f;
+      T* dst = a_.out + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldo + head * D;
+      for (int64_t d = 0; d < D; ++d) store(dst + d, w.o[r * D + d] * factor);
+    }
+  }
+
+  const Args<T>& a_;
+  const int64_t G_, D_;
+  std::vector<int64_t> first_block_, block_base_;
+  std::vector<float> kt_;
+};
+
+template <typename T>
+int prefill(const Args<T>& a, int64_t tokens, int64_t width, int64_t num_pages, int32_t threads) {
+  for (int64_t b = 0; b < a.seqs; ++b) {  // every argument and page checked before any work
+    if (a.q_lens[b] < 1 || a.kv_lens[b] < a.q_lens[b] || a.q_starts[b] < 0 || a.q_starts[b] + a.q_lens[b] > tokens)
+      return 1;
+    const int64_t pages = (a.kv_lens[b] + a.page_size - 1) / a.page_size;
+    if (pages > width) return 1;
+    for (int64_t i = 0; i < pages; ++i) {
+      const int32_t page = a.block_table[b * a.bt_stride + i];
+      if (page < 0 || page >= num_pages) return 1;
+    }
+  }
+  Prefill<T>(a).run(threads);
+  return 0;
+}
+
+}  // namespace
+
+// q [tokens, heads, head_dim] (token stride ldq, heads and dims packed) and out (token stride ldo);
+// kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous (this chunk's K/V already written);
+// block_table [seqs, >= width] int32 with row stride bt_stride; for each sequence b its queries are
+// rows q_starts[b] .. + q_lens[b] of q at positions kv_lens[b] - q_lens[b] .. kv_lens[b] - 1;
+// window_left < 0: no window; sinks [heads] float or null; threads: OpenMP threads. head_dim must be a
+// multiple of 16. Returns 0, or 1 (nothing written) for bad arguments or a page outside the cache.
+extern "C" int graphdecode_cpu_prefill_attention(const void* q, int64_t tokens, int64_t ldq, const void* kv,
+                                                 const int32_t* block_table, int64_t bt_stride, int64_t width,
+                                                 int64_t num_pages, void* out, int64_t ldo, const int64_t* q_starts,
+                                                 const int64_t* q_lens, const int64_t* kv_lens, int64_t seqs,
+                                                 int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                                 int64_t page_size, float scale, int64_t window_left,
+                                                 const float* sinks, int32_t dtype, int32_t threads) {
+  if (!q || !kv || !block_table || !out || !q_starts || !q_lens || !kv_lens || seqs < 0 || kv_heads < 1 ||
+      heads < kv_heads || heads % kv_heads != 0 || head_dim < 16 || head_dim % 16 != 0 || head_dim > 512 ||
+      ldq < heads * head_dim || ldo < heads * head_dim || page_size < 1 || width < 1 || bt_stride < width ||
+      num_pages < 1 || !(scale > 0.f) || threads < 1)
+    return 1;
+  if (dtype == kFloat32) {
+    const Args<float> a{static_cast<const float*>(q), ldq, static_cast<const float*>(kv), block_table, bt_stride,
+                        static_cast<float*>(out), ldo, q_starts, q_lens, kv_lens, seqs, heads, kv_heads, head_dim,
+                        page_size, scale, window_left, sinks};
+    return prefill(a, tokens, width, num_pages, threads);
+  }
+  if (dtype == kBFloat16) {
+    const Args<uint16_t> a{static_cast<const uint16_t*>(q), ldq, static_cast<const uint16_t*>(kv), block_table,
+                           bt_stride, static_cast<uint16_t*>(out), ldo, q_starts, q_lens, kv_lens, seqs, heads,
+                           kv_heads, head_dim, page_size, scale, window_left, sinks};
+    return prefill(a, tokens, width, num_pages, threads);
+  }
+  return 1;
+}
