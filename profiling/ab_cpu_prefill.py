@@ -15,7 +15,6 @@ times, the best-of ratio, the median of the paired ratios and whether the first 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 
@@ -33,7 +32,7 @@ def main(argv=None) -> list[dict]:
 
     from graphdecode import LLM, SamplingParams
     from graphdecode.attention.torch_backend import TorchAttentionBackend
-    from graphdecode.bench.common import random_prompt_ids
+    from graphdecode.bench.common import paired_ab, random_prompt_ids
     from graphdecode.gguf_import import smollm2_dir
 
     extra = {} if args.chunk is None else {"max_num_batched_tokens": args.chunk}
@@ -58,21 +57,14 @@ def main(argv=None) -> list[dict]:
             finally:
                 TorchAttentionBackend._prefill_kernel = with_kernel
 
-        run("kernel")  # warm both
-        run("sdpa")
-        best, tokens, ratios = {"sdpa": float("inf"), "kernel": float("inf")}, {}, []
-        for i in range(args.rounds):
-            took = {}
-            for name in ("sdpa", "kernel") if i % 2 == 0 else ("kernel", "sdpa"):
-                took[name], tokens[name] = run(name)
-                best[name] = min(best[name], took[name])
-            ratios.append(took["sdpa"] / took["kernel"])
+        ab = paired_ab(run, ("sdpa", "kernel"), args.rounds)
+        best, ratios = ab["best"], ab["ratios"]
         tokens_in = length * args.batch
         result = {"length": length, "batch": args.batch, "chunk": args.chunk, "threads": args.threads,
                   "dtype": args.dtype, "sdpa_s": best["sdpa"], "kernel_s": best["kernel"],
                   "sdpa_tokens_per_s": tokens_in / best["sdpa"], "kernel_tokens_per_s": tokens_in / best["kernel"],
-                  "best_ratio": best["sdpa"] / best["kernel"], "median_paired_ratio": statistics.median(ratios),
-                  "same_tokens": tokens["sdpa"] == tokens["kernel"]}
+                  "best_ratio": ab["best_ratio"], "median_paired_ratio": ab["median_ratio"],
+                  "same_tokens": ab["same_outputs"]}
         results.append(result)
         print(f"{args.dtype}, {args.batch} x {length} tokens, chunk {args.chunk or 'default'}, {args.threads} threads: "
               f"sdpa {result['sdpa_tokens_per_s']:.0f} tok/s, kernel {result['kernel_tokens_per_s']:.0f} tok/s; "

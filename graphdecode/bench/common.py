@@ -166,3 +166,23 @@ def style_batch_axes(ax, batches: list[int], ylabel: str) -> None:
     ax.set_xlabel("batch")
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
+
+
+def paired_ab(run, names: tuple[str, str], rounds: int) -> dict:
+    """An in-process A/B: run(name) -> (seconds, outputs) for both names, one warm-up each, then `rounds`
+    rounds in alternating order so the host's drift reaches both alike. -> {"best": {name: seconds},
+    "ratios": [names[0]'s time / names[1]'s per round], "median_ratio", "best_ratio", "same_outputs"}."""
+    import statistics
+
+    first, second = names
+    run(second)
+    run(first)
+    best, outputs, ratios = {first: float("inf"), second: float("inf")}, {}, []
+    for i in range(rounds):
+        took = {}
+        for name in names if i % 2 == 0 else names[::-1]:
+            took[name], outputs[name] = run(name)
+            best[name] = min(best[name], took[name])
+        ratios.append(took[first] / took[second])
+    return {"best": best, "ratios": ratios, "median_ratio": statistics.median(ratios),
+            "best_ratio": best[first] / best[second], "same_outputs": outputs[first] == outputs[second]}

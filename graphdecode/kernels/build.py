@@ -13,7 +13,7 @@ registers, spills, shared memory per kernel), which `ptxas_report` reads.
 
 The CPU kernels (`CPU_SOURCES`: paged attention that reads the KV pages in place, the fused
 RMSNorm / rotary passes of a decoder layer, the float32 linear for few rows over panelled weights, prefill
-attention over the pages) are
+attention over the pages, a decode step's Llama layers in one call) are
 plain C++ built with the system compiler for the machine they run on (`build_cpu`,
 -march=native), at first use, into the cache (kernels/cpu.py).
 """
@@ -30,7 +30,7 @@ LIB_NAME = "libgraphdecode_kernels.so"
 HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point only, no kernels
 SOURCES = ("advance_step.cu",)
 CPU_LIB_NAME = "libgraphdecode_cpu.so"
-CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_linear.cpp", "cpu_prefill.cpp")
+CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_linear.cpp", "cpu_prefill.cpp", "cpu_layers.cpp")
 CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped with them, not compiled alone
 # -fopenmp: `omp parallel` loops run on torch's OpenMP pool (the library binds to the libgomp.so.1
 # torch loaded); where the compiler has no OpenMP, -fopenmp-simd (the `omp simd` loops still

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 9
+ABI_VERSION = 10
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -66,6 +66,13 @@ class CpuKernels:
         self._prefill.restype = ctypes.c_int
         self._prefill.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5 + [
             _F32, _I64, _P, _I32, _I32]
+        self._layers = self._lib.graphdecode_cpu_decoder_layers
+        self._layers.restype = ctypes.c_int
+        self._layers.argtypes = [_P, _P, _I64, _P, _I64] + [_P] * 4 + [_I64, _I64] + [_P] * 3 + [_I64] * 8 + [
+            _F32, _I32, _I32]
+        self._layers_scratch = self._lib.graphdecode_cpu_layers_scratch
+        self._layers_scratch.restype = ctypes.c_int64
+        self._layers_scratch.argtypes = [_I64] * 6
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
@@ -117,6 +124,31 @@ class CpuKernels:
                              f"{tuple(kv.shape)}, block_table {tuple(block_table.shape)} (a page outside the cache, "
                              f"or more pages than the table holds?)")
         return out
+
+    def layers_scratch(self, rows: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> int:
+        """Elements of scratch `decoder_layers` needs for `rows` rows."""
+        return self._layers_scratch(rows, hidden, heads, kv_heads, head_dim, inter)
+
+    def decoder_layers(self, words, reals, num_layers: int, x, positions, seq_lens, slots, block_table, cos, sin,
+                       scratch, dims, page_size: int, num_pages: int, eps: float, threads: int | None = None) -> None:
+        """A decode step's Llama layers in one call (csrc/cpu_layers.cpp; models/cpu_decode.py builds the
+        tables): x [M, hidden] contiguous, in place. A position past the rotary table or a slot outside the
+        cache is a ValueError before any work."""
+        hidden, heads, kv_heads, head_dim, inter = dims
+        rows = x.shape[0]
+        slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        seq_lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else \
+            seq_lens.to(torch.int32).contiguous()
+        if (x.shape != (rows, hidden) or not x.is_contiguous() or positions.shape != (rows,) or slots.shape != (rows,)
+                or seq_lens.shape != (rows,) or block_table.stride(1) != 1 or block_table.dtype != torch.int32
+                or scratch.numel() < self.layers_scratch(rows, *dims) or words.shape[0] < num_layers) or self._layers(
+                words.data_ptr(), reals.data_ptr(), num_layers, x.data_ptr(), rows, positions.data_ptr(),
+                seq_lens.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                block_table.shape[1], cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), hidden, heads, kv_heads,
+                head_dim, inter, page_size, num_pages, cos.shape[0], eps, _DTYPES.get(x.dtype, -1), _threads(threads)):
+            raise ValueError(f"graphdecode_cpu_decoder_layers rejected x {tuple(x.shape)} {x.dtype}, positions "
+                             f"{positions.tolist()[:8]}, slots {slots.tolist()[:8]} (a position past the rotary "
+                             f"table's {cos.shape[0]} rows, or a slot outside the cache's {num_pages * page_size}?)")
 
     def write_kv(self, kv, k, v, slots) -> None:
         """k, v [T, H_kv, D] into kv [pages, 2, P, H_kv, D] at slots [T] int64 (page * P + offset), in place:

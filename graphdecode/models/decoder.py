@@ -190,6 +190,7 @@ class DecoderForCausalLM(nn.Module):
         self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
         self._embed_scale = None
         self.expert_tokens: torch.Tensor | None = None  # [MoE layers, E] int64: live tokens routed per expert
+        self.cpu_decode = None  # a cpu_decode.CpuDecodeLayers: plain layers' decode steps in one C++ call (CPU)
 
     def layer_spec(self, layer: int) -> AttentionSpec:
         """Decoder layer `layer`'s attention variant, from the config."""
@@ -250,6 +251,8 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
         hidden = self.embed(input_ids)
+        if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
+            return self.model.norm(self.cpu_decode(hidden, positions, ctx))
         for layer, rotary in zip(self.model.layers, self.rotaries):
             hidden = layer(positions, hidden, rotary, ctx)
         return self.model.norm(hidden)

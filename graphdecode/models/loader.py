@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from . import expert_weights
 from .config_fields import read_json_object
+from .cpu_decode import CpuDecodeLayers
 from .cpu_linear import can_prepack, prepack_cpu_linears
 from .layers import attach_cpu_kernels
 from .model_config import ModelConfig
@@ -110,6 +111,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     kernels = cpu_kernels_for(device)
     if kernels is not None and dtype in kernels.supported_dtypes:
         attach_cpu_kernels(model, kernels)  # one pass for each plain norm and full rotary
+        model.cpu_decode = CpuDecodeLayers.build(model, kernels)  # plain layers' decode steps in one call
     return model
 
 

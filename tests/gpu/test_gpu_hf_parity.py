@@ -227,26 +227,29 @@ def test_cpu_fp32_greedy_equals_transformers(model_dirs, recorder):
 @pytest.mark.parametrize("linears", ["as_loaded", "panels"])
 def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder, linears, monkeypatch):
     """"panels": the small model counted as one that streams its weights, so its bf16 projections take the
-    panel kernel (models/cpu_linear.py) for decode's rows (up to 64 here, 4 by default: the batch is wide)
-    and oneDNN's GEMM for prefill."""
+    panel kernel (models/cpu_linear.py) for decode's rows (up to 64 here, 4 by default: the batch is wide),
+    inside the decode step's one-call layers (models/cpu_decode.py), and oneDNN's GEMM for prefill."""
     if linears == "panels":
-        from graphdecode.kernels.cpu import cpu_kernels
+        from graphdecode.kernels import cpu as cpu_kernels_module
         from graphdecode.models import cpu_linear
 
-        if cpu_kernels() is None:
+        if cpu_kernels_module.cpu_kernels() is None:
             pytest.skip("no C++ compiler for the CPU kernels")
         monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)
         monkeypatch.setitem(cpu_linear.PANEL_ROWS, torch.bfloat16, 64)
-        panel_runs = []
+        panel_runs, layer_calls = [], []
         run = cpu_linear.PanelWeight.run
         monkeypatch.setattr(cpu_linear.PanelWeight, "run", lambda self, x, bias=None: (
             panel_runs.append(x.numel() <= self.rows * self.in_features), run(self, x, bias))[1])
+        layers = cpu_kernels_module.CpuKernels.decoder_layers
+        monkeypatch.setattr(cpu_kernels_module.CpuKernels, "decoder_layers", lambda self, *a, **kw: (
+            layer_calls.append(1), layers(self, *a, **kw))[1])
     report = check_teacher_forced(model_dirs("cpu"), CPU_SMALL, "cpu", recorder, TF_PROMPT_LENGTHS,
                                   TF_CONTINUATION, attention_backend="torch", cuda_graphs=False, compile=False)
     # the recipe's point: the greedy token leads by a clear margin wherever we compare
     assert report["margin_gap_q01"] > 0.05, report
     if linears == "panels":
-        assert any(panel_runs) and not all(panel_runs)  # decode rows through the panels, prefill through oneDNN
+        assert layer_calls and not all(panel_runs)  # decode steps through the panels (one call), prefill oneDNN
 
 
 # ----------------------------------------------------------------- speculative decoding

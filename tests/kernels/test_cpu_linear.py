@@ -104,13 +104,13 @@ def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
 
 @needs_kernels
 def test_an_engine_on_two_threads_runs_its_kernels_on_both_and_decodes_transformers_tokens(tiny_models, monkeypatch):
-    """What a user with two cores meets: LLM(cpu_threads=2) runs the panel kernel and the attention kernel on
-    both threads (the panels no longer hand those calls to aten), and its greedy tokens are transformers'
-    fp32 ones, at batch 1 and 3."""
+    """What a user with two cores meets: LLM(cpu_threads=2) runs the panel kernel, prefill attention and the
+    decode step's layers (one call: panels and paged attention inside) on both threads, and its greedy tokens
+    are transformers' fp32 ones, at batch 1 and 3."""
     from graphdecode import LLM, SamplingParams
 
     monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)  # the tiny model's weights take the panels
-    kernel_threads = {"panel_linear": [], "paged_attention": []}
+    kernel_threads = {"panel_linear": [], "prefill_attention": [], "decoder_layers": []}
     for name, seen in kernel_threads.items():
         kernel = getattr(cpu_kernels_module.CpuKernels, name)
         monkeypatch.setattr(cpu_kernels_module.CpuKernels, name, lambda self, *a, _k=kernel, _s=seen, **kw: (

@@ -1,0 +1,195 @@
+// A decode step's decoder layers in one call: the Llama layer (RMSNorm, fused qkv, rotary, the step's K/V
+// into the pages, paged attention, o_proj, residual add + RMSNorm, fused gate_up, SwiGLU, down, residual
+// add), every layer, for the few rows whose projections run the panel kernel.
+//
+// At batch 1 a decode step reads every weight once at memory bandwidth in about 20 ms (SmolLM2 fp32); the
+// eager forward around those reads, a dozen Python calls a layer, cost several more. This driver calls the
+// same kernels the eager forward calls (cpu_fused.cpp's norm and rotary, cpu_linear.cpp's panels,
+// cpu_attention.cpp's K/V write and paged attention) in the same order with the same arguments, so their
+// results are the eager ones bit for bit; only SwiGLU and the last residual add, torch ops in eager, are
+// computed here (silu with the vectorised exp below, products and sums rounded to the dtype as torch
+// does). Scratch lives in the caller's buffer.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+extern "C" {
+int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* sum,
+                                 int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype,
+                                 int32_t threads);
+int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out, const void* cos, const void* sin,
+                         const int64_t* positions, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim,
+                         int64_t q_stride, int64_t k_stride, int32_t dtype, int32_t threads);
+int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N,
+                                 const void* bias, void* y, int64_t ldy, int32_t threads, int32_t dtype);
+int graphdecode_cpu_write_kv(void* kv, const void* k, const void* v, const int64_t* slots, int64_t tokens,
+                             int64_t kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride,
+                             int64_t page_size, int64_t num_pages, int32_t dtype);
+int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t* block_table, int64_t bt_stride,
+                                    const int64_t* positions, const int32_t* seq_lens, void* out, int64_t rows,
+                                    int64_t queries, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                    int64_t page_size, int64_t width, int64_t num_pages, float scale,
+                                    int64_t window_left, float soft_cap, const float* sinks, int32_t dtype,
+                                    int32_t threads);
+}
+
+namespace {
+
+using namespace graphdecode_cpu;
+
+// One layer's entries in the caller's int64 table (pointers as integers), and in its float table.
+enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, WORDS };
+enum Real : int64_t { SCALE, SOFT_CAP, REALS };
+
+struct Dims {
+  int64_t hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, max_positions;
+  float eps;
+  int32_t dtype, threads;
+};
+
+template <typename T>
+const T* ptr(int64_t word) {
+  return reinterpret_cast<const T*>(static_cast<intptr_t>(word));
+}
+
+// silu(gate) * up over [M, 2 * inter] rows, torch's roundings: silu in float rounded to T, the product
+// rounded to T. silu(x) = x / (1 + exp(-x)), exp for any x (clamped to [-87, 88]).
+inline f32x16 exp_any(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.f, hi = f32x16{} + 88.f;
+  const f32x16 c = x < lo ? lo : (x > hi ? hi : x);
+  const f32x16 magic = f32x16{} + 12582912.f;
+  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* g = gate_up + m * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + m * inter;
+    int64_t i = 0;
+    for (; i + 16 <= inter; i += 16) {
+      const f32x16 x = load16(g + i);
+      const f32x16 s = x / (1.f + exp_any(-x));
+      alignas(64) float sv[16], uv[16];
+      store16(sv, s);
+      store16(uv, load16(u + i));
+      for (int j = 0; j < 16; ++j) store(o + i + j, round_to(sv[j], o) * uv[j]);
+    }
+    for (; i < inter; ++i) {
+      const float x = load(g + i);
+      store(o + i, round_to(x / (1.f + std::exp(-x)), o) * load(u + i));
+    }
+  }
+}
+
+template <typename T>
+void add_into(T* h, const T* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store(h + i, load(h + i) + load(d + i));
+}
+
+template <typename T>
+int layers(const Dims& s, const int64_t* words, const float* reals, int64_t num_layers, T* x, int64_t M,
+           const int64_t* positions, const int32_t* seq_lens, const int64_t* slots, const int32_t* block_table,
+           int64_t bt_stride, int64_t width, const T* cos, const T* sin, T* scratch) {
+  const int64_t H = s.hidden, HD = s.head_dim, qn = s.heads * HD, kn = s.kv_heads * HD, qkv_n = qn + 2 * kn;
+  T* normed = scratch;
+  T* total = normed + M * H;
+  T* qkv = total + M * H;
+  T* q = qkv + M * qkv_n;
+  T* k = q + M * qn;
+  T* attn = k + M * kn;
+  T* o = attn + M * qn;
+  T* gate_up = o + M * H;
+  T* act = gate_up + M * 2 * s.inter;
+  T* down = act + M * s.inter;
+  int err = 0;
+  for (int64_t l = 0; l < num_layers && !err; ++l) {
+    const int64_t* w = words + l * WORDS;
+    const float* r = reals + l * REALS;
+    err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
+                                        s.threads);
+    err |= graphdecode_cpu_panel_linear(normed, M, H, H, ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv, qkv_n,
+                                        s.threads, s.dtype);
+    err |= graphdecode_cpu_rope(qkv, qkv + qn, q, k, cos, sin, positions, M, s.heads, s.kv_heads, HD, qkv_n, qkv_n,
+                                s.dtype, s.threads);
+    void* kv = reinterpret_cast<void*>(static_cast<intptr_t>(w[KV]));
+    err |= graphdecode_cpu_write_kv(kv, k, qkv + qn + kn, slots, M, s.kv_heads, HD, kn, qkv_n, s.page_size,
+                                    s.num_pages, s.dtype);
+    err |= graphdecode_cpu_paged_attention(q, kv, block_table, bt_stride, nullptr, seq_lens, attn, M, 1, s.heads,
+                                           s.kv_heads, HD, s.page_size, width, s.num_pages, r[SCALE],
+                                           w[WINDOW_LEFT], r[SOFT_CAP], ptr<float>(w[SINKS]), s.dtype, s.threads);
+    err |= graphdecode_cpu_panel_linear(attn, M, qn, qn, ptr<T>(w[O]), H, nullptr, o, H, s.threads, s.dtype);
+    err |= graphdecode_cpu_add_rms_norm(x, o, ptr<T>(w[POST_NORM]), normed, total, M, H, H, s.eps, s.dtype,
+                                        s.threads);
+    err |= graphdecode_cpu_panel_linear(normed, M, H, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
+                                        2 * s.inter, s.threads, s.dtype);
+    swiglu(gate_up, act, M, s.inter);
+    err |= graphdecode_cpu_panel_linear(act, M, s.inter, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, H, s.threads,
+                                        s.dtype);
+    std::memcpy(x, total, M * H * sizeof(T));
+    add_into(x, down, M * H);
+  }
+  return err;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Scratch elements a call with M rows needs (in the model's dtype).
+int64_t graphdecode_cpu_layers_scratch(int64_t M, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t inter) {
+  return M * (3 * hidden + (heads + 2 * kv_heads) * head_dim + 2 * heads * head_dim + kv_heads * head_dim +
+              3 * inter + hidden);
+}
+
+// x [M, hidden] contiguous: the embeddings in, the last layer's output (before the final norm) out.
+// words [num_layers, WORDS] int64 and reals [num_layers, REALS] float: each layer's weights (qkv and
+// gate_up as panels, qkv_bias 0 for none), KV cache [num_pages, 2, page_size, kv_heads, head_dim], sinks (0:
+// none), window_left, scale, soft_cap (0: none). positions [M] int64 (rotary table rows, each checked against
+// max_positions), seq_lens [M] int32 and slots [M] int64 as the paged kernels take them; cos / sin
+// [max_positions, head_dim]. Returns 0, or nonzero (x then undefined) for bad arguments; positions and
+// slots are checked before any work.
+int graphdecode_cpu_decoder_layers(const int64_t* words, const float* reals, int64_t num_layers, void* x, int64_t M,
+                                   const int64_t* positions, const int32_t* seq_lens, const int64_t* slots,
+                                   const int32_t* block_table, int64_t bt_stride, int64_t width, const void* cos,
+                                   const void* sin, void* scratch, int64_t hidden, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, int64_t inter, int64_t page_size, int64_t num_pages,
+                                   int64_t max_positions, float eps, int32_t dtype, int32_t threads) {
+  if (!words || !reals || !x || !positions || !seq_lens || !slots || !block_table || !cos || !sin || !scratch ||
+      num_layers < 1 || M < 1 || hidden < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2 || inter < 1 ||
+      threads < 1)
+    return 1;
+  for (int64_t m = 0; m < M; ++m)
+    if (positions[m] < 0 || positions[m] >= max_positions || slots[m] < 0 || slots[m] >= num_pages * page_size)
+      return 1;
+  const Dims s{hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, max_positions, eps, dtype, threads};
+  if (dtype == kFloat32)
+    return layers(s, words, reals, num_layers, static_cast<float*>(x), M, positions, seq_lens, slots, block_table,
+                  bt_stride, width, static_cast<const float*>(cos), static_cast<const float*>(sin),
+                  static_cast<float*>(scratch));
+  if (dtype == kBFloat16)
+    return layers(s, words, reals, num_layers, static_cast<uint16_t*>(x), M, positions, seq_lens, slots,
+                  block_table, bt_stride, width, static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
+                  static_cast<uint16_t*>(scratch));
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,106 @@
+"""A decode step's decoder layers in one C++ call on the CPU (csrc/cpu_layers.cpp), for the rows the panels take.
+
+At batch 1 a decode step of SmolLM2 reads its weights in about 20 ms; the eager forward around those reads
+(per layer: two norms, four projections, rotary, the K/V write, attention, SwiGLU, the residual adds, each a
+Python call) adds several ms. `CpuDecodeLayers` hands every layer to one call of the kernel library, which
+calls the same kernels the eager forward calls, in the same order, on the same arguments: the same bits,
+except SwiGLU's exp (the library's polynomial where torch uses Sleef's; both about 1 ulp).
+
+It applies to plain Llama-style layers (the RMSNorm and full rotary the CPU kernels take, fused qkv with or
+without a bias, no o_proj bias, SwiGLU, no MoE, no qk-norm, no sandwich norms, one rank), with every
+projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights), and only for decode steps
+(one query per row) of at most PANEL_ROWS rows, outside compiled graphs, with the CPU attention kernel.
+Everything else runs the eager forward. `DecoderForCausalLM.forward` asks `applies` each step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cpu_linear import PanelWeight
+from .layers import GatedActivation, RMSNorm
+
+WORDS = 10  # csrc/cpu_layers.cpp's Word entries per layer
+REALS = 2  # and its Real entries
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class CpuDecodeLayers:
+    def __init__(self, model: nn.Module, kernels):
+        layers = model.model.layers
+        rotary = model.rotaries[0]
+        cfg = model.config
+        first = layers[0].self_attn
+        self.kernels = kernels
+        self.rows = first.qkv_proj.packed.rows
+        self.rotary = rotary
+        self.dims = (cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size)
+        self.eps = cfg.rms_norm_eps
+        self.dtype = rotary.cos.dtype
+        self.num_layers = len(layers)
+        self.words = torch.zeros(len(layers), WORDS, dtype=torch.int64)
+        self.reals = torch.zeros(len(layers), REALS, dtype=torch.float32)
+        self._keep = []  # tensors whose pointers the table holds
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            spec = attn.attention_spec
+            sinks = None if spec.sinks is None else spec.sinks.float().contiguous()
+            self._keep.append(sinks)
+            self.words[i, :9] = torch.tensor([
+                layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.packed.panels.data_ptr(),
+                attn.qkv_proj.bias.data_ptr() if attn.qkv_proj.bias is not None else 0,
+                attn.o_proj.packed.panels.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                layer.mlp.gate_up_proj.packed.panels.data_ptr(), layer.mlp.down_proj.packed.panels.data_ptr(),
+                0, sinks.data_ptr() if sinks is not None else 0])
+            self.words[i, 9] = spec.window_left
+            self.reals[i, 0] = spec.scale_for(attn.head_dim)
+            self.reals[i, 1] = spec.soft_cap or 0.0
+        self._scratch = torch.empty(0, dtype=self.dtype)
+
+    @classmethod
+    def build(cls, model: nn.Module, kernels) -> CpuDecodeLayers | None:
+        """The driver for `model`, or None where a layer is not the plain Llama layer it runs."""
+        from .decoder import DecoderForCausalLM, GatedMLP
+
+        if kernels is None or not hasattr(kernels, "decoder_layers") or type(model).forward is not \
+                DecoderForCausalLM.forward or model.tp.size != 1 or model.norm_offset or model.sandwich_norms \
+                or model.embed_scale or not model.rotaries or len({id(r) for r in model.rotaries}) != 1:
+            return None
+        rotary = model.rotaries[0]
+        if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in _DTYPES:
+            return None
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (attn.qk_norm or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, GatedActivation)
+                    or mlp.act.act != "silu" or attn.o_proj.bias is not None
+                    or any(not isinstance(n, RMSNorm) or n.kernels is None for n in norms)
+                    or any(not isinstance(p.packed, PanelWeight) for p in
+                           (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
+                return None
+        return cls(model, kernels)
+
+    def applies(self, ctx, tokens: int) -> bool:
+        """Whether this forward is a decode step the driver takes."""
+        if torch.compiler.is_compiling() or ctx.decode is None or tokens > self.rows:
+            return False
+        backend = ctx.backend
+        return getattr(backend, "kernels", None) is not None and backend.kv_caches[0].dtype == self.dtype
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """hidden [M, hidden] embeddings -> the last layer's output (before the final norm), new tensor."""
+        caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
+        self.words[:, 7] = torch.tensor([c.data_ptr() for c in caches[: self.num_layers]])
+        meta = ctx.decode
+        x = hidden.contiguous().clone()
+        rows = x.shape[0]
+        need = self.kernels.layers_scratch(rows, *self.dims)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=self.dtype)
+        kv = caches[0]
+        self.kernels.decoder_layers(
+            self.words, self.reals, self.num_layers, x, positions.to(torch.int64).contiguous(), meta.seq_lens,
+            meta.slot_mapping, meta.block_table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
+            kv.shape[2], kv.shape[0], self.eps)
+        return x

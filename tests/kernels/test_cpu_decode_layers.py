@@ -1,0 +1,128 @@
+"""A decode step's layers in one C++ call (models/cpu_decode.py, csrc/cpu_layers.cpp).
+
+* an engine whose plain layers take it decodes transformers' greedy tokens (GQA with llama3 rope, qkv bias
+  and a tied head, a sliding window), the same tokens as its eager forward, in fp32 and bf16, and the call
+  really ran;
+* one decode forward through it equals the eager forward's logits and KV writes;
+* it is built only for the layers it runs (not for qk-norm, Gemma's norms, MoE, or weights without panels);
+* a position past the rotary table or a slot outside the cache is refused before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend
+from graphdecode.attention.kv_cache import allocate_kv_caches
+from graphdecode.kernels import cpu as cpu_kernels_module
+from graphdecode.models import cpu_linear
+from graphdecode.models.loader import load_model
+from graphdecode.models.model_config import load_model_config
+from tests.helpers import generate_tokens, hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(cpu_kernels_module.cpu_kernels() is None or not cpu_linear.can_prepack(
+    torch.device("cpu"), torch.float32), reason="no C++ compiler for the CPU kernels, or no oneDNN")
+PAGE = 8
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    """The tiny models counted as models that stream their weights: their projections take the panels."""
+    monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)
+    calls = []
+    real = cpu_kernels_module.CpuKernels.decoder_layers
+    monkeypatch.setattr(cpu_kernels_module.CpuKernels, "decoder_layers",
+                        lambda self, *a, **kw: (calls.append(a[4].shape[0]), real(self, *a, **kw))[1])
+    return calls
+
+
+@pytest.mark.parametrize("name, dtype", [("qwen2_tied", "float32"), ("llama_gqa_llama3", "float32"),
+                                         ("mistral_swa", "float32"), ("qwen2_tied", "bfloat16")])
+def test_an_engine_decodes_through_one_call_per_step(tiny_models, panels, name, dtype):
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(tiny_models[name], dtype=dtype, max_model_len=96, max_batch_size=4)
+    model = llm.engine.runner.model
+    assert model.cpu_decode is not None
+    prompts = random_prompts(3, [5, 40, 3], seed=41)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = generate_tokens(llm, prompts, sp)
+    assert panels and max(panels) <= 4  # every decode step (its bucket of up to 4 rows) ran the call
+    layers, model.cpu_decode = model.cpu_decode, None
+    try:
+        assert generate_tokens(llm, prompts, sp) == got  # the eager forward's tokens
+    finally:
+        model.cpu_decode = layers
+    if dtype == "float32":
+        assert got == hf_greedy(tiny_models[name], prompts, 10)
+
+
+def _decode_step(model, cfg, dtype, ids, seq_lens):
+    caches = allocate_kv_caches(cfg.num_layers, 32, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(5)).to(dtype))
+    backend = TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    specs=model.attention_specs)
+    rows = len(ids)
+    table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
+    positions = (seq_lens - 1).long()
+    slots = table[torch.arange(rows), positions // PAGE].long() * PAGE + positions % PAGE
+    meta = DecodeMetadata(seq_lens=seq_lens, block_table=table, slot_mapping=slots, kv_indptr=None, kv_indices=None,
+                          kv_last_page_len=None)
+    with torch.inference_mode():
+        logits = model.decode_logits(ids, positions, ForwardContext(backend, decode=meta))
+    return logits, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
+    path = tiny_models["qwen2_tied"]
+    cfg = load_model_config(path)
+    model = load_model(path, cfg, dtype, torch.device("cpu"), 256)
+    ids, seq_lens = torch.tensor([5, 9, 100]), torch.tensor([5, 17, 30], dtype=torch.int32)
+    fast, fast_caches = _decode_step(model, cfg, dtype, ids, seq_lens)
+    assert panels == [3]
+    layers, model.cpu_decode = model.cpu_decode, None
+    eager, eager_caches = _decode_step(model, cfg, dtype, ids, seq_lens)
+    model.cpu_decode = layers
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, eager, **tol)
+    assert torch.equal(fast_caches[0], eager_caches[0])  # layer 0's K/V: the same kernels on the same inputs
+    for f, e in zip(fast_caches, eager_caches):
+        torch.testing.assert_close(f.float(), e.float(), **tol)
+
+
+@pytest.mark.parametrize("name", ["qwen3_untied", "gemma3_text", "qwen3_moe"])
+def test_only_plain_layers_get_the_one_call(tiny_models, panels, name):
+    path = tiny_models[name]
+    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), 256)
+    assert model.cpu_decode is None  # qk-norm, Gemma's offset norms, MoE: the eager forward
+
+
+def test_without_panels_there_is_no_one_call(tiny_models):
+    path = tiny_models["qwen2_tied"]  # a 64-wide model fits in cache: column-major weights, no panels
+    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), 256)
+    assert model.cpu_decode is None
+
+
+def test_bad_positions_and_slots_are_refused_before_any_work(tiny_models, panels):
+    path = tiny_models["qwen2_tied"]
+    cfg = load_model_config(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 256)
+    layers = model.cpu_decode
+    caches = allocate_kv_caches(cfg.num_layers, 8, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    layers.words[:, 7] = torch.tensor([c.data_ptr() for c in caches])
+    x = torch.randn(1, cfg.hidden_size)
+    before, kv_before = x.clone(), [c.clone() for c in caches]
+    scratch = torch.empty(layers.kernels.layers_scratch(1, *layers.dims))
+    table = torch.ones(1, 2, dtype=torch.int32)
+    good = dict(positions=torch.tensor([3]), seq_lens=torch.tensor([4], dtype=torch.int32), slots=torch.tensor([11]))
+    for bad in (dict(positions=torch.tensor([layers.rotary.cos.shape[0]])), dict(slots=torch.tensor([8 * PAGE])),
+                dict(slots=torch.tensor([-1]))):
+        args = dict(good, **bad)
+        with pytest.raises(ValueError, match="decoder_layers rejected"):
+            layers.kernels.decoder_layers(layers.words, layers.reals, layers.num_layers, x, args["positions"],
+                                          args["seq_lens"], args["slots"], table, layers.rotary.cos,
+                                          layers.rotary.sin, scratch, layers.dims, PAGE, 8, layers.eps)
+        assert torch.equal(x, before) and all(torch.equal(c, k) for c, k in zip(caches, kv_before))
