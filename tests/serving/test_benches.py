@@ -308,3 +308,19 @@ def test_ab_cpu_prefill_smoke(micro_dir):
     assert [r["length"] for r in results] == [40, 150]
     for r in results:
         assert r["same_tokens"] and r["sdpa_s"] > 0 and r["kernel_s"] > 0 and r["best_ratio"] > 0
+
+
+def test_ab_cpu_decode_layers_smoke(micro_dir, monkeypatch):
+    """ab_cpu_decode_layers: the one-call decode layers and the eager forward alternate in one engine (the micro
+    model's weights counted as streaming, so they take the panels) and decode the same tokens."""
+    from graphdecode.kernels.cpu import cpu_kernels
+    from graphdecode.models import cpu_linear
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built")
+    monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)
+    results = _script("ab_cpu_decode_layers").main(["--model", micro_dir, "--batches", "1,3", "--gen", "5",
+                                                    "--prompt-len", "6", "--rounds", "1"])
+    assert [r["batch"] for r in results] == [1, 3]
+    for r in results:
+        assert r["same_tokens"] and r["eager_tokens_per_s"] > 0 and r["layers_tokens_per_s"] > 0
