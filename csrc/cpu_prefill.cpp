@@ -61,10 +61,15 @@ inline f32x16 exp16(f32x16 x) {
   return x < -87.f ? f32x16{} : p * scale;
 }
 
-inline float hmax(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
+inline float hmax(f32x16 v) {  // a tree of lane maxima
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = lo > hi ? lo : hi;
+  const f32x4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = c > d ? c : d;
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
 }
 
 inline float hsum(f32x16 v) {  // a fixed tree
@@ -277,7 +282,8 @@ class Prefill {
             store16(row + 16 * v, p);
             sum += p;
           }
-          const float alpha = w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
+          // the running max mostly stays put after the first blocks: then the rescale is exactly 1
+          const float alpha = w.m[r] == m_new ? 1.f : w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
           w.l[r] = w.l[r] * alpha + hsum(sum);
           w.m[r] = m_new;
           w.alpha[r] = alpha;

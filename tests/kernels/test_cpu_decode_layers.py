@@ -80,6 +80,8 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
     path = tiny_models["qwen2_tied"]
     cfg = load_model_config(path)
     model = load_model(path, cfg, dtype, torch.device("cpu"), 256)
+    # bf16's panels take 4 rows in the eager forward, 8 inside the one call (cpu_decode.MIN_ROWS)
+    assert model.cpu_decode.rows == (8 if dtype == torch.bfloat16 else cpu_linear.PANEL_ROWS[torch.float32])
     ids, seq_lens = torch.tensor([5, 9, 100]), torch.tensor([5, 17, 30], dtype=torch.int32)
     fast, fast_caches = _decode_step(model, cfg, dtype, ids, seq_lens)
     assert panels == [3]
