@@ -63,27 +63,8 @@ inline float exp_nonpositive(float x) {
 // Clang vector types (SSE, AVX2 or AVX-512, whatever -march=native gives): a plain
 // `omp simd reduction` over floats is folded left to right by GCC 12, one dependent add per
 // element (16 serial adds for one 32-wide dot), and a tree over a stack array stalls on
-// store forwarding. The order is the same on every call.
+// store forwarding. The order is the same on every call (cpu_common.h's tree_sum / tree_max).
 constexpr int64_t LANES = 16;  // f32x16 (cpu_common.h)
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-
-inline float tree_sum(f32x16 v) {
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-inline float tree_max(f32x16 v) {
-  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x8 a = lo > hi ? lo : hi;
-  const f32x4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const f32x4 b = c > d ? c : d;
-  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
-}
-
 // q . k over n floats (DIM > 0: n == DIM, known at compile time)
 template <int DIM>
 inline float dot(const float* a, const float* b, int64_t n) {

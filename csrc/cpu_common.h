@@ -1,9 +1,11 @@
-// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp): their dtype codes,
-// float32 / bf16 element access (bf16 stored as its 16 bits; stores round to nearest even, as torch
-// does), and the 16-float vector type (GCC / Clang vector types: SSE, AVX2 or AVX-512, whatever
-// -march=native gives) with its unaligned load (of float32, or bf16 widened) and store.
+// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp, cpu_prefill.cpp,
+// cpu_layers.cpp): their dtype codes, float32 / bf16 element access (bf16 stored as its 16 bits; stores
+// round to nearest even, as torch does), the 16-float vector type (GCC / Clang vector types: SSE, AVX2
+// or AVX-512, whatever -march=native gives) with its unaligned load (of float32, or bf16 widened) and
+// store, lane trees for its sum and maximum, and a vectorised exp.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -61,5 +63,47 @@ inline f32x16 load16(const uint16_t* p) {
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+// The sum and the maximum of a vector's 16 lanes by a fixed tree (the same order on every call)
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline float tree_sum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float tree_max(f32x16 v) {
+  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = lo > hi ? lo : hi;
+  const f32x4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f32x4 b = c > d ? c : d;
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
+}
+
+// exp(x) lane by lane: 2^n * e^r with |r| <= ln2 / 2 and Cephes' expf polynomial (about 1 ulp), n by the
+// 1.5 * 2^23 rounding trick; x clamped to 88 above, and 0 below -87 (-inf included)
+inline f32x16 exp16(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const f32x16 lo = f32x16{} - 87.f, hi = f32x16{} + 88.f;
+  const f32x16 c = x < lo ? lo : (x > hi ? hi : x);
+  const f32x16 magic = f32x16{} + 12582912.f;
+  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
+  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? f32x16{} : p * scale;
+}
 
 }  // namespace graphdecode_cpu

@@ -56,27 +56,7 @@ const T* ptr(int64_t word) {
 }
 
 // silu(gate) * up over [M, 2 * inter] rows, torch's roundings: silu in float rounded to T, the product
-// rounded to T. silu(x) = x / (1 + exp(-x)), exp for any x (clamped to [-87, 88]).
-inline f32x16 exp_any(f32x16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const f32x16 lo = f32x16{} - 87.f, hi = f32x16{} + 88.f;
-  const f32x16 c = x < lo ? lo : (x > hi ? hi : x);
-  const f32x16 magic = f32x16{} + 12582912.f;
-  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
+// rounded to T. silu(x) = x / (1 + exp(-x)) (cpu_common.h's exp16).
 template <typename T>
 void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   for (int64_t m = 0; m < rows; ++m) {
@@ -86,7 +66,7 @@ void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter) {
     int64_t i = 0;
     for (; i + 16 <= inter; i += 16) {
       const f32x16 x = load16(g + i);
-      const f32x16 s = x / (1.f + exp_any(-x));
+      const f32x16 s = x / (1.f + exp16(-x));
       alignas(64) float sv[16], uv[16];
       store16(sv, s);
       store16(uv, load16(u + i));

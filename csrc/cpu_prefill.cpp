@@ -39,46 +39,6 @@ constexpr int64_t QBLK = 64;  // query positions per work item
 constexpr int MR = 6;         // rows per register tile
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp(x) lane by lane for x <= 0 (-inf: 0): attention.cpp's exp_nonpositive as vector arithmetic
-// (rounding by the 1.5 * 2^23 trick instead of nearbyint)
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 c = x > -87.f ? x : f32x16{} - 87.f;
-  const f32x16 magic = f32x16{} + 12582912.f;
-  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? f32x16{} : p * scale;
-}
-
-inline float hmax(f32x16 v) {  // a tree of lane maxima
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  const f32x8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x8 a = lo > hi ? lo : hi;
-  const f32x4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const f32x4 b = c > d ? c : d;
-  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
-}
-
-inline float hsum(f32x16 v) {  // a fixed tree
-  float s[8];
-  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
-
 // s[R][64] = q[R][D] @ kt[D][64]
 template <int R>
 void qk_tile(const float* __restrict q, int64_t D, const float* __restrict kt, float* __restrict s) {
@@ -270,7 +230,7 @@ class Prefill {
             }
           }
           f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
-          const float m_new = std::max(w.m[r], hmax(mx));
+          const float m_new = std::max(w.m[r], tree_max(mx));
           if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
             std::memset(row, 0, KEYS * sizeof(float));
             w.alpha[r] = 1.f;
@@ -284,7 +244,7 @@ class Prefill {
           }
           // the running max mostly stays put after the first blocks: then the rescale is exactly 1
           const float alpha = w.m[r] == m_new ? 1.f : w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
-          w.l[r] = w.l[r] * alpha + hsum(sum);
+          w.l[r] = w.l[r] * alpha + tree_sum(sum);
           w.m[r] = m_new;
           w.alpha[r] = alpha;
         }
