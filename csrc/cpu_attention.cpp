@@ -65,6 +65,7 @@ inline float exp_nonpositive(float x) {
 // element (16 serial adds for one 32-wide dot), and a tree over a stack array stalls on
 // store forwarding. The order is the same on every call (cpu_common.h's tree_sum / tree_max).
 constexpr int64_t LANES = 16;  // f32x16 (cpu_common.h)
+constexpr int64_t AHEAD = 8;   // keys ahead whose K / V rows decode prefetches
 // q . k over n floats (DIM > 0: n == DIM, known at compile time)
 template <int DIM>
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -92,6 +93,10 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
     int64_t t = lo;
     for (; t + KEYS - 1 <= hi; t += KEYS)
       for (int k = 0; k < KEYS; ++k) {
+        if (t + k + AHEAD <= hi) {  // this chunk of a V row AHEAD keys on (its page may be anywhere)
+          __builtin_prefetch(rows[t + k + AHEAD] + offset + c0, 0, 3);
+          __builtin_prefetch(rows[t + k + AHEAD] + offset + c0 + LANES, 0, 3);
+        }
         const float* v = rows[t + k] + offset + c0;
         const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
         for (int g = 0; g < NG; ++g) {
@@ -212,7 +217,12 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   constexpr int64_t TILE = 16, TILE_QUERIES = 8;
   w.scores.resize(NQ * span);
   if (Q * G < TILE_QUERIES) {
-    for (int64_t t = 0; t < span; ++t)
+    const int64_t row_bytes = std::is_same<T, float>::value ? token_stride * int64_t(sizeof(float)) : 0;
+    for (int64_t t = 0; t < span; ++t) {
+      if (t + AHEAD < span) {  // the K row AHEAD keys on: pages break the hardware prefetcher's streams
+        const char* next = reinterpret_cast<const char*>(w.k_rows[t + AHEAD]);
+        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line, 0, 3);
+      }
       for (int64_t h = 0; h < HKV; ++h) {
         const float* k = w.k_rows[t] + h * D;
         for (int64_t j = 0; j < Q; ++j)
@@ -222,6 +232,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
             w.scores[n * span + t] = dot<DIM>(qv, k, D);
           }
       }
+    }
   } else {
     float tile[(DIM > 0 ? DIM : 512) * TILE];
     for (int64_t h = 0; h < HKV; ++h)
