@@ -13,7 +13,6 @@ the median of the paired ratios and whether the tokens are the same (BENCHMARKS.
 from __future__ import annotations
 
 import argparse
-import time
 
 
 def main(argv=None) -> list[dict]:
@@ -28,8 +27,8 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     batches = [int(x) for x in args.batches.split(",")]
 
-    from graphdecode import LLM, SamplingParams
-    from graphdecode.bench.common import paired_ab, random_prompt_ids
+    from graphdecode import LLM
+    from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy
     from graphdecode.gguf_import import smollm2_dir
 
     llm = LLM(args.model or smollm2_dir(), dtype=args.dtype, max_batch_size=max(batches),
@@ -44,17 +43,11 @@ def main(argv=None) -> list[dict]:
         prompts = [{"prompt_token_ids": ids}
                    for ids in random_prompt_ids(batch, args.prompt_len, llm.config.model_config.vocab_size)]
 
-        def timed(max_tokens):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
-
         def run(name):
             model.cpu_decode = layers if name == "layers" else None
             try:
-                full, tokens = timed(args.gen)
-                return full - timed(1)[0], tokens
+                full, tokens = timed_greedy(llm, prompts, args.gen)
+                return full - timed_greedy(llm, prompts, 1)[0], tokens
             finally:
                 model.cpu_decode = layers
 

@@ -17,8 +17,6 @@ and whether the tokens are the same (BENCHMARKS.md sections 12d, 18).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +66,8 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
 
-    from graphdecode import LLM, SamplingParams
-    from graphdecode.bench.common import random_prompt_ids
+    from graphdecode import LLM
+    from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy
     from graphdecode.gguf_import import smollm2_dir
     from graphdecode.models.cpu_linear import PanelWeight
 
@@ -86,32 +84,18 @@ def main(argv=None) -> dict:
     prompts = [{"prompt_token_ids": ids}
                for ids in random_prompt_ids(args.batch, args.prompt_len, llm.config.model_config.vocab_size)]
 
-    def timed(max_tokens):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
-
     def run(name):
         weights, model.packed_head = variants[name]
         for module, weight in zip(modules, weights):
             module.packed = weight
-        full, tokens = timed(args.gen)
-        return (full - timed(1)[0] if args.gen > 1 else full), tokens
+        full, tokens = timed_greedy(llm, prompts, args.gen)
+        return (full - timed_greedy(llm, prompts, 1)[0] if args.gen > 1 else full), tokens
 
-    run("now")  # warm both
-    run("before")
-    best, tokens, ratios = {"before": float("inf"), "now": float("inf")}, {}, []
-    for i in range(args.rounds):
-        took = {}
-        for name in ("before", "now") if i % 2 == 0 else ("now", "before"):
-            took[name], tokens[name] = run(name)
-            best[name] = min(best[name], took[name])
-        ratios.append(took["before"] / took["now"])
+    ab = paired_ab(run, ("before", "now"), args.rounds)
+    best, ratios = ab["best"], ab["ratios"]
     result = {"batch": args.batch, "gen": args.gen, "prompt_len": args.prompt_len, "threads": args.threads,
-              "dtype": args.dtype,
-              "before_s": best["before"], "now_s": best["now"], "best_ratio": best["before"] / best["now"],
-              "median_paired_ratio": statistics.median(ratios), "same_tokens": tokens["before"] == tokens["now"]}
+              "dtype": args.dtype, "before_s": best["before"], "now_s": best["now"], "best_ratio": ab["best_ratio"],
+              "median_paired_ratio": ab["median_ratio"], "same_tokens": ab["same_outputs"]}
     what = "decode" if args.gen > 1 else "prefill"
     print(f"{args.dtype}, batch {args.batch}, {args.gen} tokens, {args.prompt_len}-token prompts, {args.threads} "
           f"threads, {what}: "

@@ -15,7 +15,6 @@ times, the best-of ratio, the median of the paired ratios and whether the first 
 from __future__ import annotations
 
 import argparse
-import time
 
 
 def main(argv=None) -> list[dict]:
@@ -30,9 +29,9 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
 
-    from graphdecode import LLM, SamplingParams
+    from graphdecode import LLM
     from graphdecode.attention.torch_backend import TorchAttentionBackend
-    from graphdecode.bench.common import paired_ab, random_prompt_ids
+    from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy
     from graphdecode.gguf_import import smollm2_dir
 
     extra = {} if args.chunk is None else {"max_num_batched_tokens": args.chunk}
@@ -42,7 +41,6 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("needs the CPU kernels (a C++ compiler)")
     with_kernel = TorchAttentionBackend._prefill_kernel
     variants = {"kernel": with_kernel, "sdpa": lambda self, spec: False}
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     results = []
     for length in lengths:
         prompts = [{"prompt_token_ids": ids}
@@ -51,9 +49,7 @@ def main(argv=None) -> list[dict]:
         def run(name):
             TorchAttentionBackend._prefill_kernel = variants[name]
             try:
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+                return timed_greedy(llm, prompts, 1)
             finally:
                 TorchAttentionBackend._prefill_kernel = with_kernel
 

@@ -168,6 +168,16 @@ def style_batch_axes(ax, batches: list[int], ylabel: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def timed_greedy(llm, prompts: list[dict], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """One timed greedy `generate` (ignore_eos, no progress bar): (seconds, each prompt's token ids)."""
+    from .. import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+
 def paired_ab(run, names: tuple[str, str], rounds: int) -> dict:
     """An in-process A/B: run(name) -> (seconds, outputs) for both names, one warm-up each, then `rounds`
     rounds in alternating order so the host's drift reaches both alike. -> {"best": {name: seconds},
