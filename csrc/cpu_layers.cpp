@@ -45,7 +45,7 @@ enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, S
 enum Real : int64_t { SCALE, SOFT_CAP, REALS };
 
 struct Dims {
-  int64_t hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, max_positions;
+  int64_t hidden, heads, kv_heads, head_dim, inter, page_size, num_pages;
   float eps;
   int32_t dtype, threads;
 };
@@ -160,7 +160,7 @@ int graphdecode_cpu_decoder_layers(const int64_t* words, const float* reals, int
   for (int64_t m = 0; m < M; ++m)
     if (positions[m] < 0 || positions[m] >= max_positions || slots[m] < 0 || slots[m] >= num_pages * page_size)
       return 1;
-  const Dims s{hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, max_positions, eps, dtype, threads};
+  const Dims s{hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, eps, dtype, threads};
   if (dtype == kFloat32)
     return layers(s, words, reals, num_layers, static_cast<float*>(x), M, positions, seq_lens, slots, block_table,
                   bt_stride, width, static_cast<const float*>(cos), static_cast<const float*>(sin),

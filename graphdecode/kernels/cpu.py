@@ -111,8 +111,7 @@ class CpuKernels:
         q = _heads_contiguous(q)
         tokens, heads, head_dim = q.shape
         out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
-        arrays = [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-                  for t in (q_starts, q_lens, kv_lens)]
+        arrays = [_dense(t, torch.int64) for t in (q_starts, q_lens, kv_lens)]
         if (block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv.is_contiguous()
                 or kv.dtype != q.dtype or kv.shape[4] != head_dim or len({a.shape[0] for a in arrays}) != 1
                 or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()))) or self._prefill(
@@ -136,9 +135,8 @@ class CpuKernels:
         cache is a ValueError before any work."""
         hidden, heads, kv_heads, head_dim, inter = dims
         rows = x.shape[0]
-        slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
-        seq_lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else \
-            seq_lens.to(torch.int32).contiguous()
+        positions, slots = _dense(positions, torch.int64), _dense(slots, torch.int64)
+        seq_lens = _dense(seq_lens, torch.int32)
         if (x.shape != (rows, hidden) or not x.is_contiguous() or positions.shape != (rows,) or slots.shape != (rows,)
                 or seq_lens.shape != (rows,) or block_table.stride(1) != 1 or block_table.dtype != torch.int32
                 or scratch.numel() < self.layers_scratch(rows, *dims) or words.shape[0] < num_layers) or self._layers(
@@ -155,7 +153,7 @@ class CpuKernels:
         kv_cache.write_kv's eight torch ops in one call. A slot outside the cache is a ValueError (nothing
         written)."""
         k, v = _heads_contiguous(_ready(k)), _heads_contiguous(_ready(v))
-        slots = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+        slots = _dense(slots, torch.int64)
         pages, _, page_size, kv_heads, head_dim = kv.shape
         if (k.dtype != kv.dtype or v.dtype != kv.dtype or k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape
                 or slots.shape != k.shape[:1] or not kv.is_contiguous()) or self._write_kv(
@@ -241,6 +239,11 @@ class CpuKernels:
 def _threads(threads: int | None) -> int:
     """A kernel's OpenMP thread count: torch's unless given (0 or less reaches the kernel's check)."""
     return torch.get_num_threads() if threads is None else threads
+
+
+def _dense(t, dtype):
+    """t as a contiguous tensor of dtype (itself when it already is one), as a raw pointer read needs it."""
+    return t.to(dtype).contiguous()
 
 
 def _heads_contiguous(t):

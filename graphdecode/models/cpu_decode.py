@@ -68,9 +68,9 @@ class CpuDecodeLayers:
         """The driver for `model`, or None where a layer is not the plain Llama layer it runs."""
         from .decoder import DecoderForCausalLM, GatedMLP
 
-        if kernels is None or not hasattr(kernels, "decoder_layers") or type(model).forward is not \
-                DecoderForCausalLM.forward or model.tp.size != 1 or model.norm_offset or model.sandwich_norms \
-                or model.embed_scale or not model.rotaries or len({id(r) for r in model.rotaries}) != 1:
+        if (kernels is None or type(model).forward is not DecoderForCausalLM.forward or model.tp.size != 1
+                or model.norm_offset or model.sandwich_norms or model.embed_scale or not model.rotaries
+                or len({id(r) for r in model.rotaries}) != 1):
             return None
         rotary = model.rotaries[0]
         if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in _DTYPES:
@@ -105,7 +105,7 @@ class CpuDecodeLayers:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
         self.kernels.decoder_layers(
-            self.words, self.reals, self.num_layers, x, positions.to(torch.int64).contiguous(), meta.seq_lens,
+            self.words, self.reals, self.num_layers, x, positions, meta.seq_lens,
             meta.slot_mapping, meta.block_table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
             kv.shape[2], kv.shape[0], self.eps)
         return x
