@@ -1,8 +1,8 @@
 """A decode step's layers in one C++ call (models/cpu_decode.py, csrc/cpu_layers.cpp).
 
 * an engine whose plain layers take it decodes transformers' greedy tokens (GQA with llama3 rope, qkv bias
-  and a tied head, a sliding window), the same tokens as its eager forward, in fp32 and bf16, and the call
-  really ran;
+  and a tied head, a sliding window), the same tokens as its eager forward, in fp32 and bf16, also with its
+  windows captured and replayed by the CPU graph twin in the bounds-checked mode, and the call really ran;
 * one decode forward through it equals the eager forward's logits and KV writes;
 * it is built only for the layers it runs (not for qk-norm, Gemma's norms, MoE, or weights without panels);
 * a position past the rotary table or a slot outside the cache is refused before any work.
@@ -37,18 +37,22 @@ def panels(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name, dtype", [("qwen2_tied", "float32"), ("llama_gqa_llama3", "float32"),
-                                         ("mistral_swa", "float32"), ("qwen2_tied", "bfloat16")])
-def test_an_engine_decodes_through_one_call_per_step(tiny_models, panels, name, dtype):
+@pytest.mark.parametrize("name, dtype, twin", [("qwen2_tied", "float32", False), ("llama_gqa_llama3", "float32", False),
+                                               ("mistral_swa", "float32", False), ("qwen2_tied", "bfloat16", False),
+                                               ("qwen2_tied", "float32", True)])
+def test_an_engine_decodes_through_one_call_per_step(tiny_models, panels, name, dtype, twin):
+    """twin: the windows captured and replayed by the CUDA-graph owner's CPU twin, in the bounds-checked mode."""
     from graphdecode import LLM, SamplingParams
 
-    llm = LLM(tiny_models[name], dtype=dtype, max_model_len=96, max_batch_size=4)
+    extra = dict(cuda_graphs=True, check_bounds=True) if twin else {}
+    llm = LLM(tiny_models[name], dtype=dtype, max_model_len=96, max_batch_size=4, **extra)
     model = llm.engine.runner.model
     assert model.cpu_decode is not None
     prompts = random_prompts(3, [5, 40, 3], seed=41)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = generate_tokens(llm, prompts, sp)
     assert panels and max(panels) <= 4  # every decode step (its bucket of up to 4 rows) ran the call
+    assert not twin or llm.stats()["graphs_captured"] > 0
     layers, model.cpu_decode = model.cpu_decode, None
     try:
         assert generate_tokens(llm, prompts, sp) == got  # the eager forward's tokens
