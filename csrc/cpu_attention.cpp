@@ -17,8 +17,10 @@
 //               denominator, attending nothing (gpt-oss)
 //   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
 // Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
-// Each row computes its scores once, a softmax per query, then one pass over V: K and V are
-// each read once per call, straight from the pages, a key's KV heads together. Reductions (dots,
+// Decode (Q = 1) goes over a row's keys once, in blocks, with an online softmax and the next block
+// prefetched under the arithmetic (attend_decode_row); Q > 1 computes its scores once, a softmax per
+// query, then one pass over V (attend_row). Either way K and V are read once per call, straight from
+// the pages, a key's KV heads together. Reductions (dots,
 // softmax's max and sum) run in 16 vector lanes summed by a fixed tree (cpu_common.h's f32x16,
 // the reductions below), and decode's output accumulates in registers (pv_group): 2-3x the
 // earlier scalar-reduction loops at batch 1-64 (BENCHMARKS.md section 12c).
@@ -67,13 +69,13 @@ inline float exp_nonpositive(float x) {
 constexpr int64_t LANES = 16;  // f32x16 (cpu_common.h)
 constexpr int64_t AHEAD = 8;   // keys ahead whose K / V rows decode prefetches
 // q . k over n floats (DIM > 0: n == DIM, known at compile time)
-template <int DIM>
-inline float dot(const float* a, const float* b, int64_t n) {
+template <int DIM, typename R = float>
+inline float dot(const float* a, const R* b, int64_t n) {
   const int64_t D = DIM > 0 ? DIM : n, full = D - D % LANES;
   f32x16 part = {};
   for (int64_t d0 = 0; d0 < full; d0 += LANES) part += load16(a + d0) * load16(b + d0);
   float tail = 0.f;
-  for (int64_t d = full; d < D; ++d) tail += a[d] * b[d];
+  for (int64_t d = full; d < D; ++d) tail += a[d] * load(b + d);
   return tree_sum(part) + tail;
 }
 
@@ -82,8 +84,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // key t). 32 floats of D at a time are held in registers for all NG queries, so each V row is
 // read once; with fewer than four queries, KEYS keys at a time go to separate accumulators
 // (added in a fixed order at the end) to keep the FMA pipes busy.
-template <int NG>
-void pv_group(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
+template <int NG, typename R = float>
+void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64_t lo, int64_t hi,
               float* const* o, int64_t D) {
   constexpr int KEYS = NG >= 4 ? 1 : (NG >= 2 ? 2 : 4);
   const int64_t full = D - D % LANES;
@@ -97,7 +99,7 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
           __builtin_prefetch(rows[t + k + AHEAD] + offset + c0, 0, 3);
           __builtin_prefetch(rows[t + k + AHEAD] + offset + c0 + LANES, 0, 3);
         }
-        const float* v = rows[t + k] + offset + c0;
+        const R* v = rows[t + k] + offset + c0;
         const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
         for (int g = 0; g < NG; ++g) {
           const float pg = p[g][t + k];
@@ -106,7 +108,7 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
         }
       }
     for (; t <= hi; ++t) {
-      const float* v = rows[t] + offset + c0;
+      const R* v = rows[t] + offset + c0;
       const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
       for (int g = 0; g < NG; ++g) {
         acc[0][g][0] += p[g][t] * v0;
@@ -126,7 +128,7 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
   for (int64_t d = full; d < D; ++d)
     for (int g = 0; g < NG; ++g) {
       float acc = 0.f;
-      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
+      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * load(rows[t] + offset + d);
       o[g][d] = acc;
     }
 }
@@ -151,6 +153,7 @@ struct Args {
 struct Scratch {
   std::vector<int64_t> lo, hi;
   std::vector<float> q, keys, values, scores, acc;
+  std::vector<float> block_out, state;  // the one-pass decode form's (attend_decode_row)
   std::vector<const float*> k_rows, v_rows;
 };
 
@@ -336,6 +339,168 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   }
 }
 
+// A decode row (one query per head) in one pass over its keys, in blocks of up to BLOCK keys (never
+// across a page) in position order: the block's scores, an online softmax (each head's running
+// maximum and denominator, its accumulator rescaled when the maximum rises), P @ V through
+// pv_group. The next block's K and V rows are prefetched a few lines at a time while this block is
+// computed, so the loads stream under the arithmetic (the two-pass form above, and a burst of
+// prefetches per block, waited for memory instead: 18 GB/s of the box's 30 at batch 64).
+constexpr int64_t BLOCK = 16;
+static_assert(BLOCK == LANES, "sums16 reduces one f32x16 per key of a block");
+
+// The 16 sums of 16 vectors' lanes, sum i in lane i, by a fixed tree of pairwise shuffles and adds
+// (45 instructions for what 16 tree_sums do in about 110)
+inline f32x16 sums16(const f32x16* v) {
+  f32x16 u[8], w4[4], x[2];
+  for (int j = 0; j < 8; ++j)
+    u[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  for (int k = 0; k < 4; ++k)
+    w4[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)
+    x[m] = __builtin_shufflevector(w4[2 * m], w4[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(w4[2 * m], w4[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Prefetches (into L2) two contiguous byte ranges, a block's K rows and its V rows, one slice of each per
+// call: `parts` calls cover both
+struct Prefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0, slice = 0, done = 0;
+  void step() {
+    const int64_t end = std::min(bytes, done + slice);
+    for (int64_t at = done; at < end; at += 64) {
+      __builtin_prefetch(k + at, 0, 2);
+      __builtin_prefetch(v + at, 0, 2);
+    }
+    done = end;
+  }
+};
+
+template <typename T, int DIM>
+void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
+  const int64_t D = DIM > 0 ? DIM : a.head_dim;
+  const int64_t P = a.page_size, H = a.heads, HKV = a.kv_heads, G = H / HKV;
+  const int64_t max_keys = a.width * P;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kv = static_cast<const T*>(a.kv);
+  T* out = static_cast<T*>(a.out);
+  const int64_t token_stride = HKV * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
+  const int64_t row_bytes = token_stride * int64_t(sizeof(T));
+  const int64_t at = a.positions ? a.positions[b] : int64_t(a.seq_lens[b]) - 1;
+  const int64_t hi = std::min<int64_t>(std::max<int64_t>(at, 0), max_keys - 1);
+  const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, hi - a.window_left) : 0;
+  for (int64_t n = 0; n < H; ++n) {
+    const T* src = q + (b * H + n) * D;
+    float* dst = w.q.data() + n * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = load(src + d) * a.scale;
+  }
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  w.scores.resize(H * BLOCK);
+  w.acc.assign(H * D, 0.f);
+  w.block_out.resize(H * D);  // one block's P @ V before it joins acc
+  // per head: running maximum, then denominator (a sink starts them: exp(sink - sink) = 1)
+  w.state.resize(2 * H);
+  float* peak = w.state.data();
+  float* denom = peak + H;
+  for (int64_t n = 0; n < H; ++n) {
+    peak[n] = a.sinks ? a.sinks[n] : neg_inf;
+    denom[n] = a.sinks ? 1.f : 0.f;
+  }
+  auto block_at = [&](int64_t t0, int64_t& keys) {  // block from t0: its first K row and its key count
+    int64_t page = a.block_table[b * a.bt_stride + t0 / P];
+    if (page < 0 || page >= a.num_pages) page = 0;  // a stale or bad entry reads the scratch page
+    keys = std::min({hi, t0 + BLOCK - 1, (t0 / P + 1) * P - 1}) - t0 + 1;
+    return kv + page * page_stride + (t0 % P) * token_stride;
+  };
+  int64_t keys = 0;
+  const T* k = block_at(lo, keys);
+  Prefetcher first{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(k + v_offset), keys * row_bytes,
+                   keys * row_bytes};
+  first.step();
+  const T* kr[BLOCK];
+  const T* vr[BLOCK];
+  const float* p[8];
+  float* o[8];
+  for (int64_t t0 = lo; t0 <= hi; t0 += keys, k = t0 <= hi ? block_at(t0, keys) : k) {
+    Prefetcher next;
+    if (t0 + keys <= hi) {
+      int64_t next_keys = 0;
+      const T* nk = block_at(t0 + keys, next_keys);
+      const int64_t bytes = next_keys * row_bytes;  // a slice while each head's scores run, in whole lines
+      next = {reinterpret_cast<const char*>(nk), reinterpret_cast<const char*>(nk + v_offset), bytes,
+              (bytes / 64 + H - 1) / H * 64};
+    }
+    for (int64_t i = 0; i < keys; ++i) {  // K / V rows read in place (bf16 widened as they are loaded)
+      kr[i] = k + i * token_stride;
+      vr[i] = k + v_offset + i * token_stride;
+    }
+    // each head's scores over the block, its online softmax step: the new maximum, the old terms
+    // rescaled, this block's probabilities (keys past the block: -inf, probability 0)
+    for (int64_t n = 0; n < H; ++n) {
+      next.step();
+      const float* qv = w.q.data() + n * D;
+      const T* kh[BLOCK];  // past the block's keys: its first key again, the score discarded
+      for (int64_t i = 0; i < BLOCK; ++i) kh[i] = kr[i < keys ? i : 0] + n / G * D;
+      float* s = w.scores.data() + n * BLOCK;
+      if (D % LANES == 0) {  // 16 keys' partial dots side by side in registers, then their 16 sums at once
+        f32x16 part[BLOCK] = {};
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+          const f32x16 qd = load16(qv + d0);
+          for (int64_t i = 0; i < BLOCK; ++i) part[i] += qd * load16(kh[i] + d0);
+        }
+        store16(s, sums16(part));
+      } else {
+        for (int64_t i = 0; i < keys; ++i) s[i] = dot<DIM>(qv, kh[i], D);
+      }
+      if (a.soft_cap > 0.f)
+        for (int64_t i = 0; i < keys; ++i) s[i] = a.soft_cap * std::tanh(s[i] / a.soft_cap);
+      for (int64_t i = keys; i < BLOCK; ++i) s[i] = neg_inf;
+      const f32x16 sv = load16(s);
+      const float top = std::max(peak[n], tree_max(sv));
+      const float alpha = top > peak[n] ? exp_nonpositive(peak[n] - top) : 1.f;
+      const f32x16 pv = exp16(sv - top);
+      store16(s, pv);
+      denom[n] = denom[n] * alpha + tree_sum(pv);
+      peak[n] = top;
+      if (alpha != 1.f) {
+        float* acc = w.acc.data() + n * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+      }
+    }
+    // P @ V of this block, up to 7 queries of a KV head at a time, then added to the accumulators
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t g0 = 0; g0 < G; g0 += 7) {
+        const int64_t ng = std::min<int64_t>(7, G - g0);
+        for (int64_t g = 0; g < ng; ++g) {
+          p[g] = w.scores.data() + (h * G + g0 + g) * BLOCK;
+          o[g] = w.block_out.data() + (h * G + g0 + g) * D;
+        }
+        switch (ng) {
+          case 1: pv_group<1, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 2: pv_group<2, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 3: pv_group<3, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 4: pv_group<4, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 5: pv_group<5, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 6: pv_group<6, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          default: pv_group<7, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+        }
+      }
+    for (int64_t e = 0; e < H * D; ++e) w.acc[e] += w.block_out[e];
+  }
+  for (int64_t n = 0; n < H; ++n) {
+    T* dst = out + (b * H + n) * D;
+    const float* src = w.acc.data() + n * D;
+    const float inv = 1.f / denom[n];
+    for (int64_t d = 0; d < D; ++d) store(dst + d, src[d] * inv);
+  }
+}
+
 // Rows are independent: on `threads` OpenMP threads (torch's pool) each thread takes whole rows
 // with a scratch of its own, so a row's result does not depend on the thread count. Rows differ
 // in length, so they are handed out one at a time.
@@ -348,7 +513,12 @@ void attend(const Args& a, int32_t threads) {
     w.hi.resize(a.queries);
     w.q.resize(a.queries * a.heads * a.head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t b = 0; b < a.rows; ++b) attend_row<T, DIM>(a, b, w);
+    for (int64_t b = 0; b < a.rows; ++b) {
+      if (a.queries == 1)
+        attend_decode_row<T, DIM>(a, b, w);
+      else
+        attend_row<T, DIM>(a, b, w);
+    }
   }
 }
 

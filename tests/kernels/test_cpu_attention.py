@@ -154,6 +154,38 @@ def test_kernel_rows_on_several_threads_equal_one_thread_bit_for_bit(dtype):
                                         threads=0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("spec_name", ["default", "all"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype", [(16, 2, 64, torch.float32), (8, 1, 256, torch.float32),
+                                                              (6, 3, 48, torch.float32), (16, 2, 64, torch.bfloat16)])
+def test_kernel_decode_blocks_any_page_size_and_group(page, spec_name, heads, kv_heads, head_dim, dtype):
+    """Decode goes over a row's keys in blocks of up to 16 that never cross a page, with an online
+    softmax: pages of 1 key (a block per key), of 16 (one block each) and of 64 (four blocks a page);
+    rows ending inside a block, on its edge and long enough for the maximum to rise block after block;
+    8 query heads per KV head (two groups through P @ V); a head size that is no multiple of 16."""
+    lengths = [1, 15, 16, 17, 100, 257]
+    g = torch.Generator().manual_seed(11)
+    width = -(-max(lengths) // page)
+    num_pages = len(lengths) * width + 1
+    kv = torch.randn(num_pages, 2, page, kv_heads, head_dim, generator=g).to(dtype)
+    table = (torch.randperm(num_pages - 1, generator=g)[: len(lengths) * width] + 1).int().view(len(lengths), width)
+    q = torch.randn(len(lengths), 1, heads, head_dim, generator=g).to(dtype)
+    q[4] *= 8  # sharp scores: the maximum moves late in the row
+    spec = SPECS[spec_name](heads)
+    out = torch.empty_like(q)
+    cpu_kernels().paged_attention(
+        out, q, kv, table, seq_lens=torch.tensor(lengths, dtype=torch.int32), scale=spec.scale_for(head_dim),
+        window_left=spec.window_left, soft_cap=spec.soft_cap or 0.0,
+        sinks=None if spec.sinks is None else spec.sinks.float().contiguous())
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)
+        pages = table[b, pos // page].long()
+        keys, values = kv[pages, 0, pos % page], kv[pages, 1, pos % page]
+        want = oracle(q[b], keys, values, [n - 1], spec, heads // kv_heads)
+        torch.testing.assert_close(out[b].double(), want, **_tol(dtype))
+
+
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("ragged", [False, True])
 def test_gathering_reference_decode_has_every_variant(spec_name, ragged):
