@@ -1,58 +1,31 @@
 """In-process A/B of the CPU linears: today's dispatch against the one before it.
 
-One engine, one process: the projections' and the LM head's weights as the engine loads them today
-(panels up to PANEL_ROWS rows, oneDNN's packed GEMM for more; the head packed) and, rebuilt from the
-same panels, the dispatch before (fp32: panels up to 48 rows, aten's NN GEMM on a column-major copy for
-more, the head's row-major dense GEMV for 1-2 rows, packed for more; bf16: oneDNN's packed GEMM at every
-row count, the head as today) are swapped in and out between timed
-`generate` calls, in alternating order, so the host's drift reaches both alike. Decode time is a full
+One engine, one process: the LM head as the engine loads it today (a PanelWeight: its panels up to
+HEAD_PANEL_ROWS rows, oneDNN's packed GEMM for more; a tied embedding's lookups read the panels) and as
+before (oneDNN's packed GEMM at every row count), swapped between timed `generate` calls in alternating
+order, so the host's drift reaches both alike; the projections are today's in both. Decode time is a full
 run less a prefill-only one. Prints the best of each, the best-of ratio, the median of the paired ratios
 and whether the tokens are the same (BENCHMARKS.md sections 12d, 18).
 
-    python profiling/ab_cpu_linears.py --batch 16 --gen 33 --threads 2
+    python profiling/ab_cpu_linears.py --batch 1 --gen 65 --threads 2
     python profiling/ab_cpu_linears.py --batch 1 --gen 65 --threads 2 --dtype bfloat16
-    python profiling/ab_cpu_linears.py --batch 1 --gen 1 --prompt-len 2048     # prefill only
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.nn.functional as F
-
 from graphdecode.models.cpu_linear import PackedWeight
-
-BEFORE_PANEL_ROWS = 48
-BEFORE_DENSE_HEAD_ROWS = 2
-
-
-class Before:
-    """A projection as the engine ran it before: fp32 panels up to 48 rows, aten's NN GEMM on W^T for more;
-    bf16 oneDNN's packed GEMM only."""
-
-    def __init__(self, now):
-        self.now = now
-        weight = now.panels.transpose(1, 2).reshape(-1, now.in_features)[: now.out_features]
-        self.column_major = weight.t().contiguous().t()
-
-    def __call__(self, x, bias=None):
-        if x.dtype == torch.bfloat16:
-            return PackedWeight.run(self.now, x, bias)
-        if x.numel() <= BEFORE_PANEL_ROWS * self.now.in_features:
-            return self.now.kernels.panel_linear(x, self.now.panels, self.now.out_features, bias)
-        return F.linear(x, self.column_major, bias)
 
 
 class BeforeHead:
-    """The LM head before: the row-major dense weight for 1-2 rows, oneDNN's packed one for more."""
+    """The LM head before: oneDNN's packed weight at every row count."""
 
-    def __init__(self, now, dense):
-        self.now, self.dense = now, dense
+    def __init__(self, now):
+        self.now = now
 
     def __call__(self, x, bias=None):
-        dense = x.dtype == torch.float32 and x.shape[0] <= BEFORE_DENSE_HEAD_ROWS
-        return F.linear(x, self.dense, bias) if dense else self.now(x, bias)
+        return PackedWeight.run(self.now, x, bias)
 
 
 def main(argv=None) -> dict:
@@ -74,20 +47,14 @@ def main(argv=None) -> dict:
     llm = LLM(args.model or smollm2_dir(), dtype=args.dtype, max_batch_size=args.batch, max_model_len=args.prompt_len + args.gen + 8,
               cpu_threads=args.threads, enable_prefix_caching=False)
     model = llm.engine.runner.model
-    modules = [m for m in model.modules() if isinstance(getattr(m, "packed", None), PanelWeight)]
-    if not modules or model.packed_head is None or not model.config.tie_word_embeddings:
-        raise SystemExit("needs panelled projections (fp32, a model that streams its weights, the CPU kernels) "
-                         "and a tied LM head")
-    variants = {"now": ([m.packed for m in modules], model.packed_head),
-                "before": ([Before(m.packed) for m in modules],
-                           BeforeHead(model.packed_head, model.model.embed_tokens.weight))}
+    if not isinstance(model.packed_head, PanelWeight):
+        raise SystemExit("needs a panelled LM head (a model that streams its weights, the CPU kernels)")
+    variants = {"now": model.packed_head, "before": BeforeHead(model.packed_head)}
     prompts = [{"prompt_token_ids": ids}
                for ids in random_prompt_ids(args.batch, args.prompt_len, llm.config.model_config.vocab_size)]
 
     def run(name):
-        weights, model.packed_head = variants[name]
-        for module, weight in zip(modules, weights):
-            module.packed = weight
+        model.packed_head = variants[name]
         full, tokens = timed_greedy(llm, prompts, args.gen)
         return (full - timed_greedy(llm, prompts, 1)[0] if args.gen > 1 else full), tokens
 

@@ -20,10 +20,12 @@ depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHM
   (`PackedWeight`), 1.3-2.3x aten's bf16 linear up to 64 rows (AMX / avx512_bf16); the dense
   weight is released.
 * float32 without the CPU kernels (no compiler, GRAPHDECODE_CPU_KERNELS=0): `PackedWeight`.
-* The LM head (`packed_head`) is a `PackedWeight` in both dtypes (fp32: at every row count oneDNN's
-  packed head beats the dense layouts and the panels; bf16 panels would be 1.4x at one row, at the
-  cost of a third copy of a tied embedding); a tied head packs the embedding, which stays row-major
-  for its lookups.
+* The LM head (`packed_head`) of a model that streams its weights is a `PanelWeight` whose panels take
+  up to HEAD_PANEL_ROWS rows (SmolLM2's [49152, 576] head, two threads: 1.34x oneDNN's packed head at one
+  row in fp32, 1.44x in bf16; from 4 rows oneDNN's is as fast or faster). A tied head's embedding lookups
+  then read their rows from those panels (`PanelWeight.rows`) and the row-major embedding is released, so
+  the vocabulary is held twice (panels, packed), as before. Otherwise the head is a `PackedWeight` (a tied
+  one packs the embedding, which stays row-major for its lookups).
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
 gate_up, o / down projection its weight object and the LM head its `PackedWeight`; their
@@ -44,6 +46,7 @@ from torch import nn
 STREAM_BYTES = 64 << 20  # projections + head of a model this large stream from memory: panels and packed
 PANEL = 64  # output columns per panel (csrc/cpu_linear.cpp)
 PANEL_ROWS = {torch.float32: 16, torch.bfloat16: 4}  # up to this many rows the panels, more oneDNN's GEMM
+HEAD_PANEL_ROWS = 2  # the LM head's panels: up to this many rows (decode at batch 1-2)
 _PACKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> CpuWeight
 _HANDLES = itertools.count(1)
 
@@ -95,7 +98,7 @@ class PanelWeight(PackedWeight):
     """float32 or bf16: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), and in
     oneDNN's layout for more."""
 
-    def __init__(self, weight: torch.Tensor, kernels):
+    def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None):
         super().__init__(weight)
         weight = weight.detach()
         panels = -(-self.out_features // PANEL)
@@ -103,7 +106,12 @@ class PanelWeight(PackedWeight):
         padded[: self.out_features] = weight
         self.panels = padded.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
         self.kernels = kernels
-        self.rows = PANEL_ROWS[weight.dtype]
+        self.rows = PANEL_ROWS[weight.dtype] if rows is None else rows
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """W[index] ([..., K], a copy) read from the panels: an embedding lookup in a tied head's weight."""
+        flat = index.reshape(-1)
+        return self.panels[flat // PANEL, :, flat % PANEL].view(*index.shape, self.in_features)
 
     @property
     def extra_bytes(self) -> int:
@@ -133,7 +141,8 @@ def prepack_cpu_linears(model: nn.Module) -> None:
 
     Projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
     PackedWeight, the dense parameter released; of a model that fits in cache: fp32 column-major in place,
-    bf16 a PackedWeight. The LM head packs the embedding when they are tied; the embedding stays."""
+    bf16 a PackedWeight. The LM head likewise (its panels for HEAD_PANEL_ROWS rows); a tied head's embedding
+    then looks its rows up in the head's panels and is released, else it stays for its lookups."""
     from ..kernels.cpu import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
@@ -155,8 +164,11 @@ def prepack_cpu_linears(model: nn.Module) -> None:
         else:
             column_major_(module.weight)
     if head.weight.dtype != torch.float32 or streams:
-        model.packed_head = PackedWeight(head.weight)
-        if not tied:  # a tied head is the embedding, whose rows the lookup reads
+        panels = streams and kernels is not None and head.weight.dtype in kernels.supported_dtypes
+        model.packed_head = PanelWeight(head.weight, kernels, HEAD_PANEL_ROWS) if panels else PackedWeight(head.weight)
+        if panels and tied:  # the embedding's lookups read the head's panels
+            model.model.embed_tokens.rows_from = model.packed_head
+        if panels or not tied:  # else a tied head is the embedding, whose rows the lookup reads
             release(head)
     elif not tied:
         column_major_(head.weight)

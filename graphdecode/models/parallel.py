@@ -107,6 +107,8 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embeddings; this rank holds a block of the (padded) vocabulary."""
 
+    rows_from = None  # a tied CPU head's cpu_linear.PanelWeight, whose panels the lookups read instead of weight
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
         super().__init__()
         self.tp = tp
@@ -116,12 +118,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(per, hidden_size))
         self.tp_specs = {"weight": ShardSpec(0, self.start, self.stop, vocab_size)}
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.rows_from is None else self.rows_from.weight_rows(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         mine = (input_ids >= self.start) & (input_ids < self.stop)
         local = torch.where(mine, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * mine[:, None].to(self.weight.dtype)
+        out = self.lookup(local) * mine[:, None].to(self.weight.dtype)
         return self.tp.all_reduce(out)
 
 

@@ -6,6 +6,8 @@ packed models drop their dense weights), and memory accounting counts the extra 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -182,8 +184,17 @@ def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
     panels = cpu_kernels_module.cpu_kernels() is not None  # fp32 and bf16 alike, else PackedWeight only
     assert (type(layer.mlp.gate_up_proj.packed) is PanelWeight) == panels
-    assert model.packed_head is not None  # tied: a packed copy of the embedding, which stays
-    assert model.model.embed_tokens.weight.numel() > 0
+    head, embedding = model.packed_head, model.model.embed_tokens
+    assert head is not None and (type(head) is PanelWeight) == panels and head.rows == cpu_linear.HEAD_PANEL_ROWS
+    if panels:  # tied: the embedding's lookups read the head's panels, the row-major copy released
+        assert embedding.rows_from is head and embedding.weight.numel() == 0
+        from safetensors.torch import load_file
+
+        checkpoint = load_file(os.path.join(tiny_models["qwen2_tied"], "model.safetensors"))["model.embed_tokens.weight"]
+        ids = torch.tensor([[0, 63, 64], [checkpoint.shape[0] - 1, 5, 5]])
+        assert torch.equal(embedding(ids), checkpoint.to(head.panels.dtype)[ids])
+    else:  # a packed copy of the embedding, which stays
+        assert embedding.weight.numel() > 0
     assert layer.mlp.gate_up_proj.weight.numel() == 0 and layer.self_attn.o_proj.weight.numel() == 0
     sizes = llm.engine.runner.memory_sizes()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
