@@ -13,7 +13,9 @@
 // registers (per d: four loads of the packed keys, one broadcast a row), mask the block's edge
 // (causal diagonal, sliding window), update each row's running max and sum, and add P @ V into the
 // row's output: 6 rows x 64 of D in 24 registers, per key four loads of its V row (widened from bf16
-// where the cache is bf16) and one broadcast of each row's probability. Arithmetic is float32.
+// where the cache is bf16) and one broadcast of each row's probability. Arithmetic is float32, except
+// bf16 on a CPU with avx512_bf16: both GEMMs as vdpbf16ps over K and V packed in pairs, the queries and
+// each tile's probabilities taken as bf16 (as transformers' bf16 attention rounds them), sums float32.
 //
 // Each row's result depends only on its own keys, visited in blocks aligned at absolute key
 // positions in ascending order: the same whatever the thread count, the other rows of the batch,
@@ -27,6 +29,13 @@
 #include <limits>
 #include <numeric>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define GRAPHDECODE_PREFILL_DP 1
+#else
+#define GRAPHDECODE_PREFILL_DP 0
+#endif
 
 #include "cpu_common.h"
 
@@ -92,6 +101,73 @@ void pv_rows(const float* p, const T* const* v, int64_t nk, float* o, int64_t D,
   }
 }
 
+#if GRAPHDECODE_PREFILL_DP
+// bf16 with avx512_bf16: both GEMMs as vdpbf16ps over pairs, two products per lane per instruction.
+// s[R][64] = scale * q[R][D] @ K^T, K packed as [D / 2][64][2] (pairs of d), q bf16 rows of D
+template <int R>
+void qk_tile_dp(const uint16_t* __restrict q, int64_t D, const uint16_t* __restrict kp, float scale,
+                float* __restrict s) {
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    const uint16_t* k = kp + d * KEYS;
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
+    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(k + 64), k3 = (__m512bh)_mm512_loadu_si512(k + 96);
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, q + m * D + d, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, k0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, k1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, k2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, k3);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + m * KEYS + 16 * v, _mm512_mul_ps(acc[m][v], sc));
+}
+
+// o[R][c0 : c0 + 16 NV] = o * alpha + p[R][0:64] @ V[0:64][c0 : ...], p bf16 rows of 64 (0 past the block's
+// keys), V packed as [32][D][2] (pairs of keys)
+template <int R, int NV>
+void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int64_t c0, float* __restrict o,
+                int64_t D, const float* __restrict alpha) {
+  __m512 acc[R][NV];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < NV; ++c)
+      acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(o + m * D + c0 + 16 * c), _mm512_set1_ps(alpha[m]));
+  for (int64_t j = 0; j < KEYS; j += 2) {
+    const uint16_t* row = vp + (j * D + 2 * c0);
+    __m512bh vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+#pragma GCC unroll 6
+    for (int m = 0; m < R; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, p + m * KEYS + j, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(pair));
+      for (int c = 0; c < NV; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], a, vv[c]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + m * D + c0 + 16 * c, acc[m][c]);
+}
+
+template <int R>
+void pv_rows_dp(const uint16_t* p, const uint16_t* vp, float* o, int64_t D, const float* alpha) {
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    switch ((D - c0) >= 64 ? 4 : (D - c0) / 16) {
+      case 4: pv_tile_dp<R, 4>(p, vp, c0, o, D, alpha); break;
+      case 3: pv_tile_dp<R, 3>(p, vp, c0, o, D, alpha); break;
+      case 2: pv_tile_dp<R, 2>(p, vp, c0, o, D, alpha); break;
+      default: pv_tile_dp<R, 1>(p, vp, c0, o, D, alpha); break;
+    }
+  }
+}
+#endif
+
 template <typename T>
 struct Args {
   const T* q;
@@ -125,7 +201,11 @@ class Prefill {
       first_block_[b] = lo / KEYS;
       block_base_[b + 1] = block_base_[b] + (a.kv_lens[b] + KEYS - 1) / KEYS - first_block_[b];
     }
-    kt_.assign(block_base_[a.seqs] * a.kv_heads * D_ * KEYS, 0.f);
+    const int64_t packed = block_base_[a.seqs] * a.kv_heads * D_ * KEYS;
+    if (dp())
+      kp_.assign(2 * packed, 0);  // K then V pairs
+    else
+      kt_.assign(packed, 0.f);
   }
 
   void run(int32_t threads) {
@@ -150,7 +230,13 @@ class Prefill {
   struct Scratch {
     std::vector<float> q, o, m, l, alpha, s;
     std::vector<const T*> v;
+    std::vector<uint16_t> q16, p16;  // dp(): the rows' bf16 queries (unscaled), a tile's bf16 probabilities
   };
+
+  // bf16 on a CPU with avx512_bf16: both GEMMs by vdpbf16ps (qk_tile_dp, pv_tile_dp) over K and V packed in
+  // pairs: the queries and the probabilities rounded to bf16 first, as transformers' bf16 attention rounds
+  // them (its scores and probabilities are bf16 tensors), the sums float32
+  static constexpr bool dp() { return GRAPHDECODE_PREFILL_DP && sizeof(T) == 2; }
 
   int64_t first_pos(int64_t b) const { return a_.kv_lens[b] - a_.q_lens[b]; }
 
@@ -169,6 +255,13 @@ class Prefill {
     return kt_.data() + ((block_base_[b] + block - first_block_[b]) * a_.kv_heads + h) * D_ * KEYS;
   }
 
+  // dp(): block's K as [D / 2][64][2] (pairs of d), which 0; its V as [32][D][2] (pairs of keys), which 1
+  uint16_t* packed_block(int64_t b, int64_t block, int64_t h, int64_t which) {
+    const int64_t size = D_ * KEYS;
+    return kp_.data() + which * block_base_[a_.seqs] * a_.kv_heads * size +
+           ((block_base_[b] + block - first_block_[b]) * a_.kv_heads + h) * size;
+  }
+
   void pack_keys(int32_t threads) {
     const int64_t blocks = block_base_[a_.seqs];
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && blocks > 1)
@@ -178,9 +271,22 @@ class Prefill {
       const int64_t t0 = block * KEYS, t1 = std::min(a_.kv_lens[b], t0 + KEYS);
       for (int64_t t = t0; t < t1; ++t) {
         const T* k = key_row(b, t, 0);
-        for (int64_t h = 0; h < a_.kv_heads; ++h) {
-          float* dst = kt_block(b, block, h) + (t - t0);
-          for (int64_t d = 0; d < D_; ++d) dst[d * KEYS] = load(k + h * D_ + d);
+        if constexpr (dp()) {
+          const T* v = key_row(b, t, 1);
+          const int64_t j = t - t0;
+          for (int64_t h = 0; h < a_.kv_heads; ++h) {
+            uint16_t* kd = packed_block(b, block, h, 0) + 2 * j;
+            uint16_t* vd = packed_block(b, block, h, 1) + (j / 2) * 2 * D_ + j % 2;
+            for (int64_t d = 0; d < D_; ++d) {
+              kd[(d / 2) * 2 * KEYS + d % 2] = k[h * D_ + d];
+              vd[2 * d] = v[h * D_ + d];
+            }
+          }
+        } else {
+          for (int64_t h = 0; h < a_.kv_heads; ++h) {
+            float* dst = kt_block(b, block, h) + (t - t0);
+            for (int64_t d = 0; d < D_; ++d) dst[d * KEYS] = load(k + h * D_ + d);
+          }
         }
       }
     }
@@ -197,20 +303,42 @@ class Prefill {
     w.alpha.resize(rows);
     w.s.resize(MR * KEYS);
     w.v.resize(KEYS);
+    if (dp()) {
+      w.q16.resize(rows * D);
+      w.p16.resize(MR * KEYS);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const T* src = a_.q + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldq + (h * G_ + r / nq) * D;
-      for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = load(src + d) * a_.scale;
+      if constexpr (dp())
+        std::memcpy(w.q16.data() + r * D, src, D * sizeof(uint16_t));
+      else
+        for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = load(src + d) * a_.scale;
     }
     const int64_t last = pos0 + nq - 1;
     for (int64_t block = block_lo(b, it.q0); block <= last / KEYS; ++block) {
       const int64_t t0 = block * KEYS, nk = std::min(KEYS, kv_len - t0);
       // every row sees all 64 keys of the block: no mask
       const bool whole = nk == KEYS && t0 + nk - 1 <= pos0 && (a_.window_left < 0 || t0 >= last - a_.window_left);
-      const float* kt = kt_block(b, block, h);
-      for (int64_t j = 0; j < nk; ++j) w.v[j] = key_row(b, t0 + j, 1) + h * D;
+      const float* kt = dp() ? nullptr : kt_block(b, block, h);
+      if (!dp())
+        for (int64_t j = 0; j < nk; ++j) w.v[j] = key_row(b, t0 + j, 1) + h * D;
       for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int R = int(std::min<int64_t>(MR, rows - r0));
         float* s = w.s.data();
+#if GRAPHDECODE_PREFILL_DP
+        if constexpr (dp()) {
+          const uint16_t* q16 = w.q16.data() + r0 * D;
+          const uint16_t* kp = packed_block(b, block, h, 0);
+          switch (R) {
+            case 6: qk_tile_dp<6>(q16, D, kp, a_.scale, s); break;
+            case 5: qk_tile_dp<5>(q16, D, kp, a_.scale, s); break;
+            case 4: qk_tile_dp<4>(q16, D, kp, a_.scale, s); break;
+            case 3: qk_tile_dp<3>(q16, D, kp, a_.scale, s); break;
+            case 2: qk_tile_dp<2>(q16, D, kp, a_.scale, s); break;
+            default: qk_tile_dp<1>(q16, D, kp, a_.scale, s); break;
+          }
+        } else
+#endif
         switch (R) {
           case 6: qk_tile<6>(w.q.data() + r0 * D, D, kt, s); break;
           case 5: qk_tile<5>(w.q.data() + r0 * D, D, kt, s); break;
@@ -233,12 +361,20 @@ class Prefill {
           const float m_new = std::max(w.m[r], tree_max(mx));
           if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
             std::memset(row, 0, KEYS * sizeof(float));
+            if (dp()) std::memset(w.p16.data() + m * KEYS, 0, KEYS * sizeof(uint16_t));
             w.alpha[r] = 1.f;
             continue;
           }
           f32x16 sum = {};
           for (int v = 0; v < 4; ++v) {
-            const f32x16 p = exp16(load16(row + 16 * v) - m_new);
+            f32x16 p = exp16(load16(row + 16 * v) - m_new);
+#if GRAPHDECODE_PREFILL_DP
+            if constexpr (dp()) {  // the probabilities P @ V reads, rounded to bf16 (to nearest even), and their sum
+              uint16_t* p16 = w.p16.data() + m * KEYS + 16 * v;
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16), (__m256i)_mm512_cvtneps_pbh((__m512)p));
+              p = load16(p16);
+            }
+#endif
             store16(row + 16 * v, p);
             sum += p;
           }
@@ -251,6 +387,21 @@ class Prefill {
         float* o = w.o.data() + r0 * D;
         const T* const* v = w.v.data();
         const float* alpha = w.alpha.data() + r0;
+#if GRAPHDECODE_PREFILL_DP
+        if constexpr (dp()) {
+          const uint16_t* p16 = w.p16.data();
+          const uint16_t* vp = packed_block(b, block, h, 1);
+          switch (R) {
+            case 6: pv_rows_dp<6>(p16, vp, o, D, alpha); break;
+            case 5: pv_rows_dp<5>(p16, vp, o, D, alpha); break;
+            case 4: pv_rows_dp<4>(p16, vp, o, D, alpha); break;
+            case 3: pv_rows_dp<3>(p16, vp, o, D, alpha); break;
+            case 2: pv_rows_dp<2>(p16, vp, o, D, alpha); break;
+            default: pv_rows_dp<1>(p16, vp, o, D, alpha); break;
+          }
+          continue;
+        }
+#endif
         switch (R) {
           case 6: pv_rows<6>(s, v, nk, o, D, alpha); break;
           case 5: pv_rows<5>(s, v, nk, o, D, alpha); break;
@@ -279,6 +430,7 @@ class Prefill {
   const int64_t G_, D_;
   std::vector<int64_t> first_block_, block_base_;
   std::vector<float> kt_;
+  std::vector<uint16_t> kp_;
 };
 
 template <typename T>

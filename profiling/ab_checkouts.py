@@ -6,6 +6,8 @@ Decode tokens/s is the bucket sweep's: (B x gen tokens) / (full run - prefill-on
 ignore_eos, k = 8, public API only (so any two versions of graphdecode compare).
 
     python profiling/ab_checkouts.py --before /tmp/old --after . --model DIR --rounds 3
+    python profiling/ab_checkouts.py --before /tmp/old --after . --model DIR --batches 1 --prompt-len 2048 \
+        --gen-len 8 --threads 2 --dtype bfloat16     # long-prompt prefill
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ POINT = r"""
 import json, sys, time, torch
 from graphdecode import LLM, SamplingParams
 model, batch, prompt_len, gen_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+threads, dtype = int(sys.argv[5]), sys.argv[6]
 torch.manual_seed(0)
-llm = LLM(model, num_decode_steps=8, max_batch_size=max(batch, 1), buckets=[batch], cpu_threads=1,
+llm = LLM(model, num_decode_steps=8, max_batch_size=max(batch, 1), buckets=[batch], cpu_threads=threads, dtype=dtype,
           max_model_len=prompt_len + gen_len + 16, enable_prefix_caching=False)
 vocab = llm.config.model_config.vocab_size
 prompts = [{"prompt_token_ids": torch.randint(3, vocab, (prompt_len,)).tolist()} for _ in range(batch)]
@@ -36,8 +39,9 @@ print(json.dumps({"decode_tok_s": batch * gen_len / (full - prefill), "prefill_t
 
 
 def point(tree: str, model: str, batch: int, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), GRAPHDECODE_CPU_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", POINT, model, str(batch), str(args.prompt_len), str(args.gen_len)],
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), GRAPHDECODE_CPU_THREADS=str(args.threads))
+    out = subprocess.run([sys.executable, "-c", POINT, model, str(batch), str(args.prompt_len), str(args.gen_len),
+                          str(args.threads), args.dtype],
                          env=env, capture_output=True, text=True, cwd="/tmp", check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -51,6 +55,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each engine")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
     best: dict = {}
     for _ in range(args.rounds):
