@@ -41,26 +41,6 @@ namespace {
 
 using namespace graphdecode_cpu;
 
-// exp(x) for x <= 0 (scores minus their row's peak): 2^n * e^r with |r| <= ln2 / 2 and Cephes'
-// expf polynomial (about 1 ulp), branch-free so loops over it vectorise (std::nearbyint, not
-// std::floor: GCC 12 vectorises no loop calling floor); below -87, 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
-}
-
 // Reductions in LANES independent partial sums combined by a fixed tree, written with GCC /
 // Clang vector types (SSE, AVX2 or AVX-512, whatever -march=native gives): a plain
 // `omp simd reduction` over floats is folded left to right by GCC 12, one dependent add per
@@ -277,13 +257,13 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     for (int64_t t0 = 0; t0 < full; t0 += LANES) part = max16(part, load16(s + t0));
     float peak = tree_max(part);
     for (int64_t t = full; t < span; ++t) peak = std::max(peak, s[t]);
-#pragma omp simd
-    for (int64_t t = 0; t < span; ++t) s[t] = exp_nonpositive(s[t] - peak);
+    for (int64_t t0 = 0; t0 < full; t0 += LANES) store16(s + t0, exp16(load16(s + t0) - peak));
+    for (int64_t t = full; t < span; ++t) s[t] = exp1(s[t] - peak);
     part = f32x16{};
     for (int64_t t0 = 0; t0 < full; t0 += LANES) part += load16(s + t0);
     float total = tree_sum(part);
     for (int64_t t = full; t < span; ++t) total += s[t];
-    if (a.sinks) total += exp_nonpositive(sink - peak);
+    if (a.sinks) total += exp1(sink - peak);
     const float inv = 1.f / total;
 #pragma omp simd
     for (int64_t t = 0; t < span; ++t) s[t] *= inv;
@@ -366,8 +346,8 @@ inline f32x16 sums16(const f32x16* v) {
          __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// Prefetches (into L2) two contiguous byte ranges, a block's K rows and its V rows, one slice of each per
-// call: `parts` calls cover both
+// Prefetches (into L2) two contiguous ranges of `bytes`, a block's K rows and its V rows, `slice` bytes of
+// each per call
 struct Prefetcher {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -463,7 +443,7 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
       for (int64_t i = keys; i < BLOCK; ++i) s[i] = neg_inf;
       const f32x16 sv = load16(s);
       const float top = std::max(peak[n], tree_max(sv));
-      const float alpha = top > peak[n] ? exp_nonpositive(peak[n] - top) : 1.f;
+      const float alpha = top > peak[n] ? exp1(peak[n] - top) : 1.f;
       const f32x16 pv = exp16(sv - top);
       store16(s, pv);
       denom[n] = denom[n] * alpha + tree_sum(pv);

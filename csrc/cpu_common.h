@@ -2,7 +2,7 @@
 // cpu_layers.cpp): their dtype codes, float32 / bf16 element access (bf16 stored as its 16 bits; stores
 // round to nearest even, as torch does), the 16-float vector type (GCC / Clang vector types: SSE, AVX2
 // or AVX-512, whatever -march=native gives) with its unaligned load (of float32, or bf16 widened) and
-// store, lane trees for its sum and maximum, and a vectorised exp.
+// store, lane trees for its sum and maximum, and a vectorised exp (exp16; exp1 for one value).
 #pragma once
 
 #include <algorithm>
@@ -105,5 +105,8 @@ inline f32x16 exp16(f32x16 x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return x < lo ? f32x16{} : p * scale;
 }
+
+// exp16 of one value (the same bits as its lanes)
+inline float exp1(float x) { return exp16(f32x16{} + x)[0]; }
 
 }  // namespace graphdecode_cpu
