@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -89,14 +90,29 @@ void pv_tile(const float* __restrict p, const T* const* __restrict v, int64_t nk
     for (int c = 0; c < NV; ++c) store16(o + m * D + c0 + 16 * c, acc[m][c]);
 }
 
-template <int R, typename T>
-void pv_rows(const float* p, const T* const* v, int64_t nk, float* o, int64_t D, const float* alpha) {
+// f(std::integral_constant<int, R>) for a tile of R (1..MR) rows: the tile templates' row count at compile time
+template <typename F>
+void by_rows(int R, F&& f) {
+  switch (R) {
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 1>{});
+  }
+}
+static_assert(MR == 6, "by_rows covers 1..MR rows");
+
+// f(c0, std::integral_constant<int, NV>) over D in chunks of up to 64 columns, NV vectors of 16 each
+template <typename F>
+void by_columns(int64_t D, F&& f) {
   for (int64_t c0 = 0; c0 < D; c0 += 64) {
     switch ((D - c0) >= 64 ? 4 : (D - c0) / 16) {
-      case 4: pv_tile<R, 4>(p, v, nk, c0, o, D, alpha); break;
-      case 3: pv_tile<R, 3>(p, v, nk, c0, o, D, alpha); break;
-      case 2: pv_tile<R, 2>(p, v, nk, c0, o, D, alpha); break;
-      default: pv_tile<R, 1>(p, v, nk, c0, o, D, alpha); break;
+      case 4: f(c0, std::integral_constant<int, 4>{}); break;
+      case 3: f(c0, std::integral_constant<int, 3>{}); break;
+      case 2: f(c0, std::integral_constant<int, 2>{}); break;
+      default: f(c0, std::integral_constant<int, 1>{}); break;
     }
   }
 }
@@ -155,17 +171,6 @@ void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + m * D + c0 + 16 * c, acc[m][c]);
 }
 
-template <int R>
-void pv_rows_dp(const uint16_t* p, const uint16_t* vp, float* o, int64_t D, const float* alpha) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    switch ((D - c0) >= 64 ? 4 : (D - c0) / 16) {
-      case 4: pv_tile_dp<R, 4>(p, vp, c0, o, D, alpha); break;
-      case 3: pv_tile_dp<R, 3>(p, vp, c0, o, D, alpha); break;
-      case 2: pv_tile_dp<R, 2>(p, vp, c0, o, D, alpha); break;
-      default: pv_tile_dp<R, 1>(p, vp, c0, o, D, alpha); break;
-    }
-  }
-}
 #endif
 
 template <typename T>
@@ -251,15 +256,17 @@ class Prefill {
     return a_.kv + ((page * 2 + which) * a_.page_size + t % a_.page_size) * a_.kv_heads * D_;
   }
 
-  float* kt_block(int64_t b, int64_t block, int64_t h) {
-    return kt_.data() + ((block_base_[b] + block - first_block_[b]) * a_.kv_heads + h) * D_ * KEYS;
+  // the packed blocks' index of KV head h's key block `block` of sequence b
+  int64_t block_slot(int64_t b, int64_t block, int64_t h) const {
+    return (block_base_[b] + block - first_block_[b]) * a_.kv_heads + h;
   }
+
+  float* kt_block(int64_t b, int64_t block, int64_t h) { return kt_.data() + block_slot(b, block, h) * D_ * KEYS; }
 
   // dp(): block's K as [D / 2][64][2] (pairs of d), which 0; its V as [32][D][2] (pairs of keys), which 1
   uint16_t* packed_block(int64_t b, int64_t block, int64_t h, int64_t which) {
     const int64_t size = D_ * KEYS;
-    return kp_.data() + which * block_base_[a_.seqs] * a_.kv_heads * size +
-           ((block_base_[b] + block - first_block_[b]) * a_.kv_heads + h) * size;
+    return kp_.data() + (which * block_base_[a_.seqs] * a_.kv_heads + block_slot(b, block, h)) * size;
   }
 
   void pack_keys(int32_t threads) {
@@ -325,28 +332,16 @@ class Prefill {
       for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int R = int(std::min<int64_t>(MR, rows - r0));
         float* s = w.s.data();
+        by_rows(R, [&](auto rows_c) {
+          constexpr int RR = decltype(rows_c)::value;
 #if GRAPHDECODE_PREFILL_DP
-        if constexpr (dp()) {
-          const uint16_t* q16 = w.q16.data() + r0 * D;
-          const uint16_t* kp = packed_block(b, block, h, 0);
-          switch (R) {
-            case 6: qk_tile_dp<6>(q16, D, kp, a_.scale, s); break;
-            case 5: qk_tile_dp<5>(q16, D, kp, a_.scale, s); break;
-            case 4: qk_tile_dp<4>(q16, D, kp, a_.scale, s); break;
-            case 3: qk_tile_dp<3>(q16, D, kp, a_.scale, s); break;
-            case 2: qk_tile_dp<2>(q16, D, kp, a_.scale, s); break;
-            default: qk_tile_dp<1>(q16, D, kp, a_.scale, s); break;
+          if constexpr (dp()) {
+            qk_tile_dp<RR>(w.q16.data() + r0 * D, D, packed_block(b, block, h, 0), a_.scale, s);
+            return;
           }
-        } else
 #endif
-        switch (R) {
-          case 6: qk_tile<6>(w.q.data() + r0 * D, D, kt, s); break;
-          case 5: qk_tile<5>(w.q.data() + r0 * D, D, kt, s); break;
-          case 4: qk_tile<4>(w.q.data() + r0 * D, D, kt, s); break;
-          case 3: qk_tile<3>(w.q.data() + r0 * D, D, kt, s); break;
-          case 2: qk_tile<2>(w.q.data() + r0 * D, D, kt, s); break;
-          default: qk_tile<1>(w.q.data() + r0 * D, D, kt, s); break;
-        }
+          qk_tile<RR>(w.q.data() + r0 * D, D, kt, s);
+        });
         for (int m = 0; m < R; ++m) {
           const int64_t r = r0 + m, pos = pos0 + r % nq;
           float* row = s + m * KEYS;
@@ -387,29 +382,19 @@ class Prefill {
         float* o = w.o.data() + r0 * D;
         const T* const* v = w.v.data();
         const float* alpha = w.alpha.data() + r0;
+        by_rows(R, [&](auto rows_c) {
+          constexpr int RR = decltype(rows_c)::value;
+          by_columns(D, [&](int64_t c0, auto cols_c) {
+            constexpr int NV = decltype(cols_c)::value;
 #if GRAPHDECODE_PREFILL_DP
-        if constexpr (dp()) {
-          const uint16_t* p16 = w.p16.data();
-          const uint16_t* vp = packed_block(b, block, h, 1);
-          switch (R) {
-            case 6: pv_rows_dp<6>(p16, vp, o, D, alpha); break;
-            case 5: pv_rows_dp<5>(p16, vp, o, D, alpha); break;
-            case 4: pv_rows_dp<4>(p16, vp, o, D, alpha); break;
-            case 3: pv_rows_dp<3>(p16, vp, o, D, alpha); break;
-            case 2: pv_rows_dp<2>(p16, vp, o, D, alpha); break;
-            default: pv_rows_dp<1>(p16, vp, o, D, alpha); break;
-          }
-          continue;
-        }
+            if constexpr (dp()) {
+              pv_tile_dp<RR, NV>(w.p16.data(), packed_block(b, block, h, 1), c0, o, D, alpha);
+              return;
+            }
 #endif
-        switch (R) {
-          case 6: pv_rows<6>(s, v, nk, o, D, alpha); break;
-          case 5: pv_rows<5>(s, v, nk, o, D, alpha); break;
-          case 4: pv_rows<4>(s, v, nk, o, D, alpha); break;
-          case 3: pv_rows<3>(s, v, nk, o, D, alpha); break;
-          case 2: pv_rows<2>(s, v, nk, o, D, alpha); break;
-          default: pv_rows<1>(s, v, nk, o, D, alpha); break;
-        }
+            pv_tile<RR, NV>(s, v, nk, c0, o, D, alpha);
+          });
+        });
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
