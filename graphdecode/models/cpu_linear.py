@@ -23,12 +23,12 @@ depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHM
 * The LM head (`packed_head`) of a model that streams its weights is a `PanelWeight` whose panels take
   up to HEAD_PANEL_ROWS rows (SmolLM2's [49152, 576] head, two threads: 1.34x oneDNN's packed head at one
   row in fp32, 1.44x in bf16; from 4 rows oneDNN's is as fast or faster). A tied head's embedding lookups
-  then read their rows from those panels (`PanelWeight.rows`) and the row-major embedding is released, so
+  then read their rows from those panels (`PanelWeight.weight_rows`) and the row-major embedding is released, so
   the vocabulary is held twice (panels, packed), as before. Otherwise the head is a `PackedWeight` (a tied
   one packs the embedding, which stays row-major for its lookups).
 
 `prepack_cpu_linears(model)` (the loader calls it for CPU models) gives each fused qkv /
-gate_up, o / down projection its weight object and the LM head its `PackedWeight`; their
+gate_up, o / down projection its weight object and the LM head its `PanelWeight` or `PackedWeight`; their
 forwards call it. Under torch.compile the call goes through the opaque
 `graphdecode::packed_linear` op (inductor can take neither an oneDNN tensor nor a ctypes call
 into its graph), named by an integer handle, so the compiled window fuses everything around
@@ -137,7 +137,7 @@ def _(x, bias, handle, out_features):
 
 
 def prepack_cpu_linears(model: nn.Module) -> None:
-    """Give every linear (FusedLinear, RowParallelLinear) its CPU weight and the LM head a PackedWeight.
+    """Give every linear (FusedLinear, RowParallelLinear) its CPU weight, and the LM head its own.
 
     Projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
     PackedWeight, the dense parameter released; of a model that fits in cache: fp32 column-major in place,
