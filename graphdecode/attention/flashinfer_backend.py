@@ -266,7 +266,7 @@ class FlashInferBackend(AttentionBackend):
         owned = torch.div(meta.context_lens.to(torch.int64) + page_size - 1, page_size, rounding_mode="floor")
         ends = torch.cumsum(pages, dim=0).to(torch.int32)
         indptr = buffers["kv_indptr"][: bucket + 1]
-        indptr[0] = 0
+        indptr[:1].zero_()  # a device op: `indptr[0] = 0` copies from the host, which capture refuses
         indptr[1:].copy_(ends)
         flat = torch.arange(bucket * width, device=ends.device, dtype=torch.int32)
         row = torch.searchsorted(ends, flat, right=True)

@@ -53,7 +53,7 @@ def advance_step_reference(
     active = ~done
     num_pages = torch.where(active, torch.div(seq_lens + page_size - 1, page_size, rounding_mode="floor"), 1)
     ends = torch.cumsum(num_pages, dim=0).to(torch.int32)  # [B]
-    kv_indptr[0] = 0
+    kv_indptr[:1].zero_()  # a device op (capturable); `kv_indptr[0] = 0` copies from the host
     kv_indptr[1:].copy_(ends)
     flat = torch.arange(kv_indices.shape[0], device=kv_indices.device, dtype=torch.int32)
     row = torch.searchsorted(ends, flat, right=True)  # [B * max_pages]: owning row, B past the end

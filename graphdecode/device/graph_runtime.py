@@ -21,6 +21,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class CudaGraphs:
@@ -49,8 +50,34 @@ class CudaGraphs:
         return graph, max(0, torch.cuda.memory_reserved() - before)
 
 
+class NoHostCopies(TorchDispatchMode):
+    """Refuses a Python value copied into a tensor inside a window (`t[0] = 0`: `aten.lift_fresh`
+    makes a host tensor of the 0, then `aten.copy_` writes it).
+
+    On CUDA that copy is from pageable host memory, which graph capture refuses; on a CPU nothing
+    shows it. (A lifted value that feeds `fill_`, as `t[a:b] = 0` does, is read on the host at
+    capture and is fine.) The twin's first replay of each window runs under this mode, so the CPU
+    suite finds such writes before a GPU does; ops inside custom ops' CPU kernels are below it."""
+
+    def __init__(self):
+        super().__init__()
+        self._lifted: list[torch.Tensor] = []  # held for the replay, so their ids stay theirs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.lift_fresh.default:
+            self._lifted.append(out)
+        elif func is torch.ops.aten.copy_.default and any(args[1] is t for t in self._lifted):
+            raise RuntimeError(
+                "a Python value is copied into a tensor inside a captured window (e.g. `t[0] = 0`): on CUDA "
+                "that copy is from host memory, which graph capture refuses; write it with a device op "
+                "(`t[:1].zero_()`, fill_, torch.where with a scalar)")
+        return out
+
+
 class RecordedWindow:
-    """The CPU twin of a captured graph: the window callable, called again at each replay."""
+    """The CPU twin of a captured graph: the window callable, called again at each replay (the
+    first under NoHostCopies)."""
 
     def __init__(self, fn: Callable[[], None]):
         self._fn = fn
@@ -58,7 +85,11 @@ class RecordedWindow:
 
     def replay(self) -> None:
         self.replays += 1
-        self._fn()
+        if self.replays > 1:
+            self._fn()
+            return
+        with NoHostCopies():
+            self._fn()
 
 
 class CpuGraphTwin:

@@ -96,7 +96,7 @@ class CpuDecodeLayers:
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """hidden [M, hidden] embeddings -> the last layer's output (before the final norm), new tensor."""
         caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
-        self.words[:, 7] = torch.tensor([c.data_ptr() for c in caches[: self.num_layers]])
+        self.words.numpy()[:, 7] = [c.data_ptr() for c in caches[: self.num_layers]]  # host words, no tensor op
         meta = ctx.decode
         x = hidden.contiguous().clone()
         rows = x.shape[0]

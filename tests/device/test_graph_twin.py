@@ -192,3 +192,26 @@ def test_twin_speculative_structured_and_penalty_windows_replay_the_eager_tokens
     captured = graphed.engine.runner.windows.graphs
     assert any(v.speculative for _, v in captured) and any(v.structured for _, v in captured)
     assert any(v.penalties and v.mask_stops for _, v in captured)
+
+
+def test_the_first_replay_refuses_a_python_value_copied_into_a_tensor():
+    """`t[0] = 0` inside a window copies a host tensor, which CUDA graph capture refuses (found on
+    the H200 in FlashInfer's verify CSR): the twin's first replay raises on it; the device-op
+    forms of the same writes, and a Python value that only feeds fill_, replay."""
+    t = torch.ones(6, dtype=torch.int32)
+
+    def host_copy():
+        t[0] = 0
+
+    def device_ops():
+        t[:1].zero_()
+        t[2:4] = 7  # lift_fresh -> fill_: read on the host at capture, fine on CUDA
+        t.copy_(torch.where(t > 5, t, 0))
+
+    with pytest.raises(RuntimeError, match="copied into a tensor inside a captured window"):
+        RecordedWindow(host_copy).replay()
+    window = RecordedWindow(device_ops)
+    window.replay()
+    assert t.tolist() == [0, 0, 7, 7, 0, 0]
+    window.replay()
+    assert window.replays == 2
