@@ -139,23 +139,37 @@ def llm(path, **kwargs):
     return LLM(path, device="cuda", **{**ENGINE, **kwargs})
 
 
-def assert_teacher_forced(batch, outs, reference, steps: int) -> None:
+def assert_teacher_forced(batch, outs, reference, steps: int, flips: float = 0.0) -> None:
     """At every position of each output, its chosen token is a near-argmax of the reference's
-    logprobs for the same prefix (teacher-forced), and the shared top-5 logprobs agree."""
+    logprobs for the same prefix (teacher-forced), and the shared top-5 logprobs agree.
+
+    `flips` > 0 (mixture of experts): a bf16 hidden state flips near-tied routing decisions, and a
+    flipped position moves by more than TEACHER_TOL. Up to that fraction of positions may then miss
+    the tolerance and the near-argmax, while the chosen token stays in the reference's top 5
+    everywhere and the median position agrees to a third of the tolerance. On the CPU, these MoE
+    models in bf16 against fp32 give medians of 0.011-0.014 with at most 2 of 48 positions past
+    the tolerance; expert ids shifted by one or top-k weights reversed give medians of 0.19-0.36
+    with 32-43 of 48 past it."""
     forced = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids[:j]}
               for p, o in zip(batch, outs) for j in range(steps)]
     ref = reference.generate(forced, greedy(max_tokens=1, logprobs=5))
-    worst = 0.0
+    differences, misses = [], []
     for i, out in enumerate(outs):
         for j in range(steps):
             chosen = out.outputs[0].token_ids[j]
             got = {t: lp.logprob for t, lp in out.outputs[0].logprobs[j].items()}
             want = {t: lp.logprob for t, lp in ref[i * steps + j].outputs[0].logprobs[0].items()}
             assert chosen in want, f"prompt {i} step {j}: token {chosen} is not in the reference top-5"
-            assert want[chosen] >= max(want.values()) - TEACHER_TOL, f"prompt {i} step {j}: not a near-argmax"
-            for token in got.keys() & want.keys():
-                worst = max(worst, abs(got[token] - want[token]))
-    assert worst <= TEACHER_TOL, f"largest logprob difference {worst:.4f}"
+            if want[chosen] < max(want.values()) - TEACHER_TOL:
+                misses.append(f"prompt {i} step {j}: not a near-argmax")
+            differences.append(max(abs(got[t] - want[t]) for t in got.keys() & want.keys()))
+    allowed = int(flips * len(differences))
+    assert len(misses) <= allowed, f"{misses} (allowed: {allowed})"
+    differences.sort()
+    past = sum(d > TEACHER_TOL for d in differences)
+    assert past <= allowed, f"{past} positions past {TEACHER_TOL} (allowed {allowed}), largest {differences[-1]:.4f}"
+    median = differences[len(differences) // 2]
+    assert flips == 0 or median <= TEACHER_TOL / 3, f"median logprob difference {median:.4f}"
 
 
 def assert_same_logprobs(got_requests, want_requests, tolerance: float = 0.0) -> None:
@@ -406,11 +420,13 @@ def test_sliding_window_in_graphs_matches_the_fp32_reference_teacher_forced(wind
 # ------------------------------------------------------------------ mixture of experts in graphs (extended)
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> dict[str, str]:
-    """bf16 Qwen3-MoE (8 experts, top-3, one dense layer) and gpt-oss (sinks, windows, yarn), head_dim 64."""
+    """bf16 Qwen3-MoE (8 experts, top-3, one dense layer) and gpt-oss (sinks, windows, yarn), head_dim 64.
+    Weights of std 0.05: at 0.1 bf16 routing flips move 14 of 48 teacher-forced positions past the
+    tolerance, at 0.02 the logits are too flat for a wrong expert to show (assert_teacher_forced)."""
     from transformers import GptOssConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=512, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=64, max_position_embeddings=1024, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+                  head_dim=64, max_position_embeddings=1024, initializer_range=0.05, bos_token_id=1, eos_token_id=2)
     configs = {
         "qwen3_moe": (Qwen3MoeConfig, dict(common, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
                                            num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1])),
@@ -430,8 +446,10 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, family):
     """The experts' op inside captured graphs: grouped GEMM in bf16 on sm90/sm100 (dense elsewhere), gpt-oss's
     sinks on FlashInfer (its base-2 LSE checked against the fp32 torch engine here),
-    replay equal to eager, teacher-forced against the fp32 eager engine (the dense path), no host
-    sync in steady state, and every live token counted once per MoE layer and top-k slot."""
+    replay equal to eager, teacher-forced against the fp32 eager engine (the dense path; a few
+    routing flips allowed, see assert_teacher_forced), no host sync in steady state, and every live
+    token counted once per MoE layer and top-k slot. The grouped GEMM's own numbers are checked
+    against an fp32 loop on fixed routing below."""
     path = moe_models[family]
     backend = "flashinfer"  # gpt-oss: sinks through the LSE on its full layers, its window layers on the reference
     common = dict(attention_backend=backend, dtype="bfloat16", compile=False, num_decode_steps=4, max_batch_size=4)
@@ -455,4 +473,36 @@ def test_moe_in_graphs_replays_eager_matches_fp32_and_never_syncs(moe_models, fa
     reference = llm(path, attention_backend="torch", dtype="float32", compile=False, cuda_graphs=False,
                     max_batch_size=64, num_pages=1024)
     assert reference.engine.runner.model.moe_layers[0].experts.implementation == "dense"
-    assert_teacher_forced(batch, outs, reference, steps)
+    assert_teacher_forced(batch, outs, reference, steps, flips=0.1)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("activation,bias", [("silu", False), ("gpt_oss", True)])
+def test_grouped_experts_match_an_fp32_loop_on_the_same_routing(activation, bias):
+    """moe_grouped in bf16 (two grouped GEMMs over tokens sorted by expert, experts with no token
+    and with many) against the same experts in fp32, one loop per expert, on fixed ids and weights."""
+    from graphdecode.models.moe import moe_grouped, moe_reference
+
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("bf16 _grouped_mm runs on sm90/sm100")
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, num_experts, k = 45, 256, 128, 8, 3
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    b13 = torch.randn(num_experts, 2 * inter, generator=g) * 0.1 if bias else None
+    b2 = torch.randn(num_experts, hidden, generator=g) * 0.1 if bias else None
+    scores = torch.randn(tokens, num_experts, generator=g)
+    scores[:, 7] = -1e9  # expert 7 gets no token
+    scores[:20, 2] = 1e9  # expert 2 gets many
+    weights, ids = torch.topk(scores.softmax(-1), k)
+    ids, order = ids.sort(dim=-1)
+    weights = weights.gather(-1, order)
+    args = (activation, 1.702, 7.0)
+    cuda = [t if t is None else t.cuda() for t in (x, ids, weights, w13, w2, b13, b2)]
+    bf16 = [t if t is None or not t.is_floating_point() or t is cuda[2] else t.bfloat16() for t in cuda]
+    got = moe_grouped(*bf16, *args).float()
+    want = moe_reference(*[t if t is None or not t.is_floating_point() else t.float() for t in bf16], *args)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+    assert (got - want).norm() / want.norm() < 1e-2
