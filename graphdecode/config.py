@@ -167,7 +167,9 @@ class EngineConfig:
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
-    speculative_config: dict | None = None  # {"method": "ngram", "num_speculative_tokens": d, ...}; None: off
+    # vLLM's names: {"method": "ngram", "num_speculative_tokens": d, "prompt_lookup_max": .., "prompt_lookup_min": ..}
+    # or {"method": "draft_model", "model": DIR, "num_speculative_tokens": d}; None: off
+    speculative_config: dict | None = None
     # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). None: the
     # environment's GRAPHDECODE_CPU_THREADS, else the cores this process may use (os.sched_getaffinity),
     # divided among the tensor-parallel ranks; resolved to that number. On a busy machine give fewer: threads
@@ -185,6 +187,9 @@ class EngineConfig:
     max_pages_per_seq: int = field(init=False)
     logprobs_width: int = field(init=False)  # logprob entries per row and step on the device
     num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
+    speculative_method: str | None = field(init=False)  # "ngram" or "draft_model"; None when off
+    draft_model: str | None = field(init=False)  # the draft model's directory (method "draft_model")
+    draft_model_config: ModelConfig | None = field(init=False, repr=False)
     prompt_lookup_max: int = field(init=False)
     prompt_lookup_min: int = field(init=False)
 
@@ -264,13 +269,14 @@ class EngineConfig:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings})"
             )
+        draft_cfg = _check_draft(speculative["draft_model"], cfg, max_len)
         # sliding windows (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 3) are per-layer
         # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
-        num_pages, source = self._kv_pool_pages(cfg, dtype, device, max_pages, max_batch_size)
+        num_pages, source = self._kv_pool_pages(cfg, dtype, device, max_pages, max_batch_size, draft_cfg)
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -280,6 +286,7 @@ class EngineConfig:
             raise ValueError(f"{source}: more pages than int32 page ids can name (2**31 - 1)")
         resolved = {
             "model_config": cfg,
+            "draft_model_config": draft_cfg,
             "torch_device": device,
             "torch_dtype": dtype,
             "max_model_len": max_len,
@@ -348,14 +355,17 @@ class EngineConfig:
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
 
-    def _kv_pool_pages(self, cfg: ModelConfig, dtype, device, max_pages: int,
-                       max_batch_size: int) -> tuple[int, str]:
-        """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment."""
+    def _kv_pool_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int,
+                       draft: ModelConfig | None) -> tuple[int, str]:
+        """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment. A page
+        holds the target's K/V and, with a draft model, the draft's (replicated on every rank)."""
         if self.num_pages is not None:
             return self.num_pages, f"num_pages ({self.num_pages})"
         tp = self.tensor_parallel_size
         kv_heads = max(1, cfg.num_kv_heads // tp)  # one rank's share (replicated when fewer heads than ranks)
         per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, dtype)
+        if draft is not None:
+            per_page += kv_bytes_per_page(draft.num_layers, self.page_size, draft.num_kv_heads, draft.head_dim, dtype)
         wanted = max_batch_size * max_pages + 1
         size, source = self.kv_cache_memory_bytes, f"kv_cache_memory_bytes ({self.kv_cache_memory_bytes})"
         if size is None and self.gpu_memory_utilization is None and device.type == "cpu":
@@ -366,7 +376,7 @@ class EngineConfig:
         if size is not None:
             return size // per_page, f"{source}, {size // per_page} pages of {per_page} bytes,"
         fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
-        weights = model_weight_bytes(cfg, dtype)
+        weights = model_weight_bytes(cfg, dtype) + (model_weight_bytes(draft, dtype) * tp if draft is not None else 0)
         if device.type == "cpu":
             # the ranks are processes sharing the host's RAM; the weights counted twice (a bound: fp32 linears keep
             # panels and a packed copy in place of the parameter, a tied head a packed copy, docs/cpu.md)
@@ -385,22 +395,30 @@ class EngineConfig:
                        f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "mtp")  # vLLM's names for methods graphdecode does not run yet
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
 def _check_speculative(spec, page_size: int) -> dict:
-    """vLLM's n-gram speculative_config, validated by name -> the resolved fields."""
-    off = {"num_speculative_tokens": 0, "prompt_lookup_max": 0, "prompt_lookup_min": 0}
+    """vLLM's speculative_config, validated by name -> the resolved fields (no file is read here)."""
+    off = {"speculative_method": None, "draft_model": None, "num_speculative_tokens": 0, "prompt_lookup_max": 0,
+           "prompt_lookup_min": 0}
     if spec is None:
         return off
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict (or None), got {spec!r}")
-    known = {"method", *SPECULATIVE_DEFAULTS}
+    method = spec.get("method", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        later = " (EAGLE heads and MTP layers are not supported yet)" if method in NOT_YET else ""
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup) or 'draft_model', "
+                         f"got {method!r}{later}")
+    ngram = method == "ngram"
+    known = {"method", "num_speculative_tokens"} | ({"prompt_lookup_max", "prompt_lookup_min"} if ngram else {"model"})
     unknown = sorted(set(spec) - known)
     if unknown:
-        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    if spec.get("method", "ngram") != "ngram":
-        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), got {spec.get('method')!r}")
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for method {method!r} "
+                         f"(known: {', '.join(sorted(known))})")
     resolved = {name: spec.get(name, default) for name, default in SPECULATIVE_DEFAULTS.items()}
     for name, value in resolved.items():
         _pos_int(f"speculative_config.{name}", value)
@@ -411,7 +429,32 @@ def _check_speculative(spec, page_size: int) -> dict:
         )
     if resolved["prompt_lookup_min"] > resolved["prompt_lookup_max"]:
         raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
-    return resolved
+    draft = spec.get("model")
+    if not ngram and (not isinstance(draft, (str, os.PathLike)) or not os.path.isdir(draft)):
+        raise ValueError(f"speculative_config.model must be the draft model's HuggingFace directory, got {draft!r}")
+    if not ngram:
+        resolved["prompt_lookup_max"] = resolved["prompt_lookup_min"] = 0
+    return {**resolved, "speculative_method": method, "draft_model": None if ngram else str(draft)}
+
+
+def _check_draft(path: str | None, target: ModelConfig, max_len: int) -> ModelConfig | None:
+    """The draft model's config.json, checked against the target's before any weight is read."""
+    if path is None:
+        return None
+    from .models.registry import model_class
+
+    try:
+        draft = load_model_config(path)
+        model_class(draft)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) differs from the "
+                         f"target's ({target.vocab_size}); a draft model must share the target's tokenizer")
+    if draft.max_position_embeddings < max_len:
+        raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                         f"({draft.max_position_embeddings}) is below max_model_len ({max_len})")
+    return draft
 
 
 def choose_attention_backend(requested: str | None, device: torch.device, dtype: torch.dtype, head_dim: int,

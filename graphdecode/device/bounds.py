@@ -77,8 +77,9 @@ class BoundsCheck:
             _require(torch.where(live, (count == need) & (count <= owned), count == 1) & (last >= 1) & (last <= P),
                      "kv_indptr / kv_last_page_len: a row's page list past the pages it holds")
 
-    def verify(self, state, bucket: int, meta) -> None:
-        """Before a verify forward (speculative decoding): query positions, slots, lengths."""
+    def verify(self, state, bucket: int, meta, start=None) -> None:
+        """Before a verify forward (speculative decoding): query positions, slots, lengths.
+        `start` [B]: the first query's position where it is not the row's (a draft model's)."""
         P = self.page_size
         live = meta.live
         run = meta.query_positions  # [B, Q]
@@ -94,7 +95,7 @@ class BoundsCheck:
         _require(~live[:, None] | (column < owned[:, None]), "verify query_positions: a query past its row's pages")
         if meta.kv_lens is not None:
             kv_len, context = meta.kv_lens.to(torch.int64), meta.context_lens.to(torch.int64)
-            first = state.positions[:bucket]
+            first = state.positions[:bucket] if start is None else start
             _require(torch.where(live, (kv_len == first + queries) & (context <= owned * P), kv_len == queries),
                      "verify kv_lens / context_lens: a KV length past the pages its row holds")
 

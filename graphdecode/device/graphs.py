@@ -42,7 +42,7 @@ from .window_writes import WindowWrites
 
 class WindowGraphs:
     def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs,
-                 writes: WindowWrites, lookup=(0, 0)):
+                 writes: WindowWrites, drafter=None):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
@@ -52,7 +52,7 @@ class WindowGraphs:
         self.num_decode_steps = num_decode_steps
         self.page_size = page_size
         self.use_graphs = use_graphs
-        self.lookup = lookup  # (prompt_lookup_max, prompt_lookup_min) of speculative windows
+        self.drafter = drafter  # where speculative windows' drafts come from (drafters.py)
         # CUDA graphs on a GPU, their CPU twin on a CPU (graph_runtime.py): the same logic below
         self.runtime = graph_runtime(state.input_ids.device) if use_graphs else None
         self.graphs: dict[tuple[int, SamplerVariant], object] = {}  # CUDAGraph or RecordedWindow
@@ -108,7 +108,7 @@ class WindowGraphs:
         if variant.speculative:
             speculative_window(
                 self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
-                self.page_size, variant, kv_width, *self.lookup,
+                self.page_size, variant, kv_width, self.drafter,
             )
             return
         decode_window(

@@ -29,6 +29,8 @@ from ..ranges import annotate
 from .advance_step import use_cuda_kernel
 from .bounds import BoundsCheck
 from .decode_state import DecodeState
+from .draft_model import DraftModel
+from .drafters import NgramDrafter
 from .graphs import WindowGraphs
 from .host_memory import keep_freed_host_memory
 from .pythonizer import PendingCopy, Pythonizer
@@ -95,11 +97,18 @@ class ModelRunner:
         self.window_writes = WindowWrites()  # everything a window may write (KV cache aside)
         self.window_writes.register("state", self.state.window_tensors())
         self.window_writes.register("model", self.model.window_tensors())
+        # speculative windows' drafts: a draft model (its own KV in the rows' pages) or the rows' history
+        self.draft = DraftModel(config, self.device) if config.speculative_method == "draft_model" else None
+        if self.draft is not None:
+            self.window_writes.register("draft", self.draft.window_tensors())
+        self._draft_behind = np.zeros(config.max_batch_size, dtype=np.int64)  # steps each row ran without it
+        drafter = (self.draft.drafter(self.sampler) if self.draft is not None
+                   else NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min))
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
             use_graphs=config.cuda_graphs, writes=self.window_writes,
-            lookup=(config.prompt_lookup_max, config.prompt_lookup_min),
+            drafter=drafter,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():
@@ -124,6 +133,8 @@ class ModelRunner:
                 variant = dataclasses.replace(variant, speculative=True)
             with annotate("graphdecode.window"):
                 width = self._kv_width()
+                if self.draft is not None:
+                    self._keep_draft_current(window.bucket, variant.speculative, width)
                 self.pythonizer.start_window()
                 self.windows.run(window.bucket, variant, width, self._ragged(window.bucket, width))
         bucket = window.bucket if window is not None else 0
@@ -150,10 +161,12 @@ class ModelRunner:
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""
+        draft = self.draft
         return {
             "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())
-            + packed_bytes(self.model),
-            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches),
+            + packed_bytes(self.model) + (draft.weight_bytes() if draft is not None else 0),
+            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)
+            + (draft.kv_cache_bytes() if draft is not None else 0),
         }
 
     # ------------------------------------------------------------ device rows
@@ -168,6 +181,7 @@ class ModelRunner:
             self._row_pages[row] = 0
             self.staging.clear_row(row)
         for start in plan.started_rows:
+            self._draft_behind[start.row] = 0  # its prefill writes the draft's K/V too
             self.staging.set_row(start)
             self.row_counts.add(start.params)
             self._row_params[start.row] = start.params
@@ -175,6 +189,19 @@ class ModelRunner:
         for growth in plan.grown_tables:
             self.staging.set_pages(growth.row, growth.start, growth.pages)
             self._row_pages[growth.row] = growth.start + len(growth.pages)
+
+    def _keep_draft_current(self, bucket: int, speculative: bool, width: int) -> None:
+        """Before a speculative window, the draft model catches up on what plain windows decoded without
+        it (at most k tokens a row per window); a plain window adds k to each held row's count."""
+        behind = self._draft_behind[:bucket]
+        if not speculative:
+            behind[[p is not None for p in self._row_params[:bucket]]] += self.config.num_decode_steps
+            return
+        span = int(behind.max())
+        if span:
+            with annotate("graphdecode.draft_catch_up"):
+                self.draft.catch_up(self.state, bucket, self._send(behind), span, self.page_size, width)
+            behind[:] = 0
 
     def _ragged(self, bucket: int, width: int) -> bool:
         """Eager CPU windows of the gathering reference attend ragged when padding to the longest
@@ -231,7 +258,10 @@ class ModelRunner:
         )
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
-        hidden = self.model(self._send(tokens), self._send(np.concatenate(positions)), ctx)
+        token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
+        hidden = self.model(token_ids, position_ids, ctx)
+        if self.draft is not None:  # the draft's K/V for the same tokens, in the same pages
+            self.draft.prefill(token_ids, position_ids, meta)
         for i, c in enumerate(chunks):
             if c.prompt_logprobs is not None:
                 self._prompt_results.append(self._prompt_logprobs(c, hidden, int(cu[i])))
@@ -241,7 +271,10 @@ class ModelRunner:
         copies = [copy for c in chunks for copy in c.page_copies]
         if copies:
             src, dst = zip(*copies)
-            copy_page(self.kv_caches, self._send(np.asarray(src)), self._send(np.asarray(dst)))
+            src, dst = self._send(np.asarray(src)), self._send(np.asarray(dst))
+            copy_page(self.kv_caches, src, dst)
+            if self.draft is not None:
+                self.draft.copy_pages(src, dst)
 
     def _prompt_logprobs(self, chunk: PrefillChunk, hidden, offset: int):
         """Raw logprobs of the prompt tokens the chunk's positions predict, their ranks and the top N."""

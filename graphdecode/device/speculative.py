@@ -1,10 +1,10 @@
-"""Speculative decoding inside the window: n-gram drafts verified and accepted on the device.
+"""Speculative decoding inside the window: drafts verified and accepted on the device.
 
 Each of a window's k rounds, per row, with no host involvement:
 
-1. draft (`ngram_drafts`): find the most recent earlier occurrence of the row's last n
-   tokens (n from prompt_lookup_max down to prompt_lookup_min) in its own token history
-   (prompt + outputs, features/speculation.py's history) and propose the up-to-d tokens that followed;
+1. draft (drafters.py): up to d tokens, from the row's own history (n-gram: the most recent
+   earlier occurrence of its last n tokens, and what followed) or from a draft model's d small
+   forwards;
 2. verify: one forward over the d + 1 query tokens (the row's next input and its
    drafts) at positions p .. p + d, causal attention over the paged cache (the K/V of
    all d + 1 is written first), then sample every position with the row's usual
@@ -42,54 +42,20 @@ from .features.constraints import ConstraintRows
 from .sampler import Sampler, SamplerVariant
 
 
-def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, lookup_max: int,
-                 lookup_min: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """history [B, H] int64, lengths [B] int64 (tokens known: the last is history[b, len - 1])
-    -> drafts [B, d] int64 (0 past each row's count), counts [B] int64 in 0..d.
-
-    For n from lookup_max down to lookup_min, the first n that matches wins; among its
-    matches, the most recent start s with s + n <= len - 1 (strictly before the suffix,
-    with at least one token after it).
-    """
-    rows, width = history.shape
-    device = history.device
-    drafts = torch.zeros(rows, num_drafts, dtype=torch.int64, device=device)
-    counts = torch.zeros(rows, dtype=torch.int64, device=device)
-    found = torch.zeros(rows, dtype=torch.bool, device=device)
-    steps = torch.arange(num_drafts, device=device)
-    for n in range(lookup_max, lookup_min - 1, -1):
-        if n >= width:
-            continue
-        spans = width - n + 1
-        suffix = history.gather(1, (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))  # [B, n]
-        match = torch.ones(rows, spans, dtype=torch.bool, device=device)
-        for i in range(n):  # n passes over [B, spans]: no [B, spans, n] temporary
-            match &= history[:, i : i + spans] == suffix[:, i : i + 1]
-        starts = torch.arange(spans, device=device)
-        match &= starts[None, :] + n <= lengths[:, None] - 1
-        best = torch.where(match, starts[None, :], -1).amax(dim=1)  # [B]: the most recent start, or -1
-        use = (best >= 0) & ~found
-        source = (best + n).clamp(min=0)
-        candidate = history.gather(1, (source[:, None] + steps).clamp(max=width - 1))
-        available = (lengths - source).clamp(0, num_drafts)
-        drafts = torch.where(use[:, None], candidate, drafts)
-        counts = torch.where(use, available, counts)
-        found |= use
-    drafts = torch.where(steps[None, :] < counts[:, None], drafts, 0)
-    return drafts, counts
-
-
 def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: int, kv_width: int,
-                    live: torch.Tensor) -> VerifyMetadata:
-    """The verify forward's metadata for the bucket's rows: Q queries from each row's position p.
+                    live: torch.Tensor, start: torch.Tensor | None = None,
+                    limit: torch.Tensor | None = None) -> VerifyMetadata:
+    """The verify forward's metadata for the bucket's rows: Q queries from each row's position p
+    (or from `start` [B], a draft model's queries: drafters.py); `limit` [B] in place of max_len
+    (a draft's catch-up, whose queries at or past p are inert: draft_model.py).
 
     Near its end a live row's last queries sit at or past its max_len: nothing they sample is
     kept (the window cuts the row at max_len), so they write the scratch slot and run at the
     row's last position max_len - 1, inside the rope tables and the row's own pages. Inert rows
     run at their position and write the scratch slot."""
     rows = slice(0, bucket)
-    position = state.positions[rows]  # [B]
-    max_len = state.max_len[rows].to(torch.int64)  # [B]
+    position = state.positions[rows] if start is None else start  # [B]
+    max_len = (state.max_len[rows] if limit is None else limit).to(torch.int64)  # [B]
     query_pos = position[:, None] + torch.arange(queries, device=position.device)  # [B, Q]
     in_context = live[:, None] & (query_pos < max_len[:, None])  # [B, Q]
     run_pos = torch.minimum(query_pos, torch.maximum(max_len - 1, position)[:, None])  # [B, Q]
@@ -117,8 +83,7 @@ def speculative_window(
     page_size: int,
     variant: SamplerVariant,
     kv_width: int,
-    lookup_max: int,
-    lookup_min: int,
+    drafter,  # drafters.py: (state, bucket, live, history, variant, kv_width, page_size) -> drafts, counts
 ) -> None:
     rows = slice(0, bucket)
     d = state.spec_tokens
@@ -142,8 +107,7 @@ def speculative_window(
     for _ in range(num_decode_steps):
         live = ~state.done[rows]
         position = state.positions[rows]  # [B]: where each row's next input sits
-        drafts, num_drafts = ngram_drafts(history, position + 1, d, lookup_max, lookup_min)
-        num_drafts = torch.where(live, num_drafts, 0)
+        drafts, num_drafts = drafter(state, bucket, live, history, variant, kv_width, page_size)
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
         meta = verify_metadata(state, bucket, queries, page_size, kv_width, live)

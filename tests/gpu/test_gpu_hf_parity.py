@@ -253,9 +253,10 @@ def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder, linears, 
 
 
 # ----------------------------------------------------------------- speculative decoding
-def check_speculative_equals_plain(path: str, spec, device: str, **engine) -> dict:
+def check_speculative_equals_plain(path: str, spec, device: str, speculative_config=None, **engine) -> dict:
     """Prompts whose continuation is already in them (a greedy chain, then its beginning again):
-    speculation must accept drafts and give exactly the plain tokens."""
+    speculation (n-gram unless `speculative_config` says otherwise) must accept drafts and give
+    exactly the plain tokens."""
     from graphdecode import LLM, SamplingParams
 
     seeds = random_prompts([1, 1, 1, 1], spec.vocab_size, seed=11)
@@ -269,7 +270,8 @@ def check_speculative_equals_plain(path: str, spec, device: str, **engine) -> di
                                                                                  ignore_eos=True))]
     del plain
     free_memory()
-    fast = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **common)
+    fast = LLM(path, speculative_config=speculative_config or {"method": "ngram", "num_speculative_tokens": 4},
+               **common)
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
                                                                                 ignore_eos=True))]
     stats = fast.stats()
@@ -292,6 +294,19 @@ def test_gpu_speculative_graphs_give_the_plain_tokens(model_dirs, recorder):
                                            cuda_graphs=True, compile=False)
     assert stats["verify_plans_masked"] > 0  # every verify graph plan carries block_valid_mask (issue #4002)
     recorder("accepted_per_verify", stats["spec_mean_accepted_per_verify"])
+
+
+@pytest.mark.gpu
+@pytest.mark.extended
+def test_gpu_draft_model_graphs_give_the_plain_tokens(model_dirs, recorder):
+    """A draft model's d forwards (the torch attention over its own caches) captured in the window's
+    CUDA graphs beside FlashInfer's verify; the target itself as its draft, bf16."""
+    require_flashinfer(GPU_D64.head_dim, torch.bfloat16)
+    path = model_dirs("d64")
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 4}
+    stats = check_speculative_equals_plain(path, GPU_D64, "cuda", speculative_config=draft,
+                                           attention_backend="flashinfer", cuda_graphs=True, compile=False)
+    recorder("draft_model_accepted_per_verify", stats["spec_mean_accepted_per_verify"])
 
 
 def test_cpu_speculative_gives_the_plain_tokens(model_dirs, recorder):

@@ -12,8 +12,9 @@ import torch
 from graphdecode import LLM, SamplingParams
 from graphdecode.attention import TorchAttentionBackend
 from graphdecode.device.decode_state import DecodeState
+from graphdecode.device.drafters import NgramDrafter, ngram_drafts
 from graphdecode.device.sampler import GREEDY, Sampler
-from graphdecode.device.speculative import ngram_drafts, speculative_window
+from graphdecode.device.speculative import speculative_window
 from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -77,7 +78,7 @@ def test_acceptance_is_counted_exactly():
     state.done[:2] = False
     state.max_len[:2] = 64
     backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
-    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4, 3, 1)
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4, NgramDrafter(3, 1))
     assert state.out_count[:2].tolist() == [8, 2]
     assert state.out_tokens[0, 1:9].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
     assert state.out_tokens[1, 1:3].tolist() == [4, 5]  # nothing to copy: one token per round
@@ -98,7 +99,7 @@ def test_a_stop_inside_an_accepted_run_ends_it():
     state.done[0], state.max_len[0] = False, 64
     state.stop_ids[0, 0] = 7  # the third token of the first run
     backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
-    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 1, 2, 16, GREEDY, 4, 3, 1)
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 1, 2, 16, GREEDY, 4, NgramDrafter(3, 1))
     assert state.out_count[0].item() == 3 and state.out_tokens[0, 1:4].tolist() == [5, 6, 7]
     assert bool(state.done[0]) and state.positions[0].item() == 14 + 3
 

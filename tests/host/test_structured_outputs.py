@@ -130,6 +130,13 @@ def test_preemption_prefix_hits_and_speculation_keep_constrained_outputs(text_mo
     assert spec.generate("go", repeat)[0].outputs[0].token_ids == plain.token_ids and plain.text == "ab" * 20
     assert spec.stats()["spec_accepted_tokens"] > 0
     assert first_tokens(spec.generate(prompts, params)) == expected
+    # a draft model (here the target itself) drafts under the automaton too: its drafts are the target's tokens
+    drafted = LLM(text_model, **ENGINE, speculative_config={"method": "draft_model", "model": text_model,
+                                                            "num_speculative_tokens": 3})
+    assert drafted.generate("go", repeat)[0].outputs[0].token_ids == plain.token_ids
+    assert first_tokens(drafted.generate(prompts, params)) == expected
+    stats = drafted.stats()
+    assert stats["spec_accepted_tokens"] >= stats["spec_draft_tokens"] - 3 * (1 + len(prompts))
 
 
 def test_allowed_token_ids_cut_a_constraint_and_share_the_table_store(llm):

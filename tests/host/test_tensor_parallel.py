@@ -150,14 +150,18 @@ def test_cli_tensor_parallel(text_model, capsys):
     assert capsys.readouterr().out == single
 
 
-def test_tp2_speculation_gives_the_tp1_tokens(tiny_models):
-    """The speculate-or-plain choice travels in the plan, so every rank replays the same window."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculation_gives_the_tp1_tokens(tiny_models, method):
+    """The speculate-or-plain choice travels in the plan, so every rank replays the same window; a
+    draft model is replicated on every rank (each drafts the same tokens from the same inputs)."""
     path = tiny_models["llama_gqa_llama3"]
     bases = random_prompts(4, [3, 5, 8], seed=2)
     prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in bases]  # repetitive: drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     want = outputs(LLM(path, **SMALL_ENGINE), prompts, params)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": tiny_models["qwen2_tied"], "num_speculative_tokens": 3}
     with LLM(path, tensor_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as tp2:
         assert outputs(tp2, prompts, params) == want
         assert tp2.stats()["spec_windows"] > 0
