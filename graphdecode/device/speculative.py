@@ -58,7 +58,9 @@ def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: in
     max_len = (state.max_len[rows] if limit is None else limit).to(torch.int64)  # [B]
     query_pos = position[:, None] + torch.arange(queries, device=position.device)  # [B, Q]
     in_context = live[:, None] & (query_pos < max_len[:, None])  # [B, Q]
-    run_pos = torch.minimum(query_pos, torch.maximum(max_len - 1, position)[:, None])  # [B, Q]
+    # live rows run at most at max_len - 1 (a draft's queries may start past it), inert rows at most where they are
+    cap = torch.where(live, max_len - 1, torch.maximum(max_len - 1, state.positions[rows]))
+    run_pos = torch.minimum(query_pos, cap[:, None])  # [B, Q]
     column = torch.div(run_pos, page_size, rounding_mode="floor").clamp(0, state.max_pages - 1)
     page = state.block_table[rows].gather(1, column).to(torch.int64)
     slots = torch.where(in_context, page * page_size + query_pos % page_size, 0)

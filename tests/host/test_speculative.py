@@ -270,11 +270,13 @@ END_SPEC = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max":
 END_ENGINE = dict(SMALL_ENGINE, max_model_len=96, max_batch_size=16, page_size=16)
 
 
-def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_models, method):
     """Prompts ending at every distance 1 .. d + k + 2 from max_model_len (rows whose drafts and
-    verify positions reach past their last position), with and without max_tokens, greedy and
-    seeded: token for token what plain decoding gives."""
+    verify positions reach past their last position; a draft model's queries start past it), with
+    and without max_tokens, greedy and seeded: token for token what plain decoding gives."""
     path = tiny_models["llama_gqa_llama3"]
+    config = END_SPEC if method == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": 6}
     d, k, limit = END_SPEC["num_speculative_tokens"], END_ENGINE["num_decode_steps"], END_ENGINE["max_model_len"]
     bases = random_prompts(d + k + 2, [2, 3, 5], seed=31)
     prompts = [{"prompt_token_ids": (base * limit)[: limit - distance]}
@@ -286,7 +288,7 @@ def test_speculation_at_the_end_of_the_context_gives_the_plain_tokens(tiny_model
          for distance in range(1, len(prompts) + 1)],
     ]
     plain = LLM(path, **END_ENGINE)
-    spec = always_speculate(LLM(path, speculative_config=END_SPEC, **END_ENGINE))
+    spec = always_speculate(LLM(path, speculative_config=config, **END_ENGINE))
     for params in cases:
         want = completions(plain.generate(prompts, params))
         assert completions(spec.generate(prompts, params)) == want, params
