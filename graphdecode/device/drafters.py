@@ -9,7 +9,8 @@ on the device with static shapes and no host sync, so it is captured with the wi
   runs two queries per row, at positions p - 1 and p: the K/V at p - 1 is the last token the
   previous round accepted, which the draft never ran when it accepted every draft (its last
   draft is verified, not drafted from); rewriting it when it did is harmless. The other d - 1
-  forwards run one query each, at p + 1 .. p + d - 1. K/V the draft wrote for drafts that were
+  forwards run one query each, at p + 1 .. p + d - 1, as decode steps (on a CPU, through the
+  one-call decode layers). K/V the draft wrote for drafts that were
   then rejected is rewritten by a later round before any query reads it (attention never reads
   past a query's own position). Each draft is sampled with the row's own temperature, top-k/p
   and min-p and the position-keyed noise the verify samples that position with (Gumbel-max
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.backend import ForwardContext
+from ..attention.metadata import DecodeMetadata
 from .features.constraints import ConstraintRows
 from .sampler import SamplerVariant
 from .speculative import verify_metadata
@@ -79,6 +81,20 @@ class NgramDrafter:
         return drafts, torch.where(live, counts, 0)
 
 
+def one_query(meta, state, bucket: int) -> DecodeMetadata:
+    """A one-query verify as a decode step (what the CPU's one-call decode layers take): the query's
+    slot, and the KV length up to and including its position; the CSR fields are the state's (the
+    draft's torch attention reads the block table, not them)."""
+    return DecodeMetadata(
+        seq_lens=(meta.query_positions[:, 0] + 1).to(torch.int32),
+        block_table=meta.block_table,
+        slot_mapping=meta.slot_mapping,
+        kv_indptr=state.kv_indptr[: bucket + 1],
+        kv_indices=state.kv_indices[: bucket * state.max_pages],
+        kv_last_page_len=state.kv_last_page_len[:bucket],
+    )
+
+
 class ModelDrafter:
     method = "draft_model"
 
@@ -105,8 +121,9 @@ class ModelDrafter:
             meta = verify_metadata(state, bucket, queries, page_size, kv_width, live, start=start)
             if state.bounds is not None:
                 state.bounds.verify(state, bucket, meta, start=start)
-            logits = self.logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1),
-                                    ForwardContext(self.backend, verify=meta))
+            ctx = ForwardContext(self.backend, verify=meta) if queries > 1 else \
+                ForwardContext(self.backend, decode=one_query(meta, state, bucket))
+            logits = self.logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ctx)
             last = logits.view(bucket, queries, -1)[:, -1]  # the query at p + j
             if tables is not None:  # masked by the state the drafts before it lead to
                 params.constraint = ConstraintRows(constrained, **tables.row_inputs(walked))
