@@ -8,9 +8,12 @@ except SwiGLU's exp (the library's polynomial where torch uses Sleef's; both abo
 
 It applies to plain Llama-style layers (the RMSNorm and full rotary the CPU kernels take, fused qkv with or
 without a bias, no o_proj bias, SwiGLU, no MoE, no qk-norm, no sandwich norms, one rank), with every
-projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights), and only for decode steps
-(one query per row) of at most PANEL_ROWS rows (bf16: 8, MIN_ROWS), outside compiled graphs, with the CPU
-attention kernel.
+projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights), for decode steps (one query per
+row) and speculative verify forwards, of at most PANEL_ROWS query rows (bf16: 8, MIN_ROWS), outside compiled
+graphs, with the CPU attention kernel. A verify of Q queries per sequence runs as Q decode rows over the
+sequence's block table, each with its own position, slot and KV length (position + 1): each layer writes every
+row's K/V before any row attends, so query i sees the K/V of the queries before it, as the causal verify does,
+and each position gets the bits plain decoding gives it.
 Everything else runs the eager forward. `DecoderForCausalLM.forward` asks `applies` each step.
 """
 
@@ -87,8 +90,8 @@ class CpuDecodeLayers:
         return cls(model, kernels)
 
     def applies(self, ctx, tokens: int) -> bool:
-        """Whether this forward is a decode step the driver takes."""
-        if torch.compiler.is_compiling() or ctx.decode is None or tokens > self.rows:
+        """Whether this forward is a decode step (or a speculative verify) the driver takes."""
+        if torch.compiler.is_compiling() or (ctx.decode is None and ctx.verify is None) or tokens > self.rows:
             return False
         backend = ctx.backend
         return getattr(backend, "kernels", None) is not None and backend.kv_caches[0].dtype == self.dtype
@@ -98,6 +101,13 @@ class CpuDecodeLayers:
         caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
         self.words.numpy()[:, 7] = [c.data_ptr() for c in caches[: self.num_layers]]  # host words, no tensor op
         meta = ctx.decode
+        if meta is not None:
+            seq_lens, slots, table = meta.seq_lens, meta.slot_mapping, meta.block_table
+        else:  # Q queries per sequence as Q rows over its block table
+            verify = ctx.verify
+            queries = verify.query_positions.shape[1]
+            seq_lens = (verify.query_positions.reshape(-1) + 1).to(torch.int32)
+            slots, table = verify.slot_mapping, verify.block_table.repeat_interleave(queries, dim=0)
         x = hidden.contiguous().clone()
         rows = x.shape[0]
         need = self.kernels.layers_scratch(rows, *self.dims)
@@ -105,7 +115,7 @@ class CpuDecodeLayers:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
         self.kernels.decoder_layers(
-            self.words, self.reals, self.num_layers, x, positions, meta.seq_lens,
-            meta.slot_mapping, meta.block_table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
+            self.words, self.reals, self.num_layers, x, positions, seq_lens,
+            slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
             kv.shape[2], kv.shape[0], self.eps)
         return x

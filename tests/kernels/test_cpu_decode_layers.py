@@ -4,6 +4,8 @@
   and a tied head, a sliding window), the same tokens as its eager forward, in fp32 and bf16, also with its
   windows captured and replayed by the CPU graph twin in the bounds-checked mode, and the call really ran;
 * one decode forward through it equals the eager forward's logits and KV writes;
+* a speculative verify (Q queries a sequence) runs through it as Q rows a sequence: the eager verify's logits and
+  K/V, and in an engine (n-gram and a draft model) the plain tokens;
 * it is built only for the layers it runs (not for qk-norm, Gemma's norms, MoE, or weights without panels);
 * a position past the rotary table or a slot outside the cache is refused before any work.
 """
@@ -15,6 +17,7 @@ import torch
 
 from graphdecode.attention import DecodeMetadata, ForwardContext, TorchAttentionBackend
 from graphdecode.attention.kv_cache import allocate_kv_caches
+from graphdecode.attention.metadata import VerifyMetadata
 from graphdecode.kernels import cpu as cpu_kernels_module
 from graphdecode.models import cpu_linear
 from graphdecode.models.loader import load_model
@@ -97,6 +100,64 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
     assert torch.equal(fast_caches[0], eager_caches[0])  # layer 0's K/V: the same kernels on the same inputs
     for f, e in zip(fast_caches, eager_caches):
         torch.testing.assert_close(f.float(), e.float(), **tol)
+
+
+def _verify_step(model, cfg, dtype, ids, starts):
+    """Q = ids.shape[1] queries a row from position starts[b], causal over the row's pages (K/V written first)."""
+    caches = allocate_kv_caches(cfg.num_layers, 32, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+    for c in caches:
+        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(6)).to(dtype))
+    backend = TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    specs=model.attention_specs)
+    rows, queries = ids.shape
+    table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
+    positions = starts[:, None] + torch.arange(queries)
+    slots = table.gather(1, positions // PAGE).long() * PAGE + positions % PAGE
+    kv_lens = (starts + queries).to(torch.int32)
+    meta = VerifyMetadata(block_table=table, query_positions=positions, slot_mapping=slots.reshape(-1),
+                          live=torch.ones(rows, dtype=torch.bool), kv_lens=kv_lens, context_lens=kv_lens)
+    with torch.inference_mode():
+        logits = model.decode_logits(ids.reshape(-1), positions.reshape(-1), ForwardContext(backend, verify=meta))
+    return logits, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_verify_equals_the_eager_verify(tiny_models, panels, dtype):
+    """2 rows x 3 queries, one row crossing a page boundary: each query sees the K/V its row's earlier
+    queries wrote in the same layer, as the eager verify's causal mask gives."""
+    path = tiny_models["qwen2_tied"]
+    cfg = load_model_config(path)
+    model = load_model(path, cfg, dtype, torch.device("cpu"), 256)
+    ids, starts = torch.tensor([[5, 9, 100], [7, 7, 300]]), torch.tensor([6, 22])
+    fast, fast_caches = _verify_step(model, cfg, dtype, ids, starts)
+    assert panels == [6]  # one call, 6 query rows
+    layers, model.cpu_decode = model.cpu_decode, None
+    eager, eager_caches = _verify_step(model, cfg, dtype, ids, starts)
+    model.cpu_decode = layers
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, eager, **tol)
+    for f, e in zip(fast_caches, eager_caches):
+        torch.testing.assert_close(f.float(), e.float(), **tol)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_windows_verify_through_one_call(tiny_models, panels, method):
+    """Verify forwards (and a draft model's forwards) of up to the driver's rows take the one call; the
+    tokens are the plain engine's."""
+    from graphdecode import LLM, SamplingParams
+
+    path = tiny_models["llama_gqa_llama3"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else \
+        {"method": "draft_model", "model": tiny_models["qwen2_tied"], "num_speculative_tokens": 3}
+    engine = dict(max_model_len=96, max_batch_size=2)
+    llm = LLM(path, speculative_config=spec, **engine)
+    llm.engine.spec_policy.speculate = lambda bucket: True
+    prompts = [(b * 8)[:30] for b in random_prompts(2, [3, 5], seed=12)]  # repetitive: n-gram drafts exist
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = generate_tokens(llm, prompts, sp)
+    assert 2 * 4 in panels  # a verify of 2 rows x 4 queries ran as one call of 8 rows
+    assert llm.stats()["spec_windows"] > 0
+    assert got == generate_tokens(LLM(path, **engine), prompts, sp)
 
 
 @pytest.mark.parametrize("name", ["qwen3_untied", "gemma3_text", "qwen3_moe"])
