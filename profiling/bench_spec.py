@@ -1,15 +1,21 @@
-"""Speculative decoding (n-gram drafts in the window) against plain decoding, in one run.
+"""Speculative decoding (drafts verified in the window) against plain decoding, in one run.
 
-SmolLM2-135M-Instruct (default; --model for another), greedy, chat template, batch 1
-and 8 (--batches), two prompt sets:
+SmolLM2-135M-Instruct (default; --model for another), chat template, batch 1 and 8
+(--batches), two prompt sets:
 * input-grounded: the answer copies from the prompt (repeat or rewrite a passage, edit
   a code block);
-* open-ended: nothing to copy (the host should fall back to plain windows).
-Per (set, batch): decode tokens/s with and without speculation, accepted drafts per
-verify, the share of windows that speculated, and the ratio; the outputs must be
-identical (speculation changes speed, never tokens).
+* open-ended: nothing to copy (n-gram drafts find nothing: the host should fall back to
+  plain windows; a draft model still drafts).
+Methods (--methods): ngram, and draft_model with --draft-model DIR (or --distilled-layers L:
+the draft profiling/distil_draft.py distils for the target, built once and cached). At each
+temperature (--temperatures; above 0 seeded). Per (method, set, temperature, batch): decode
+tokens/s with and without speculation, accepted drafts per verify, the share of windows that
+speculated, and the ratio; the outputs must be identical (speculation changes speed, never
+tokens).
 
     python profiling/bench_spec.py --out profiling/out/bench_spec
+    python profiling/bench_spec.py --methods ngram,draft_model --distilled-layers 4 \
+        --batches 1,4,16 --temperatures 0,0.7 --threads 2
 """
 
 from __future__ import annotations
@@ -101,6 +107,12 @@ def main(argv=None) -> dict:
     p.add_argument("-d", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating); the fastest kept")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft_model")
+    p.add_argument("--draft-model", default=None, help="the draft_model method's checkpoint directory")
+    p.add_argument("--distilled-layers", type=int, default=None,
+                   help="draft_model: the draft distil_draft.py builds with this many layers (cached)")
+    p.add_argument("--distil-minutes", type=float, default=20.0)
+    p.add_argument("--temperatures", default="0", help="comma-separated; above 0 seeded")
     add_compile_arg(p)
     p.add_argument("--out", default="profiling/out/bench_spec")
     args = p.parse_args(argv)
@@ -116,36 +128,62 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(device=args.device, num_decode_steps=args.k, max_batch_size=max(batches), max_model_len=1024,
                   enable_prefix_caching=False, cpu_threads=args.threads, **compile_option(args))
+    methods = [m.strip() for m in args.methods.split(",")]
+    if "draft_model" in methods and args.draft_model is None:
+        if args.distilled_layers is None:
+            raise SystemExit("--methods draft_model needs --draft-model DIR or --distilled-layers L")
+        args.draft_model = _distilled(args)
     plain = LLM(args.model, **common)
-    spec = LLM(args.model, speculative_config={"method": "ngram", "num_speculative_tokens": args.d}, **common)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.d},
+               "draft_model": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.d}}
+    engines = {m: LLM(args.model, speculative_config=configs[m], **common) for m in methods}
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     result = {"bench": "speculative", "model": os.path.basename(os.path.normpath(args.model)), "args": vars(args),
               "machine": machine_info(plain.config.torch_device, args.threads), "points": []}
-    for name, texts in (("input-grounded", GROUNDED), ("open-ended", OPEN_ENDED)):
-        for batch in batches:
-            prompts = _prompts(plain, texts, batch)
-            runs = measure({"plain": plain, "spec": spec}, prompts, params, args.repeats)
-            base, fast = runs["plain"], runs["spec"]
-            point = {
-                "set": name, "batch": batch,
-                "plain_tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": fast["tokens_per_s"],
-                "speedup": fast["tokens_per_s"] / base["tokens_per_s"],
-                "accepted_per_verify": fast["accepted_per_verify"], "spec_window_share": fast["spec_window_share"],
-                "same_tokens": fast["outputs"] == base["outputs"], "tokens": base["tokens"],
-            }
-            result["points"].append(point)
-            print(f"[spec] {name} batch {batch}: {point['plain_tokens_per_s']:.1f} -> {point['spec_tokens_per_s']:.1f} "
-                  f"tok/s ({point['speedup']:.2f}x), {point['accepted_per_verify']:.2f} accepted/verify", flush=True)
+    for method, spec in engines.items():
+        for name, texts in (("input-grounded", GROUNDED), ("open-ended", OPEN_ENDED)):
+            for temperature in temperatures:
+                params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                        seed=7 if temperature > 0 else None)
+                for batch in batches:
+                    prompts = _prompts(plain, texts, batch)
+                    runs = measure({"plain": plain, "spec": spec}, prompts, params, args.repeats)
+                    base, fast = runs["plain"], runs["spec"]
+                    point = {
+                        "method": method, "set": name, "temperature": temperature, "batch": batch,
+                        "plain_tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": fast["tokens_per_s"],
+                        "speedup": fast["tokens_per_s"] / base["tokens_per_s"],
+                        "accepted_per_verify": fast["accepted_per_verify"],
+                        "spec_window_share": fast["spec_window_share"],
+                        "same_tokens": fast["outputs"] == base["outputs"], "tokens": base["tokens"],
+                    }
+                    result["points"].append(point)
+                    print(f"[spec] {method} {name} T={temperature:g} batch {batch}: "
+                          f"{point['plain_tokens_per_s']:.1f} -> {point['spec_tokens_per_s']:.1f} tok/s "
+                          f"({point['speedup']:.2f}x), {point['accepted_per_verify']:.2f} accepted/verify", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json(args.out + ".json", result)
-    print(f"{'set':<15} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'acc/verify':>11} "
-          f"{'spec share':>11} {'same':>5}")
+    print(f"{'method':<12} {'set':<15} {'T':>4} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
+          f"{'acc/verify':>11} {'spec share':>11} {'same':>5}")
     for pt in result["points"]:
-        print(f"{pt['set']:<15} {pt['batch']:>5} {pt['plain_tokens_per_s']:>12.1f} {pt['spec_tokens_per_s']:>11.1f} "
+        print(f"{pt['method']:<12} {pt['set']:<15} {pt['temperature']:>4g} {pt['batch']:>5} "
+              f"{pt['plain_tokens_per_s']:>12.1f} {pt['spec_tokens_per_s']:>11.1f} "
               f"{pt['speedup']:>7.2f}x {pt['accepted_per_verify']:>11.2f} {pt['spec_window_share']:>11.2f} "
               f"{str(pt['same_tokens']):>5}")
     print(f"(wrote {args.out}.json)")
     return result
+
+
+def _distilled(args) -> str:
+    """distil_draft.py's draft for the target (built once: --distil-minutes of training on the CPU)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distil_draft.py")
+    spec = importlib.util.spec_from_file_location("distil_draft", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    draft, _ = module.distilled_draft(args.model, args.distilled_layers, args.distil_minutes, threads=args.threads)
+    return draft
 
 
 if __name__ == "__main__":

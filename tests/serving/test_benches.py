@@ -236,6 +236,40 @@ def test_speculative_bench_smoke(text_model, tmp_path):
                for p in result["points"])
 
 
+def test_speculative_bench_methods_and_temperatures(text_model, tmp_path):
+    """--methods ngram,draft_model (the model as its own draft), greedy and seeded T=0.7: a point per
+    (method, set, temperature, batch), the plain tokens at each, the identical draft accepting drafts."""
+    result = _script("bench_spec").main(["--model", text_model, "--batches", "1", "--max-tokens", "6", "-k", "2",
+                                         "-d", "2", "--repeats", "1", "--methods", "ngram,draft_model",
+                                         "--draft-model", text_model, "--temperatures", "0,0.7",
+                                         "--out", str(tmp_path / "spec")])
+    keys = [(p["method"], p["set"], p["temperature"]) for p in result["points"]]
+    assert keys == [(m, s, t) for m in ("ngram", "draft_model") for s in ("input-grounded", "open-ended")
+                    for t in (0.0, 0.7)]
+    assert all(p["same_tokens"] and p["spec_tokens_per_s"] > 0 for p in result["points"])
+    assert any(p["accepted_per_verify"] > 0 for p in result["points"] if p["method"] == "draft_model")
+
+
+def test_distil_draft_smoke(text_model, tmp_path, monkeypatch):
+    """distil_draft: a 1-layer truncated copy trained for a few seconds on the model's own answers, saved
+    under the cache directory with its report, reused by a second call, and its acceptance reported."""
+    import json as json_
+
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    module = _script("distil_draft")
+    result = module.main(["--model", text_model, "--layers", "1", "--minutes", "0.05", "--max-tokens", "8",
+                          "--eval-prompts", "4", "-d", "2", "--threads", "1", "--out", str(tmp_path / "distil")])
+    draft = result["draft"]
+    assert draft.startswith(str(tmp_path / "cache" / "drafts"))
+    assert json_.load(open(os.path.join(draft, "config.json")))["num_hidden_layers"] == 1
+    report = result["report"]
+    assert report["steps"] >= 1 and report["answer_tokens"] > 0 and report["sequences"] > 0
+    for name in ("untrained", "distilled"):
+        assert 0 <= result[name]["accepted_per_verify"] <= 2 and 0 <= result[name]["accepted_per_draft"] <= 1
+    again, _ = module.distilled_draft(text_model, 1, 0.05, max_tokens=8, threads=1)
+    assert again == draft  # cached: not trained again
+
+
 def test_moe_bench_smoke(tmp_path, monkeypatch):
     """bench_moe --tiny: both implementations and transformers at batch 1 and 2, every number positive, the
     MoE layers' share of a step in (0, 1), the preset built under the (temporary) cache directory."""
