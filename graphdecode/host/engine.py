@@ -279,6 +279,9 @@ class Engine:
             "kv_pages": usable,
             "prefix_cache_queries": sched.prefix_cache_queries,
             "prefix_cache_hits": sched.prefix_cache_hits,
+            "spec_verifies": s.spec_verifies,
+            "spec_draft_tokens": s.spec_draft_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
         }
 
     def stats(self) -> dict:

@@ -169,6 +169,24 @@ def test_inter_token_latency_is_per_token():
     assert values[f"{P}request_generation_tokens_sum"].value == 7
 
 
+def test_speculation_counts_under_vllms_spec_decode_names(tiny_models):
+    """The engine's speculative counters as vLLM's spec_decode family: rounds, drafts, accepted drafts."""
+    from graphdecode import LLM, SamplingParams
+    from tests.helpers import SMALL_ENGINE, random_prompts
+
+    llm = LLM(tiny_models["llama_gqa_llama3"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              **SMALL_ENGINE)
+    llm.engine.spec_policy.speculate = lambda bucket: True
+    prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in random_prompts(3, [3, 5], seed=2)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    stats = llm.stats()
+    m = ServerMetrics(SimpleNamespace(config=llm.config, load=llm.engine.load(), dead=None), MODEL, P)
+    values = {s.name: s.value for f in text_string_to_metric_families(m.exposition()[0].decode()) for s in f.samples}
+    assert values[f"{P}spec_decode_num_drafts_total"] == stats["spec_verifies"] > 0
+    assert values[f"{P}spec_decode_num_draft_tokens_total"] == stats["spec_draft_tokens"]
+    assert values[f"{P}spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("prefix", ["9lives:", "vllm-", "my prefix"])
 def test_a_bad_metrics_prefix_is_refused_by_name(prefix, capsys):
     from graphdecode.cli import main
