@@ -210,3 +210,30 @@ def assert_padded_ctas_masked(wrapper, rows: int) -> None:
     mask = wrapper._pin_memory_int_workspace_buffer[offset:offset + padded].view(torch.bool)
     scheduled = int(mask.sum())
     assert rows <= scheduled <= padded and bool(mask[:scheduled].all()), (scheduled, padded)
+
+
+def staged_spec_state(prompts: list[list[int]], vocab: int, d: int, steps: int, max_len: int = 64):
+    """A speculative DecodeState with `prompts` staged as live rows (history, next input, position, a block
+    table of 8 pages each from page 1), for unit tests of speculative_window and the drafters."""
+    from graphdecode.device.decode_state import DecodeState
+
+    state = DecodeState(len(prompts), 8, 2, num_decode_steps=steps, max_logprobs=1, device="cpu", vocab_size=vocab,
+                        spec_tokens=d, history_len=max_len + d + 1)
+    for row, prompt in enumerate(prompts):
+        state.speculation.history[row, : len(prompt)] = torch.tensor(prompt)
+        state.input_ids[row] = prompt[-1]
+        state.positions[row] = len(prompt) - 1
+        state.seq_lens[row] = len(prompt)
+        state.block_table[row] = torch.arange(1, 9) + 8 * row
+    state.done[: len(prompts)] = False
+    state.max_len[: len(prompts)] = max_len
+    return state
+
+
+def assert_same_outputs(got, want, tolerance: float = 1e-4) -> None:
+    """The same completions, and where logprobs were asked for, the same tokens in each position's dict
+    with logprobs within `tolerance` (speculation against plain decoding)."""
+    assert completions(got) == completions(want)
+    for a, b in zip(got, want):
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < tolerance for t in x)

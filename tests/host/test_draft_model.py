@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from graphdecode import LLM, SamplingParams
-from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
+from tests.helpers import (
+    SMALL_ENGINE,
+    assert_same_outputs,
+    completions,
+    random_prompts,
+    staged_spec_state,
+    token_prompts,
+)
 
 TARGET = "llama_gqa_llama3"
 D = 3
@@ -58,12 +65,7 @@ def test_a_draft_model_gives_the_plain_tokens(tiny_models, plain, self_drafted):
     for params in cases:
         want = plain.generate(batch, params)
         for spec in (self_drafted, other):
-            got = spec.generate(batch, params)
-            assert completions(got) == completions(want), params
-            if params.logprobs:
-                for a, b in zip(got, want):
-                    for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                        assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+            assert_same_outputs(spec.generate(batch, params), want)
     assert_every_draft_accepted(self_drafted, requests=len(batch) * 4)  # 8 prompts, cases of 1 + 2 + 1 rows
     assert other.stats()["spec_windows"] > 0  # probed at least; the policy may then run plain
 
@@ -166,7 +168,6 @@ def test_the_draft_is_sampled_with_the_rows_own_noise():
     draft's logits under the position-keyed noise the verify uses, so drafting with the target's own
     logits proposes exactly the target's tokens: every draft accepted (noise keyed one position off: few)."""
     from graphdecode.attention import TorchAttentionBackend
-    from graphdecode.device.decode_state import DecodeState
     from graphdecode.device.drafters import ModelDrafter
     from graphdecode.device.sampler import Sampler, SamplerMode, SamplerVariant
     from graphdecode.device.speculative import speculative_window
@@ -177,16 +178,7 @@ def test_the_draft_is_sampled_with_the_rows_own_noise():
         return torch.nn.functional.one_hot((tokens + 1) % vocab, vocab).float()
 
     for variant in (SamplerVariant(), SamplerVariant(SamplerMode.SAMPLE)):
-        state = DecodeState(2, 8, 2, num_decode_steps=3, max_logprobs=1, device="cpu", vocab_size=vocab,
-                            spec_tokens=d, history_len=64 + d + 1)
-        for row, prompt in enumerate([[3, 4, 5], [9]]):
-            state.speculation.history[row, : len(prompt)] = torch.tensor(prompt)
-            state.input_ids[row] = prompt[-1]
-            state.positions[row] = len(prompt) - 1
-            state.seq_lens[row] = len(prompt)
-            state.block_table[row] = torch.arange(1, 9) + 8 * row
-        state.done[:2] = False
-        state.max_len[:2] = 64
+        state = staged_spec_state([[3, 4, 5], [9]], vocab, d, steps=3)
         state.temperature[:2] = 0.0 if variant.mode == SamplerMode.GREEDY else 1.0
         state.seed[:2] = torch.tensor([5, 6])
         sampler = Sampler(vocab, "cpu")

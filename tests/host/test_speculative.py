@@ -11,11 +11,17 @@ import torch
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.attention import TorchAttentionBackend
-from graphdecode.device.decode_state import DecodeState
 from graphdecode.device.drafters import NgramDrafter, ngram_drafts
 from graphdecode.device.sampler import GREEDY, Sampler
 from graphdecode.device.speculative import speculative_window
-from tests.helpers import SMALL_ENGINE, completions, random_prompts, token_prompts
+from tests.helpers import (
+    SMALL_ENGINE,
+    assert_same_outputs,
+    completions,
+    random_prompts,
+    staged_spec_state,
+    token_prompts,
+)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -66,19 +72,10 @@ def test_acceptance_is_counted_exactly():
     tokens, so each round accepts all 3 and emits 4 tokens; a second row with nothing to copy
     emits one per round."""
     vocab, d = 10, 3
-    state = DecodeState(2, 8, 2, num_decode_steps=2, max_logprobs=1, device="cpu", vocab_size=vocab,
-                        spec_tokens=d, history_len=64 + d + 1)
-    prompts = [list(range(10)) + list(range(5)), [7, 3]]
-    for row, prompt in enumerate(prompts):
-        state.speculation.history[row, : len(prompt)] = torch.tensor(prompt)
-        state.input_ids[row] = prompt[-1]
-        state.positions[row] = len(prompt) - 1
-        state.seq_lens[row] = len(prompt)
-        state.block_table[row] = torch.arange(1, 9) + 8 * row
-    state.done[:2] = False
-    state.max_len[:2] = 64
+    state = staged_spec_state([list(range(10)) + list(range(5)), [7, 3]], vocab, d, steps=2)
     backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
-    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4, NgramDrafter(3, 1))
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4,
+                       NgramDrafter(3, 1))
     assert state.out_count[:2].tolist() == [8, 2]
     assert state.out_tokens[0, 1:9].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
     assert state.out_tokens[1, 1:3].tolist() == [4, 5]  # nothing to copy: one token per round
@@ -90,16 +87,11 @@ def test_acceptance_is_counted_exactly():
 
 def test_a_stop_inside_an_accepted_run_ends_it():
     vocab, d = 10, 3
-    state = DecodeState(1, 8, 2, num_decode_steps=2, max_logprobs=1, device="cpu", vocab_size=vocab,
-                        spec_tokens=d, history_len=64 + d + 1)
-    prompt = list(range(10)) + list(range(5))
-    state.speculation.history[0, : len(prompt)] = torch.tensor(prompt)
-    state.input_ids[0], state.positions[0], state.seq_lens[0] = prompt[-1], len(prompt) - 1, len(prompt)
-    state.block_table[0] = torch.arange(1, 9)
-    state.done[0], state.max_len[0] = False, 64
+    state = staged_spec_state([list(range(10)) + list(range(5))], vocab, d, steps=2)
     state.stop_ids[0, 0] = 7  # the third token of the first run
     backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
-    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 1, 2, 16, GREEDY, 4, NgramDrafter(3, 1))
+    speculative_window(counting_model(vocab), Sampler(vocab, "cpu"), backend, state, 1, 2, 16, GREEDY, 4,
+                       NgramDrafter(3, 1))
     assert state.out_count[0].item() == 3 and state.out_tokens[0, 1:4].tolist() == [5, 6, 7]
     assert bool(state.done[0]) and state.positions[0].item() == 14 + 3
 
@@ -123,12 +115,7 @@ def test_speculation_gives_the_plain_tokens(tiny_models, model):
     spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
     for params in cases:
         want = plain.generate(prompts, params)
-        got = spec.generate(prompts, params)
-        assert completions(got) == completions(want), params
-        if params.logprobs:
-            for a, b in zip(got, want):
-                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                    assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        assert_same_outputs(spec.generate(prompts, params), want)
     stats = spec.stats()
     assert stats["spec_windows"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["generated_tokens"] == plain.stats()["generated_tokens"]

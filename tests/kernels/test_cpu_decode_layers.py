@@ -65,12 +65,17 @@ def test_an_engine_decodes_through_one_call_per_step(tiny_models, panels, name, 
         assert got == hf_greedy(tiny_models[name], prompts, 10)
 
 
-def _decode_step(model, cfg, dtype, ids, seq_lens):
+def _random_cache(model, cfg, dtype, seed: int):
+    """32 pages of random K/V in every layer, and the torch backend over them."""
     caches = allocate_kv_caches(cfg.num_layers, 32, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     for c in caches:
-        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(5)).to(dtype))
-    backend = TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    specs=model.attention_specs)
+        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(seed)).to(dtype))
+    return caches, TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                         specs=model.attention_specs)
+
+
+def _decode_step(model, cfg, dtype, ids, seq_lens):
+    caches, backend = _random_cache(model, cfg, dtype, 5)
     rows = len(ids)
     table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
     positions = (seq_lens - 1).long()
@@ -104,11 +109,7 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
 
 def _verify_step(model, cfg, dtype, ids, starts):
     """Q = ids.shape[1] queries a row from position starts[b], causal over the row's pages (K/V written first)."""
-    caches = allocate_kv_caches(cfg.num_layers, 32, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
-    for c in caches:
-        c.copy_(torch.randn(c.shape, generator=torch.Generator().manual_seed(6)).to(dtype))
-    backend = TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    specs=model.attention_specs)
+    caches, backend = _random_cache(model, cfg, dtype, 6)
     rows, queries = ids.shape
     table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
     positions = starts[:, None] + torch.arange(queries)
