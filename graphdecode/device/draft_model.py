@@ -25,7 +25,6 @@ import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
-from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from .drafters import ModelDrafter
 from .speculative import verify_metadata
@@ -75,9 +74,3 @@ class DraftModel:
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
         return self.model.window_tensors()
-
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
-
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)

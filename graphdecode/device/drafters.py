@@ -1,7 +1,8 @@
 """Where a speculative window's drafts come from, once per verify round inside the window.
 
 A drafter is called as `drafter(state, bucket, live, history, variant, kv_width, page_size)` and
-returns (drafts [B, d] int64, counts [B] int64 in 0..d, 0 for rows that are not live). It runs
+returns (drafts [B, d] int64, counts [B] int64 in 0..d; speculative_window zeroes the counts of rows
+that are not live). It runs
 on the device with static shapes and no host sync, so it is captured with the window.
 
 * NgramDrafter: the row's own history (prompt lookup, `ngram_drafts`).
@@ -69,16 +70,13 @@ def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
 
 
 class NgramDrafter:
-    method = "ngram"
-
     def __init__(self, lookup_max: int, lookup_min: int):
         self.lookup_max = lookup_max
         self.lookup_min = lookup_min
 
     def __call__(self, state, bucket: int, live, history, variant: SamplerVariant, kv_width: int, page_size: int):
         position = state.positions[:bucket]
-        drafts, counts = ngram_drafts(history, position + 1, state.spec_tokens, self.lookup_max, self.lookup_min)
-        return drafts, torch.where(live, counts, 0)
+        return ngram_drafts(history, position + 1, state.spec_tokens, self.lookup_max, self.lookup_min)
 
 
 def one_query(meta, state, bucket: int) -> DecodeMetadata:
@@ -96,8 +94,6 @@ def one_query(meta, state, bucket: int) -> DecodeMetadata:
 
 
 class ModelDrafter:
-    method = "draft_model"
-
     def __init__(self, logits_fn, backend, sampler):
         self.logits_fn = logits_fn  # the draft model's (input_ids, positions, ctx) -> logits [T, V] float32
         self.backend = backend  # the draft's attention over its own KV caches (the rows' pages)
@@ -133,5 +129,4 @@ class ModelDrafter:
                 walked = torch.where(moved >= 0, moved.to(torch.int32), walked)
             drafts.append(draft)
             tokens, start, queries = draft[:, None], position + j + 1, 1
-        counts = torch.where(live, d, 0)
-        return torch.stack(drafts, dim=1), counts
+        return torch.stack(drafts, dim=1), torch.full_like(position, d)

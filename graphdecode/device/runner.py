@@ -161,12 +161,13 @@ class ModelRunner:
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""
-        draft = self.draft
+        models, caches = [self.model], list(self.kv_caches)
+        if self.draft is not None:
+            models.append(self.draft.model)
+            caches += self.draft.kv_caches
         return {
-            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())
-            + packed_bytes(self.model) + (draft.weight_bytes() if draft is not None else 0),
-            "kv_cache_bytes": sum(t.numel() * t.element_size() for t in self.kv_caches)
-            + (draft.kv_cache_bytes() if draft is not None else 0),
+            "weight_bytes": sum(_tensor_bytes(m.parameters()) + packed_bytes(m) for m in models),
+            "kv_cache_bytes": _tensor_bytes(caches),
         }
 
     # ------------------------------------------------------------ device rows
@@ -197,7 +198,7 @@ class ModelRunner:
         if not speculative:
             behind[[p is not None for p in self._row_params[:bucket]]] += self.config.num_decode_steps
             return
-        span = int(behind.max())
+        span = min(int(behind.max()), self.config.max_model_len)  # no row is behind by more than it holds
         if span:
             with annotate("graphdecode.draft_catch_up"):
                 self.draft.catch_up(self.state, bucket, self._send(behind), span, self.page_size, width)
@@ -303,6 +304,10 @@ class ModelRunner:
 
     def _send(self, array: np.ndarray) -> torch.Tensor:
         return self._host(array).to(self.device, non_blocking=True)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _copy_slots(copies, page_size: int) -> tuple[np.ndarray, np.ndarray]:

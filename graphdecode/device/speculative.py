@@ -110,6 +110,7 @@ def speculative_window(
         live = ~state.done[rows]
         position = state.positions[rows]  # [B]: where each row's next input sits
         drafts, num_drafts = drafter(state, bucket, live, history, variant, kv_width, page_size)
+        num_drafts = torch.where(live, num_drafts, 0)
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
         meta = verify_metadata(state, bucket, queries, page_size, kv_width, live)
