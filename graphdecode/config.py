@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention.kv_cache import kv_bytes_per_page
+from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 
 _DTYPE_NAMES = {
@@ -168,7 +169,7 @@ class EngineConfig:
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
     # vLLM's names: {"method": "ngram", "num_speculative_tokens": d, "prompt_lookup_max": .., "prompt_lookup_min": ..}
-    # or {"method": "draft_model", "model": DIR, "num_speculative_tokens": d}; None: off
+    # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}; None: off
     speculative_config: dict | None = None
     # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). None: the
     # environment's GRAPHDECODE_CPU_THREADS, else the cores this process may use (os.sched_getaffinity),
@@ -187,9 +188,10 @@ class EngineConfig:
     max_pages_per_seq: int = field(init=False)
     logprobs_width: int = field(init=False)  # logprob entries per row and step on the device
     num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
-    speculative_method: str | None = field(init=False)  # "ngram" or "draft_model"; None when off
-    draft_model: str | None = field(init=False)  # the draft model's directory (method "draft_model")
-    draft_model_config: ModelConfig | None = field(init=False, repr=False)
+    speculative_method: str | None = field(init=False)  # "ngram", "draft_model" or "eagle3"; None when off
+    draft_model: str | None = field(init=False)  # the draft model's or EAGLE-3 head's directory
+    draft_model_config: ModelConfig | None = field(init=False, repr=False)  # its config.json
+    eagle3_config: Eagle3Config | None = field(init=False, repr=False)  # the head's fields (method "eagle3")
     prompt_lookup_max: int = field(init=False)
     prompt_lookup_min: int = field(init=False)
 
@@ -269,7 +271,12 @@ class EngineConfig:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings})"
             )
-        draft_cfg = _check_draft(speculative["draft_model"], cfg, max_len)
+        eagle3 = None
+        if speculative["speculative_method"] == "eagle3":
+            eagle3 = read_eagle3_config(speculative["draft_model"], cfg)
+            draft_cfg = eagle3.model
+        else:
+            draft_cfg = _check_draft(speculative["draft_model"], cfg, max_len)
         # sliding windows (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 3) are per-layer
         # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
@@ -287,6 +294,7 @@ class EngineConfig:
         resolved = {
             "model_config": cfg,
             "draft_model_config": draft_cfg,
+            "eagle3_config": eagle3,
             "torch_device": device,
             "torch_dtype": dtype,
             "max_model_len": max_len,
@@ -395,8 +403,8 @@ class EngineConfig:
                        f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "mtp")  # vLLM's names for methods graphdecode does not run yet
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = ("eagle", "mtp")  # vLLM's names for methods graphdecode does not run yet
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
@@ -410,8 +418,8 @@ def _check_speculative(spec, page_size: int) -> dict:
         raise ValueError(f"speculative_config must be a dict (or None), got {spec!r}")
     method = spec.get("method", "ngram")
     if method not in SPECULATIVE_METHODS:
-        later = " (EAGLE heads and MTP layers are not supported yet)" if method in NOT_YET else ""
-        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup) or 'draft_model', "
+        later = " (EAGLE-1 heads and MTP layers are not supported yet)" if method in NOT_YET else ""
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), 'draft_model' or 'eagle3', "
                          f"got {method!r}{later}")
     ngram = method == "ngram"
     known = {"method", "num_speculative_tokens"} | ({"prompt_lookup_max", "prompt_lookup_min"} if ngram else {"model"})
@@ -431,7 +439,8 @@ def _check_speculative(spec, page_size: int) -> dict:
         raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
     draft = spec.get("model")
     if not ngram and (not isinstance(draft, (str, os.PathLike)) or not os.path.isdir(draft)):
-        raise ValueError(f"speculative_config.model must be the draft model's HuggingFace directory, got {draft!r}")
+        raise ValueError(f"speculative_config.model must be the {'EAGLE-3 head' if method == 'eagle3' else 'draft model'}"
+                         f"'s HuggingFace directory, got {draft!r}")
     if not ngram:
         resolved["prompt_lookup_max"] = resolved["prompt_lookup_min"] = 0
     return {**resolved, "speculative_method": method, "draft_model": None if ngram else str(draft)}

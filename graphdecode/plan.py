@@ -81,6 +81,7 @@ class PrefillChunk:
     prompt_logprobs: int | None = None  # top-N of prompt logprobs to compute (None: none)
     targets: tuple[int, ...] = ()  # the prompt tokens its first len(targets) positions predict
     prefix_copy: PrefixCopy | None = None
+    next_token: int | None = None  # the token after the chunk where it is known (an EAGLE-3 head reads it)
 
     @property
     def end(self) -> int:

@@ -5,6 +5,10 @@ returns (drafts [B, d] int64, counts [B] int64 in 0..d; speculative_window zeroe
 that are not live). It runs
 on the device with static shapes and no host sync, so it is captured with the window.
 
+Drafters that read the target's hidden states (EAGLE-3, eagle3.py) set `reads_hidden`: the window's
+forward then returns them beside the logits, and the window hands them to `accepted` after each verify
+and to `follow` after each plain decode step, so the drafter's own state stays current.
+
 * NgramDrafter: the row's own history (prompt lookup, `ngram_drafts`).
 * ModelDrafter: a draft model (draft_model.py) running d small forwards per round. The first
   runs two queries per row, at positions p - 1 and p: the K/V at p - 1 is the last token the
@@ -19,6 +23,7 @@ on the device with static shapes and no host sync, so it is captured with the wi
   to: where the draft's distribution is close to the target's it draws the target's own token,
   and whatever it draws, the window emits the tokens plain decoding samples
   (speculative.py accepts a draft only where it equals the target's sample).
+* Eagle3Drafter (eagle3.py): an EAGLE-3 head over the target's hidden states.
 """
 
 from __future__ import annotations
@@ -69,7 +74,21 @@ def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
     return drafts, counts
 
 
-class NgramDrafter:
+class Drafter:
+    reads_hidden = False  # the window's forward returns the target's hidden states for this drafter
+
+    def accepted(self, state, bucket: int, meta, hidden: torch.Tensor, sampled: torch.Tensor,
+                 emit: torch.Tensor) -> None:
+        """After a verify (before the rows advance): its metadata, the target's hidden states [B * Q, ...],
+        the tokens sampled at each position [B, Q] and the tokens each row emits [B]."""
+
+    def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
+               live: torch.Tensor) -> None:
+        """After a plain decode step (before the rows advance): its metadata, the target's hidden states
+        [B, ...], the sampled tokens [B], the rows that were live."""
+
+
+class NgramDrafter(Drafter):
     def __init__(self, lookup_max: int, lookup_min: int):
         self.lookup_max = lookup_max
         self.lookup_min = lookup_min
@@ -93,7 +112,7 @@ def one_query(meta, state, bucket: int) -> DecodeMetadata:
     )
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     def __init__(self, logits_fn, backend, sampler):
         self.logits_fn = logits_fn  # the draft model's (input_ids, positions, ctx) -> logits [T, V] float32
         self.backend = backend  # the draft's attention over its own KV caches (the rows' pages)
@@ -102,13 +121,7 @@ class ModelDrafter:
     def __call__(self, state, bucket: int, live, history, variant: SamplerVariant, kv_width: int, page_size: int):
         d = state.spec_tokens
         position = state.positions[:bucket]
-        params = state.sampling_rows(slice(0, bucket))
-        # the row's distribution: no logprobs, stop masks or penalties; a constrained row's drafts walk its automaton
-        plain = SamplerVariant(variant.mode, structured=variant.structured)
-        constraints = state.constraints
-        tables = constraints.tables if variant.structured else None
-        if tables is not None:
-            constrained, walked = constraints.constrained[:bucket], constraints.struct_state[:bucket]
+        sample = DraftSampling(self.sampler, state, bucket, variant)
         previous = (position - 1).clamp(min=0)  # live rows sit at p >= 1 (a prompt holds a token)
         tokens = torch.stack([history.gather(1, previous[:, None])[:, 0], state.input_ids[:bucket]], dim=1)
         start, queries = previous, 2
@@ -120,13 +133,34 @@ class ModelDrafter:
             ctx = ForwardContext(self.backend, verify=meta) if queries > 1 else \
                 ForwardContext(self.backend, decode=one_query(meta, state, bucket))
             logits = self.logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ctx)
-            last = logits.view(bucket, queries, -1)[:, -1]  # the query at p + j
-            if tables is not None:  # masked by the state the drafts before it lead to
-                params.constraint = ConstraintRows(constrained, **tables.row_inputs(walked))
-            draft, _ = self.sampler(last, params, position + j + 1, plain)
-            if tables is not None:
-                moved = tables.advance(walked, draft)
-                walked = torch.where(moved >= 0, moved.to(torch.int32), walked)
+            draft = sample(logits.view(bucket, queries, -1)[:, -1], j)  # the query at p + j
             drafts.append(draft)
             tokens, start, queries = draft[:, None], position + j + 1, 1
         return torch.stack(drafts, dim=1), torch.full_like(position, d)
+
+
+class DraftSampling:
+    """A round's drafts, one call per draft j: sampled with the row's own distribution (no logprobs, stop
+    masks or penalties) and the noise the verify samples position p + j + 1 with; a constrained row's
+    drafts under the automaton state the drafts before it lead to."""
+
+    def __init__(self, sampler, state, bucket: int, variant: SamplerVariant):
+        self.sampler = sampler
+        self.position = state.positions[:bucket]
+        self.params = state.sampling_rows(slice(0, bucket))
+        self.variant = SamplerVariant(variant.mode, structured=variant.structured)
+        constraints = state.constraints
+        self.tables = constraints.tables if variant.structured else None
+        if self.tables is not None:
+            self.constrained, self.walked = constraints.constrained[:bucket], constraints.struct_state[:bucket]
+
+    def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
+        """logits [B, V] of draft j -> draft [B] int64."""
+        tables = self.tables
+        if tables is not None:  # masked by the state the drafts before it lead to
+            self.params.constraint = ConstraintRows(self.constrained, **tables.row_inputs(self.walked))
+        draft, _ = self.sampler(logits, self.params, self.position + j + 1, self.variant)
+        if tables is not None:
+            moved = tables.advance(self.walked, draft)
+            self.walked = torch.where(moved >= 0, moved.to(torch.int32), self.walked)
+        return draft

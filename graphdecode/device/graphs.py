@@ -113,7 +113,7 @@ class WindowGraphs:
             return
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
-            self.page_size, variant, kv_width, ragged,
+            self.page_size, variant, kv_width, ragged, self.drafter,
         )
 
     def _capture(self, key):

@@ -31,6 +31,7 @@ from .bounds import BoundsCheck
 from .decode_state import DecodeState
 from .draft_model import DraftModel
 from .drafters import NgramDrafter
+from .eagle3 import Eagle3
 from .graphs import WindowGraphs
 from .host_memory import keep_freed_host_memory
 from .pythonizer import PendingCopy, Pythonizer
@@ -91,19 +92,24 @@ class ModelRunner:
         self._row_pages = np.zeros(config.max_batch_size, dtype=np.int64)  # block-table length per row
         self._prompt_results: list = []  # this step's prompt logprobs (device tensors), copied out with it
         self.sampler = Sampler(cfg.vocab_size, self.device, config.logprobs_mode)
-        logits_fn = self.model.decode_logits
-        if config.compile:
-            logits_fn = CompiledForward(logits_fn)
         self.window_writes = WindowWrites()  # everything a window may write (KV cache aside)
         self.window_writes.register("state", self.state.window_tensors())
         self.window_writes.register("model", self.model.window_tensors())
-        # speculative windows' drafts: a draft model (its own KV in the rows' pages) or the rows' history
-        self.draft = DraftModel(config, self.device) if config.speculative_method == "draft_model" else None
+        # speculative windows' drafts: a draft model or an EAGLE-3 head (their own K/V in the rows' pages), or
+        # the rows' history
+        method = config.speculative_method
+        self.draft = (DraftModel(config, self.device) if method == "draft_model"
+                      else Eagle3(config, self.model, self.device) if method == "eagle3" else None)
+        self.eagle = self.draft if method == "eagle3" else None
         if self.draft is not None:
             self.window_writes.register("draft", self.draft.window_tensors())
         self._draft_behind = np.zeros(config.max_batch_size, dtype=np.int64)  # steps each row ran without it
         drafter = (self.draft.drafter(self.sampler) if self.draft is not None
                    else NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min))
+        # an EAGLE-3 head reads the target's hidden states from every window forward
+        logits_fn = self.model.decode_logits if self.eagle is None else self.model.logits_and_aux(self.eagle.aux_layers)
+        if config.compile:
+            logits_fn = CompiledForward(logits_fn)
         self.windows = WindowGraphs(
             logits_fn, self.sampler, self.backend, self.state,
             buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
@@ -133,7 +139,7 @@ class ModelRunner:
                 variant = dataclasses.replace(variant, speculative=True)
             with annotate("graphdecode.window"):
                 width = self._kv_width()
-                if self.draft is not None:
+                if isinstance(self.draft, DraftModel):
                     self._keep_draft_current(window.bucket, variant.speculative, width)
                 self.pythonizer.start_window()
                 self.windows.run(window.bucket, variant, width, self._ragged(window.bucket, width))
@@ -260,8 +266,15 @@ class ModelRunner:
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
-        hidden = self.model(token_ids, position_ids, ctx)
-        if self.draft is not None:  # the draft's K/V for the same tokens, in the same pages
+        if self.eagle is not None:  # the head's K/V over the same positions, reading the target's hidden states
+            hidden, aux = self.model.forward_aux(token_ids, position_ids, ctx, self.eagle.aux_layers)
+            following = [c.next_token if c.next_token is not None else c.token_ids[-1] for c in chunks]
+            ahead = np.fromiter((t for c, last in zip(chunks, following) for t in (*c.token_ids[1:], last)),
+                                dtype=np.int64, count=len(tokens))
+            self.eagle.prefill(self._send(ahead), aux, position_ids, meta)
+        else:
+            hidden = self.model(token_ids, position_ids, ctx)
+        if isinstance(self.draft, DraftModel):  # the draft's K/V for the same tokens, in the same pages
             self.draft.prefill(token_ids, position_ids, meta)
         for i, c in enumerate(chunks):
             if c.prompt_logprobs is not None:
@@ -276,6 +289,12 @@ class ModelRunner:
             copy_page(self.kv_caches, src, dst)
             if self.draft is not None:
                 self.draft.copy_pages(src, dst)
+        if self.eagle is not None and sampled:  # the head at each new row's last prompt position, in its own pages
+            counts = [len(chunks[i].sample_rows) for i in sampled]
+            rows = self._send(np.asarray([r for i in sampled for r in chunks[i].sample_rows], dtype=np.int64))
+            last = self._send(np.repeat(cu[1:][sampled] - 1, counts).astype(np.int64))
+            ends = self._send(np.repeat([chunks[i].end - 1 for i in sampled], counts).astype(np.int64))
+            self.eagle.start_rows(self.state, rows, ends, aux[last])
 
     def _prompt_logprobs(self, chunk: PrefillChunk, hidden, offset: int):
         """Raw logprobs of the prompt tokens the chunk's positions predict, their ranks and the top N."""
@@ -298,6 +317,7 @@ class ModelRunner:
         row_logits = logits[self._send(np.repeat(np.arange(len(chunks)), counts).astype(np.int64))]
         tokens = sample_into(self.state, self.sampler, row_logits, rows, 0, next_pos, variant, None)
         self.state.input_ids[rows] = tokens
+
     def _host(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(array)
         return host.pin_memory() if self.device.type == "cuda" else host

@@ -76,7 +76,7 @@ def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: in
 
 
 def speculative_window(
-    logits_fn,  # (input_ids [T], positions [T], ctx) -> logits [T, V] float32
+    logits_fn,  # (input_ids [T], positions [T], ctx) -> logits [T, V] float32 (and hidden states: drafters.py)
     sampler: Sampler,
     backend: AttentionBackend,
     state: DecodeState,
@@ -118,6 +118,8 @@ def speculative_window(
             state.bounds.verify(state, bucket, meta)
         backend.prepare_verify(bucket, meta, state, page_size)
         logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ForwardContext(backend, verify=meta))
+        if drafter.reads_hidden:
+            logits, hidden = logits
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
         if tables is not None:  # each position's automaton state: the row's, moved over the drafts before it
             before = constraints.struct_state[rows]
@@ -142,6 +144,8 @@ def speculative_window(
         first_stop = torch.where(stopping.any(dim=1), stopping.to(torch.int64).argmax(dim=1), queries)
         emit = torch.where(live, torch.minimum(emit, first_stop + 1), 0)  # [B] tokens this round emits
         written = offsets[None, :] < emit[:, None]  # [B, Q]
+        if drafter.reads_hidden:  # the drafter's state over the verified positions, before the rows advance
+            drafter.accepted(state, bucket, meta, hidden, sampled, emit)
         # outputs: columns 1 + count .. (distinct per row and offset: no scatter collisions)
         columns = 1 + count[:, None] + offsets
         out = state.out_tokens[rows]

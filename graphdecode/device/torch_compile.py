@@ -26,6 +26,7 @@ import time
 import torch
 import torch._dynamo.config as dynamo_config
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..cache import cache_root
 
@@ -83,7 +84,10 @@ class CompiledForward:
         before = _compiled_graphs()
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         start = time.perf_counter()
-        out = self._compiled(input_ids, positions, ctx)
+        # outside the CPU graph twin's checking dispatch mode (graph_runtime.NoHostCopies), which dynamo refuses
+        # to run under; compiled code lifts no Python value at run time anyway
+        with _disable_current_modes():
+            out = self._compiled(input_ids, positions, ctx)
         if _compiled_graphs() != before:
             self.compile_seconds += time.perf_counter() - start
             self.compiles += _compiled_graphs() - before

@@ -49,7 +49,7 @@ def sample_into(
 
 
 def decode_window(
-    logits_fn,  # (input_ids [B], positions [B], ctx) -> logits [B, V] float32
+    logits_fn,  # (input_ids [B], positions [B], ctx) -> logits [B, V] float32 (and hidden states: drafters.py)
     sampler: Sampler,
     backend: AttentionBackend,
     state: DecodeState,
@@ -59,8 +59,10 @@ def decode_window(
     variant: SamplerVariant,
     kv_width: int,
     ragged: bool = False,
+    drafter=None,  # a drafter that reads the target's hidden states follows every step (drafters.py)
 ) -> None:
     rows = slice(0, bucket)
+    follow = drafter is not None and drafter.reads_hidden
     ctx = ForwardContext(backend, decode=state.decode_metadata(bucket, kv_width, ragged))
     # the host may have admitted rows or grown block tables since the last window
     csr = backend.needs_csr
@@ -71,5 +73,10 @@ def decode_window(
             state.bounds.decode(state, bucket, csr)
         logits = logits_fn(state.input_ids[rows], state.positions[rows], ctx)
         next_pos = state.positions[rows] + 1
+        if follow:
+            logits, hidden = logits
+            live = ~state.done[rows]
         tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])
+        if follow:
+            drafter.follow(state, bucket, ctx.decode, hidden, tokens, live)
         state.advance(bucket, tokens, page_size, advance=True, csr=csr)

@@ -284,6 +284,7 @@ class Scheduler:
             prompt_logprobs=top,
             targets=targets,
             prefix_copy=group.prefix_copy,
+            next_token=leader.token_ids[end] if end < len(leader.token_ids) else None,
         ))
         group.prefix_copy = None
         return end - start

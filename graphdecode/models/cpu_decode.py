@@ -99,6 +99,12 @@ class CpuDecodeLayers:
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """hidden [M, hidden] embeddings -> the last layer's output (before the final norm), new tensor."""
+        return self.run(hidden, positions, ctx)[0]
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx,
+            stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(the last layer's output, the hidden states entering each layer in `stops` (ascending)): the layers
+        between stops in one call each."""
         caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
         self.words.numpy()[:, 7] = [c.data_ptr() for c in caches[: self.num_layers]]  # host words, no tensor op
         meta = ctx.decode
@@ -115,8 +121,14 @@ class CpuDecodeLayers:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
-        self.kernels.decoder_layers(
-            self.words, self.reals, self.num_layers, x, positions, seq_lens,
-            slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
-            kv.shape[2], kv.shape[0], self.eps)
-        return x
+        saved, first = [], 0
+        for end in (*stops, self.num_layers):
+            if end > first:
+                self.kernels.decoder_layers(
+                    self.words[first:], self.reals[first:], end - first, x, positions, seq_lens,
+                    slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
+                    kv.shape[2], kv.shape[0], self.eps)
+            if end < self.num_layers:
+                saved.append(x.clone())
+            first = end
+        return x, saved

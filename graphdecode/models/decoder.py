@@ -257,9 +257,32 @@ class DecoderForCausalLM(nn.Module):
             hidden = layer(positions, hidden, rotary, ctx)
         return self.model.norm(hidden)
 
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward(), and the hidden states entering each of `aux_layers` (ascending), concatenated:
+        [T, len(aux_layers) x hidden] (what an EAGLE-3 head reads)."""
+        hidden = self.embed(input_ids)
+        if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
+            hidden, saved = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
+            return self.model.norm(hidden), torch.cat(saved, dim=-1)
+        saved = []
+        for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
+            if i in aux_layers:
+                saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
+            hidden = layer(positions, hidden, rotary, ctx)
+        return self.model.norm(hidden), torch.cat(saved, dim=-1)
+
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
         return self.compute_logits(self.forward(input_ids, positions, ctx))
+
+    def logits_and_aux(self, aux_layers: tuple[int, ...]):
+        """A window's forward that also returns the hidden states an EAGLE-3 head reads:
+        (input_ids, positions, ctx) -> (logits [T, vocab] float32, aux [T, 3 x hidden])."""
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers)
+            return self.compute_logits(hidden), aux
+        return forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""

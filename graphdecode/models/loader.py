@@ -77,10 +77,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               tp: TPGroup = TPGroup()):
-    cls = model_class(cfg)
+               tp: TPGroup = TPGroup(), build=None):
+    """build: (cfg, tp) -> the module, for one that is not a registered family's (an EAGLE-3 head)."""
+    build = build or model_class(cfg)
     with torch.device("meta"):
-        model = cls(cfg, tp)
+        model = build(cfg, tp)
     plan = plan_checkpoint(model_dir, model)  # headers only: raises before any memory is allocated
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
@@ -120,6 +121,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     cls = type(model)
     packed = cls.packed_modules
     tied = model.config.tie_word_embeddings
+    extras = getattr(cls, "checkpoint_extras", ())  # tensors the class reads itself (an EAGLE-3 head's id maps)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     files = checkpoint_files(model_dir)
@@ -131,7 +133,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         entries = []
         with _open(path) as f:
             for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied):
+                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras:
                     continue
                 experts = _experts_entry(path, f, key, cls, modules)
                 if experts is not None:

@@ -154,7 +154,8 @@ def test_draft_model_config_is_validated_before_any_weight_is_read(tiny_models, 
         (spec_config(str(short)), "max_position_embeddings"),
         (spec_config(str(unknown)), "speculative_config.model: .*no_such_family.* is not supported"),
         ({**spec_config(path), "prompt_lookup_max": 3}, "unknown key 'prompt_lookup_max' for method 'draft_model'"),
-        ({"method": "eagle3", "model": path}, "not supported yet"),
+        ({"method": "eagle", "model": path}, "not supported yet"),
+        ({"method": "eagle3", "model": path}, "architectures must name an EAGLE-3 head"),
         ({"method": "mtp"}, "method"),
     ]
     for bad, message in cases:

@@ -13,6 +13,7 @@ import pytest
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.device.tensor_parallel import TPWorkerError
+from graphdecode.models.eagle3_checkpoint import random_eagle3_head
 from tests.helpers import SMALL_ENGINE, random_prompts, token_prompts
 
 
@@ -150,11 +151,12 @@ def test_cli_tensor_parallel(text_model, capsys):
     assert capsys.readouterr().out == single
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_tp2_speculation_gives_the_tp1_tokens(tiny_models, method):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_tp2_speculation_gives_the_tp1_tokens(tiny_models, text_model, tmp_path, method):
     """The speculate-or-plain choice travels in the plan, so every rank replays the same window; a
-    draft model is replicated on every rank (each drafts the same tokens from the same inputs)."""
-    path = tiny_models["llama_gqa_llama3"]
+    draft model or an EAGLE-3 head is replicated on every rank (each drafts the same tokens from the same
+    inputs: the target's hidden states are whole on every rank)."""
+    path = text_model if method == "eagle3" else tiny_models["llama_gqa_llama3"]
     bases = random_prompts(4, [3, 5, 8], seed=2)
     prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in bases]  # repetitive: drafts get accepted
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -162,6 +164,9 @@ def test_tp2_speculation_gives_the_tp1_tokens(tiny_models, method):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     if method == "draft_model":
         spec = {"method": "draft_model", "model": tiny_models["qwen2_tied"], "num_speculative_tokens": 3}
+    if method == "eagle3":
+        head = random_eagle3_head(str(tmp_path / "head"), text_model, draft_vocab_size=300, aux_layers=(0, 2, 3))
+        spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
     with LLM(path, tensor_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as tp2:
         assert outputs(tp2, prompts, params) == want
         assert tp2.stats()["spec_windows"] > 0

@@ -141,6 +141,35 @@ def test_one_call_verify_equals_the_eager_verify(tiny_models, panels, dtype):
         torch.testing.assert_close(f.float(), e.float(), **tol)
 
 
+def test_one_call_returns_the_hidden_states_an_eagle3_head_reads(tiny_models, panels):
+    """forward_aux through the one call (the layers between the stops in one call each): the eager forward's
+    hidden states entering each stop layer, and its final hidden states."""
+    path = tiny_models["llama_gqa_llama3"]
+    cfg = load_model_config(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 256)
+    ids, starts = torch.tensor([[5, 9, 100], [7, 7, 300]]), torch.tensor([6, 22])
+    results = []
+    for layers in (model.cpu_decode, None):
+        model.cpu_decode = layers
+        caches, backend = _random_cache(model, cfg, torch.float32, 6)
+        rows, queries = ids.shape
+        table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
+        positions = starts[:, None] + torch.arange(queries)
+        slots = table.gather(1, positions // PAGE).long() * PAGE + positions % PAGE
+        kv_lens = (starts + queries).to(torch.int32)
+        meta = VerifyMetadata(block_table=table, query_positions=positions, slot_mapping=slots.reshape(-1),
+                              live=torch.ones(rows, dtype=torch.bool), kv_lens=kv_lens, context_lens=kv_lens)
+        with torch.inference_mode():
+            results.append(model.forward_aux(ids.reshape(-1), positions.reshape(-1),
+                                             ForwardContext(backend, verify=meta), (0, 1)))
+        if layers is not None:
+            assert panels == [6, 6]  # two calls: layer 0 (after the stop at 0), then layer 1
+    (fast, fast_aux), (eager, eager_aux) = results
+    assert fast_aux.shape == (6, 2 * cfg.hidden_size)
+    torch.testing.assert_close(fast_aux, eager_aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_windows_verify_through_one_call(tiny_models, panels, method):
     """Verify forwards (and a draft model's forwards) of up to the driver's rows take the one call; the

@@ -1,0 +1,143 @@
+"""EAGLE-3 drafting (`speculative_config={"method": "eagle3", "model": DIR}`): a one-layer head over the
+target's own hidden states (models/eagle3.py), inside the window.
+
+State, per row, kept true at every window boundary (row p: the position of the row's next input):
+
+* the head's K/V (its own one-layer cache, the target pool's geometry: a row's block table indexes it, its
+  pages are freed, shared, copied and rebuilt with the row's) holds, at every position i < p, what the head
+  computes from the target's hidden states at i and the token at i + 1;
+* `prenorm` [B_max, H]: the head's output at position p - 1 (before its final norm), from which the first
+  draft of the row's next round is read.
+
+How each part keeps it:
+
+* prefill (`prefill`, `start_rows`): the target's prefill forward returns its hidden states; the head runs
+  over the chunk's positions with the tokens one ahead (the prompt's; a non-final chunk's last position
+  reads the first token of the next chunk). The prompt's last position needs the sampled first token,
+  which differs per row when n > 1: after sampling (and the page copies of n > 1 forks) each row runs it
+  alone, in its own pages, and sets its `prenorm`.
+* a speculative round (`Eagle3Drafter.__call__`, `accepted`): draft 1 from `prenorm`; drafts 2..d from d - 1
+  one-query steps at p .. p + d - 2 that read the head's own prenorm output in place of the target's hidden
+  state (EAGLE's drafting; their K/V is rewritten below). After the verify, one forward of d + 1 queries at
+  p .. p + d over the verify's hidden states and the tokens the verify sampled rewrites the head's K/V there
+  (exact up to the accepted p + n; later positions are rewritten before any query reads them: attention
+  never reads past a query's own position) and takes `prenorm` from the query at p + n.
+* a plain decode step (`follow`): one head query at p over the step's hidden states and the token it
+  sampled. Windows that run plain (the policy's choice, penalties) keep the head current for the cost of a
+  one-layer decode step; nothing catches up later.
+
+The K/V at a shared page's last position was computed with its first owner's next token (prefix-cache hits,
+n > 1 forks of a prompt that fills its last page): that can lower acceptance; it never changes output,
+which is always the target's (speculative.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
+from ..attention.kv_cache import allocate_kv_caches, copy_page
+from ..attention.metadata import DecodeMetadata
+from ..models.eagle3 import load_eagle3_head
+from .drafters import Drafter, DraftSampling, one_query
+from .sampler import SamplerVariant
+from .speculative import verify_metadata
+
+
+class Eagle3:
+    def __init__(self, config, target, device: torch.device):
+        eagle = config.eagle3_config
+        cfg = eagle.model
+        dtype = config.torch_dtype
+        self.aux_layers = eagle.aux_layers
+        self.head = load_eagle3_head(config.draft_model, eagle, dtype, device, config.max_model_len)
+        self.embed = self.head.embed if eagle.own_embedding else target.embed
+        self.kv_caches = allocate_kv_caches(1, config.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                            dtype, device)
+        self.backend = TorchAttentionBackend(self.kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                             specs=self.head.attention_specs)
+        self.prenorm = torch.zeros(config.max_batch_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.page_size = config.page_size
+
+    @property
+    def model(self):
+        return self.head
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The head at `positions` [T] reading `tokens` [T] (each position's next token) and `hidden` [T, H]."""
+        return self.head(self.embed(tokens), hidden, positions, ctx)
+
+    def drafter(self, sampler) -> Eagle3Drafter:
+        return Eagle3Drafter(self, sampler)
+
+    def prefill(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata) -> None:
+        """The head's K/V over a prefill's chunks: `tokens` [T] the token after each position."""
+        self.backend.plan_prefill(meta)
+        self.step(tokens, self.head.fc(aux), positions, ForwardContext(self.backend, prefill=meta))
+
+    def start_rows(self, state, rows: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor) -> None:
+        """Rows whose prefill sampled their first token (state.input_ids, at positions + 1): the head at each
+        row's last prompt position, in its own pages, from the target's hidden states there (aux [R, 3H])."""
+        page_size = self.page_size
+        table = state.block_table[rows]
+        page = table.gather(1, torch.div(positions, page_size, rounding_mode="floor")[:, None])[:, 0]
+        count = rows.shape[0]
+        meta = DecodeMetadata(
+            seq_lens=(positions + 1).to(torch.int32), block_table=table,
+            slot_mapping=page.to(torch.int64) * page_size + positions % page_size,
+            kv_indptr=state.kv_indptr[: count + 1], kv_indices=state.kv_indices[: count * state.max_pages],
+            kv_last_page_len=state.kv_last_page_len[:count])
+        out = self.step(state.input_ids[rows], self.head.fc(aux), positions, ForwardContext(self.backend, decode=meta))
+        self.prenorm[rows] = out
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_page(self.kv_caches, src, dst)
+
+    def window_tensors(self) -> dict[str, torch.Tensor | None]:
+        return {"prenorm": self.prenorm}
+
+
+class Eagle3Drafter(Drafter):
+    reads_hidden = True
+
+    def __init__(self, eagle: Eagle3, sampler):
+        self.eagle = eagle
+        self.sampler = sampler
+
+    def __call__(self, state, bucket: int, live, history, variant: SamplerVariant, kv_width: int, page_size: int):
+        eagle = self.eagle
+        d = state.spec_tokens
+        position = state.positions[:bucket]
+        sample = DraftSampling(self.sampler, state, bucket, variant)
+        hidden = eagle.prenorm[:bucket]  # the head's output at p - 1
+        drafts = []
+        for j in range(d):
+            draft = sample(eagle.head.logits(hidden), j)  # the token at p + j + 1
+            drafts.append(draft)
+            if j + 1 < d:  # the head at p + j, reading that draft and its own output before it
+                start = position + j
+                meta = verify_metadata(state, bucket, 1, page_size, kv_width, live, start=start)
+                if state.bounds is not None:
+                    state.bounds.verify(state, bucket, meta, start=start)
+                ctx = ForwardContext(eagle.backend, decode=one_query(meta, state, bucket))
+                hidden = eagle.step(draft, hidden, meta.query_positions[:, 0], ctx)
+        return torch.stack(drafts, dim=1), torch.full_like(position, d)
+
+    def accepted(self, state, bucket: int, meta, hidden: torch.Tensor, sampled: torch.Tensor,
+                 emit: torch.Tensor) -> None:
+        eagle = self.eagle
+        queries = sampled.shape[1]
+        out = eagle.step(sampled.reshape(-1), eagle.head.fc(hidden), meta.query_positions.reshape(-1),
+                         ForwardContext(eagle.backend, verify=meta))
+        out = out.view(bucket, queries, -1)
+        last = out.gather(1, (emit - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[2]))[:, 0]
+        prenorm = eagle.prenorm[:bucket]
+        prenorm.copy_(torch.where((emit > 0)[:, None], last, prenorm))
+
+    def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
+               live: torch.Tensor) -> None:
+        eagle = self.eagle
+        out = eagle.step(tokens, eagle.head.fc(hidden), state.positions[:bucket],
+                         ForwardContext(eagle.backend, decode=meta))
+        prenorm = eagle.prenorm[:bucket]
+        prenorm.copy_(torch.where(live[:, None], out, prenorm))
