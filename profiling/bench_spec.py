@@ -6,15 +6,16 @@ SmolLM2-135M-Instruct (default; --model for another), chat template, batch 1 and
   a code block);
 * open-ended: nothing to copy (n-gram drafts find nothing: the host should fall back to
   plain windows; a draft model still drafts).
-Methods (--methods): ngram, and draft_model with --draft-model DIR (or --distilled-layers L:
-the draft profiling/distil_draft.py distils for the target, built once and cached). At each
+Methods (--methods): ngram, draft_model with --draft-model DIR (or --distilled-layers L:
+the draft profiling/distil_draft.py distils for the target, built once and cached), and eagle3
+with --eagle3-head DIR (or, without it, the head profiling/distil_eagle3.py distils, cached). At each
 temperature (--temperatures; above 0 seeded). Per (method, set, temperature, batch): decode
 tokens/s with and without speculation, accepted drafts per verify, the share of windows that
 speculated, and the ratio; the outputs must be identical (speculation changes speed, never
 tokens).
 
     python profiling/bench_spec.py --out profiling/out/bench_spec
-    python profiling/bench_spec.py --methods ngram,draft_model --distilled-layers 4 \
+    python profiling/bench_spec.py --methods ngram,draft_model,eagle3 --distilled-layers 4 \
         --batches 1,4,16 --temperatures 0,0.7 --threads 2
 """
 
@@ -107,11 +108,14 @@ def main(argv=None) -> dict:
     p.add_argument("-d", type=int, default=8, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating); the fastest kept")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft_model")
+    p.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft_model, eagle3")
     p.add_argument("--draft-model", default=None, help="the draft_model method's checkpoint directory")
     p.add_argument("--distilled-layers", type=int, default=None,
                    help="draft_model: the draft distil_draft.py builds with this many layers (cached)")
     p.add_argument("--distil-minutes", type=float, default=20.0)
+    p.add_argument("--eagle3-head", default=None,
+                   help="eagle3: the head's directory (default: distil_eagle3.py's for the target, cached)")
+    p.add_argument("--eagle3-d", type=int, default=None, help="eagle3's num_speculative_tokens (default: -d)")
     p.add_argument("--temperatures", default="0", help="comma-separated; above 0 seeded")
     add_compile_arg(p)
     p.add_argument("--out", default="profiling/out/bench_spec")
@@ -133,9 +137,14 @@ def main(argv=None) -> dict:
         if args.distilled_layers is None:
             raise SystemExit("--methods draft_model needs --draft-model DIR or --distilled-layers L")
         args.draft_model = _distilled(args)
+    if "eagle3" in methods and args.eagle3_head is None:
+        args.eagle3_head, _ = _sibling("distil_eagle3").distilled_head(args.model, args.distil_minutes,
+                                                                       threads=args.threads)
     plain = LLM(args.model, **common)
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.d},
-               "draft_model": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.d}}
+               "draft_model": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.d},
+               "eagle3": {"method": "eagle3", "model": args.eagle3_head,
+                          "num_speculative_tokens": args.eagle3_d or args.d}}
     engines = {m: LLM(args.model, speculative_config=configs[m], **common) for m in methods}
     temperatures = [float(t) for t in args.temperatures.split(",")]
     result = {"bench": "speculative", "model": os.path.basename(os.path.normpath(args.model)), "args": vars(args),
@@ -174,15 +183,21 @@ def main(argv=None) -> dict:
     return result
 
 
-def _distilled(args) -> str:
-    """distil_draft.py's draft for the target (built once: --distil-minutes of training on the CPU)."""
+def _sibling(name: str):
+    """A script beside this one, as a module."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distil_draft.py")
-    spec = importlib.util.spec_from_file_location("distil_draft", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    draft, _ = module.distilled_draft(args.model, args.distilled_layers, args.distil_minutes, threads=args.threads)
+    return module
+
+
+def _distilled(args) -> str:
+    """distil_draft.py's draft for the target (built once: --distil-minutes of training on the CPU)."""
+    draft, _ = _sibling("distil_draft").distilled_draft(args.model, args.distilled_layers, args.distil_minutes,
+                                                        threads=args.threads)
     return draft
 
 

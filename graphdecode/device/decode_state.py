@@ -30,7 +30,7 @@ from .features.speculation import SpeculationRows
 from .sampler import SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "done")
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "seeded", "done")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p")
 
 
@@ -67,6 +67,7 @@ class DecodeState:
         self.top_k = buf(rows, dtype=torch.int32)
         self.min_p = buf(rows, dtype=torch.float32)
         self.seed = buf(rows, dtype=torch.int64)
+        self.seeded = buf(rows, dtype=torch.bool)  # [B_max]: the request gave its seed (speculative.py: exact match)
         # outputs
         self.out_tokens = buf(rows, width, dtype=torch.int64)  # [B_max, 1 + k (d + 1)]
         self.out_count = buf(rows, dtype=torch.int32)  # [B_max]: window tokens written (columns 1..count)
@@ -75,7 +76,7 @@ class DecodeState:
         self.constraints = Constraints(rows, structured_max_states, structured_max_exceptions, vocab_size, device)
         self.logprobs = LogprobColumns(rows, width, max_logprobs, device)
         self.spec_tokens = spec_tokens
-        self.speculation = SpeculationRows(rows, history_len, device) if spec_tokens else None
+        self.speculation = SpeculationRows(rows, history_len, device, spec_tokens) if spec_tokens else None
         self.features = tuple(f for f in (self.penalties, self.constraints, self.speculation) if f is not None)
         self.bounds = None  # BoundsCheck in the bounds-checked mode (device/bounds.py)
 

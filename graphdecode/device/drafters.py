@@ -1,8 +1,9 @@
 """Where a speculative window's drafts come from, once per verify round inside the window.
 
 A drafter is called as `drafter(state, bucket, live, history, variant, kv_width, page_size)` and
-returns (drafts [B, d] int64, counts [B] int64 in 0..d; speculative_window zeroes the counts of rows
-that are not live). It runs
+returns (drafts [B, d] int64, counts [B] int64 in 0..d (speculative_window zeroes the counts of rows
+that are not live), proposal [B, d, V] float32 or None: the distribution each draft was sampled from, for
+rejection sampling (rejection.py); model drafters give it in sampled windows). It runs
 on the device with static shapes and no host sync, so it is captured with the window.
 
 Drafters that read the target's hidden states (EAGLE-3, eagle3.py) set `reads_hidden`: the window's
@@ -33,7 +34,7 @@ import torch
 from ..attention.backend import ForwardContext
 from ..attention.metadata import DecodeMetadata
 from .features.constraints import ConstraintRows
-from .sampler import SamplerVariant
+from .sampler import SamplerMode, SamplerVariant
 from .speculative import verify_metadata
 
 
@@ -95,7 +96,8 @@ class NgramDrafter(Drafter):
 
     def __call__(self, state, bucket: int, live, history, variant: SamplerVariant, kv_width: int, page_size: int):
         position = state.positions[:bucket]
-        return ngram_drafts(history, position + 1, state.spec_tokens, self.lookup_max, self.lookup_min)
+        drafts, counts = ngram_drafts(history, position + 1, state.spec_tokens, self.lookup_max, self.lookup_min)
+        return drafts, counts, None
 
 
 def one_query(meta, state, bucket: int) -> DecodeMetadata:
@@ -136,7 +138,7 @@ class ModelDrafter(Drafter):
             draft = sample(logits.view(bucket, queries, -1)[:, -1], j)  # the query at p + j
             drafts.append(draft)
             tokens, start, queries = draft[:, None], position + j + 1, 1
-        return torch.stack(drafts, dim=1), torch.full_like(position, d)
+        return torch.stack(drafts, dim=1), torch.full_like(position, d), sample.proposal()
 
 
 class DraftSampling:
@@ -153,13 +155,22 @@ class DraftSampling:
         self.tables = constraints.tables if variant.structured else None
         if self.tables is not None:
             self.constrained, self.walked = constraints.constrained[:bucket], constraints.struct_state[:bucket]
+        self.proposals: list[torch.Tensor] = []
+
+    def proposal(self) -> torch.Tensor | None:
+        """[B, d, V]: each draft's distribution (sampled windows), else None."""
+        return torch.stack(self.proposals, dim=1) if self.proposals else None
 
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         """logits [B, V] of draft j -> draft [B] int64."""
         tables = self.tables
         if tables is not None:  # masked by the state the drafts before it lead to
             self.params.constraint = ConstraintRows(self.constrained, **tables.row_inputs(self.walked))
-        draft, _ = self.sampler(logits, self.params, self.position + j + 1, self.variant)
+        position = self.position + j + 1
+        prepared = self.sampler.prepare(logits, self.params, position, self.variant)
+        draft = self.sampler.draw(prepared, self.params, position, self.variant)
+        if self.variant.mode != SamplerMode.GREEDY:  # what the draft was sampled from
+            self.proposals.append(torch.softmax(prepared.processed, dim=-1))
         if tables is not None:
             moved = tables.advance(self.walked, draft)
             self.walked = torch.where(moved >= 0, moved.to(torch.int32), self.walked)

@@ -121,7 +121,7 @@ class Eagle3Drafter(Drafter):
                     state.bounds.verify(state, bucket, meta, start=start)
                 ctx = ForwardContext(eagle.backend, decode=one_query(meta, state, bucket))
                 hidden = eagle.step(draft, hidden, meta.query_positions[:, 0], ctx)
-        return torch.stack(drafts, dim=1), torch.full_like(position, d)
+        return torch.stack(drafts, dim=1), torch.full_like(position, d), sample.proposal()
 
     def accepted(self, state, bucket: int, meta, hidden: torch.Tensor, sampled: torch.Tensor,
                  emit: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ class WindowResult:
     lp_top_ids: np.ndarray | None = None  # [bucket, width, N] int64
     lp_top: np.ndarray | None = None  # [bucket, width, N] float32
     spec: np.ndarray | None = None  # [3, bucket] int32 after a speculative window: drafted, accepted, rounds
+    spec_positions: np.ndarray | None = None  # [d] int64: ... drafts accepted at each draft position
     window_seconds: float | None = None  # the decode window's own time, when one ran
 
 
@@ -126,6 +127,7 @@ class Pythonizer:
             )
         if pending.speculative:
             result.spec = np.stack([slot[name][:b].numpy() for name in self._SPEC])
+            result.spec_positions = slot["spec_accepted_pos"][:b].numpy().sum(axis=0)
         if pending.timed:
             if self.cuda:
                 start, end = self._timing[pending.slot]

@@ -82,6 +82,7 @@ class RowStaging:
         ints[_COL["min_len"]] = start.min_len
         ints[_COL["top_k"]] = params.top_k if params.top_k > 0 else 0
         ints[_COL["seed"]] = start.seed
+        ints[_COL["seeded"]] = start.params.seed is not None
         ints[_COL["done"]] = 0
         ints[len(INT_COLUMNS) :] = -1
         ints[len(INT_COLUMNS) : len(INT_COLUMNS) + len(start.stop_ids)] = start.stop_ids

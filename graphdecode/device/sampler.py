@@ -130,6 +130,15 @@ class SamplingRows:
 
 
 @dataclass
+class Prepared:
+    """One sampling step's logits before the noise."""
+
+    raw: torch.Tensor | None  # [R, V]: raw logprobs or logits, where logprobs_mode reports them
+    processed: torch.Tensor  # [R, V]: masked, penalised, tempered and filtered (GREEDY: not tempered)
+    greedy: torch.Tensor  # [R] int64: the argmax before temperature
+
+
+@dataclass
 class LogprobsOut:
     sampled: torch.Tensor  # [R] float32: logprob of the sampled token
     rank: torch.Tensor  # [R] int64: 1-based rank of the sampled token
@@ -204,6 +213,12 @@ class Sampler:
 
         Returns (tokens [R] int64, LogprobsOut | None).
         """
+        prepared = self.prepare(logits, rows, next_pos, variant)
+        tokens = self.draw(prepared, rows, next_pos, variant)
+        return tokens, self.logprobs(prepared, tokens, variant)
+
+    def prepare(self, logits, rows: SamplingRows, next_pos, variant: SamplerVariant) -> Prepared:
+        """Steps 0-5 up to the noise: the processed logits (tempered and filtered unless GREEDY)."""
         raw = None
         if variant.num_logprobs and self.logprobs_mode.startswith("raw"):
             raw = torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
@@ -215,25 +230,35 @@ class Sampler:
             _mask_stop_ids_(logits, rows, next_pos)
         greedy = logits.argmax(dim=-1)
         if variant.mode == SamplerMode.GREEDY:
-            tokens, processed = greedy, logits
-        else:
-            temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
-            processed = logits / temperature[:, None]
-            if variant.mode == SamplerMode.FILTERED:
-                processed = _filter(processed, rows)
-            u = uniform_noise(rows.seed, next_pos, self.vocab_keys)
-            gumbel = -torch.log(-torch.log(u))
-            sampled = (processed + gumbel).argmax(dim=-1)
-            tokens = torch.where(rows.temperature > 0, sampled, greedy)
+            return Prepared(raw, logits, greedy)
+        temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
+        processed = logits / temperature[:, None]
+        if variant.mode == SamplerMode.FILTERED:
+            processed = _filter(processed, rows)
+        return Prepared(raw, processed, greedy)
+
+    def draw(self, prepared: Prepared, rows: SamplingRows, next_pos, variant: SamplerVariant) -> torch.Tensor:
+        """Gumbel-max over the processed logits with the (seed, position)-keyed noise; greedy rows' argmax."""
+        if variant.mode == SamplerMode.GREEDY:
+            return prepared.greedy
+        sampled = (prepared.processed + self.gumbel(rows.seed, next_pos)).argmax(dim=-1)
+        return torch.where(rows.temperature > 0, sampled, prepared.greedy)
+
+    def gumbel(self, seed: torch.Tensor, next_pos: torch.Tensor) -> torch.Tensor:
+        """[R, V] Gumbel noise keyed by (seed, position, token)."""
+        return -torch.log(-torch.log(uniform_noise(seed, next_pos, self.vocab_keys)))
+
+    def logprobs(self, prepared: Prepared, tokens, variant: SamplerVariant) -> LogprobsOut | None:
+        """What logprobs_mode reports for `tokens` [R] and the top entries (None without logprobs)."""
         if not variant.num_logprobs:
-            return tokens, None
-        if raw is not None:
-            values = raw
+            return None
+        if prepared.raw is not None:
+            values = prepared.raw
         elif self.logprobs_mode == "processed_logprobs":
-            values = torch.log_softmax(processed, dim=-1)
+            values = torch.log_softmax(prepared.processed, dim=-1)
         else:
-            values = processed
-        return tokens, _logprobs_out(values, tokens, variant.num_logprobs)
+            values = prepared.processed
+        return _logprobs_out(values, tokens, variant.num_logprobs)
 
 
 def _logprobs_out(values, tokens, num: int) -> LogprobsOut:

@@ -39,6 +39,7 @@ from ..attention.backend import AttentionBackend, ForwardContext
 from ..attention.metadata import VerifyMetadata
 from .decode_state import DecodeState
 from .features.constraints import ConstraintRows
+from .rejection import rejection_sample
 from .sampler import Sampler, SamplerVariant
 
 
@@ -85,7 +86,7 @@ def speculative_window(
     page_size: int,
     variant: SamplerVariant,
     kv_width: int,
-    drafter,  # drafters.py: (state, bucket, live, history, variant, kv_width, page_size) -> drafts, counts
+    drafter,  # drafters.py: (state, bucket, live, history, variant, kv_width, page_size) -> drafts, counts, q
 ) -> None:
     rows = slice(0, bucket)
     d = state.spec_tokens
@@ -102,14 +103,16 @@ def speculative_window(
     count = torch.zeros(bucket, dtype=torch.int64, device=device)
     drafted = torch.zeros(bucket, dtype=torch.int32, device=device)
     accepted = torch.zeros(bucket, dtype=torch.int32, device=device)
+    accepted_pos = torch.zeros(bucket, d, dtype=torch.int32, device=device)
     rounds = torch.zeros(bucket, dtype=torch.int32, device=device)
     speculation = state.speculation
     history = speculation.history[rows]
     max_len = state.max_len[rows].to(torch.int64)  # [B]
+    rejecting = (state.temperature[rows] > 0) & ~state.seeded[rows]  # [B]: rows whose drafts are rejection-sampled
     for _ in range(num_decode_steps):
         live = ~state.done[rows]
         position = state.positions[rows]  # [B]: where each row's next input sits
-        drafts, num_drafts = drafter(state, bucket, live, history, variant, kv_width, page_size)
+        drafts, num_drafts, proposal = drafter(state, bucket, live, history, variant, kv_width, page_size)
         num_drafts = torch.where(live, num_drafts, 0)
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
@@ -130,8 +133,13 @@ def speculative_window(
             position_states = torch.stack(walk, dim=1)  # [B, Q]
             flat = position_states.reshape(-1)
             params.constraint = ConstraintRows(flat_constrained, **tables.row_inputs(flat))
-        sampled, logprobs = sampler(logits, params, next_pos, variant)
-        sampled = sampled.view(bucket, queries)
+        prepared = sampler.prepare(logits, params, next_pos, variant)
+        sampled = sampler.draw(prepared, params, next_pos, variant).view(bucket, queries)
+        if proposal is not None:  # unseeded sampled rows: rejection sampling (rejection.py)
+            rejected = rejection_sample(sampler, prepared, params.seed.view(bucket, queries),
+                                        next_pos.view(bucket, queries), drafts, proposal, sampled)
+            sampled = torch.where(rejecting[:, None], rejected, sampled)
+        logprobs = sampler.logprobs(prepared, sampled.reshape(-1), variant)
         # accept drafts while each equals the token sampled at its position
         agree = (drafts == sampled[:, :d]) & (offsets[None, :d] < num_drafts[:, None])
         num_accepted = agree.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
@@ -169,7 +177,9 @@ def speculative_window(
         state.done[rows] |= live & stopping.any(dim=1)
         count += emit
         drafted += num_drafts.to(torch.int32)
-        accepted += torch.minimum(num_accepted, emit - 1).clamp(min=0).to(torch.int32)
+        kept = torch.minimum(num_accepted, emit - 1).clamp(min=0)  # [B]: drafts this round emitted
+        accepted += kept.to(torch.int32)
+        accepted_pos += (offsets[None, :d] < kept[:, None]).to(torch.int32)
         rounds += live.to(torch.int32)
     # slot mapping (and the CSR where the backend reads it): for what comes next
     state.advance(bucket, state.input_ids[rows], page_size, advance=False, csr=backend.needs_csr)
@@ -177,4 +187,5 @@ def speculative_window(
     speculation.spec_drafted[rows] = drafted
     speculation.spec_accepted[rows] = accepted
     speculation.spec_rounds[rows] = rounds
+    speculation.spec_accepted_pos[rows] = accepted_pos
 

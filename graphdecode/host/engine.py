@@ -78,6 +78,7 @@ class EngineStats:
     spec_verifies: int = 0  # row-rounds of draft + verify
     spec_draft_tokens: int = 0  # drafts proposed
     spec_accepted_tokens: int = 0  # drafts accepted (emitted as plain decoding would have sampled them)
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [d]: ... at each draft position
 
 
 class Engine:
@@ -218,13 +219,17 @@ class Engine:
         if decode and plan.window.speculative and not pending.speculative:
             self.spec_policy.withdraw()  # it ran plain (penalty rows): no report will come
         if result.spec is not None:
-            self._account_speculation(result.spec)
+            self._account_speculation(result.spec, result.spec_positions)
         self.scheduler.cache_decoded(changed)
         return changed
 
-    def _account_speculation(self, spec) -> None:
+    def _account_speculation(self, spec, positions) -> None:
         drafted, accepted, rounds = (int(x) for x in spec.sum(axis=1))
         s = self._stats
+        if not s.spec_accepted_per_position:
+            s.spec_accepted_per_position = [0] * len(positions)
+        for j, count in enumerate(positions):
+            s.spec_accepted_per_position[j] += int(count)
         s.spec_windows += 1
         s.spec_draft_tokens += drafted
         s.spec_accepted_tokens += accepted
@@ -282,6 +287,7 @@ class Engine:
             "spec_verifies": s.spec_verifies,
             "spec_draft_tokens": s.spec_draft_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_accepted_per_position": tuple(s.spec_accepted_per_position),
         }
 
     def stats(self) -> dict:

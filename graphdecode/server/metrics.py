@@ -109,6 +109,12 @@ class _EngineCollector:
 
         for key, name, kind, doc in _ENGINE_METRICS:
             yield family(kind, name, doc, 0 if dead and kind == "gauge" else load.get(key, 0))
+        per_position = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "draft tokens "
+                                           "accepted at each draft position (0: the first draft of a round)",
+                                           labels=[*labels, "position"])
+        for position, count in enumerate(load.get("spec_accepted_per_position", ())):
+            per_position.add_metric([*values, str(position)], count)
+        yield per_position
         pages = 0 if dead else load.get("kv_pages", 0)
         yield family("gauge", "kv_cache_usage_perc", "fraction of KV pages held by sequences (0 to 1; cached "
                      "pages nobody holds count as free)", load.get("kv_pages_in_use", 0) / pages if pages else 0.0)

@@ -170,7 +170,8 @@ def test_inter_token_latency_is_per_token():
 
 
 def test_speculation_counts_under_vllms_spec_decode_names(tiny_models):
-    """The engine's speculative counters as vLLM's spec_decode family: rounds, drafts, accepted drafts."""
+    """The engine's speculative counters as vLLM's spec_decode family: rounds, drafts, accepted drafts, and
+    accepted drafts per draft position."""
     from graphdecode import LLM, SamplingParams
     from tests.helpers import SMALL_ENGINE, random_prompts
 
@@ -185,6 +186,12 @@ def test_speculation_counts_under_vllms_spec_decode_names(tiny_models):
     assert values[f"{P}spec_decode_num_drafts_total"] == stats["spec_verifies"] > 0
     assert values[f"{P}spec_decode_num_draft_tokens_total"] == stats["spec_draft_tokens"]
     assert values[f"{P}spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"] > 0
+    # per draft position: they sum to the accepted drafts, and a later position never accepts more
+    samples = {s.labels["position"]: s.value for f in text_string_to_metric_families(m.exposition()[0].decode())
+               for s in f.samples if s.name == f"{P}spec_decode_num_accepted_tokens_per_pos_total"}
+    per_position = [samples[str(j)] for j in range(3)]
+    assert per_position == list(stats["spec_accepted_per_position"])
+    assert sum(per_position) == stats["spec_accepted_tokens"] and per_position == sorted(per_position, reverse=True)
 
 
 @pytest.mark.parametrize("prefix", ["9lives:", "vllm-", "my prefix"])

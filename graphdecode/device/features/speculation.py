@@ -6,7 +6,8 @@ in) and the draft counts of its last window.
   window, plain or speculative, as tokens are sampled;
 * `spec_drafted`, `spec_accepted`, `spec_rounds` [B_max] int32: drafts proposed and
   accepted, and verify rounds the row was live in, in the last speculative window (copied
-  out with its tokens).
+  out with its tokens); `spec_accepted_pos` [B_max, d] int32: of those, the drafts accepted
+  at each draft position (vLLM's per-position acceptance).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from . import RowFeature, buffer
 
 
 class SpeculationRows(RowFeature):
-    def __init__(self, rows: int, history_len: int, device):
+    def __init__(self, rows: int, history_len: int, device, spec_tokens: int = 1):
         super().__init__(device)
         self.history = buffer(rows, history_len, dtype=torch.int64, device=device)
+        self.spec_accepted_pos = buffer(rows, spec_tokens, dtype=torch.int32, device=device)
         self.spec_drafted = buffer(rows, dtype=torch.int32, device=device)
         self.spec_accepted = buffer(rows, dtype=torch.int32, device=device)
         self.spec_rounds = buffer(rows, dtype=torch.int32, device=device)
@@ -28,7 +30,7 @@ class SpeculationRows(RowFeature):
 
     def counters(self) -> dict[str, torch.Tensor]:
         return {"spec_drafted": self.spec_drafted, "spec_accepted": self.spec_accepted,
-                "spec_rounds": self.spec_rounds}
+                "spec_rounds": self.spec_rounds, "spec_accepted_pos": self.spec_accepted_pos}
 
     def add_row(self, start) -> None:
         self._pending[start.row] = np.asarray(start.token_ids, dtype=np.int64)

@@ -1,0 +1,308 @@
+"""Distil an EAGLE-3 head for a target on CPU, from the target's own generations.
+
+The head (models/eagle3.py's format: `fc` over the target's hidden states entering layers (2, L // 2, L - 3),
+one decoder layer over [normed token embedding | normed fused hidden state], a reduced draft vocabulary)
+learns the target's greedy next-next token: at position i it reads the target's hidden states at i and the
+token at i + 1, and is trained to predict the target's argmax at i + 1. Training unrolls the drafting the
+engine does (EAGLE-3's training-time test): at depth s > 1 the hidden state a query reads is the head's own
+output one position back at depth s - 1, and it attends the exact (depth-1) K/V up to s - 1 positions back
+and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/eagle3.py).
+
+Data: distil_draft.py's synthetic chat prompts, answered by the target (greedy and T=0.7) through the engine;
+the target's hidden states and argmax tokens from transformers. The draft vocabulary is the
+--draft-vocab most frequent argmax tokens. The head embeds with the target's embedding; its LM head starts
+from the target's rows, `fc` from passing the last hidden state through. AdamW for --minutes. Saved under
+the cache directory (eagle3/<target>-<hash>) and reused; then the acceptance on held-out prompts (greedy,
+through the engine with `speculative_config={"method": "eagle3", ...}`, speculating every window).
+
+    python profiling/distil_eagle3.py --minutes 20 --threads 2 --out profiling/out/distil_eagle3
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _sibling(name: str):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+distil_draft = _sibling("distil_draft")
+
+
+def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, ...]) -> list[dict]:
+    """Per sequence: ids [T], aux [T, 3H] (the hidden states entering the aux layers), argmax [T] (the target's
+    greedy next token at each position), and the prompt length."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for prompt, answer in tqdm(sequences, desc="target hidden states"):
+            ids = torch.tensor([prompt + answer])
+            result = model(ids, output_hidden_states=True)
+            aux = torch.cat([result.hidden_states[i][0] for i in aux_layers], dim=-1)
+            out.append({"ids": ids[0], "aux": aux.clone(), "argmax": result.logits[0].argmax(-1),
+                        "prompt": len(prompt)})
+    return out
+
+
+class TrainHead(torch.nn.Module):
+    """The head's math (models/eagle3.py) over whole sequences, with EAGLE-3's unrolled drafting depths."""
+
+    def __init__(self, cfg: dict, embed: torch.Tensor, draft_ids: torch.Tensor, eps: float):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads", heads)
+        self.dim = cfg.get("head_dim") or hidden // heads
+        self.heads, self.kv_heads, self.eps = heads, kv_heads, eps
+        inter = cfg["intermediate_size"]
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**cfg))
+        self.embed = embed  # frozen: the target's
+
+        def linear(out_features, in_features, std=0.02):
+            return torch.nn.Parameter(torch.randn(out_features, in_features) * std)
+
+        fc = torch.zeros(hidden, 3 * hidden)
+        fc[:, 2 * hidden:] = torch.eye(hidden)  # start by passing the last hidden state through
+        self.w = torch.nn.ParameterDict({name.replace(".", "__"): p for name, p in {
+            "fc.weight": torch.nn.Parameter(fc),
+            "midlayer.self_attn.q_proj.weight": linear(heads * self.dim, 2 * hidden),
+            "midlayer.self_attn.k_proj.weight": linear(kv_heads * self.dim, 2 * hidden),
+            "midlayer.self_attn.v_proj.weight": linear(kv_heads * self.dim, 2 * hidden),
+            "midlayer.self_attn.o_proj.weight": torch.nn.Parameter(torch.zeros(hidden, heads * self.dim)),
+            "midlayer.mlp.gate_proj.weight": linear(inter, hidden),
+            "midlayer.mlp.up_proj.weight": linear(inter, hidden),
+            "midlayer.mlp.down_proj.weight": torch.nn.Parameter(torch.zeros(hidden, inter)),
+            "midlayer.input_layernorm.weight": torch.nn.Parameter(torch.ones(hidden)),
+            "midlayer.hidden_norm.weight": torch.nn.Parameter(torch.ones(hidden)),
+            "midlayer.post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(hidden)),
+            "norm.weight": torch.nn.Parameter(torch.ones(hidden)),
+            "lm_head.weight": torch.nn.Parameter(embed[draft_ids].clone()),
+        }.items()})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name.replace("__", "."): p.detach() for name, p in self.w.items()}
+
+    def p(self, name: str) -> torch.Tensor:
+        return self.w[name.replace(".", "__")]
+
+    def rms(self, x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.p(name)
+
+    def forward(self, aux, next_ids, depths: int) -> list[torch.Tensor]:
+        """aux [B, T, 3H], next_ids [B, T] (the token after each position) -> logits [B, T, N] per depth."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        B, T, _ = aux.shape
+        w = self.p
+        embeds = self.rms(self.embed[next_ids], "midlayer.input_layernorm.weight")
+        hidden = aux @ w("fc.weight").T
+        cos, sin = self.rotary(hidden, torch.arange(T)[None].expand(B, T))
+        keys, values, logits = [], [], []
+        group = self.heads // self.kv_heads
+        scale = self.dim ** -0.5
+        causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]  # [T(query), T(key)]
+        out = hidden
+        for s in range(depths):
+            if s:  # the head's own output one position back, at the depth before
+                hidden = F.pad(out[:, :-1], (0, 0, 1, 0))
+            residual = hidden
+            x = torch.cat([embeds, self.rms(hidden, "midlayer.hidden_norm.weight")], dim=-1)
+            q = (x @ w("midlayer.self_attn.q_proj.weight").T).view(B, T, self.heads, self.dim).transpose(1, 2)
+            k = (x @ w("midlayer.self_attn.k_proj.weight").T).view(B, T, self.kv_heads, self.dim).transpose(1, 2)
+            v = (x @ w("midlayer.self_attn.v_proj.weight").T).view(B, T, self.kv_heads, self.dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, h, T, D]
+            keys.append(k)
+            values.append(v)
+            # depth-1 keys up to s positions back, then depth m's key s - m positions back (m = 1..s)
+            first = (q @ keys[0].transpose(-1, -2)) * scale
+            first = first.masked_fill(~causal.tril(-s), float("-inf"))
+            diagonal = [((q * F.pad(keys[m], (0, 0, s - m, 0))[:, :, :T]).sum(-1) * scale)[..., None]
+                        for m in range(1, s + 1)]
+            weights = torch.cat([first, *diagonal], dim=-1).softmax(-1)
+            attn = weights[..., :T] @ values[0]
+            for m in range(1, s + 1):
+                attn = attn + weights[..., T + m - 1 : T + m] * F.pad(values[m], (0, 0, s - m, 0))[:, :, :T]
+            attn = attn.transpose(1, 2).reshape(B, T, -1) @ w("midlayer.self_attn.o_proj.weight").T
+            residual = residual + attn
+            normed = self.rms(residual, "midlayer.post_attention_layernorm.weight")
+            mlp = (F.silu(normed @ w("midlayer.mlp.gate_proj.weight").T) * (normed @ w("midlayer.mlp.up_proj.weight").T))
+            out = residual + mlp @ w("midlayer.mlp.down_proj.weight").T
+            logits.append(self.rms(out, "norm.weight") @ w("lm_head.weight").T)
+        return logits
+
+
+def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minutes: float, batch: int, lr: float,
+          depths: int) -> dict:
+    from tqdm import tqdm
+
+    params = list(model.w.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    order = random.Random(1)
+    steps, losses, accuracy = 0, [], []
+    deadline = time.monotonic() + minutes * 60
+    with tqdm(total=int(minutes * 60), unit="s", desc="distilling the EAGLE-3 head") as bar:
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            chosen = order.sample(features, min(batch, len(features)))
+            width = max(len(f["ids"]) for f in chosen) - 1
+            aux = torch.zeros(len(chosen), width, chosen[0]["aux"].shape[1])
+            next_ids = torch.zeros(len(chosen), width, dtype=torch.long)
+            labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+            for b, f in enumerate(chosen):
+                n = len(f["ids"]) - 1
+                aux[b, :n] = f["aux"][:n]
+                next_ids[b, :n] = f["ids"][1:]
+                target = draft_of[f["argmax"][1:]]  # position i predicts the target's argmax at i + 1
+                first = max(f["prompt"] - 2, 0)  # the answer's tokens (and the one before it)
+                labels[b, first:n] = target[first:n]
+            for g in optimizer.param_groups:
+                g["lr"] = lr * min(1.0, (steps + 1) / 50)
+            outs = model(aux, next_ids, depths)
+            loss = 0.0
+            for s, logits in enumerate(outs):
+                lab = labels.clone()
+                lab[:, :s] = -100  # no s earlier positions to draft from
+                loss = loss + 0.8**s * F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            steps += 1
+            losses.append(loss.item())
+            with torch.no_grad():
+                valid = labels != -100
+                accuracy.append(float((outs[0].argmax(-1) == labels)[valid].float().mean()))
+            bar.n = min(int(time.monotonic() - started), bar.total)
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}",
+                            acc1=f"{sum(accuracy[-10:]) / len(accuracy[-10:]):.3f}", steps=steps)
+    return {"steps": steps, "first_loss": losses[0], "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+            "depth1_accuracy_last": sum(accuracy[-10:]) / len(accuracy[-10:])}
+
+
+def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_tokens: int = 160, batch: int = 8,
+                   lr: float = 1e-3, depths: int = 4, threads: int | None = None,
+                   eval_prompts: int | None = None, train_prompts: int | None = None) -> tuple[str, dict]:
+    """(the head's directory, its training report); built once per (target, settings)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from graphdecode.cache import cache_root
+    from graphdecode.config import _resolve_cpu_threads
+    from graphdecode.models.eagle3_checkpoint import head_config, save_eagle3_head
+    from graphdecode.models.model_config import load_model_config
+
+    threads = threads or _resolve_cpu_threads(None, 1)
+    held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
+    settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
+                f"{train_prompts}")
+    name = f"{os.path.basename(os.path.normpath(target))}-{minutes:g}min-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
+    path = os.path.join(cache_root(), "eagle3", name)
+    report_path = os.path.join(path, "distil_report.json")
+    if os.path.isfile(report_path):
+        return path, json.load(open(report_path))
+    torch.set_num_threads(threads)
+    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target))[held_out:][:train_prompts]
+    start = time.perf_counter()
+    # two answers per prompt: greedy and sampled (distil_draft alternates them by prompt)
+    sequences = distil_draft.target_sequences(target, prompts + prompts[1:] + prompts[:1], max_tokens, threads)
+    generate_s = time.perf_counter() - start
+    layers = load_model_config(target).decoder_layers
+    aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
+    if len(set(aux_layers)) < 3 or min(aux_layers) < 0:
+        aux_layers = (layers - 3, layers - 2, layers - 1)
+    start = time.perf_counter()
+    features = target_features(target, sequences, aux_layers)
+    features_s = time.perf_counter() - start
+    counts = torch.bincount(torch.cat([f["argmax"][f["prompt"]:] for f in features]),
+                            minlength=load_model_config(target).vocab_size)
+    draft_ids = counts.topk(draft_vocab).indices.sort().values
+    coverage = float(counts[draft_ids].sum() / counts.sum())
+    draft_of = torch.full((counts.numel(),), -100, dtype=torch.long)
+    draft_of[draft_ids] = torch.arange(draft_vocab)
+    config = head_config(target, draft_vocab_size=draft_vocab, aux_layers=aux_layers)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    embed = hf.model.embed_tokens.weight.detach().clone()
+    del hf
+    model = TrainHead(config, embed, draft_ids, config.get("rms_norm_eps", 1e-6))
+    report = train(features, model, draft_of, minutes, batch, lr, depths)
+    report.update(generate_seconds=generate_s, features_seconds=features_s, sequences=len(sequences),
+                  draft_vocab=draft_vocab, draft_vocab_coverage=coverage, aux_layers=list(aux_layers),
+                  minutes=minutes, depths=depths)
+    tmp = path + ".building"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_eagle3_head(tmp, config, model.tensors(), draft_ids)
+    json.dump(report, open(os.path.join(tmp, "distil_report.json"), "w"), indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path, report
+
+
+def acceptance(target: str, head: str, prompts: list[list[int]], d: int, max_tokens: int, threads: int) -> dict:
+    """Greedy through the engine with the head, speculating every window: drafts accepted per verify."""
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(target, max_model_len=1024, max_batch_size=64, cpu_threads=threads,
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": d})
+    llm.engine.spec_policy.speculate = lambda bucket: True  # measure the head, not the policy
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
+    s = llm.stats()
+    return {"accepted_per_verify": s["spec_accepted_tokens"] / max(s["spec_verifies"], 1),
+            "accepted_per_draft": s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="the target's directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--minutes", type=float, default=20.0, help="training time budget")
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=160, help="answer length the target generates per prompt")
+    p.add_argument("--depths", type=int, default=4, help="drafting depths unrolled in training")
+    p.add_argument("--train-prompts", type=int, default=None, help="at most this many training prompts (a smoke run)")
+    p.add_argument("-d", type=int, default=4, help="num_speculative_tokens for the acceptance report")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="profiling/out/distil_eagle3")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    if args.model is None:
+        from graphdecode.gguf_import import smollm2_dir
+
+        args.model = smollm2_dir()
+    head, report = distilled_head(args.model, args.minutes, draft_vocab=args.draft_vocab, max_tokens=args.max_tokens,
+                                  depths=args.depths, threads=args.threads, train_prompts=args.train_prompts)
+    eval_prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(args.model))[: distil_draft.EVAL_PROMPTS]
+    threads = args.threads or torch.get_num_threads()
+    result = {"bench": "distil_eagle3", "target": args.model, "head": head, "report": report,
+              "acceptance": acceptance(args.model, head, eval_prompts, args.d, 128, threads)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    json.dump(result, open(args.out + ".json", "w"), indent=1)
+    a = result["acceptance"]
+    print(f"EAGLE-3 head: {a['accepted_per_verify']:.2f} accepted per verify of {args.d}, "
+          f"{a['accepted_per_draft']:.1%} of drafts (training: {report})")
+    print(f"head: {head}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
