@@ -309,6 +309,38 @@ def test_gpu_draft_model_graphs_give_the_plain_tokens(model_dirs, recorder):
     recorder("draft_model_accepted_per_verify", stats["spec_mean_accepted_per_verify"])
 
 
+@pytest.mark.gpu
+@pytest.mark.extended
+def test_gpu_eagle3_graphs_give_the_plain_tokens(model_dirs, recorder, tmp_path):
+    """A random EAGLE-3 head (a reduced draft vocabulary) in the window's CUDA graphs beside FlashInfer's
+    verify, bf16, speculating every window: greedy and seeded tokens are plain decoding's; unseeded sampled
+    rows (rejection sampling inside the graph) run to their length with tokens inside the vocabulary."""
+    from graphdecode import LLM, SamplingParams
+    from graphdecode.models.eagle3_checkpoint import random_eagle3_head
+
+    require_flashinfer(GPU_D64.head_dim, torch.bfloat16)
+    path = model_dirs("d64")
+    head = random_eagle3_head(str(tmp_path / "head"), path, draft_vocab_size=1024, aux_layers=(1, 2, 3))
+    common = dict(ENGINE, device="cuda", max_batch_size=8, num_decode_steps=4, attention_backend="flashinfer",
+                  cuda_graphs=True, compile=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 30, 60, 5], GPU_D64.vocab_size, seed=13)]
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)]
+    plain = LLM(path, **common)
+    want = [[o.outputs[0].token_ids for o in plain.generate(prompts, c)] for c in cases]
+    del plain
+    free_memory()
+    spec = LLM(path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}, **common)
+    spec.engine.spec_policy.speculate = lambda bucket: True
+    assert [[o.outputs[0].token_ids for o in spec.generate(prompts, c)] for c in cases] == want
+    unseeded = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 24 and max(o.outputs[0].token_ids) < GPU_D64.vocab_size
+               for o in unseeded)
+    stats = spec.stats()
+    assert stats["spec_windows"] > 0 and stats["graphs_captured"] > 0
+    recorder("eagle3_accepted_per_verify", stats["spec_mean_accepted_per_verify"])
+
+
 def test_cpu_speculative_gives_the_plain_tokens(model_dirs, recorder):
     stats = check_speculative_equals_plain(model_dirs("cpu"), CPU_SMALL, "cpu", cuda_graphs=False)
     recorder("accepted_per_verify", stats["spec_mean_accepted_per_verify"])
