@@ -41,7 +41,8 @@ namespace {
 using namespace graphdecode_cpu;
 
 // One layer's entries in the caller's int64 table (pointers as integers), and in its float table.
-enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, WORDS };
+// SAVE: where x is copied before the layer runs (0: nowhere), [M, hidden]: the hidden states an EAGLE-3 head reads
+enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, WORDS };
 enum Real : int64_t { SCALE, SOFT_CAP, REALS };
 
 struct Dims {
@@ -103,6 +104,7 @@ int layers(const Dims& s, const int64_t* words, const float* reals, int64_t num_
   for (int64_t l = 0; l < num_layers && !err; ++l) {
     const int64_t* w = words + l * WORDS;
     const float* r = reals + l * REALS;
+    if (w[SAVE]) std::memcpy(reinterpret_cast<T*>(static_cast<intptr_t>(w[SAVE])), x, M * H * sizeof(T));
     err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
                                         s.threads);
     err |= graphdecode_cpu_panel_linear(normed, M, H, H, ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv, qkv_n,

@@ -257,6 +257,14 @@ class TorchAttentionBackend(AttentionBackend):
                      positions=query_positions.contiguous())
         return out
 
+    def write(self, layer, k, v, slot_mapping) -> None:
+        """Write K/V [T, H_kv, D] at slots [T] without attending (an EAGLE-3 head following a plain step)."""
+        kv = self.kv_caches[layer]
+        if self.kernels is not None and not torch.compiler.is_compiling():
+            self.kernels.write_kv(kv, k, v, slot_mapping)
+        else:
+            write_kv(kv, k, v, slot_mapping)
+
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
         if self.kernels is not None:
             args = (q, k, v, meta.slot_mapping, meta.seq_lens, meta.block_table)

@@ -78,6 +78,9 @@ def ngram_drafts(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
 class Drafter:
     reads_hidden = False  # the window's forward returns the target's hidden states for this drafter
 
+    def begin_window(self, state, bucket: int, live: torch.Tensor, kv_width: int, page_size: int) -> None:
+        """Before a speculative window's first round."""
+
     def accepted(self, state, bucket: int, meta, hidden: torch.Tensor, sampled: torch.Tensor,
                  emit: torch.Tensor) -> None:
         """After a verify (before the rows advance): its metadata, the target's hidden states [B * Q, ...],

@@ -7,7 +7,9 @@ State, per row, kept true at every window boundary (row p: the position of the r
   pages are freed, shared, copied and rebuilt with the row's) holds, at every position i < p, what the head
   computes from the target's hidden states at i and the token at i + 1;
 * `prenorm` [B_max, H]: the head's output at position p - 1 (before its final norm), from which the first
-  draft of the row's next round is read.
+  draft of the row's next round is read; or, where `stale` (the row's last window ran plain), `pending`
+  [B_max, H]: the fused target hidden state at p - 1, from which the next speculative window's first
+  step computes it (`begin_window`).
 
 How each part keeps it:
 
@@ -22,9 +24,10 @@ How each part keeps it:
   p .. p + d over the verify's hidden states and the tokens the verify sampled rewrites the head's K/V there
   (exact up to the accepted p + n; later positions are rewritten before any query reads them: attention
   never reads past a query's own position) and takes `prenorm` from the query at p + n.
-* a plain decode step (`follow`): one head query at p over the step's hidden states and the token it
-  sampled. Windows that run plain (the policy's choice, penalties) keep the head current for the cost of a
-  one-layer decode step; nothing catches up later.
+* a plain decode step (`follow`): only the head's K/V at p from the step's hidden states and the token it
+  sampled (the fused hidden state, the norms and q/k/v: no attention, no MLP), and `pending`. Windows that
+  run plain (the policy's choice, penalty rows) keep the head current for about a sixth of its step; the
+  next speculative window's first step (one query at p - 1 for the stale rows) makes `prenorm` again.
 
 The K/V at a shared page's last position was computed with its first owner's next token (prefix-cache hits,
 n > 1 forks of a prompt that fills its last page): that can lower acceptance; it never changes output,
@@ -32,6 +35,8 @@ which is always the target's (speculative.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -56,7 +61,10 @@ class Eagle3:
                                             dtype, device)
         self.backend = TorchAttentionBackend(self.kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                              specs=self.head.attention_specs)
-        self.prenorm = torch.zeros(config.max_batch_size, cfg.hidden_size, dtype=dtype, device=device)
+        rows = config.max_batch_size
+        self.prenorm = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.pending = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
+        self.stale = torch.zeros(rows, dtype=torch.bool, device=device)
         self.page_size = config.page_size
 
     @property
@@ -89,12 +97,13 @@ class Eagle3:
             kv_last_page_len=state.kv_last_page_len[:count])
         out = self.step(state.input_ids[rows], self.head.fc(aux), positions, ForwardContext(self.backend, decode=meta))
         self.prenorm[rows] = out
+        self.stale[rows] = False
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_page(self.kv_caches, src, dst)
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {"prenorm": self.prenorm}
+        return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale}
 
 
 class Eagle3Drafter(Drafter):
@@ -123,6 +132,23 @@ class Eagle3Drafter(Drafter):
                 hidden = eagle.step(draft, hidden, meta.query_positions[:, 0], ctx)
         return torch.stack(drafts, dim=1), torch.full_like(position, d), sample.proposal()
 
+    def begin_window(self, state, bucket: int, live: torch.Tensor, kv_width: int, page_size: int) -> None:
+        """Rows whose last window ran plain: the head's full step at p - 1 from `pending` (its K/V there
+        rewritten with the same values), which gives `prenorm`."""
+        eagle = self.eagle
+        stale = eagle.stale[:bucket] & live
+        start = (state.positions[:bucket] - 1).clamp(min=0)
+        meta = verify_metadata(state, bucket, 1, page_size, kv_width, live, start=start)
+        if state.bounds is not None:
+            state.bounds.verify(state, bucket, meta, start=start)
+        query = one_query(meta, state, bucket)
+        query = dataclasses.replace(query, slot_mapping=torch.where(stale, query.slot_mapping, 0))  # others: scratch
+        out = eagle.step(state.input_ids[:bucket], eagle.pending[:bucket], meta.query_positions[:, 0],
+                         ForwardContext(eagle.backend, decode=query))
+        prenorm = eagle.prenorm[:bucket]
+        prenorm.copy_(torch.where(stale[:, None], out, prenorm))
+        eagle.stale[:bucket] &= ~live
+
     def accepted(self, state, bucket: int, meta, hidden: torch.Tensor, sampled: torch.Tensor,
                  emit: torch.Tensor) -> None:
         eagle = self.eagle
@@ -137,7 +163,8 @@ class Eagle3Drafter(Drafter):
     def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
                live: torch.Tensor) -> None:
         eagle = self.eagle
-        out = eagle.step(tokens, eagle.head.fc(hidden), state.positions[:bucket],
-                         ForwardContext(eagle.backend, decode=meta))
-        prenorm = eagle.prenorm[:bucket]
-        prenorm.copy_(torch.where(live[:, None], out, prenorm))
+        fused = eagle.head.fc(hidden)
+        eagle.head.write_kv(eagle.embed(tokens), fused, state.positions[:bucket], eagle.backend, meta.slot_mapping)
+        pending = eagle.pending[:bucket]
+        pending.copy_(torch.where(live[:, None], fused, pending))
+        eagle.stale[:bucket] |= live

@@ -109,6 +109,7 @@ def speculative_window(
     history = speculation.history[rows]
     max_len = state.max_len[rows].to(torch.int64)  # [B]
     rejecting = (state.temperature[rows] > 0) & ~state.seeded[rows]  # [B]: rows whose drafts are rejection-sampled
+    drafter.begin_window(state, bucket, ~state.done[rows], kv_width, page_size)
     for _ in range(num_decode_steps):
         live = ~state.done[rows]
         position = state.positions[rows]  # [B]: where each row's next input sits

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 10
+ABI_VERSION = 11
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 

@@ -30,7 +30,8 @@ from .layers import GatedActivation, RMSNorm
 # panels from 8 rows in the layer-by-layer forward, but by less than the one call saves there (SmolLM2 bf16, two
 # threads, one call with panels against the eager forward with oneDNN: 1.18x at batch 8, 0.89x at batch 16).
 MIN_ROWS = {torch.bfloat16: 8}
-WORDS = 10  # csrc/cpu_layers.cpp's Word entries per layer
+WORDS = 11  # csrc/cpu_layers.cpp's Word entries per layer
+SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
 REALS = 2  # and its Real entries
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -102,9 +103,9 @@ class CpuDecodeLayers:
         return self.run(hidden, positions, ctx)[0]
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx,
-            stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(the last layer's output, the hidden states entering each layer in `stops` (ascending)): the layers
-        between stops in one call each."""
+            stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the last layer's output, the hidden states entering each layer in `stops` (ascending), concatenated
+        [M, len(stops) x hidden], or None without stops): one call, which copies each stop layer's input."""
         caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
         self.words.numpy()[:, 7] = [c.data_ptr() for c in caches[: self.num_layers]]  # host words, no tensor op
         meta = ctx.decode
@@ -121,14 +122,13 @@ class CpuDecodeLayers:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
-        saved, first = [], 0
-        for end in (*stops, self.num_layers):
-            if end > first:
-                self.kernels.decoder_layers(
-                    self.words[first:], self.reals[first:], end - first, x, positions, seq_lens,
-                    slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
-                    kv.shape[2], kv.shape[0], self.eps)
-            if end < self.num_layers:
-                saved.append(x.clone())
-            first = end
-        return x, saved
+        saved = x.new_empty((len(stops), rows, x.shape[1])) if stops else None
+        words = self.words.numpy()
+        words[:, SAVE] = 0
+        for j, layer in enumerate(stops):
+            words[layer, SAVE] = saved[j].data_ptr()
+        self.kernels.decoder_layers(
+            self.words, self.reals, self.num_layers, x, positions, seq_lens,
+            slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
+            kv.shape[2], kv.shape[0], self.eps)
+        return x, saved.transpose(0, 1).reshape(rows, -1) if stops else None

@@ -151,7 +151,9 @@ def prepack_cpu_linears(model: nn.Module) -> None:
     linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
     tied = model.config.tie_word_embeddings
     head = model.model.embed_tokens if tied else model.lm_head
-    streams = sum(w.numel() * w.element_size() for w in [m.weight for m in linears] + [head.weight]) >= STREAM_BYTES
+    # a module run beside a larger model (an EAGLE-3 head) finds its weights evicted by that model's: it streams
+    streams = getattr(model, "streams_weights", False) or \
+        sum(w.numel() * w.element_size() for w in [m.weight for m in linears] + [head.weight]) >= STREAM_BYTES
 
     def release(module: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

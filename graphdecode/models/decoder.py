@@ -263,8 +263,8 @@ class DecoderForCausalLM(nn.Module):
         [T, len(aux_layers) x hidden] (what an EAGLE-3 head reads)."""
         hidden = self.embed(input_ids)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
-            hidden, saved = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
-            return self.model.norm(hidden), torch.cat(saved, dim=-1)
+            hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
+            return self.model.norm(hidden), aux
         saved = []
         for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
             if i in aux_layers:

@@ -154,6 +154,7 @@ class Eagle3Head(nn.Module):
     checkpoint_renames = {"midlayer.": "layers.0."}
     checkpoint_extras = ("d2t", "t2d")  # integer maps, read by load_eagle3_head (t2d unused)
     expert_format = None
+    streams_weights = True  # run between the target's layers, which evict its weights (cpu_linear.py: panels)
 
     def __init__(self, eagle: Eagle3Config, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -202,6 +203,18 @@ class Eagle3Head(nn.Module):
         attn = layer.self_attn(positions, x, self.rotary, ctx)
         residual, normed = layer.post_attention_layernorm.add_and_norm(residual, attn)
         return residual + layer.mlp(normed)
+
+    def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, backend,
+                 slots: torch.Tensor) -> None:
+        """Only the K/V forward() would write at `positions` (no attention, no MLP)."""
+        layer = self.layers[0]
+        attn = layer.self_attn
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        q, k, v = attn.qkv_proj(x).split(attn.split_sizes, dim=-1)
+        tokens = x.shape[0]
+        q, k = self.rotary(positions, q.view(tokens, attn.num_heads, attn.head_dim),
+                           k.view(tokens, attn.num_kv_heads, attn.head_dim))
+        backend.write(0, k, v.view(tokens, attn.num_kv_heads, attn.head_dim), slots)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, vocab] float32 over the target's vocabulary: -inf outside the draft vocabulary."""

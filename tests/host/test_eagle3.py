@@ -96,9 +96,9 @@ def test_graph_twin_bounds_preemption_prefix_hits_and_chunks(text_model, heads):
     assert stats["spec_accepted_tokens"] > 0  # the hot samples of the forks accept drafts
 
 
-def _reference(text_model: str, head: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The head's K and V [p, kv_heads, head_dim] at positions 0..p-1 and its output at p - 1 (before its
-    final norm), by hand, for a row whose tokens at 0..p are `tokens`."""
+def _reference(text_model: str, head: str, tokens: list[int]) -> tuple[torch.Tensor, ...]:
+    """The head's K and V [p, kv_heads, head_dim] at positions 0..p-1, its output at p - 1 (before its
+    final norm) and its fused hidden state there, by hand, for a row whose tokens at 0..p are `tokens`."""
     import transformers
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -135,13 +135,15 @@ def _reference(text_model: str, head: str, tokens: list[int]) -> tuple[torch.Ten
         normed = rms(residual, w["midlayer.post_attention_layernorm.weight"])
         gate, up = normed @ w["midlayer.mlp.gate_proj.weight"].T, normed @ w["midlayer.mlp.up_proj.weight"].T
         out = residual + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
-    return keys, v, out
+    return keys, v, out, hidden[-1]
 
 
 def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
-    """Mid-generation, each live row's head K/V at positions 0..p-1 and its output at p - 1 equal the
-    by-hand computation: through prefill chunks (a chunk's last position reads the next chunk's first
-    token), the sampled first token, speculative rounds that accept part of their drafts, and plain windows."""
+    """Mid-generation, each live row's head K/V at positions 0..p-1 and its output at p - 1 (after a plain
+    window: the fused hidden state there, from which the next speculative window makes that output) equal
+    the by-hand computation: through prefill chunks (a chunk's last position reads the next chunk's first
+    token), the sampled first token, speculative rounds that accept part of their drafts, plain windows (the
+    head's K/V only), and the first speculative step after them."""
     head = heads["reduced"]
     spec = LLM(text_model, speculative_config=spec_config(head), max_num_batched_tokens=24, **ENGINE)
     alternate(spec)
@@ -149,8 +151,10 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     for i, prompt in enumerate(random_prompts(3, [5, 40, 70], seed=12)):
         engine.add_request({"prompt_token_ids": prompt},
                            SamplingParams(temperature=20.0, seed=i, max_tokens=170, ignore_eos=True))
-    for _ in range(10):
+    kinds = set()
+    for _ in range(11):
         engine.step()
+        kinds.add(bool(engine.runner.eagle.stale.any()))
     runner = engine.runner
     state, eagle = runner.state, runner.eagle
     stats = spec.stats()
@@ -163,12 +167,16 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
         p = int(state.positions[row])
         tokens = state.speculation.history[row, : p + 1].tolist()
         assert p > 40
-        keys, values, out = _reference(text_model, head, tokens)
+        keys, values, out, fused = _reference(text_model, head, tokens)
         pages = state.block_table[row, torch.arange(p) // page_size].long()
         offsets = torch.arange(p) % page_size
         torch.testing.assert_close(cache[pages, 0, offsets], keys, atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(cache[pages, 1, offsets], values, atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(eagle.prenorm[row], out, atol=2e-4, rtol=1e-4)
+        if eagle.stale[row]:
+            torch.testing.assert_close(eagle.pending[row], fused, atol=2e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(eagle.prenorm[row], out, atol=2e-4, rtol=1e-4)
+    assert kinds == {True, False}  # windows ended plain (stale rows) and speculative
 
 
 def cache_page_size(eagle) -> int:

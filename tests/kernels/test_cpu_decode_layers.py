@@ -142,7 +142,7 @@ def test_one_call_verify_equals_the_eager_verify(tiny_models, panels, dtype):
 
 
 def test_one_call_returns_the_hidden_states_an_eagle3_head_reads(tiny_models, panels):
-    """forward_aux through the one call (the layers between the stops in one call each): the eager forward's
+    """forward_aux through the one call (its SAVE words copy each stop layer's input): the eager forward's
     hidden states entering each stop layer, and its final hidden states."""
     path = tiny_models["llama_gqa_llama3"]
     cfg = load_model_config(path)
@@ -163,7 +163,7 @@ def test_one_call_returns_the_hidden_states_an_eagle3_head_reads(tiny_models, pa
             results.append(model.forward_aux(ids.reshape(-1), positions.reshape(-1),
                                              ForwardContext(backend, verify=meta), (0, 1)))
         if layers is not None:
-            assert panels == [6, 6]  # two calls: layer 0 (after the stop at 0), then layer 1
+            assert panels == [6]  # one call, which copies each stop layer's input
     (fast, fast_aux), (eager, eager_aux) = results
     assert fast_aux.shape == (6, 2 * cfg.hidden_size)
     torch.testing.assert_close(fast_aux, eager_aux, rtol=1e-5, atol=1e-5)
