@@ -3,14 +3,15 @@
 The head (models/eagle3.py's format: `fc` over the target's hidden states entering layers (2, L // 2, L - 3),
 one decoder layer over [normed token embedding | normed fused hidden state], a reduced draft vocabulary)
 learns the target's greedy next-next token: at position i it reads the target's hidden states at i and the
-token at i + 1, and is trained to predict the target's argmax at i + 1. Training unrolls the drafting the
+token at i + 1, and is trained on the target's next-token distribution at i + 1 (cross-entropy against its top
+32 probabilities inside the draft vocabulary). Training unrolls the drafting the
 engine does (EAGLE-3's training-time test): at depth s > 1 the hidden state a query reads is the head's own
 output one position back at depth s - 1, and it attends the exact (depth-1) K/V up to s - 1 positions back
 and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/eagle3.py).
 
-Data: distil_draft.py's synthetic chat prompts, answered by the target (greedy and T=0.7) through the engine;
-the target's hidden states and argmax tokens from transformers. The draft vocabulary is the
---draft-vocab most frequent argmax tokens. The head embeds with the target's embedding; its LM head starts
+Data: distil_draft.py's synthetic chat prompts, each answered three times by the target through the engine
+(greedy, T=0.7, T=1.0); the target's hidden states and top-32 probabilities from transformers. The draft
+vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds with the target's embedding; its LM head starts
 from the target's rows, `fc` from passing the last hidden state through. AdamW for --minutes. Saved under
 the cache directory (eagle3/<target>-<hash>) and reused; then the acceptance on held-out prompts (greedy,
 through the engine with `speculative_config={"method": "eagle3", ...}`, speculating every window).
@@ -44,22 +45,50 @@ def _sibling(name: str):
 distil_draft = _sibling("distil_draft")
 
 
-def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, ...]) -> list[dict]:
-    """Per sequence: ids [T], aux [T, 3H] (the hidden states entering the aux layers), argmax [T] (the target's
-    greedy next token at each position), and the prompt length."""
+def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[tuple]:
+    """(prompt ids, answer ids): three answers per prompt through the engine, greedy and at T=0.7 and 1.0."""
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(target, max_model_len=1024, max_batch_size=64, cpu_threads=threads)
+    out = []
+    for params in (SamplingParams(temperature=0, max_tokens=max_tokens),
+                   SamplingParams(temperature=0.7, seed=1, max_tokens=max_tokens),
+                   SamplingParams(temperature=1.0, seed=2, max_tokens=max_tokens)):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        out += [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    return out
+
+
+def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, ...], top: int = 32,
+                    batch: int = 8) -> list[dict]:
+    """Per sequence: ids [T], aux [T, 3H] (the hidden states entering the aux layers), the target's top `top`
+    next-token probabilities and ids at each position [T, top], and the prompt length. Batches of similar
+    length, right-padded (causal attention: padding changes nothing before it)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt, answer in tqdm(sequences, desc="target hidden states"):
-            ids = torch.tensor([prompt + answer])
-            result = model(ids, output_hidden_states=True)
-            aux = torch.cat([result.hidden_states[i][0] for i in aux_layers], dim=-1)
-            out.append({"ids": ids[0], "aux": aux.clone(), "argmax": result.logits[0].argmax(-1),
-                        "prompt": len(prompt)})
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
+    out: list[dict | None] = [None] * len(sequences)
+    with torch.inference_mode(), tqdm(total=len(sequences), desc="target hidden states") as bar:
+        for start in range(0, len(order), batch):
+            chunk = order[start : start + batch]
+            seqs = [sequences[i][0] + sequences[i][1] for i in chunk]
+            width = max(len(s) for s in seqs)
+            ids = torch.zeros(len(seqs), width, dtype=torch.long)
+            mask = torch.zeros(len(seqs), width, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                ids[b, : len(s)] = torch.tensor(s)
+                mask[b, : len(s)] = 1
+            result = model(ids, attention_mask=mask, output_hidden_states=True)
+            probs, top_ids = result.logits.softmax(-1).topk(top, dim=-1)
+            for b, i in enumerate(chunk):
+                n = len(seqs[b])
+                aux = torch.cat([result.hidden_states[layer][b, :n] for layer in aux_layers], dim=-1)
+                out[i] = {"ids": ids[b, :n].clone(), "aux": aux.clone(), "top_p": probs[b, :n].clone(),
+                          "top_ids": top_ids[b, :n].clone(), "prompt": len(sequences[i][0])}
+            bar.update(len(chunk))
     return out
 
 
@@ -153,6 +182,10 @@ class TrainHead(torch.nn.Module):
         return logits
 
 
+def draft_of_size(draft_of: torch.Tensor) -> int:
+    return int(draft_of.max()) + 1
+
+
 def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minutes: float, batch: int, lr: float,
           depths: int) -> dict:
     from tqdm import tqdm
@@ -170,21 +203,29 @@ def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minute
             aux = torch.zeros(len(chosen), width, chosen[0]["aux"].shape[1])
             next_ids = torch.zeros(len(chosen), width, dtype=torch.long)
             labels = torch.full((len(chosen), width), -100, dtype=torch.long)
+            soft = torch.zeros(len(chosen), width, draft_of_size(draft_of))
             for b, f in enumerate(chosen):
                 n = len(f["ids"]) - 1
                 aux[b, :n] = f["aux"][:n]
                 next_ids[b, :n] = f["ids"][1:]
-                target = draft_of[f["argmax"][1:]]  # position i predicts the target's argmax at i + 1
                 first = max(f["prompt"] - 2, 0)  # the answer's tokens (and the one before it)
-                labels[b, first:n] = target[first:n]
+                # position i predicts the target's distribution at i + 1 (its top entries in the draft vocabulary)
+                labels[b, first:n] = draft_of[f["top_ids"][1:, 0]][first:n]
+                ids, probs = draft_of[f["top_ids"][1:]], f["top_p"][1:]  # [n, top]
+                rows = torch.arange(n)[:, None].expand_as(ids)
+                keep = (ids >= 0) & (rows >= first)
+                soft[b, rows[keep], ids[keep]] = probs[keep]
             for g in optimizer.param_groups:
                 g["lr"] = lr * min(1.0, (steps + 1) / 50)
             outs = model(aux, next_ids, depths)
             loss = 0.0
+            valid = labels != -100
             for s, logits in enumerate(outs):
-                lab = labels.clone()
-                lab[:, :s] = -100  # no s earlier positions to draft from
-                loss = loss + 0.8**s * F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1))
+                use = valid.clone()
+                use[:, :s] = False  # no s earlier positions to draft from
+                # cross-entropy against the target's distribution (its top entries), not only its argmax
+                nll = -(soft * torch.log_softmax(logits, dim=-1)).sum(-1)
+                loss = loss + 0.8**s * nll[use].mean()
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -215,7 +256,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     threads = threads or _resolve_cpu_threads(None, 1)
     held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
     settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
-                f"{train_prompts}")
+                f"{train_prompts}|soft32|3answers")
     name = f"{os.path.basename(os.path.normpath(target))}-{minutes:g}min-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
     path = os.path.join(cache_root(), "eagle3", name)
     report_path = os.path.join(path, "distil_report.json")
@@ -224,8 +265,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     torch.set_num_threads(threads)
     prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target))[held_out:][:train_prompts]
     start = time.perf_counter()
-    # two answers per prompt: greedy and sampled (distil_draft alternates them by prompt)
-    sequences = distil_draft.target_sequences(target, prompts + prompts[1:] + prompts[:1], max_tokens, threads)
+    sequences = target_answers(target, prompts, max_tokens, threads)
     generate_s = time.perf_counter() - start
     layers = load_model_config(target).decoder_layers
     aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
@@ -234,7 +274,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     start = time.perf_counter()
     features = target_features(target, sequences, aux_layers)
     features_s = time.perf_counter() - start
-    counts = torch.bincount(torch.cat([f["argmax"][f["prompt"]:] for f in features]),
+    counts = torch.bincount(torch.cat([f["top_ids"][f["prompt"]:, 0] for f in features]),
                             minlength=load_model_config(target).vocab_size)
     draft_ids = counts.topk(draft_vocab).indices.sort().values
     coverage = float(counts[draft_ids].sum() / counts.sum())

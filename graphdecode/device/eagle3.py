@@ -13,9 +13,9 @@ State, per row, kept true at every window boundary (row p: the position of the r
 
 How each part keeps it:
 
-* prefill (`prefill`, `start_rows`): the target's prefill forward returns its hidden states; the head runs
-  over the chunk's positions with the tokens one ahead (the prompt's; a non-final chunk's last position
-  reads the first token of the next chunk). The prompt's last position needs the sampled first token,
+* prefill (`prefill`, `start_rows`): the target's prefill forward returns its hidden states; the head writes
+  its K/V over the chunk's positions with the tokens one ahead (the prompt's; a non-final chunk's last
+  position reads the first token of the next chunk). The prompt's last position needs the sampled first token,
   which differs per row when n > 1: after sampling (and the page copies of n > 1 forks) each row runs it
   alone, in its own pages, and sets its `prenorm`.
 * a speculative round (`Eagle3Drafter.__call__`, `accepted`): draft 1 from `prenorm`; drafts 2..d from d - 1
@@ -41,7 +41,7 @@ import dataclasses
 import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
-from ..attention.kv_cache import allocate_kv_caches, copy_page
+from ..attention.kv_cache import allocate_kv_caches, copy_page, copy_slots
 from ..attention.metadata import DecodeMetadata
 from ..models.eagle3 import load_eagle3_head
 from .drafters import Drafter, DraftSampling, one_query
@@ -79,9 +79,12 @@ class Eagle3:
         return Eagle3Drafter(self, sampler)
 
     def prefill(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata) -> None:
-        """The head's K/V over a prefill's chunks: `tokens` [T] the token after each position."""
-        self.backend.plan_prefill(meta)
-        self.step(tokens, self.head.fc(aux), positions, ForwardContext(self.backend, prefill=meta))
+        """The head's K/V over a prefill's chunks (only the K/V: no query reads a prefill's output; a prompt's
+        last position runs in full in `start_rows`): `tokens` [T] the token after each position. A partial
+        prefix hit's copied slots are copied in the head's cache too."""
+        self.head.write_kv(self.embed(tokens), self.head.fc(aux), positions, self.backend, meta.slot_mapping)
+        if meta.copy_src is not None:
+            copy_slots(self.kv_caches[0], meta.copy_src, meta.copy_dst)
 
     def start_rows(self, state, rows: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor) -> None:
         """Rows whose prefill sampled their first token (state.input_ids, at positions + 1): the head at each
