@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from graphdecode.bench.common import add_compile_arg, compile_option, machine_info, write_json
+from graphdecode.bench.common import add_compile_arg, compile_option, machine_info, script_module, write_json
 
 PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
            "the members agreed to fund the children's reading room, to repair the roof before winter, and to "
@@ -185,13 +185,7 @@ def main(argv=None) -> dict:
 
 def _sibling(name: str):
     """A script beside this one, as a module."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
 
 
 def _distilled(args) -> str:

@@ -126,17 +126,21 @@ def train(draft_dir: str, sequences: list[tuple], minutes: float, batch: int, lr
             len(losses[-10:])}
 
 
-def acceptance(target: str, draft: str, prompts: list[list[int]], d: int, max_tokens: int, threads: int) -> dict:
-    """Greedy through the engine with the draft: drafts accepted per verify and per draft."""
+def acceptance(target: str, draft: str, prompts: list[list[int]], d: int, max_tokens: int, threads: int,
+               method: str = "draft_model") -> dict:
+    """Greedy through the engine with the draft (or an EAGLE-3 head: method "eagle3"), speculating every window:
+    drafts accepted per verify, per draft, and at each draft position per verify."""
     from graphdecode import LLM, SamplingParams
 
     llm = LLM(target, max_model_len=1024, max_batch_size=64, cpu_threads=threads,
-              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": d})
+              speculative_config={"method": method, "model": draft, "num_speculative_tokens": d})
     llm.engine.spec_policy.speculate = lambda bucket: True  # measure the draft, not the policy
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     s = llm.stats()
-    return {"accepted_per_verify": s["spec_accepted_tokens"] / max(s["spec_verifies"], 1),
-            "accepted_per_draft": s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)}
+    verifies = max(s["spec_verifies"], 1)
+    return {"accepted_per_verify": s["spec_accepted_tokens"] / verifies,
+            "accepted_per_draft": s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1),
+            "accepted_per_position": [round(c / verifies, 3) for c in s["spec_accepted_per_position"]]}
 
 
 def distilled_draft(target: str, layers: int, minutes: float, *, prompts: list[list[int]] | None = None,
@@ -167,6 +171,11 @@ def distilled_draft(target: str, layers: int, minutes: float, *, prompts: list[l
     generate_s = time.perf_counter() - start
     report = train(tmp, sequences, minutes, batch, lr)
     report.update(generate_seconds=generate_s, sequences=len(sequences), layers=layers, minutes=minutes)
+    return publish(tmp, path, report)
+
+
+def publish(tmp: str, path: str, report: dict) -> tuple[str, dict]:
+    """The checkpoint built in `tmp`, with its report, moved to `path` (the cache entry later runs reuse)."""
     json.dump(report, open(os.path.join(tmp, "distil_report.json"), "w"), indent=1)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -33,16 +32,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from graphdecode.bench.common import script_module
 
-def _sibling(name: str):
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-distil_draft = _sibling("distil_draft")
+distil_draft = script_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "distil_draft.py"))
 
 
 def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[tuple]:
@@ -292,23 +284,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     tmp = path + ".building"
     shutil.rmtree(tmp, ignore_errors=True)
     save_eagle3_head(tmp, config, model.tensors(), draft_ids)
-    json.dump(report, open(os.path.join(tmp, "distil_report.json"), "w"), indent=1)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path, report
-
-
-def acceptance(target: str, head: str, prompts: list[list[int]], d: int, max_tokens: int, threads: int) -> dict:
-    """Greedy through the engine with the head, speculating every window: drafts accepted per verify."""
-    from graphdecode import LLM, SamplingParams
-
-    llm = LLM(target, max_model_len=1024, max_batch_size=64, cpu_threads=threads,
-              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": d})
-    llm.engine.spec_policy.speculate = lambda bucket: True  # measure the head, not the policy
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
-    s = llm.stats()
-    return {"accepted_per_verify": s["spec_accepted_tokens"] / max(s["spec_verifies"], 1),
-            "accepted_per_draft": s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)}
+    return distil_draft.publish(tmp, path, report)
 
 
 def main(argv=None) -> dict:
@@ -334,7 +310,8 @@ def main(argv=None) -> dict:
     eval_prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(args.model))[: distil_draft.EVAL_PROMPTS]
     threads = args.threads or torch.get_num_threads()
     result = {"bench": "distil_eagle3", "target": args.model, "head": head, "report": report,
-              "acceptance": acceptance(args.model, head, eval_prompts, args.d, 128, threads)}
+              "acceptance": distil_draft.acceptance(args.model, head, eval_prompts, args.d, 128, threads,
+                                                    method="eagle3")}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     json.dump(result, open(args.out + ".json", "w"), indent=1)
     a = result["acceptance"]

@@ -196,3 +196,14 @@ def paired_ab(run, names: tuple[str, str], rounds: int) -> dict:
         ratios.append(took[first] / took[second])
     return {"best": best, "ratios": ratios, "median_ratio": statistics.median(ratios),
             "best_ratio": best[first] / best[second], "same_outputs": outputs[first] == outputs[second]}
+
+
+def script_module(path: str):
+    """A script file (a profiling/ script beside the caller's) imported as a module."""
+    import importlib.util
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

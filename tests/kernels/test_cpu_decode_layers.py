@@ -107,8 +107,9 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
         torch.testing.assert_close(f.float(), e.float(), **tol)
 
 
-def _verify_step(model, cfg, dtype, ids, starts):
-    """Q = ids.shape[1] queries a row from position starts[b], causal over the row's pages (K/V written first)."""
+def _verify_step(model, cfg, dtype, ids, starts, forward=None):
+    """Q = ids.shape[1] queries a row from position starts[b], causal over the row's pages (K/V written first),
+    through `forward` (default: the model's decode_logits)."""
     caches, backend = _random_cache(model, cfg, dtype, 6)
     rows, queries = ids.shape
     table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
@@ -118,7 +119,8 @@ def _verify_step(model, cfg, dtype, ids, starts):
     meta = VerifyMetadata(block_table=table, query_positions=positions, slot_mapping=slots.reshape(-1),
                           live=torch.ones(rows, dtype=torch.bool), kv_lens=kv_lens, context_lens=kv_lens)
     with torch.inference_mode():
-        logits = model.decode_logits(ids.reshape(-1), positions.reshape(-1), ForwardContext(backend, verify=meta))
+        logits = (forward or model.decode_logits)(ids.reshape(-1), positions.reshape(-1),
+                                                  ForwardContext(backend, verify=meta))
     return logits, caches
 
 
@@ -151,17 +153,9 @@ def test_one_call_returns_the_hidden_states_an_eagle3_head_reads(tiny_models, pa
     results = []
     for layers in (model.cpu_decode, None):
         model.cpu_decode = layers
-        caches, backend = _random_cache(model, cfg, torch.float32, 6)
-        rows, queries = ids.shape
-        table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
-        positions = starts[:, None] + torch.arange(queries)
-        slots = table.gather(1, positions // PAGE).long() * PAGE + positions % PAGE
-        kv_lens = (starts + queries).to(torch.int32)
-        meta = VerifyMetadata(block_table=table, query_positions=positions, slot_mapping=slots.reshape(-1),
-                              live=torch.ones(rows, dtype=torch.bool), kv_lens=kv_lens, context_lens=kv_lens)
-        with torch.inference_mode():
-            results.append(model.forward_aux(ids.reshape(-1), positions.reshape(-1),
-                                             ForwardContext(backend, verify=meta), (0, 1)))
+        out, _ = _verify_step(model, cfg, torch.float32, ids, starts,
+                              forward=lambda tokens, positions, ctx: model.forward_aux(tokens, positions, ctx, (0, 1)))
+        results.append(out)
         if layers is not None:
             assert panels == [6]  # one call, which copies each stop layer's input
     (fast, fast_aux), (eager, eager_aux) = results

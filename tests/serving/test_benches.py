@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -10,17 +9,14 @@ import subprocess
 
 import pytest
 
+from graphdecode.bench.common import script_module
 from graphdecode.bench.presets import build_preset, ensure_preset, llama_tensor_shapes, preset_config
 from graphdecode.models.model_config import parse_model_config
 from tests.helpers import REPO
 
 
 def _script(name: str):
-    path = os.path.join(REPO, "profiling", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"profiling_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(os.path.join(REPO, "profiling", f"{name}.py"))
 
 
 def _load(prefix) -> dict:
@@ -268,6 +264,31 @@ def test_distil_draft_smoke(text_model, tmp_path, monkeypatch):
         assert 0 <= result[name]["accepted_per_verify"] <= 2 and 0 <= result[name]["accepted_per_draft"] <= 1
     again, _ = module.distilled_draft(text_model, 1, 0.05, max_tokens=8, threads=1)
     assert again == draft  # cached: not trained again
+
+
+def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
+    """distil_eagle3: a head trained for a few seconds on the model's own answers (its last three layers'
+    hidden states: a 4-layer model), saved under the cache directory in the EAGLE-3 format the engine loads,
+    its acceptance reported per position; bench_spec's eagle3 method runs it beside plain decoding."""
+    import json as json_
+
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    result = _script("distil_eagle3").main(["--model", text_model, "--minutes", "0.05", "--max-tokens", "8",
+                                            "--draft-vocab", "128", "--train-prompts", "6", "-d", "2",
+                                            "--threads", "1", "--out", str(tmp_path / "distil")])
+    head = result["head"]
+    assert head.startswith(str(tmp_path / "cache" / "eagle3"))
+    config = json_.load(open(os.path.join(head, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 128
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    report, acceptance = result["report"], result["acceptance"]
+    assert report["steps"] >= 1 and report["sequences"] == 18 and 0 < report["draft_vocab_coverage"] <= 1
+    assert 0 <= acceptance["accepted_per_verify"] <= 2 and len(acceptance["accepted_per_position"]) == 2
+    bench = _script("bench_spec").main(["--model", text_model, "--batches", "1", "--max-tokens", "6", "-k", "2",
+                                        "-d", "2", "--repeats", "1", "--methods", "eagle3", "--eagle3-head", head,
+                                        "--out", str(tmp_path / "spec")])
+    assert [p["method"] for p in bench["points"]] == ["eagle3", "eagle3"]
+    assert all(p["same_tokens"] and p["spec_tokens_per_s"] > 0 for p in bench["points"])
 
 
 def test_moe_bench_smoke(tmp_path, monkeypatch):
