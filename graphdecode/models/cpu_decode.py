@@ -15,7 +15,8 @@ sequence's block table, each with its own position, slot and KV length (position
 row's K/V before any row attends, so query i sees the K/V of the queries before it, as the causal verify does,
 and each position runs the layer kernels plain decoding runs (SmolLM2's logprobs agree with plain decoding's to
 about 1e-5: the LM head takes another kernel above two rows).
-Everything else runs the eager forward. `DecoderForCausalLM.forward` asks `applies` each step.
+Everything else runs the eager forward. `DecoderForCausalLM.forward_aux` (forward() runs it) asks `applies`
+each step.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class CpuDecodeLayers:
         """The driver for `model`, or None where a layer is not the plain Llama layer it runs."""
         from .decoder import DecoderForCausalLM, GatedMLP
 
-        if (kernels is None or type(model).forward is not DecoderForCausalLM.forward or model.tp.size != 1
+        own_loop = getattr(type(model), "forward_aux", None) is not DecoderForCausalLM.forward_aux
+        if (kernels is None or own_loop or model.tp.size != 1
                 or model.norm_offset or model.sandwich_norms or model.embed_scale or not model.rotaries
                 or len({id(r) for r in model.rotaries}) != 1):
             return None

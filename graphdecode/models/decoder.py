@@ -250,17 +250,13 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
-        hidden = self.embed(input_ids)
-        if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
-            return self.model.norm(self.cpu_decode(hidden, positions, ctx))
-        for layer, rotary in zip(self.model.layers, self.rotaries):
-            hidden = layer(positions, hidden, rotary, ctx)
-        return self.model.norm(hidden)
+        return self.forward_aux(input_ids, positions, ctx)[0]
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
-                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward(), and the hidden states entering each of `aux_layers` (ascending), concatenated:
-        [T, len(aux_layers) x hidden] (what an EAGLE-3 head reads)."""
+                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states [T, hidden], the hidden states entering each of `aux_layers` (ascending),
+        concatenated [T, len(aux_layers) x hidden], what an EAGLE-3 head reads; None without aux_layers).
+        A family with its own layer loop overrides this, not forward()."""
         hidden = self.embed(input_ids)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
@@ -270,7 +266,7 @@ class DecoderForCausalLM(nn.Module):
             if i in aux_layers:
                 saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
             hidden = layer(positions, hidden, rotary, ctx)
-        return self.model.norm(hidden), torch.cat(saved, dim=-1)
+        return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""

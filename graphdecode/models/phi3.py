@@ -97,18 +97,26 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         tables = super().rotary_tables()
         return tables + [self._streams_rotary] if self._streams_rotary is not None else tables
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.two_streams:
-            return super().forward(input_ids, positions, ctx)
+            return super().forward_aux(input_ids, positions, ctx, aux_layers)
         tokens = input_ids.shape[0]
         hidden = self.embed(input_ids)
         hidden = torch.cat([hidden, hidden])  # [2T, hidden]: the short stream, then the long one
         rows = torch.cat([positions, positions + self._long_offset])  # rows of the stacked cos/sin table
         streams = _TwoStreams(ctx, self.config.decoder_layers)
-        for layer in self.model.layers:
-            hidden = layer(rows, hidden, self._streams_rotary, streams)
         long = (positions >= self.config.rope.original_max_position_embeddings)[:, None]
-        return self.model.norm(torch.where(long, hidden[tokens:], hidden[:tokens]))
+
+        def each_token_own_stream(both):
+            return torch.where(long, both[tokens:], both[:tokens])
+
+        saved = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                saved.append(each_token_own_stream(hidden))
+            hidden = layer(rows, hidden, self._streams_rotary, streams)
+        return self.model.norm(each_token_own_stream(hidden)), torch.cat(saved, dim=-1) if saved else None
 
 
 class Phi3Family(Family):

@@ -162,7 +162,8 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     assert 0 < stats["spec_window_share"] < 1
     live = (~state.done).nonzero()[:, 0].tolist()
     assert len(live) == 3
-    cache, page_size = eagle.kv_caches[0], cache_page_size(eagle)
+    cache = eagle.kv_caches[0]
+    page_size = cache.shape[2]
     for row in live:
         p = int(state.positions[row])
         tokens = state.speculation.history[row, : p + 1].tolist()
@@ -178,9 +179,6 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
             torch.testing.assert_close(eagle.prenorm[row], out, atol=2e-4, rtol=1e-4)
     assert kinds == {True, False}  # windows ended plain (stale rows) and speculative
 
-
-def cache_page_size(eagle) -> int:
-    return eagle.kv_caches[0].shape[2]
 
 
 def test_structured_outputs_with_an_eagle3_head(text_model, heads, plain):
