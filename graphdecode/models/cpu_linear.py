@@ -159,12 +159,16 @@ def prepack_cpu_linears(model: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
     for module in linears:
+        if module.packed is not None:  # a quantized weight (quant/linear.py), run as it is
+            continue
         if module.weight.dtype != torch.float32 or streams:
             panels = streams and kernels is not None and module.weight.dtype in kernels.supported_dtypes
             module.packed = PanelWeight(module.weight, kernels) if panels else PackedWeight(module.weight)
             release(module)
         else:
             column_major_(module.weight)
+    if model.packed_head is not None:  # a quantized head
+        return
     if head.weight.dtype != torch.float32 or streams:
         panels = streams and kernels is not None and head.weight.dtype in kernels.supported_dtypes
         model.packed_head = PanelWeight(head.weight, kernels, HEAD_PANEL_ROWS) if panels else PackedWeight(head.weight)

@@ -35,14 +35,19 @@ from . import expert_weights
 from .config_fields import read_json_object
 from .cpu_decode import CpuDecodeLayers
 from .cpu_linear import can_prepack, prepack_cpu_linears
-from .layers import attach_cpu_kernels
+from .layers import FusedLinear, attach_cpu_kernels
 from .model_config import ModelConfig
-from .parallel import ShardSpec, TPGroup
+from .parallel import ParallelLMHead, RowParallelLinear, ShardSpec, TPGroup
+from .quant import formats
+from .quant.config import QuantConfig, WeightScheme
+from .quant.linear import QuantizedWeight
+from .quant.tensor import QuantizedTensor
 from .registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; anything else (ints, bool, fp8) is refused
 _INDEX = "model.safetensors.index.json"
+_LINEARS = (FusedLinear, RowParallelLinear, ParallelLMHead)  # the modules whose weights may be quantized
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,9 @@ class _Entry:
     fused: bool = False  # the checkpoint tensor holds several shards
     experts: str | None = None  # the Experts module it fills (expert_weights.py), with `slot`
     slot: expert_weights.Slot | None = None
+    quant: WeightScheme | None = None  # a quantized linear (key: its module): its scheme, with `parts`
+    parts: tuple[tuple[str, str, str], ...] = ()  # (suffix, checkpoint key, file) of each of its tensors
+    full: tuple[int, ...] = ()  # ... and its float weight's shape in the checkpoint [N, K]
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -83,14 +91,22 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     with torch.device("meta"):
         model = build(cfg, tp)
     plan = plan_checkpoint(model_dir, model)  # headers only: raises before any memory is allocated
+    modules = dict(model.named_modules())
+    quantized = {e.name for _, entries in plan for e in entries if e.quant is not None}
+    for name in quantized:  # held quantized (a QuantizedWeight): no float weight is allocated
+        modules[_owner(name)].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     files = {entry.key: path for path, entries in plan for entry in entries}
+    pending: dict[str, dict[str | None, QuantizedTensor]] = {}  # quantized linear -> its shards
     for path, entries in plan:
         with _open(path) as f:
             for entry in entries:
                 try:
+                    if entry.quant is not None:
+                        pending.setdefault(entry.name, {})[entry.shard] = _read_quantized(f, path, entry, modules)
+                        continue
                     if entry.slot is not None:
                         _load_experts(f, entry, modules[entry.experts], files)
                         continue
@@ -102,6 +118,14 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
                     param.data.copy_(tensor)
                 else:
                     modules[_owner(entry.name)].load_shard(param, entry.shard, tensor)
+    for name, shards in pending.items():
+        module = modules[_owner(name)]
+        order = list(getattr(module, "shard_offsets", None) or [None])
+        weight = QuantizedWeight(QuantizedTensor.cat([shards[s] for s in order], _owner(name)), dtype, device)
+        if name == "lm_head.weight":
+            model.packed_head = weight
+        else:
+            module.packed = weight
     _check_finite(params, modules, plan, dtype)
     model.post_load(max_positions)
     model.eval()
@@ -128,12 +152,16 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     found: dict[tuple[str, str | None], _Entry] = {}
     # per Experts parameter: the first tensor of each form seen (True: stacked "all", False: per expert / MXFP4)
     forms: dict[str, dict[bool, str]] = {}
+    quant = model.config.weight_quant
+    quant_parts: dict[str, dict[str, tuple[str, str, tuple[int, ...], str]]] = {}  # module -> suffix -> header
     plan = []
     for path in files:
         entries = []
         with _open(path) as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras:
+                    continue
+                if quant is not None and _quant_part(path, f, key, quant, quant_parts, cls, modules):
                     continue
                 experts = _experts_entry(path, f, key, cls, modules)
                 if experts is not None:
@@ -179,6 +207,13 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                     found[name, shard] = _Entry(key, path, name, shard, offset, fused is not None)
                     entries.append(found[name, shard])
         plan.append((path, entries))
+    for module, headers in quant_parts.items():
+        entry = _quant_entry(module, headers, quant, cls, params, modules)
+        if (entry.name, entry.shard) in found:
+            raise ValueError(f"{entry.path}: tensor {entry.key + '.weight'!r} is also in "
+                             f"{found[entry.name, entry.shard].path}")
+        found[entry.name, entry.shard] = entry
+        next(entries for path, entries in plan if path == entry.path).append(entry)
     index = os.path.join(model_dir, _INDEX)
     where = index if os.path.isfile(index) else files[0]
     expert_parts: dict[str, set[tuple[str, str]]] = {}  # Experts module -> (parameter, part) found
@@ -198,10 +233,77 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
             if (name, shard) not in found:
                 key = name if _fused_shards(name, cls, modules) is not None else _checkpoint_key(name, shard, packed)
                 key = _original(key, cls)
+                scheme = quant.scheme_for(_owner(key)) if quant is not None else None
+                if scheme is not None:
+                    key = f"{_owner(key)}.{next(iter(formats.parts(scheme)))}"  # its first quantized tensor
                 hint = (" (if lm_head shares embed_tokens' weights, config.json should say "
                         "\"tie_word_embeddings\": true)") if key == "lm_head.weight" else ""
                 raise ValueError(f"{where}: tensor {key!r} is missing from the checkpoint{hint}")
     return plan
+
+
+def _quant_part(path: str, f, key: str, quant: QuantConfig, found: dict, cls, modules: dict) -> bool:
+    """Record `key` if it is a tensor of a quantized linear (True); False for any other tensor. A float weight
+    where quantization_config quantizes the linear is refused, naming both."""
+    module, _, suffix = key.rpartition(".")
+    scheme = quant.scheme_for(module)
+    if scheme is None or suffix == "bias":
+        return False
+    name, _ = _target(_renamed(module + ".weight", cls), cls.packed_modules)
+    if not isinstance(modules.get(_owner(name)), _LINEARS):
+        return False
+    header = f.get_slice(key)
+    kind = header.get_dtype()
+    if suffix not in formats.parts(scheme):
+        if suffix == "weight":
+            raise ValueError(f"{path}: tensor {key!r} has dtype {kind}, but quantization_config "
+                             f"({scheme.describe()}) quantizes {module!r} (list it in the config's ignore list to "
+                             f"keep it float)")
+        return False
+    seen = found.setdefault(module, {})
+    if suffix in seen:
+        raise ValueError(f"{path}: tensor {key!r} is also in {seen[suffix][3]}")
+    seen[suffix] = (key, kind, tuple(header.get_shape()), path)
+    return True
+
+
+def _quant_entry(module: str, headers: dict, quant: QuantConfig, cls, params: dict, modules: dict) -> _Entry:
+    """The plan entry of one quantized linear (HuggingFace name `module`), its headers checked."""
+    scheme = quant.scheme_for(module)
+    path = next(iter(headers.values()))[3]
+    ours = _renamed(module + ".weight", cls)
+    if _fused_shards(ours, cls, modules) is not None:
+        raise ValueError(f"{path}: tensor {module!r}: quantized weights in a fused checkpoint tensor "
+                         f"({cls.__name__}) are not supported")
+    name, shard = _target(ours, cls.packed_modules)
+    owner = modules.get(_owner(name))
+    if name not in params or not isinstance(owner, _LINEARS):
+        first = next(iter(headers.values()))[0]
+        raise ValueError(f"{path}: tensor {first!r} has no place in {cls.__name__} as config.json describes it "
+                         f"(quantized tensors belong to linear layers)")
+    n, k = _expected_shape(params[name], modules, name, shard)
+    formats.check(scheme, {suffix: (kind, shape) for suffix, (_, kind, shape, _) in headers.items()}, module, n, k,
+                  path)
+    parts = tuple((suffix, key, where) for suffix, (key, _, _, where) in headers.items())
+    return _Entry(module, path, name, shard, quant=scheme, parts=parts, full=(n, k))
+
+
+def _read_quantized(f, path: str, entry: _Entry, modules: dict) -> QuantizedTensor:
+    """One quantized linear's tensors, read whole, as this rank's rows or input columns."""
+    tensors = {}
+    for suffix, key, where in entry.parts:
+        if where == path:
+            tensors[suffix] = f.get_tensor(key)
+        else:
+            with _open(where) as other:
+                tensors[suffix] = other.get_tensor(key)
+    spec = _spec(modules, entry.name, entry.shard)
+    qt = formats.read(entry.quant, tensors, entry.key, *entry.full, path)
+    if spec is None:
+        return qt
+    if spec.dim == 0:
+        return qt.rows(spec.start, spec.stop)
+    return qt.columns(spec.start, spec.stop, f"{path}: tensor {entry.key!r}")
 
 
 def _renamed(key: str, cls) -> str:

@@ -33,6 +33,8 @@ import torch
 
 from .config_fields import read_bool, read_float, read_int, read_json_object, read_optional_positive
 from .moe import MoEConfig
+from .quant.config import METHODS as QUANT_METHODS
+from .quant.config import QuantConfig, parse_quant_config
 from .rope_config import RopeConfig, RopeRules, rope_from
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -78,6 +80,7 @@ class ModelConfig:
     attn_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss `self_attn.sinks`)
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight before the cast back (gpt-oss)
     quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (dequantised at load)
+    weight_quant: QuantConfig | None = None  # the linears' quantized weights (quant/config.py), or None
 
     @property
     def decoder_layers(self) -> int:
@@ -196,16 +199,21 @@ def _eos_ids(model_dir: str, raw: dict, where: str = "config.json") -> tuple[int
     return _as_id_tuple(raw.get("eos_token_id"), where)
 
 
-def _quantization(where: str, raw: dict, family: Family) -> str | None:
+def _quantization(where: str, raw: dict, family: Family) -> tuple[str | None, QuantConfig | None]:
+    """(mxfp4 for a family that dequantises its experts, or None; the linears' QuantConfig, or None)."""
     quant = raw.get("quantization_config")
     if quant is None:
-        return None
+        return None, None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method in family.quantizations:
-        return method
-    raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported"
-                     + (f" ({family.model_type}: {', '.join(family.quantizations)}, dequantised at load)"
-                        if family.quantizations else " (weights must be float32, float16 or bfloat16)"))
+        return method, None
+    if method in QUANT_METHODS:
+        if "num_local_experts" in raw or "num_experts" in raw:
+            raise ValueError(f"{where}: quantization_config: quant_method {method!r} with a mixture of experts is "
+                             f"not supported (quantized experts); dense models only")
+        return None, parse_quant_config(where, quant)
+    raise ValueError(f"{where}: quantization_config: quant_method {method!r} is not supported (supported: "
+                     f"{', '.join(QUANT_METHODS + family.quantizations)})")
 
 
 def _attn_scale(where: str, raw: dict, default: float | None) -> float | None:
@@ -265,7 +273,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     rope, local_rope = family.ropes(where, raw, head_dim)
     two_streams = rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings
     moe = family.moe(where, raw, num_layers, intermediate)
-    quantization = _quantization(where, raw, family)
+    quantization, weight_quant = _quantization(where, raw, family)
     return ModelConfig(
         model_type=model_type,
         vocab_size=vocab_size,
@@ -296,6 +304,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         attn_sinks=family.attn_sinks,
         norm_weight_fp32=family.norm_weight_fp32,
         quantization=quantization,
+        weight_quant=weight_quant,
     )
 
 

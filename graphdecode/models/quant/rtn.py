@@ -1,0 +1,179 @@
+"""Round-to-nearest quantization of a float checkpoint into each format the engine loads (config.py), as real files.
+
+Not a calibrated quantizer (no GPTQ Hessian, no AWQ scaling search): every decoder-layer linear is rounded to
+the nearest representable value with min-max scales, so any small model can be run and measured in every
+format here (`profiling/quantize_rtn.py` adds perplexity). The embedding, norms and LM head stay float.
+
+* `compressed-tensors` pack-quantized / int-quantized / float-quantized: written by the compressed-tensors library
+  itself (its compressors quantize with our scales and pack; its QuantizationConfig writes config.json's section);
+* `fp8-block`: FP8 E4M3 with `weight_scale_inv` per 128x128 block, quant_method fp8 (transformers' FineGrainedFP8);
+* `gptq` (v1 packing: zero points minus one; `act_order` writes a g_idx permutation, columns grouped by
+  decreasing norm) and `awq` (GEMM packing, AWQ's column order), with the library's int32 packing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..loader import checkpoint_files
+
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "fp8-block", "gptq", "awq")
+_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+FP8_MAX = 448.0
+
+
+def int_scales(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scales [N, G] (float32) and signed zero points [N, G] (int8; zeros when symmetric)."""
+    n, k = w.shape
+    g = group or k
+    blocks = w.float().reshape(n, k // g, g)
+    if symmetric:
+        scale = blocks.abs().amax(-1) / (2 ** (bits - 1) - 1)
+        return scale.clamp(min=1e-8), torch.zeros(scale.shape, dtype=torch.int8)
+    low, high = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
+    scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
+    zero = (torch.round(-low / scale) - 2 ** (bits - 1)).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    return scale, zero.to(torch.int8)
+
+
+def int_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """round(w / scale) + zero, clamped: [N, K] int8."""
+    n, k = w.shape
+    g = k // scale.shape[1]
+    q = torch.round(w.float() / scale.repeat_interleave(g, 1)) + zero.repeat_interleave(g, 1).float()
+    return q.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).to(torch.int8)
+
+
+def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int | None = 128,
+                        symmetric: bool = True, act_order: bool = False, scale_dtype: torch.dtype | None = None) -> str:
+    """Write `src` (a float HuggingFace directory) to `dst` in `fmt`; returns dst. group None: one scale per row."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    state = {}
+    for path in checkpoint_files(src):
+        state.update(load_file(path))
+    model_dtype = next(v.dtype for k, v in state.items() if k.endswith("norm.weight"))
+    scale_dtype = scale_dtype or (torch.float16 if fmt in ("gptq", "awq") else model_dtype)
+    out = {}
+    norms: dict[str, torch.Tensor] = {}  # act_order: one input order per input (q/k/v share it, gate/up too)
+    for key, w in state.items():
+        if _LINEAR.match(key):
+            norms[_input_of(key)] = norms.get(_input_of(key), 0) + w.float().pow(2).sum(0)
+    for key, w in state.items():
+        if not _LINEAR.match(key):
+            out[key] = w
+            continue
+        module = key[: -len(".weight")]
+        order = torch.argsort(norms[_input_of(key)], descending=True, stable=True) if act_order else None
+        tensors = _quantize(w, fmt, bits, group, symmetric, order, scale_dtype)
+        out.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config["quantization_config"] = _config(fmt, bits, group, symmetric, act_order)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(src):
+        if name != "config.json" and not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            source = os.path.join(src, name)
+            if os.path.isfile(source):
+                shutil.copy(source, os.path.join(dst, name))
+    return dst
+
+
+def _input_of(key: str) -> str:
+    """Linears reading the same input share one name: their activation order is one."""
+    return re.sub(r"\.(q|k|v)_proj\.", ".qkv.", re.sub(r"\.(gate|up)_proj\.", ".gate_up.", key))
+
+
+def _scheme(fmt: str, bits: int, group: int | None, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if fmt == "float-quantized":
+        weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+        acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+        return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+    strategy = "group" if group else "channel"
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
+    return QuantizationScheme(targets=["Linear"], weights=weights)
+
+
+def _config(fmt: str, bits: int, group: int | None, symmetric: bool, act_order: bool) -> dict:
+    if fmt in ("pack-quantized", "int-quantized", "float-quantized"):
+        from compressed_tensors.quantization import QuantizationConfig
+
+        config = QuantizationConfig(config_groups={"group_0": _scheme(fmt, bits, group, symmetric)},
+                                    format=fmt, ignore=["lm_head"], quantization_status="compressed")
+        return json.loads(json.dumps(config.model_dump(), default=str))
+    if fmt == "fp8-block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group or -1, "desc_act": act_order,
+                "sym": symmetric, "checkpoint_format": "gptq"}
+    return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+
+
+def _quantize(w: torch.Tensor, fmt: str, bits: int, group: int | None, symmetric: bool, order: torch.Tensor | None,
+              scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    n, k = w.shape
+    w = w.float()
+    if fmt == "float-quantized":
+        from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+
+        scale = (w.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+        scheme = _scheme(fmt, bits, group, symmetric)
+        return dict(FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme))
+    if fmt == "fp8-block":
+        rows, cols = -(-n // 128), -(-k // 128)
+        padded = torch.zeros(rows * 128, cols * 128)
+        padded[:n, :k] = w
+        blocks = padded.view(rows, 128, cols, 128)
+        scale = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12)
+        values = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(rows * 128, cols * 128)[:n, :k]
+        return {"weight": values.to(torch.float8_e4m3fn), "weight_scale_inv": scale}
+    if group and k % group:
+        raise ValueError(f"group: {group} does not divide the {k} input columns; choose a group size that does")
+    if order is not None and fmt != "gptq":
+        raise ValueError("act_order: only the gptq format is written with an activation order (desc_act)")
+    perm = order  # columns of larger norm first, as GPTQ's desc_act orders by the Hessian's diagonal
+    if perm is not None:
+        w = w[:, perm]
+    scale, zero = int_scales(w, bits, group, symmetric)
+    if fmt == "gptq":  # v1 stores zero points minus one: keep the unsigned zero >= 1
+        zero = zero.clamp(min=1 - 2 ** (bits - 1))
+    scale = scale.to(scale_dtype).float()  # round to the stored dtype first: the values use the stored scales
+    values = int_values(w, scale, zero, bits)
+    if fmt in ("pack-quantized", "int-quantized"):
+        from compressed_tensors.compressors.base import BaseCompressor
+
+        tensors = {"weight": w, "weight_scale": scale.to(scale_dtype)}
+        if not symmetric:
+            tensors["weight_zero_point"] = zero
+        compressor = BaseCompressor.load_from_registry(fmt)
+        return dict(compressor.compress(tensors, _scheme(fmt, bits, group, symmetric)))
+    g = group or k
+    zero_stored = zero if symmetric is False else torch.zeros_like(zero)
+    if fmt == "gptq":
+        if perm is not None:
+            inverse = torch.argsort(perm)
+            values = values[:, inverse]
+            g_idx = (torch.arange(k) // g)[inverse]
+        else:
+            g_idx = torch.arange(k) // g
+        return {"qweight": pack_to_int32(values.t().contiguous(), bits, packed_dim=0),
+                "qzeros": pack_to_int32((zero_stored - 1).t().contiguous(), bits),  # v1: stored minus one
+                "scales": scale.t().to(scale_dtype), "g_idx": g_idx.to(torch.int32)}
+    order = torch.arange(n).view(-1, 8)[:, _AWQ_ORDER].reshape(-1)
+    return {"qweight": pack_to_int32(values.t()[:, order].contiguous(), bits),
+            "qzeros": pack_to_int32(zero_stored.t()[:, order].contiguous(), bits),
+            "scales": scale.t().to(scale_dtype)}

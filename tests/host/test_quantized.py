@@ -1,0 +1,318 @@
+"""Quantized checkpoints (graphdecode/models/quant): every format written from a float model (by the
+compressed-tensors library where it writes them, by hand after the published layouts otherwise), dequantized
+bit for bit like the reference, run quantized by the engine like its dequantized float weights, split over
+two ranks, and refused clearly where malformed or unsupported."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.models.loader import load_model
+from graphdecode.models.model_config import load_model_config, parse_model_config
+from graphdecode.models.quant import formats
+from graphdecode.models.quant.config import parse_quant_config
+from graphdecode.models.quant.linear import QuantizedWeight
+from graphdecode.models.quant.rtn import quantize_checkpoint
+from graphdecode.models.quant.tensor import QuantizedTensor
+from tests.helpers import SMALL_ENGINE, edit_tensors, random_prompts, rewrite_config
+
+SOURCE = "llama_gqa_llama3"  # hidden 64, intermediate 128: groups of 32 divide every width
+# (format, bits, group, symmetric, act_order)
+CASES = {
+    "ct-w4-group": ("pack-quantized", 4, 32, True, False),
+    "ct-w4-group-asym": ("pack-quantized", 4, 32, False, False),
+    "ct-w8-channel": ("pack-quantized", 8, None, True, False),
+    "ct-int8-asym": ("int-quantized", 8, None, False, False),
+    "ct-int8-group": ("int-quantized", 8, 32, True, False),
+    "ct-fp8-channel": ("float-quantized", 8, None, True, False),
+    "fp8-block": ("fp8-block", 8, None, True, False),
+    "gptq-w4": ("gptq", 4, 32, True, False),
+    "gptq-w4-desc-act": ("gptq", 4, 32, False, True),
+    "gptq-w8": ("gptq", 8, 32, True, False),
+    "awq-w4": ("awq", 4, 32, False, False),
+}
+KERNELS = {  # the CPU kernel each case runs on
+    "ct-w4-group": "int4_groups", "ct-w4-group-asym": "int4_groups", "ct-w8-channel": "int8_rows",
+    "ct-int8-asym": "int8_rows", "ct-int8-group": "dequantize", "ct-fp8-channel": "dequantize",
+    "fp8-block": "dequantize", "gptq-w4": "int4_groups", "gptq-w4-desc-act": "int4_groups",
+    "gptq-w8": "dequantize", "awq-w4": "int4_groups",
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_models, tmp_path_factory):
+    """case -> (its quantized directory, a float directory holding the reference dequantization)."""
+    root = tmp_path_factory.mktemp("quantized")
+    src = tiny_models[SOURCE]
+    out = {}
+    for case, (fmt, bits, group, symmetric, act_order) in CASES.items():
+        qdir = quantize_checkpoint(src, str(root / case), fmt, bits, group, symmetric, act_order)
+        out[case] = (qdir, _reference_checkpoint(src, qdir, str(root / f"{case}-float")))
+    return out
+
+
+# -------------------------------------------------------------------- the reference dequantizations
+def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned values of 32-bit words, value j of a word at bits [j * bits, (j + 1) * bits), along `dim`."""
+    per = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    parts = [(w >> (bits * j)) & ((1 << bits) - 1) for j in range(per)]
+    return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _reference(module: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    """One linear's float weight [N, K] from its checkpoint tensors, after each format's published layout
+    (compressed-tensors: its own decompressor)."""
+    quant = config["quantization_config"]
+    method = quant["quant_method"]
+    if method == "compressed-tensors":
+        from compressed_tensors.compressors.base import BaseCompressor
+        from compressed_tensors.quantization import QuantizationScheme
+
+        group = quant["config_groups"]["group_0"]
+        scheme = QuantizationScheme.model_validate(group)
+        return BaseCompressor.load_from_registry(quant["format"]).decompress(dict(module), scheme)["weight"]
+    if method == "fp8":
+        scale = module["weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        n, k = module["weight"].shape
+        return module["weight"].to(scale.dtype) * scale[:n, :k]
+    bits, scales = quant["bits"], module["scales"]
+    if method == "gptq":
+        u = _unpack_words(module["qweight"], bits, 0)  # [K, N]
+        z = _unpack_words(module["qzeros"], bits, 1) + (1 if quant["checkpoint_format"] == "gptq" else 0)
+        g = module["g_idx"].long()
+        w = (u.to(scales.dtype) - z[g].to(scales.dtype)) * scales[g]
+        return w.t()
+    order = [0, 2, 4, 6, 1, 3, 5, 7]  # awq: nibble i of a word holds column order[i] of its 8
+    words = module["qweight"]
+    u = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
+    zeros = torch.empty(module["qzeros"].shape[0], u.shape[1], dtype=torch.int64)
+    for i, col in enumerate(order):
+        u[:, col::8] = (words.to(torch.int64) >> (4 * i)) & 0xF
+        zeros[:, col::8] = (module["qzeros"].to(torch.int64) >> (4 * i)) & 0xF
+    g = torch.arange(u.shape[0]) // quant["group_size"]
+    return ((u.to(scales.dtype) - zeros[g].to(scales.dtype)) * scales[g]).t()
+
+
+def _modules(qdir: str) -> dict[str, dict[str, torch.Tensor]]:
+    tensors = load_file(os.path.join(qdir, "model.safetensors"))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, _, suffix = key.rpartition(".")
+        out.setdefault(module, {})[suffix] = t
+    return out
+
+
+def _reference_checkpoint(src: str, qdir: str, dst: str) -> str:
+    """A float copy of `src` whose linears hold the reference dequantization of `qdir`'s."""
+    with open(os.path.join(qdir, "config.json")) as f:
+        config = json.load(f)
+    modules = _modules(qdir)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    for key in state:
+        module = key[: -len(".weight")]
+        quantized_parts = ("weight_scale", "scales", "weight_scale_inv")
+        if key.endswith(".weight") and any(part in modules.get(module, {}) for part in quantized_parts):
+            state[key] = _reference(modules[module], config).float().contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(state, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        raw = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return dst
+
+
+# ------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", list(CASES))
+def test_dequantized_weights_equal_the_reference_bit_for_bit(quantized, case):
+    qdir, _ = quantized[case]
+    cfg = load_model_config(qdir)
+    with open(os.path.join(qdir, "config.json")) as f:
+        config = json.load(f)
+    modules = _modules(qdir)
+    checked = 0
+    for module, tensors in modules.items():
+        scheme = cfg.weight_quant.scheme_for(module)
+        if not any(part in tensors for part in ("weight_scale", "scales", "weight_scale_inv")):
+            continue  # not a quantized linear
+        want = _reference(tensors, config)
+        n, k = want.shape
+        qt = formats.read(scheme, tensors, module, n, k, qdir)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(qt.dequantize(dtype), want.to(dtype)), (module, dtype)
+        checked += 1
+    assert checked == 14  # 7 linears x 2 layers
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_kernels_equal_a_float_matmul_of_the_dequantized_weights(quantized, case):
+    qdir, _ = quantized[case]
+    cfg = load_model_config(qdir)
+    with open(os.path.join(qdir, "config.json")) as f:
+        config = json.load(f)
+    modules = _modules(qdir)
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(qdir, cfg, dtype, torch.device("cpu"), 64)
+        linears = [(n, m) for n, m in model.named_modules() if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+                                                                            "down_proj"))]
+        assert len(linears) == 8
+        for name, linear in linears:
+            weight = linear.packed
+            assert isinstance(weight, QuantizedWeight) and weight.kernel == KERNELS[case]
+            assert linear.weight.numel() == 0  # no float copy
+            parent, own = name.rsplit(".", 1)
+            parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+            reference = torch.cat([_reference(modules[f"{parent}.{p}"], config) for p in parts.get(own, [own])])
+            for rows in (1, 5):
+                x = torch.randn(rows, weight.in_features).to(dtype)
+                want = F.linear(x.float(), reference.float())
+                got = weight(x).float()
+                # the int kernels take bf16 activations (W8A16 / W4A16): their rounding, relative to |x||w|
+                bound = (x.float().abs() @ reference.float().abs().t()).amax()
+                tolerance = 1e-5 if weight.kernel == "dequantize" and dtype == torch.float32 else 8e-3
+                assert (got - want).abs().max() <= tolerance * bound, (case, name, dtype, rows)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_runs_each_format_like_its_dequantized_float_weights(quantized, case):
+    """Teacher-forced logprobs of the quantized engine against the float engine on the reference dequantization:
+    the dequantize kernels agree to float32 rounding, the bf16-activation int kernels to their rounding; greedy
+    tokens agree where the float model's margin exceeds that gap."""
+    qdir, fdir = quantized[case]
+    prompt = random_prompts(1, [40], seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+    with LLM(qdir, **SMALL_ENGINE) as q, LLM(fdir, **SMALL_ENGINE) as f:
+        (got,), (want,) = q.generate({"prompt_token_ids": prompt}, params), f.generate(
+            {"prompt_token_ids": prompt}, params)
+    gaps = [abs(got.prompt_logprobs[j][t].logprob - want.prompt_logprobs[j][t].logprob)
+            for j, t in enumerate(prompt) if j > 0]
+    tolerance = 1e-4 if KERNELS[case] == "dequantize" else 0.05
+    assert max(gaps) < tolerance, (case, max(gaps))
+    if KERNELS[case] == "dequantize":
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_quantized_weights_are_smaller(quantized):
+    sizes = {}
+    for case in ("ct-w4-group", "ct-w8-channel"):
+        model = load_model(quantized[case][0], load_model_config(quantized[case][0]), torch.float32,
+                           torch.device("cpu"), 64)
+        sizes[case] = sum(m.packed.extra_bytes for m in model.modules() if isinstance(getattr(m, "packed", None),
+                                                                                      QuantizedWeight))
+    floats = 2 * (64 * (64 + 32 + 32) + 64 * 64 + 2 * 128 * 64 + 64 * 128) * 4  # the linears' fp32 bytes
+    assert sizes["ct-w8-channel"] < floats / 3.5 and sizes["ct-w4-group"] < floats / 3.5
+
+
+@pytest.mark.parametrize("case", ["gptq-w4", "ct-w8-channel"])
+def test_tp2_shards_quantized_weights_like_tp1(quantized, case):
+    """Each rank's rows / input columns of the weights, scales and zero points: TP=2's first-step logprobs are
+    TP=1's up to the bf16 rounding of the partial sums, and its token where TP=1's margin exceeds that."""
+    qdir, _ = quantized[case]
+    prompts = random_prompts(3, [20, 9, 33], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=2)
+    engine = dict(SMALL_ENGINE, max_batch_size=4)
+    with LLM(qdir, **engine) as one, LLM(qdir, tensor_parallel_size=2, **engine) as two:
+        single = one.generate([{"prompt_token_ids": p} for p in prompts], params)
+        split = two.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for a, b in zip(single, split):
+        first, second = sorted(a.outputs[0].logprobs[0].values(), key=lambda e: e.rank)[:2]
+        top = a.outputs[0].token_ids[0]
+        assert abs(a.outputs[0].logprobs[0][top].logprob - b.outputs[0].logprobs[0][top].logprob) < 0.03
+        if first.logprob - second.logprob > 0.06:
+            assert b.outputs[0].token_ids[0] == top
+
+
+# ------------------------------------------------------------------------------------ refusals
+BASE = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("quant, field", [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits: 3 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version: 'gemv'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size: 100"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}},
+     "config_groups.g.input_activations"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                           "group_size": 16}}}}, "config_groups.g.weights.num_bits"),
+])
+def test_unsupported_schemes_are_refused_by_name(quant, field):
+    with pytest.raises(ValueError, match="quantization_config") as e:
+        parse_model_config(dict(BASE, quantization_config=quant))
+    assert field in str(e.value)
+
+
+def test_targets_and_ignore_lists():
+    config = parse_quant_config("c", {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "ignore": ["lm_head", "re:.*layers\\.1\\..*"], "config_groups": {
+        "attn": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}},
+        "rest": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                    "group_size": 32}}}})
+    assert config.scheme_for("model.layers.0.self_attn.q_proj").bits == 8
+    assert config.scheme_for("model.layers.0.mlp.down_proj").bits == 4
+    assert config.scheme_for("model.layers.1.mlp.down_proj") is None
+    assert config.scheme_for("lm_head") is None
+
+
+def _malformed(quantized, tmp_path, case: str, edit) -> str:
+    import shutil
+
+    path = str(tmp_path / case)
+    shutil.copytree(quantized[case][0], path)
+    edit_tensors(path, edit)
+    return path
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("gptq-w4", lambda t: t.pop("model.layers.0.self_attn.k_proj.scales"),
+     "'model.layers.0.self_attn.k_proj.scales' is missing"),
+    ("ct-w4-group", lambda t: t.update({"model.layers.1.mlp.up_proj.weight_scale":
+                                        t["model.layers.1.mlp.up_proj.weight_scale"][:, :1].contiguous()}),
+     "'model.layers.1.mlp.up_proj.weight_scale'.*has shape \\(128, 1\\), expected \\(128, 2\\)"),
+    ("awq-w4", lambda t: t.update({"model.layers.0.mlp.down_proj.qweight":
+                                   t["model.layers.0.mlp.down_proj.qweight"].float()}),
+     "'model.layers.0.mlp.down_proj.qweight'.*has dtype F32, expected I32"),
+    ("ct-fp8-channel", lambda t: t.update({"model.layers.0.self_attn.o_proj.weight":
+                                           t["model.layers.0.self_attn.o_proj.weight"].float()}),
+     "'model.layers.0.self_attn.o_proj.weight' \\(float-quantized fp8 per channel\\): has dtype F32, expected F8_E4M3"),
+    ("gptq-w4", lambda t: [t.pop(f"model.layers.1.mlp.up_proj.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")]
+     + [t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(128, 64)})],
+     "'model.layers.1.mlp.up_proj.weight' has dtype F32, but quantization_config \\(gptq int4 group 32\\) quantizes"),
+    ("gptq-w4", lambda t: t.update({"model.layers.0.self_attn.q_proj.scales":
+                                    t["model.layers.0.self_attn.q_proj.scales"] * float("nan")}),
+     "'model.layers.0.self_attn.q_proj.scales' holds NaN"),
+])
+def test_malformed_checkpoints_name_the_tensor(quantized, tmp_path, case, edit, message):
+    path = _malformed(quantized, tmp_path, case, edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, **SMALL_ENGINE)
+
+
+def test_a_group_size_that_does_not_divide_the_width_is_refused(quantized, tmp_path):
+    path = _malformed(quantized, tmp_path, "gptq-w4", lambda t: None)
+    rewrite_config(path, lambda raw: raw["quantization_config"].update(group_size=48))
+    with pytest.raises(ValueError, match="gptq int4 group 48\\): the group size 48 does not divide the (64|128) input"):
+        LLM(path, **SMALL_ENGINE)
+
+
+def test_activation_ordered_shards_must_share_their_order():
+    values = torch.zeros(4, 64, dtype=torch.int8)
+    scale = torch.ones(4, 2)
+    a = QuantizedTensor(values, scale, None, 32, 4, torch.arange(64))
+    b = QuantizedTensor(values, scale, None, 32, 4, torch.arange(64).flip(0))
+    with pytest.raises(ValueError, match="quantized differently"):
+        QuantizedTensor.cat([a, b], "qkv_proj")
