@@ -25,7 +25,7 @@ ending with the exact command that reruns what failed, was cut or did not fit.
   pytest_hf_parity       failures' first lines in summary.json. hf_parity and graphs run their tests
   pytest_graphs          not marked `extended` (nor `compile`)
   after the core
-  pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py and test_gpu_graphs.py
+  pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py, test_gpu_graphs.py and test_gpu_quantized.py
                        (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE)
   bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, --compile off
   bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1
@@ -95,7 +95,8 @@ PYTEST_STAGES = {  # stage: (test files, marker expression)
     "pytest_flashinfer": (("tests/gpu/test_gpu_flashinfer.py",), "gpu"),
     "pytest_hf_parity": (("tests/gpu/test_gpu_hf_parity.py",), "gpu and not extended"),
     "pytest_graphs": (("tests/gpu/test_gpu_graphs.py",), "gpu and not compile and not extended"),
-    "pytest_extended": (("tests/gpu/test_gpu_hf_parity.py", "tests/gpu/test_gpu_graphs.py"),
+    "pytest_extended": (("tests/gpu/test_gpu_hf_parity.py", "tests/gpu/test_gpu_graphs.py",
+                         "tests/gpu/test_gpu_quantized.py"),
                         "gpu and extended and not compile"),
     "pytest_compile": (("tests/gpu/test_gpu_graphs.py",), "gpu and compile"),
 }
@@ -113,7 +114,7 @@ PLAN = {
     "pytest_hf_parity": (120, 60, 10),
     "pytest_graphs": (150, 70, 10),
     # after the core
-    "pytest_extended": (150, 75, 10),
+    "pytest_extended": (200, 110, 10),
     "bench": (120, 60, 20),
     "bench_spec": (90, 45, 20),
     "pytest_compile": (150, 90, 10),
@@ -136,7 +137,8 @@ REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "open
             "bench_structured": ("outlines_core",)}  # structured outputs' compiler
 # Modules only some of a stage's tests use: installed the same way, but where still missing only
 # those tests skip (each skips itself where its import fails), not the stage.
-OPTIONAL = {"pytest_graphs": ("outlines_core",)}  # the structured-window test
+OPTIONAL = {"pytest_graphs": ("outlines_core",),  # the structured-window test
+            "pytest_extended": ("compressed_tensors",)}  # the quantized-weights test
 
 BENCH_REAL = ["--preset", "llama-3.2-1b", "--device", "cuda", "--dtype", "bfloat16", "--steps", "8",
               "--prompt-len", "128", "--gen-len", "128", "--no-baseline"]

@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.models.loader import load_model
@@ -22,6 +21,7 @@ from graphdecode.models.quant.linear import QuantizedWeight
 from graphdecode.models.quant.rtn import quantize_checkpoint
 from graphdecode.models.quant.tensor import QuantizedTensor
 from tests.helpers import SMALL_ENGINE, edit_tensors, random_prompts, rewrite_config
+from tests.quant_reference import checkpoint_modules, reference, reference_checkpoint
 
 SOURCE = "llama_gqa_llama3"  # hidden 64, intermediate 128: groups of 32 divide every width
 # (format, bits, group, symmetric, act_order)
@@ -54,80 +54,8 @@ def quantized(tiny_models, tmp_path_factory):
     out = {}
     for case, (fmt, bits, group, symmetric, act_order) in CASES.items():
         qdir = quantize_checkpoint(src, str(root / case), fmt, bits, group, symmetric, act_order)
-        out[case] = (qdir, _reference_checkpoint(src, qdir, str(root / f"{case}-float")))
+        out[case] = (qdir, reference_checkpoint(src, qdir, str(root / f"{case}-float")))
     return out
-
-
-# -------------------------------------------------------------------- the reference dequantizations
-def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values of 32-bit words, value j of a word at bits [j * bits, (j + 1) * bits), along `dim`."""
-    per = 32 // bits
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    parts = [(w >> (bits * j)) & ((1 << bits) - 1) for j in range(per)]
-    return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
-
-
-def _reference(module: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
-    """One linear's float weight [N, K] from its checkpoint tensors, after each format's published layout
-    (compressed-tensors: its own decompressor)."""
-    quant = config["quantization_config"]
-    method = quant["quant_method"]
-    if method == "compressed-tensors":
-        from compressed_tensors.compressors.base import BaseCompressor
-        from compressed_tensors.quantization import QuantizationScheme
-
-        group = quant["config_groups"]["group_0"]
-        scheme = QuantizationScheme.model_validate(group)
-        return BaseCompressor.load_from_registry(quant["format"]).decompress(dict(module), scheme)["weight"]
-    if method == "fp8":
-        scale = module["weight_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
-        n, k = module["weight"].shape
-        return module["weight"].to(scale.dtype) * scale[:n, :k]
-    bits, scales = quant["bits"], module["scales"]
-    if method == "gptq":
-        u = _unpack_words(module["qweight"], bits, 0)  # [K, N]
-        z = _unpack_words(module["qzeros"], bits, 1) + (1 if quant["checkpoint_format"] == "gptq" else 0)
-        g = module["g_idx"].long()
-        w = (u.to(scales.dtype) - z[g].to(scales.dtype)) * scales[g]
-        return w.t()
-    order = [0, 2, 4, 6, 1, 3, 5, 7]  # awq: nibble i of a word holds column order[i] of its 8
-    words = module["qweight"]
-    u = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.int64)
-    zeros = torch.empty(module["qzeros"].shape[0], u.shape[1], dtype=torch.int64)
-    for i, col in enumerate(order):
-        u[:, col::8] = (words.to(torch.int64) >> (4 * i)) & 0xF
-        zeros[:, col::8] = (module["qzeros"].to(torch.int64) >> (4 * i)) & 0xF
-    g = torch.arange(u.shape[0]) // quant["group_size"]
-    return ((u.to(scales.dtype) - zeros[g].to(scales.dtype)) * scales[g]).t()
-
-
-def _modules(qdir: str) -> dict[str, dict[str, torch.Tensor]]:
-    tensors = load_file(os.path.join(qdir, "model.safetensors"))
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        module, _, suffix = key.rpartition(".")
-        out.setdefault(module, {})[suffix] = t
-    return out
-
-
-def _reference_checkpoint(src: str, qdir: str, dst: str) -> str:
-    """A float copy of `src` whose linears hold the reference dequantization of `qdir`'s."""
-    with open(os.path.join(qdir, "config.json")) as f:
-        config = json.load(f)
-    modules = _modules(qdir)
-    state = load_file(os.path.join(src, "model.safetensors"))
-    for key in state:
-        module = key[: -len(".weight")]
-        quantized_parts = ("weight_scale", "scales", "weight_scale_inv")
-        if key.endswith(".weight") and any(part in modules.get(module, {}) for part in quantized_parts):
-            state[key] = _reference(modules[module], config).float().contiguous()
-    os.makedirs(dst, exist_ok=True)
-    save_file(state, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        raw = json.load(f)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(raw, f)
-    return dst
 
 
 # ------------------------------------------------------------------------------------- tests
@@ -137,13 +65,13 @@ def test_dequantized_weights_equal_the_reference_bit_for_bit(quantized, case):
     cfg = load_model_config(qdir)
     with open(os.path.join(qdir, "config.json")) as f:
         config = json.load(f)
-    modules = _modules(qdir)
+    modules = checkpoint_modules(qdir)
     checked = 0
     for module, tensors in modules.items():
         scheme = cfg.weight_quant.scheme_for(module)
         if not any(part in tensors for part in ("weight_scale", "scales", "weight_scale_inv")):
             continue  # not a quantized linear
-        want = _reference(tensors, config)
+        want = reference(tensors, config)
         n, k = want.shape
         qt = formats.read(scheme, tensors, module, n, k, qdir)
         for dtype in (torch.float32, torch.bfloat16):
@@ -158,11 +86,11 @@ def test_packed_kernels_equal_a_float_matmul_of_the_dequantized_weights(quantize
     cfg = load_model_config(qdir)
     with open(os.path.join(qdir, "config.json")) as f:
         config = json.load(f)
-    modules = _modules(qdir)
+    modules = checkpoint_modules(qdir)
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         model = load_model(qdir, cfg, dtype, torch.device("cpu"), 64)
-        linears = [(n, m) for n, m in model.named_modules() if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+        linears = [(n, m) for n, m in model.namedcheckpoint_modules() if n.endswith(("qkv_proj", "o_proj", "gate_up_proj",
                                                                             "down_proj"))]
         assert len(linears) == 8
         for name, linear in linears:
@@ -171,7 +99,7 @@ def test_packed_kernels_equal_a_float_matmul_of_the_dequantized_weights(quantize
             assert linear.weight.numel() == 0  # no float copy
             parent, own = name.rsplit(".", 1)
             parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-            reference = torch.cat([_reference(modules[f"{parent}.{p}"], config) for p in parts.get(own, [own])])
+            reference = torch.cat([reference(modules[f"{parent}.{p}"], config) for p in parts.get(own, [own])])
             for rows in (1, 5):
                 x = torch.randn(rows, weight.in_features).to(dtype)
                 want = F.linear(x.float(), reference.float())
