@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 11
+ABI_VERSION = 12
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -59,6 +59,9 @@ class CpuKernels:
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
+        self._qpanel = self._lib.graphdecode_cpu_qpanel_linear
+        self._qpanel.restype = ctypes.c_int
+        self._qpanel.argtypes = [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32]
         self._write_kv = self._lib.graphdecode_cpu_write_kv
         self._write_kv.restype = ctypes.c_int
         self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32]
@@ -208,6 +211,30 @@ class CpuKernels:
                 _threads(threads), _DTYPES[x.dtype]):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
+        return y.view(*lead, out_features)
+
+    QUANT_KINDS = {"int8": 0, "int4": 1, "fp8": 2}
+
+    def qpanel_linear(self, x, panels, kind: str, scales, offsets, group: int, out_features: int, bias=None,
+                      threads: int | None = None):
+        """x [..., K] @ W^T (+ bias) -> new [..., N], W quantized in panels of bytes (csrc/cpu_qlinear.cpp; kind
+        int8, int4 or fp8): panels [ceil(N / 64), K (int4: K / 2), 64] uint8, scales and offsets (or None)
+        [ceil(N / 64), K / group, 64] float32; x, bias and the result float32 or bf16."""
+        x = _ready(x)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+        rows = k // 2 if kind == "int4" else k
+        if x.dtype not in _DTYPES or panels.dtype != torch.uint8 or panels.shape[1] != rows or (
+                scales.dtype != torch.float32) or (bias is not None and bias.dtype != x.dtype) or self._qpanel(
+                x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), self.QUANT_KINDS[kind],
+                scales.data_ptr(), offsets.data_ptr() if offsets is not None else None, group, out_features,
+                bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features, _threads(threads),
+                _DTYPES[x.dtype]):
+            raise ValueError(f"graphdecode_cpu_qpanel_linear rejected x {tuple(x.shape)} {x.dtype}, {kind} panels "
+                             f"{tuple(panels.shape)}, group {group}, {out_features} outputs")
         return y.view(*lead, out_features)
 
     # The structured-outputs step's two pieces (token_mask.py, structured_tables.py), eager CPU windows only.

@@ -19,6 +19,8 @@ its quantized linears with bfloat16 activations, as the W8A16 / W4A16 schemes na
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,11 @@ FP8_MAX = 448.0
 def choose_kernel(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> str:
     n, k = qt.shape
     if device.type == "cpu":
+        from ...kernels.cpu import cpu_kernels
+
+        if cpu_kernels() is not None and dtype in (torch.float32, torch.bfloat16) and (qt.bits == 8 or (
+                k % _panel_group(qt) == 0 and _panel_group(qt) % 2 == 0)):
+            return "panels"
         if not qt.is_float and qt.bits == 8 and qt.group >= k:
             return "int8_rows"
         if not qt.is_float and qt.bits == 4 and qt.group in INT4_GROUPS and k % qt.group == 0:
@@ -45,6 +52,47 @@ def choose_kernel(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device)
                 and torch.cuda.get_device_capability(device) >= (8, 9)):
             return "fp8_rows_cuda"
     return "dequantize"
+
+
+PANEL = 64  # output columns per panel (csrc/cpu_qlinear.cpp)
+
+
+def _panel_group(qt: QuantizedTensor) -> int:
+    """The input columns per scale the panels use: the weight's group, or its greatest common divisor with K
+    (FP8 128-column blocks of a 576-wide weight: scales repeated per 64 columns, the same products)."""
+    k = qt.shape[1]
+    return k if qt.group >= k else math.gcd(qt.group, k)
+
+
+def _pack_panels(qt: QuantizedTensor, kind: str):
+    """(panels [P, K or K / 2, 64] uint8, scales [P, G, 64] float32, offsets likewise or None, group)."""
+    n, k = qt.shape
+    count = -(-n // PANEL)
+    if kind == "int4":
+        codes = (qt.values.to(torch.int16) + 8).to(torch.uint8)  # unsigned: q + 8
+    else:
+        codes = qt.values.view(torch.uint8)
+    padded = torch.zeros(count * PANEL, k, dtype=torch.uint8)
+    padded[:n] = codes
+    panels = padded.view(count, PANEL, k).transpose(1, 2)
+    if kind == "int4":  # two k rows a byte: the even one low
+        panels = panels[:, 0::2] | (panels[:, 1::2] << 4)
+    group = _panel_group(qt)
+    repeat = 1 if qt.group >= k else qt.group // group
+    scale = qt.scale.float()[:, : -(-k // qt.group) if qt.group < k else 1].repeat_interleave(repeat, dim=1)
+    scale = scale[:, : k // group]
+
+    def by_panel(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(count * PANEL, t.shape[1], dtype=torch.float32)
+        out[:n] = t
+        return out.view(count, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+    offsets = None
+    if kind == "int4" or qt.zero is not None:  # (q - z) s = q s - z s, int4 stored as q + 8
+        zero = qt.zero.float() if qt.zero is not None else torch.zeros_like(qt.scale, dtype=torch.float32)
+        zero = zero[:, : scale.shape[1] // repeat if repeat > 1 else scale.shape[1]].repeat_interleave(repeat, 1)
+        offsets = by_panel((zero + (8 if kind == "int4" else 0)) * scale)
+    return panels.contiguous(), by_panel(scale), offsets, group
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -82,6 +130,12 @@ class QuantizedWeight(CpuWeight):
             else:
                 u8 = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
                 self.packed = torch.ops.aten._convert_weight_to_int4pack(u8.to(device).contiguous(), 8)
+        elif self.kernel == "panels":
+            from ...kernels.cpu import cpu_kernels
+
+            self.kernels = cpu_kernels()
+            self.kind = "fp8" if qt.is_float else f"int{qt.bits}"
+            self.panels, self.panel_scales, self.panel_offsets, self.group = _pack_panels(qt, self.kind)
         elif self.kernel == "fp8_rows_cuda":
             self.values = _aligned(qt.values.to(device))
             self.scale = qt.scale[:, 0].float().to(device).view(1, -1).contiguous()
@@ -91,17 +145,21 @@ class QuantizedWeight(CpuWeight):
     @property
     def extra_bytes(self) -> int:
         held = [getattr(self, name, None) for name in ("values", "scale", "row_zero", "scales_and_zeros", "packed",
-                                                        "perm")]
+                                                        "perm", "panels", "panel_scales", "panel_offsets")]
         total = sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
         return total + (self.qt.nbytes if self.qt is not None else 0)
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        if self.perm is not None:
+        if self.perm is not None and self.kernel != "dequantize":  # dequantize() restores the input order
             x = x.index_select(-1, self.perm)
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         kernel = self.kernel
+        if kernel == "panels":
+            y = self.kernels.qpanel_linear(x, self.panels, self.kind, self.panel_scales, self.panel_offsets,
+                                           self.group, self.out_features, bias)
+            return y.reshape(*shape[:-1], self.out_features)
         if kernel == "int8_rows":
             a = x.to(self.act_dtype)
             y = torch.ops.aten._weight_int8pack_mm(a, self.values, self.scale)
