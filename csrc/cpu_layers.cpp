@@ -25,6 +25,9 @@ int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out,
                          int64_t q_stride, int64_t k_stride, int32_t dtype, int32_t threads);
 int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N,
                                  const void* bias, void* y, int64_t ldy, int32_t threads, int32_t dtype);
+int graphdecode_cpu_qpanel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int32_t kind,
+                                  const float* scales, const float* zs, int64_t group, int64_t N, const void* bias,
+                                  void* y, int64_t ldy, int32_t threads, int32_t dtype);
 int graphdecode_cpu_write_kv(void* kv, const void* k, const void* v, const int64_t* slots, int64_t tokens,
                              int64_t kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride,
                              int64_t page_size, int64_t num_pages, int32_t dtype);
@@ -44,6 +47,10 @@ using namespace graphdecode_cpu;
 // SAVE: where x is copied before the layer runs (0: nowhere), [M, hidden]: the hidden states an EAGLE-3 head reads
 enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, WORDS };
 enum Real : int64_t { SCALE, SOFT_CAP, REALS };
+// Each projection's (qkv, o, gate_up, down) entries in the caller's quantization table: KIND -1 for float panels
+// (cpu_linear.cpp), else cpu_qlinear.cpp's kind with its scales, offsets (0: none) and group
+enum Projection : int64_t { P_QKV, P_O, P_GATE_UP, P_DOWN, PROJECTIONS };
+enum Quant : int64_t { KIND, SCALES, OFFSETS, GROUP, QUANT_WORDS };
 
 struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter, page_size, num_pages;
@@ -80,13 +87,22 @@ void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   }
 }
 
+// y = x W^T (+ b) with W a projection's panels, float or quantized (the quantization table's entry q)
+int project(const int64_t* q, const void* x, int64_t M, int64_t K, const void* panels, int64_t N, const void* bias,
+            void* y, int32_t threads, int32_t dtype) {
+  if (q[KIND] < 0) return graphdecode_cpu_panel_linear(x, M, K, K, panels, N, bias, y, N, threads, dtype);
+  return graphdecode_cpu_qpanel_linear(x, M, K, K, panels, int32_t(q[KIND]), ptr<float>(q[SCALES]),
+                                       ptr<float>(q[OFFSETS]), q[GROUP], N, bias, y, N, threads, dtype);
+}
+
 template <typename T>
 void add_into(T* h, const T* d, int64_t n) {
   for (int64_t i = 0; i < n; ++i) store(h + i, load(h + i) + load(d + i));
 }
 
 template <typename T>
-int layers(const Dims& s, const int64_t* words, const float* reals, int64_t num_layers, T* x, int64_t M,
+int layers(const Dims& s, const int64_t* words, const int64_t* quant, const float* reals, int64_t num_layers, T* x,
+           int64_t M,
            const int64_t* positions, const int32_t* seq_lens, const int64_t* slots, const int32_t* block_table,
            int64_t bt_stride, int64_t width, const T* cos, const T* sin, T* scratch) {
   const int64_t H = s.hidden, HD = s.head_dim, qn = s.heads * HD, kn = s.kv_heads * HD, qkv_n = qn + 2 * kn;
@@ -103,12 +119,13 @@ int layers(const Dims& s, const int64_t* words, const float* reals, int64_t num_
   int err = 0;
   for (int64_t l = 0; l < num_layers && !err; ++l) {
     const int64_t* w = words + l * WORDS;
+    const int64_t* qt = quant + l * PROJECTIONS * QUANT_WORDS;
     const float* r = reals + l * REALS;
     if (w[SAVE]) std::memcpy(reinterpret_cast<T*>(static_cast<intptr_t>(w[SAVE])), x, M * H * sizeof(T));
     err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
                                         s.threads);
-    err |= graphdecode_cpu_panel_linear(normed, M, H, H, ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv, qkv_n,
-                                        s.threads, s.dtype);
+    err |= project(qt + P_QKV * QUANT_WORDS, normed, M, H, ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv,
+                   s.threads, s.dtype);
     err |= graphdecode_cpu_rope(qkv, qkv + qn, q, k, cos, sin, positions, M, s.heads, s.kv_heads, HD, qkv_n, qkv_n,
                                 s.dtype, s.threads);
     void* kv = reinterpret_cast<void*>(static_cast<intptr_t>(w[KV]));
@@ -117,14 +134,14 @@ int layers(const Dims& s, const int64_t* words, const float* reals, int64_t num_
     err |= graphdecode_cpu_paged_attention(q, kv, block_table, bt_stride, nullptr, seq_lens, attn, M, 1, s.heads,
                                            s.kv_heads, HD, s.page_size, width, s.num_pages, r[SCALE],
                                            w[WINDOW_LEFT], r[SOFT_CAP], ptr<float>(w[SINKS]), s.dtype, s.threads);
-    err |= graphdecode_cpu_panel_linear(attn, M, qn, qn, ptr<T>(w[O]), H, nullptr, o, H, s.threads, s.dtype);
+    err |= project(qt + P_O * QUANT_WORDS, attn, M, qn, ptr<T>(w[O]), H, nullptr, o, s.threads, s.dtype);
     err |= graphdecode_cpu_add_rms_norm(x, o, ptr<T>(w[POST_NORM]), normed, total, M, H, H, s.eps, s.dtype,
                                         s.threads);
-    err |= graphdecode_cpu_panel_linear(normed, M, H, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
-                                        2 * s.inter, s.threads, s.dtype);
+    err |= project(qt + P_GATE_UP * QUANT_WORDS, normed, M, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
+                   s.threads, s.dtype);
     swiglu(gate_up, act, M, s.inter);
-    err |= graphdecode_cpu_panel_linear(act, M, s.inter, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, H, s.threads,
-                                        s.dtype);
+    err |= project(qt + P_DOWN * QUANT_WORDS, act, M, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, s.threads,
+                   s.dtype);
     std::memcpy(x, total, M * H * sizeof(T));
     add_into(x, down, M * H);
   }
@@ -144,18 +161,20 @@ int64_t graphdecode_cpu_layers_scratch(int64_t M, int64_t hidden, int64_t heads,
 
 // x [M, hidden] contiguous: the embeddings in, the last layer's output (before the final norm) out.
 // words [num_layers, WORDS] int64 and reals [num_layers, REALS] float: each layer's weights (qkv and
-// gate_up as panels, qkv_bias 0 for none), KV cache [num_pages, 2, page_size, kv_heads, head_dim], sinks (0:
+// gate_up as panels, qkv_bias 0 for none); quant [num_layers, PROJECTIONS, QUANT_WORDS] int64: how each
+// projection's panels hold it (KIND -1: float panels; else quantized panels, cpu_qlinear.cpp); KV cache [num_pages, 2, page_size, kv_heads, head_dim], sinks (0:
 // none), window_left, scale, soft_cap (0: none). positions [M] int64 (rotary table rows, each checked against
 // max_positions), seq_lens [M] int32 and slots [M] int64 as the paged kernels take them; cos / sin
 // [max_positions, head_dim]. Returns 0, or nonzero (x then undefined) for bad arguments; positions and
 // slots are checked before any work.
-int graphdecode_cpu_decoder_layers(const int64_t* words, const float* reals, int64_t num_layers, void* x, int64_t M,
+int graphdecode_cpu_decoder_layers(const int64_t* words, const int64_t* quant, const float* reals, int64_t num_layers,
+                                   void* x, int64_t M,
                                    const int64_t* positions, const int32_t* seq_lens, const int64_t* slots,
                                    const int32_t* block_table, int64_t bt_stride, int64_t width, const void* cos,
                                    const void* sin, void* scratch, int64_t hidden, int64_t heads, int64_t kv_heads,
                                    int64_t head_dim, int64_t inter, int64_t page_size, int64_t num_pages,
                                    int64_t max_positions, float eps, int32_t dtype, int32_t threads) {
-  if (!words || !reals || !x || !positions || !seq_lens || !slots || !block_table || !cos || !sin || !scratch ||
+  if (!words || !quant || !reals || !x || !positions || !seq_lens || !slots || !block_table || !cos || !sin || !scratch ||
       num_layers < 1 || M < 1 || hidden < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2 || inter < 1 ||
       threads < 1)
     return 1;
@@ -164,11 +183,11 @@ int graphdecode_cpu_decoder_layers(const int64_t* words, const float* reals, int
       return 1;
   const Dims s{hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, eps, dtype, threads};
   if (dtype == kFloat32)
-    return layers(s, words, reals, num_layers, static_cast<float*>(x), M, positions, seq_lens, slots, block_table,
+    return layers(s, words, quant, reals, num_layers, static_cast<float*>(x), M, positions, seq_lens, slots, block_table,
                   bt_stride, width, static_cast<const float*>(cos), static_cast<const float*>(sin),
                   static_cast<float*>(scratch));
   if (dtype == kBFloat16)
-    return layers(s, words, reals, num_layers, static_cast<uint16_t*>(x), M, positions, seq_lens, slots,
+    return layers(s, words, quant, reals, num_layers, static_cast<uint16_t*>(x), M, positions, seq_lens, slots,
                   block_table, bt_stride, width, static_cast<const uint16_t*>(cos), static_cast<const uint16_t*>(sin),
                   static_cast<uint16_t*>(scratch));
   return 1;

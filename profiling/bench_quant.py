@@ -9,11 +9,12 @@ Each format is SmolLM2-135M-Instruct (default) written by graphdecode's round-to
 | fp32 | the float checkpoint | float32 | F32 (the given GGUF) |
 | bf16 | the float checkpoint, dtype bfloat16 | bf16 | BF16 |
 | int8 | pack-quantized int8, one scale per row | float32 | Q8_0 (blocks of 32) |
-| int4 | pack-quantized int4, groups of 64, symmetric | float32 | Q4_0 (blocks of 32) |
+| int4 | pack-quantized int4, groups of 32, symmetric | float32 | Q4_0 (blocks of 32) |
 | fp8 | float-quantized FP8 E4M3, one scale per row | float32 | - |
 
-The embedding (and the tied LM head) stays float in graphdecode's checkpoints; llama.cpp's `llama-quantize`
-quantizes it too (Q8_0: in Q8_0; Q4_0: in Q6_K / Q8_0, its defaults).
+The quantized checkpoints quantize the LM head too (int8 per row; FP8 for fp8), written untied from the
+embedding, which stays float (only its rows are read); llama.cpp's `llama-quantize` quantizes its output tensor
+too (Q8_0 in Q8_0, Q6_K in Q4_0).
 
 Decode is profiling/bench_cpu_peers.py's measurement (its worker and its llama.cpp runner): 128-token random
 prompts, 128 greedy tokens, decode tokens/s = batch * 127 / (full run - prefill-only run), engines alternating
@@ -44,9 +45,11 @@ FORMATS = {  # name -> (dtype, rtn arguments (format, bits, group, symmetric) or
     "fp32": ("float32", None, "F32"),
     "bf16": ("bfloat16", None, "BF16"),
     "int8": ("float32", ("pack-quantized", 8, None, True), "Q8_0"),
-    "int4": ("float32", ("pack-quantized", 4, 64, True), "Q4_0"),
+    "int4": ("float32", ("pack-quantized", 4, 32, True), "Q4_0"),
     "fp8": ("float32", ("float-quantized", 8, None, True), None),
 }
+# every quantized format also quantizes the LM head (int8, FP8 for fp8; untied from the embedding), as
+# llama-quantize does (its output tensor: Q8_0 in Q8_0, Q6_K in Q4_0)
 
 TEXT = """The lighthouse stood at the end of a long stone pier, and for most of the year nobody paid it much
 attention. Fishermen used it to judge the weather: when the spray reached the lamp room, the boats stayed in
@@ -81,7 +84,7 @@ def checkpoint(args, name: str) -> str:
 
     path = os.path.join(args.work, f"{os.path.basename(os.path.normpath(args.model))}-{name}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        quantize_checkpoint(args.model, path, *rtn)
+        quantize_checkpoint(args.model, path, *rtn, quantize_head=True)
     return path
 
 

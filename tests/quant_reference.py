@@ -19,7 +19,7 @@ def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return torch.stack(parts, dim=dim + 1).flatten(dim, dim + 1)
 
 
-def reference(module: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+def reference(module: dict[str, torch.Tensor], config: dict, name: str = "") -> torch.Tensor:
     """One linear's float weight [N, K] from its checkpoint tensors, after each format's published layout
     (compressed-tensors: its own decompressor)."""
     quant = config["quantization_config"]
@@ -28,7 +28,8 @@ def reference(module: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
         from compressed_tensors.compressors.base import BaseCompressor
         from compressed_tensors.quantization import QuantizationScheme
 
-        group = quant["config_groups"]["group_0"]
+        groups = quant["config_groups"].values()  # a group naming the module, else the "Linear" one
+        group = next((g for g in groups if name in g["targets"]), next(g for g in groups if "Linear" in g["targets"]))
         scheme = QuantizationScheme.model_validate(group)
         return BaseCompressor.load_from_registry(quant["format"]).decompress(dict(module), scheme)["weight"]
     if method == "fp8":
@@ -63,20 +64,19 @@ def checkpoint_modules(qdir: str) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def reference_checkpoint(src: str, qdir: str, dst: str) -> str:
-    """A float copy of `src` whose linears hold the reference dequantization of `qdir`'s."""
+    """A float copy of `src` whose linears hold the reference dequantization of `qdir`'s (a head that `qdir`
+    quantized, untied, becomes a float lm_head)."""
     with open(os.path.join(qdir, "config.json")) as f:
         config = json.load(f)
     modules = checkpoint_modules(qdir)
     state = load_file(os.path.join(src, "model.safetensors"))
-    for key in state:
-        module = key[: -len(".weight")]
-        quantized_parts = ("weight_scale", "scales", "weight_scale_inv")
-        if key.endswith(".weight") and any(part in modules.get(module, {}) for part in quantized_parts):
-            state[key] = reference(modules[module], config).float().contiguous()
+    quantized_parts = ("weight_scale", "scales", "weight_scale_inv")
+    for module, tensors in modules.items():
+        if any(part in tensors for part in quantized_parts):
+            state[f"{module}.weight"] = reference(tensors, config, module).float().contiguous()
     os.makedirs(dst, exist_ok=True)
     save_file(state, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        raw = json.load(f)
+    raw = {k: v for k, v in config.items() if k != "quantization_config"}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(raw, f)
     return dst

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 12
+ABI_VERSION = 13
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -71,7 +71,7 @@ class CpuKernels:
             _F32, _I64, _P, _I32, _I32]
         self._layers = self._lib.graphdecode_cpu_decoder_layers
         self._layers.restype = ctypes.c_int
-        self._layers.argtypes = [_P, _P, _I64, _P, _I64] + [_P] * 4 + [_I64, _I64] + [_P] * 3 + [_I64] * 8 + [
+        self._layers.argtypes = [_P, _P, _P, _I64, _P, _I64] + [_P] * 4 + [_I64, _I64] + [_P] * 3 + [_I64] * 8 + [
             _F32, _I32, _I32]
         self._layers_scratch = self._lib.graphdecode_cpu_layers_scratch
         self._layers_scratch.restype = ctypes.c_int64
@@ -131,8 +131,9 @@ class CpuKernels:
         """Elements of scratch `decoder_layers` needs for `rows` rows."""
         return self._layers_scratch(rows, hidden, heads, kv_heads, head_dim, inter)
 
-    def decoder_layers(self, words, reals, num_layers: int, x, positions, seq_lens, slots, block_table, cos, sin,
-                       scratch, dims, page_size: int, num_pages: int, eps: float, threads: int | None = None) -> None:
+    def decoder_layers(self, words, quant, reals, num_layers: int, x, positions, seq_lens, slots, block_table, cos,
+                       sin, scratch, dims, page_size: int, num_pages: int, eps: float,
+                       threads: int | None = None) -> None:
         """A decode step's Llama layers in one call (csrc/cpu_layers.cpp; models/cpu_decode.py builds the
         tables): x [M, hidden] contiguous, in place. A position past the rotary table or a slot outside the
         cache is a ValueError before any work."""
@@ -142,8 +143,9 @@ class CpuKernels:
         seq_lens = _dense(seq_lens, torch.int32)
         if (x.shape != (rows, hidden) or not x.is_contiguous() or positions.shape != (rows,) or slots.shape != (rows,)
                 or seq_lens.shape != (rows,) or block_table.stride(1) != 1 or block_table.dtype != torch.int32
-                or scratch.numel() < self.layers_scratch(rows, *dims) or words.shape[0] < num_layers) or self._layers(
-                words.data_ptr(), reals.data_ptr(), num_layers, x.data_ptr(), rows, positions.data_ptr(),
+                or scratch.numel() < self.layers_scratch(rows, *dims) or words.shape[0] < num_layers
+                or quant.shape[0] < num_layers or quant.dtype != torch.int64) or self._layers(
+                words.data_ptr(), quant.data_ptr(), reals.data_ptr(), num_layers, x.data_ptr(), rows, positions.data_ptr(),
                 seq_lens.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), hidden, heads, kv_heads,
                 head_dim, inter, page_size, num_pages, cos.shape[0], eps, _DTYPES.get(x.dtype, -1), _threads(threads)):

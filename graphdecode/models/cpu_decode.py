@@ -8,7 +8,8 @@ except SwiGLU's exp (the library's polynomial where torch uses Sleef's; both abo
 
 It applies to plain Llama-style layers (the RMSNorm and full rotary the CPU kernels take, fused qkv with or
 without a bias, no o_proj bias, SwiGLU, no MoE, no qk-norm, no sandwich norms, one rank), with every
-projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights), for decode steps (one query per
+projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights) or a quantized linear on its CPU
+panels (quant/linear.py, int8 / int4 / FP8, in the input's order), for decode steps (one query per
 row) and speculative verify forwards, of at most PANEL_ROWS query rows (bf16: 8, MIN_ROWS), outside compiled
 graphs, with the CPU attention kernel. A verify of Q queries per sequence runs as Q decode rows over the
 sequence's block table, each with its own position, slot and KV length (position + 1): each layer writes every
@@ -24,8 +25,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cpu_linear import PanelWeight
+from .cpu_linear import PANEL_ROWS, PanelWeight
 from .layers import GatedActivation, RMSNorm
+from .quant.linear import QuantizedWeight
 
 # The driver runs the panels up to max(PanelWeight.rows, MIN_ROWS) rows. bf16: oneDNN's bf16 GEMM beats the
 # panels from 8 rows in the layer-by-layer forward, but by less than the one call saves there (SmolLM2 bf16, two
@@ -34,7 +36,22 @@ MIN_ROWS = {torch.bfloat16: 8}
 WORDS = 11  # csrc/cpu_layers.cpp's Word entries per layer
 SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
 REALS = 2  # and its Real entries
+QUANT_WORDS = 4  # csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _runs_here(weight) -> bool:
+    """A projection the driver runs: float panels, or quantized panels in the input's order."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.kernel == "panels" and weight.perm is None
+    return isinstance(weight, PanelWeight)
+
+
+def _quant_words(weight) -> list[int]:
+    if not isinstance(weight, QuantizedWeight):
+        return [-1, 0, 0, 0]
+    offsets = weight.panel_offsets.data_ptr() if weight.panel_offsets is not None else 0
+    return [weight.kernels.QUANT_KINDS[weight.kind], weight.panel_scales.data_ptr(), offsets, weight.group]
 
 
 class CpuDecodeLayers:
@@ -44,13 +61,17 @@ class CpuDecodeLayers:
         cfg = model.config
         first = layers[0].self_attn
         self.kernels = kernels
-        self.rows = max(first.qkv_proj.packed.rows, MIN_ROWS.get(rotary.cos.dtype, 0))
+        panel_rows = getattr(first.qkv_proj.packed, "rows", PANEL_ROWS[torch.float32])  # quantized: float32's
+        self.rows = max(panel_rows, MIN_ROWS.get(rotary.cos.dtype, 0))
         self.rotary = rotary
         self.dims = (cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
         self.dtype = rotary.cos.dtype
         self.num_layers = len(layers)
         self.words = torch.zeros(len(layers), WORDS, dtype=torch.int64)
+        self.quant = torch.tensor([[_quant_words(p.packed) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                                   for layer in layers], dtype=torch.int64)
         self.reals = torch.zeros(len(layers), REALS, dtype=torch.float32)
         self._keep = []  # tensors whose pointers the table holds
         for i, layer in enumerate(layers):
@@ -88,7 +109,7 @@ class CpuDecodeLayers:
             if (attn.qk_norm or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, GatedActivation)
                     or mlp.act.act != "silu" or attn.o_proj.bias is not None
                     or any(not isinstance(n, RMSNorm) or n.kernels is None for n in norms)
-                    or any(not isinstance(p.packed, PanelWeight) for p in
+                    or any(not _runs_here(p.packed) for p in
                            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
                 return None
         return cls(model, kernels)
@@ -130,7 +151,7 @@ class CpuDecodeLayers:
         for j, layer in enumerate(stops):
             words[layer, SAVE] = saved[j].data_ptr()
         self.kernels.decoder_layers(
-            self.words, self.reals, self.num_layers, x, positions, seq_lens,
+            self.words, self.quant, self.reals, self.num_layers, x, positions, seq_lens,
             slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
             kv.shape[2], kv.shape[0], self.eps)
         return x, saved.transpose(0, 1).reshape(rows, -1) if stops else None

@@ -138,6 +138,46 @@ def test_engine_runs_each_format_like_its_dequantized_float_weights(quantized, c
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("case", ["ct-w4-group-asym", "ct-int8-asym", "ct-fp8-channel", "gptq-w4-desc-act"])
+def test_decode_steps_in_one_call_give_the_eager_forwards_tokens(quantized, case):
+    """Quantized panels in the one-call decode layers (csrc/cpu_layers.cpp) where the input order is the
+    checkpoint's (an act-order weight gathers its input: the eager forward runs it)."""
+    qdir, _ = quantized[case]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [20, 9, 33], seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    with LLM(qdir, **SMALL_ENGINE) as llm:
+        model = llm.engine.runner.model
+        assert (model.cpu_decode is not None) == (case != "gptq-w4-desc-act")
+        one_call = llm.generate(prompts, params)
+        model.cpu_decode = None
+        eager = llm.generate(prompts, params)
+    for a, b in zip(one_call, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+@pytest.mark.parametrize("fmt, bits, group", [("pack-quantized", 4, 32), ("float-quantized", 8, None)])
+def test_a_quantized_head_untied_from_its_embedding(tiny_models, tmp_path, fmt, bits, group):
+    """quantize_head writes a tied model's head as its own quantized lm_head (a name-targeted config group, which
+    takes precedence over "Linear"): the engine runs it on the head's panels like the float lm_head."""
+    src = tiny_models["qwen2_tied"]
+    qdir = quantize_checkpoint(src, str(tmp_path / "q"), fmt, bits, group, quantize_head=True)
+    fdir = reference_checkpoint(src, qdir, str(tmp_path / "f"))
+    cfg = load_model_config(qdir)
+    assert not cfg.tie_word_embeddings and cfg.weight_quant.scheme_for("lm_head").bits == 8
+    assert cfg.weight_quant.scheme_for("model.layers.0.mlp.up_proj").bits == bits
+    prompt = random_prompts(1, [30], seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0)
+    with LLM(qdir, **SMALL_ENGINE) as q, LLM(fdir, **SMALL_ENGINE) as f:
+        assert isinstance(q.engine.runner.model.packed_head, QuantizedWeight)
+        (got,), (want,) = q.generate({"prompt_token_ids": prompt}, params), f.generate(
+            {"prompt_token_ids": prompt}, params)
+    gaps = [abs(got.prompt_logprobs[j][t].logprob - want.prompt_logprobs[j][t].logprob)
+            for j, t in enumerate(prompt) if j > 0]
+    assert max(gaps) < 2e-3 and got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_quantized_weights_are_smaller(quantized):
     sizes = {}
     for case in ("ct-w4-group", "ct-w8-channel"):

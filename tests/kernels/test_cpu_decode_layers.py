@@ -213,7 +213,7 @@ def test_bad_positions_and_slots_are_refused_before_any_work(tiny_models, panels
                 dict(slots=torch.tensor([-1]))):
         args = dict(good, **bad)
         with pytest.raises(ValueError, match="decoder_layers rejected"):
-            layers.kernels.decoder_layers(layers.words, layers.reals, layers.num_layers, x, args["positions"],
-                                          args["seq_lens"], args["slots"], table, layers.rotary.cos,
+            layers.kernels.decoder_layers(layers.words, layers.quant, layers.reals, layers.num_layers, x,
+                                          args["positions"], args["seq_lens"], args["slots"], table, layers.rotary.cos,
                                           layers.rotary.sin, scratch, layers.dims, PAGE, 8, layers.eps)
         assert torch.equal(x, before) and all(torch.equal(c, k) for c, k in zip(caches, kv_before))

@@ -56,22 +56,21 @@ class WeightScheme:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # quant_method
-    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme), first match wins
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme): a name match, else the class
     ignore: tuple[str, ...] = ()
-    quantize_head: bool = False  # whether lm_head is a target of "Linear"-style targets (gptq's lm_head flag)
+    quantize_head: bool = False  # whether "Linear" covers lm_head (compressed-tensors: unless ignored; gptq's flag)
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of the linear named `module` (HuggingFace name, e.g. model.layers.0.self_attn.q_proj),
         or None where it stays float."""
         if any(_matches(target, module) for target in self.ignore):
             return None
-        for targets, scheme in self.groups:
-            for target in targets:
-                if target == "Linear":
-                    if module != "lm_head" or self.quantize_head:
-                        return scheme
-                elif _matches(target, module):
-                    return scheme
+        for targets, scheme in self.groups:  # a module's name (or regex) first, as compressed-tensors matches
+            if any(target != "Linear" and _matches(target, module) for target in targets):
+                return scheme
+        for targets, scheme in self.groups:  # then the class
+            if "Linear" in targets and (module != "lm_head" or self.quantize_head):
+                return scheme
         return None
 
     def describe(self) -> str:
@@ -145,7 +144,7 @@ def _compressed_tensors(field: str, quant: dict) -> QuantConfig:
         if not targets:
             raise ValueError(f"{where}.targets: must name at least one module")
         parsed.append((targets, _compressed_scheme(where, group, group.get("format") or model_format)))
-    return QuantConfig("compressed-tensors", tuple(parsed), _names(field, quant, "ignore"))
+    return QuantConfig("compressed-tensors", tuple(parsed), _names(field, quant, "ignore"), quantize_head=True)
 
 
 def _compressed_scheme(where: str, group: dict, fmt) -> WeightScheme:

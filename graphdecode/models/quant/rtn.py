@@ -29,18 +29,34 @@ _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 FP8_MAX = 448.0
 
 
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # the ranges each group tries (fractions of min-max)
+
+
 def int_scales(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min-max scales [N, G] (float32) and signed zero points [N, G] (int8; zeros when symmetric)."""
+    """Scales [N, G] (float32) and signed zero points [N, G] (int8; zeros when symmetric): per group, the min-max
+    range shrunk by the CLIP_GRID fraction whose rounding has the least squared error (clipping a few outliers
+    buys finer steps for the rest; still round-to-nearest, no calibration data)."""
     n, k = w.shape
     g = group or k
     blocks = w.float().reshape(n, k // g, g)
-    if symmetric:
-        scale = blocks.abs().amax(-1) / (2 ** (bits - 1) - 1)
-        return scale.clamp(min=1e-8), torch.zeros(scale.shape, dtype=torch.int8)
-    low, high = blocks.amin(-1).clamp(max=0), blocks.amax(-1).clamp(min=0)
-    scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
-    zero = (torch.round(-low / scale) - 2 ** (bits - 1)).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-    return scale, zero.to(torch.int8)
+    best_err, best = None, None
+    for clip in CLIP_GRID:
+        if symmetric:
+            scale = (blocks.abs().amax(-1) * clip / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
+            zero = torch.zeros(scale.shape)
+        else:
+            low, high = blocks.amin(-1).clamp(max=0) * clip, blocks.amax(-1).clamp(min=0) * clip
+            scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
+            zero = (torch.round(-low / scale) - 2 ** (bits - 1)).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        q = (torch.round(blocks / scale[..., None]) + zero[..., None]).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        err = ((q - zero[..., None]) * scale[..., None] - blocks).pow(2).sum(-1)
+        if best is None:
+            best_err, best = err, (scale, zero)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = (torch.where(better, scale, best[0]), torch.where(better, zero, best[1]))
+    return best[0], best[1].to(torch.int8)
 
 
 def int_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
@@ -52,10 +68,15 @@ def int_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
 
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int | None = 128,
-                        symmetric: bool = True, act_order: bool = False, scale_dtype: torch.dtype | None = None) -> str:
-    """Write `src` (a float HuggingFace directory) to `dst` in `fmt`; returns dst. group None: one scale per row."""
+                        symmetric: bool = True, act_order: bool = False, scale_dtype: torch.dtype | None = None,
+                        quantize_head: bool = False) -> str:
+    """Write `src` (a float HuggingFace directory) to `dst` in `fmt`; returns dst. group None: one scale per row.
+    quantize_head (compressed-tensors formats): the LM head too, int8 (FP8 for float-quantized) with one scale per
+    row, as its own config group; a tied head is written as an untied lm_head (the embedding stays float)."""
     if fmt not in FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    if quantize_head and fmt not in ("pack-quantized", "int-quantized", "float-quantized"):
+        raise ValueError("quantize_head: only the compressed-tensors formats are written with a quantized head")
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -77,8 +98,14 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int 
         order = torch.argsort(norms[_input_of(key)], descending=True, stable=True) if act_order else None
         tensors = _quantize(w, fmt, bits, group, symmetric, order, scale_dtype)
         out.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+    if quantize_head:
+        head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+        out.pop("lm_head.weight", None)
+        tensors = _quantize(head, fmt, 8, None, True, None, scale_dtype)
+        out.update({f"lm_head.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+        config["tie_word_embeddings"] = False
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"] = _config(fmt, bits, group, symmetric, act_order)
+    config["quantization_config"] = _config(fmt, bits, group, symmetric, act_order, quantize_head)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for name in os.listdir(src):
@@ -94,24 +121,28 @@ def _input_of(key: str) -> str:
     return re.sub(r"\.(q|k|v)_proj\.", ".qkv.", re.sub(r"\.(gate|up)_proj\.", ".gate_up.", key))
 
 
-def _scheme(fmt: str, bits: int, group: int | None, symmetric: bool):
+def _scheme(fmt: str, bits: int, group: int | None, symmetric: bool, targets: list[str] | None = None):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
+    targets = targets or ["Linear"]
     if fmt == "float-quantized":
         weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
         acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
-        return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+        return QuantizationScheme(targets=targets, weights=weights, input_activations=acts)
     strategy = "group" if group else "channel"
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group)
-    return QuantizationScheme(targets=["Linear"], weights=weights)
+    return QuantizationScheme(targets=targets, weights=weights)
 
 
-def _config(fmt: str, bits: int, group: int | None, symmetric: bool, act_order: bool) -> dict:
+def _config(fmt: str, bits: int, group: int | None, symmetric: bool, act_order: bool, quantize_head: bool) -> dict:
     if fmt in ("pack-quantized", "int-quantized", "float-quantized"):
         from compressed_tensors.quantization import QuantizationConfig
 
-        config = QuantizationConfig(config_groups={"group_0": _scheme(fmt, bits, group, symmetric)},
-                                    format=fmt, ignore=["lm_head"], quantization_status="compressed")
+        groups = {"group_0": _scheme(fmt, bits, group, symmetric)}
+        if quantize_head:  # a name target: it takes precedence over the "Linear" class target
+            groups["head"] = _scheme(fmt, 8, None, True, targets=["lm_head"])
+        config = QuantizationConfig(config_groups=groups, format=fmt, ignore=[] if quantize_head else ["lm_head"],
+                                    quantization_status="compressed")
         return json.loads(json.dumps(config.model_dump(), default=str))
     if fmt == "fp8-block":
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
