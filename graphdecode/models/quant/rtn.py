@@ -43,7 +43,7 @@ def int_scales(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -
     for clip in CLIP_GRID:
         if symmetric:
             scale = (blocks.abs().amax(-1) * clip / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
-            zero = torch.zeros(scale.shape)
+            zero = torch.zeros(scale.shape, device=scale.device)
         else:
             low, high = blocks.amin(-1).clamp(max=0) * clip, blocks.amax(-1).clamp(min=0) * clip
             scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
@@ -69,10 +69,11 @@ def int_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: i
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int | None = 128,
                         symmetric: bool = True, act_order: bool = False, scale_dtype: torch.dtype | None = None,
-                        quantize_head: bool = False) -> str:
+                        quantize_head: bool = False, device: str = "cpu") -> str:
     """Write `src` (a float HuggingFace directory) to `dst` in `fmt`; returns dst. group None: one scale per row.
     quantize_head (compressed-tensors formats): the LM head too, int8 (FP8 for float-quantized) with one scale per
-    row, as its own config group; a tied head is written as an untied lm_head (the embedding stays float)."""
+    row, as its own config group; a tied head is written as an untied lm_head (the embedding stays float).
+    device: where the rounding runs (a GPU for billion-parameter checkpoints)."""
     if fmt not in FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if quantize_head and fmt not in ("pack-quantized", "int-quantized", "float-quantized"):
@@ -96,13 +97,13 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int 
             continue
         module = key[: -len(".weight")]
         order = torch.argsort(norms[_input_of(key)], descending=True, stable=True) if act_order else None
-        tensors = _quantize(w, fmt, bits, group, symmetric, order, scale_dtype)
-        out.update({f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+        tensors = _quantize(w.to(device), fmt, bits, group, symmetric, order, scale_dtype)
+        out.update({f"{module}.{suffix}": t.contiguous().cpu() for suffix, t in tensors.items()})
     if quantize_head:
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         out.pop("lm_head.weight", None)
-        tensors = _quantize(head, fmt, 8, None, True, None, scale_dtype)
-        out.update({f"lm_head.{suffix}": t.contiguous() for suffix, t in tensors.items()})
+        tensors = _quantize(head.to(device), fmt, 8, None, True, None, scale_dtype)
+        out.update({f"lm_head.{suffix}": t.contiguous().cpu() for suffix, t in tensors.items()})
         config["tie_word_embeddings"] = False
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = _config(fmt, bits, group, symmetric, act_order, quantize_head)
@@ -166,7 +167,7 @@ def _quantize(w: torch.Tensor, fmt: str, bits: int, group: int | None, symmetric
         return dict(FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme))
     if fmt == "fp8-block":
         rows, cols = -(-n // 128), -(-k // 128)
-        padded = torch.zeros(rows * 128, cols * 128)
+        padded = torch.zeros(rows * 128, cols * 128, device=w.device)
         padded[:n, :k] = w
         blocks = padded.view(rows, 128, cols, 128)
         scale = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12)
@@ -198,13 +199,13 @@ def _quantize(w: torch.Tensor, fmt: str, bits: int, group: int | None, symmetric
         if perm is not None:
             inverse = torch.argsort(perm)
             values = values[:, inverse]
-            g_idx = (torch.arange(k) // g)[inverse]
+            g_idx = (torch.arange(k, device=w.device) // g)[inverse.to(w.device)]
         else:
-            g_idx = torch.arange(k) // g
+            g_idx = torch.arange(k, device=w.device) // g
         return {"qweight": pack_to_int32(values.t().contiguous(), bits, packed_dim=0),
                 "qzeros": pack_to_int32((zero_stored - 1).t().contiguous(), bits),  # v1: stored minus one
                 "scales": scale.t().to(scale_dtype), "g_idx": g_idx.to(torch.int32)}
-    order = torch.arange(n).view(-1, 8)[:, _AWQ_ORDER].reshape(-1)
+    order = torch.arange(n, device=w.device).view(-1, 8)[:, _AWQ_ORDER].reshape(-1)
     return {"qweight": pack_to_int32(values.t()[:, order].contiguous(), bits),
             "qzeros": pack_to_int32(zero_stored.t()[:, order].contiguous(), bits),
             "scales": scale.t().to(scale_dtype)}
