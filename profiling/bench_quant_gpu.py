@@ -101,7 +101,8 @@ def main(argv=None) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     base = report["formats"].get("bf16")
-    lines = ["| format | kernel | " + " | ".join(f"b{b} tok/s" for b in batches) + " | vs bf16 |", "|---" * (3 + len(batches)) + "|"]
+    lines = ["| format | kernel | " + " | ".join(f"b{b} tok/s" for b in batches) + " | vs bf16 |",
+             "|---" * (3 + len(batches)) + "|"]
     for name, e in report["formats"].items():
         rates = [p["decode_tokens_per_s"] for p in e["decode"]]
         vs = " / ".join(f"{r / b['decode_tokens_per_s']:.2f}x" for r, b in zip(rates, base["decode"])) if base else "-"

@@ -7,7 +7,8 @@ GPTQ's and, up to AWQ's column order, AWQ's). Shapes, per format ([N out, K in],
 
 | format | values | scales | zero points | other |
 |---|---|---|---|---|
-| pack-quantized | `weight_packed` I32 [N, ceil(K bits / 32)] | `weight_scale` [N, G] / [N, 1] / [1] | `weight_zero_point` I32 [ceil(N bits / 32), G] | `weight_shape` [2], `weight_g_idx` [K] |
+| pack-quantized | `weight_packed` I32 [N, ceil(K bits / 32)] | `weight_scale` [N, G] / [N, 1] / [1] |
+  `weight_zero_point` I32 [ceil(N bits / 32), G] | `weight_shape` [2], `weight_g_idx` [K] |
 | int-quantized | `weight` I8 [N, K] | `weight_scale` | `weight_zero_point` I8 [N, G] | |
 | float-quantized | `weight` F8_E4M3 [N, K] | `weight_scale` [N, 1] / [1] / blocks | | `input_scale` [1] (static) |
 | fp8-block | `weight` F8_E4M3 [N, K] | `weight_scale_inv` F32 [ceil(N / r), ceil(K / c)] | | |
