@@ -200,12 +200,7 @@ class CpuKernels:
         """x [..., K] @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64] (models/cpu_linear.py:
         PanelWeight; csrc/cpu_linear.cpp), x, panels, bias and the result all float32 or all bf16 (float32 sums),
         on `threads` (default torch's) threads; the result does not depend on their number."""
-        x = _ready(x)
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+        x, x2, lead, k, y = _linear_io(x, out_features)
         if x.dtype not in _DTYPES or panels.dtype != x.dtype or panels.shape[1] != k or (
                 bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
@@ -222,12 +217,7 @@ class CpuKernels:
         """x [..., K] @ W^T (+ bias) -> new [..., N], W quantized in panels of bytes (csrc/cpu_qlinear.cpp; kind
         int8, int4 or fp8): panels [ceil(N / 64), K (int4: K / 2), 64] uint8, scales and offsets (or None)
         [ceil(N / 64), K / group, 64] float32; x, bias and the result float32 or bf16."""
-        x = _ready(x)
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+        x, x2, lead, k, y = _linear_io(x, out_features)
         rows = k // 2 if kind == "int4" else k
         if x.dtype not in _DTYPES or panels.dtype != torch.uint8 or panels.shape[1] != rows or (
                 scales.dtype != torch.float32) or (bias is not None and bias.dtype != x.dtype) or self._qpanel(
@@ -268,6 +258,16 @@ class CpuKernels:
 def _threads(threads: int | None) -> int:
     """A kernel's OpenMP thread count: torch's unless given (0 or less reaches the kernel's check)."""
     return torch.get_num_threads() if threads is None else threads
+
+
+def _linear_io(x, out_features: int):
+    """(x ready, x as [M, K] with unit column stride, x's leading shape, K, the new [M, N] result) of a linear."""
+    x = _ready(x)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x, x2, lead, k, torch.empty((x2.shape[0], out_features), dtype=x.dtype)
 
 
 def _dense(t, dtype):
