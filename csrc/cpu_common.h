@@ -1,8 +1,8 @@
-// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp, cpu_prefill.cpp,
-// cpu_layers.cpp): their dtype codes, float32 / bf16 element access (bf16 stored as its 16 bits; stores
-// round to nearest even, as torch does), the 16-float vector type (GCC / Clang vector types: SSE, AVX2
-// or AVX-512, whatever -march=native gives) with its unaligned load (of float32, or bf16 widened) and
-// store, lane trees for its sum and maximum, and a vectorised exp (exp16; exp1 for one value).
+// Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp, cpu_prefill.cpp, cpu_layers.cpp,
+// cpu_qlinear.cpp): their dtype codes, float32 / bf16 element access (bf16 stored as its 16 bits; stores round to
+// nearest even, as torch does), the 16-float vector type (GCC / Clang vector types: SSE, AVX2 or AVX-512, whatever
+// -march=native gives) with its unaligned load (of float32, or bf16 widened) and store, lane trees for its sum and
+// maximum, a vectorised exp (exp16; exp1 for one value), and the column panels' register tile (panel_tile).
 #pragma once
 
 #include <algorithm>
@@ -108,5 +108,49 @@ inline f32x16 exp16(f32x16 x) {
 
 // exp16 of one value (the same bits as its lanes)
 inline float exp1(float x) { return exp16(f32x16{} + x)[0]; }
+
+// Column panels (cpu_linear.cpp's float weights, cpu_qlinear.cpp's dequantized blocks): PANEL output columns,
+// [K][PANEL] contiguous, walked by register tiles of up to PANEL_MR rows.
+constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16
+constexpr int PANEL_MR = 6;    // rows per register tile: 24 accumulators
+constexpr int64_t LINE = 64;   // bytes per cache line
+
+// sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
+// prefetched, `per_k` of them at each k step
+template <int R, typename TX, typename TW>
+inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
+                       float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+  f32x16 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
+  for (int64_t k = k0; k < k1; ++k) {
+    const TW* w = panel + k * PANEL;
+    for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
+    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const float a = load(x + m * ldx + k);
+      acc[m][0] += a * w0;
+      acc[m][1] += a * w1;
+      acc[m][2] += a * w2;
+      acc[m][3] += a * w3;
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
+}
+
+template <typename TX, typename TW>
+inline void panel_tile_rows(int64_t rows, const TX* x, int64_t ldx, const TW* panel, int64_t k0, int64_t k1,
+                            float* sums, const char* pf, int64_t lines, int64_t per_k) {
+  switch (rows) {
+    case 6: panel_tile<6>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 5: panel_tile<5>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 4: panel_tile<4>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 3: panel_tile<3>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    case 2: panel_tile<2>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+    default: panel_tile<1>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
+  }
+}
 
 }  // namespace graphdecode_cpu

@@ -25,50 +25,9 @@ namespace {
 
 using namespace graphdecode_cpu;
 
-constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
 constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
-constexpr int MR = 6;             // rows per register tile: 24 accumulators
+constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
-
-constexpr int64_t LINE = 64;      // bytes per cache line
-
-// sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
-// prefetched, `per_k` of them at each k step
-template <int R, typename T>
-void tile(const T* __restrict x, int64_t ldx, const T* __restrict panel, int64_t k0, int64_t k1,
-          float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
-  f32x16 acc[R][4];
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
-  for (int64_t k = k0; k < k1; ++k) {
-    const T* w = panel + k * PANEL;
-    for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
-    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
-#pragma GCC unroll 8
-    for (int m = 0; m < R; ++m) {
-      const float a = load(x + m * ldx + k);
-      acc[m][0] += a * w0;
-      acc[m][1] += a * w1;
-      acc[m][2] += a * w2;
-      acc[m][3] += a * w3;
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
-}
-
-template <typename T>
-void tile_rows(int64_t rows, const T* x, int64_t ldx, const T* panel, int64_t k0, int64_t k1, float* sums,
-               const char* pf, int64_t lines, int64_t per_k) {
-  switch (rows) {
-    case 6: tile<6>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-    case 5: tile<5>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-    case 4: tile<4>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-    case 3: tile<3>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-    case 2: tile<2>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-    default: tile<1>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
-  }
-}
 
 template <typename T>
 void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
@@ -96,7 +55,7 @@ void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels
       for (int64_t m = 0; m < rows; m += MR) {
         const int64_t r = rows - m < MR ? rows - m : MR;
         const int64_t mine = lines < per_k * (k1 - k0) ? lines : per_k * (k1 - k0);
-        tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, pf, mine, per_k);
+        panel_tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, pf, mine, per_k);
         pf += mine * LINE;
         lines -= mine;
       }

@@ -32,7 +32,6 @@ namespace {
 
 using namespace graphdecode_cpu;
 
-constexpr int64_t PANEL = 64;     // output columns per panel: 4 vectors of 16
 constexpr int64_t ROWS_MAX = 64;  // rows per pass
 
 enum QKind : int32_t { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
@@ -45,7 +44,9 @@ inline f32x16 as_f32x16(__m512 v) {
   return r;
 }
 inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline f32x16 widen_int8(const uint8_t* p) { return as_f32x16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(p)))); }
+inline f32x16 widen_int8(const uint8_t* p) {
+  return as_f32x16(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_bytes(p))));
+}
 inline f32x16 widen_u8(__m128i b) { return as_f32x16(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))); }
 inline void widen_int4(const uint8_t* p, f32x16& lo, f32x16& hi) {
   const __m128i b = load_bytes(p), mask = _mm_set1_epi8(0x0f);
@@ -136,31 +137,8 @@ void tile_direct(const T* __restrict x, int64_t ldx, const uint8_t* __restrict p
     for (int v = 0; v < 4; ++v) store16(out + m * PANEL + 16 * v, acc[m][v]);
 }
 
-// Many rows: out[R][PANEL] += x[R][k0:k1] @ block, the block's weights dequantized once into L1 for every tile
-template <int R, typename T>
-void tile_block(const T* __restrict x, int64_t ldx, const float* __restrict block, int64_t k0, int64_t k1,
-                float* __restrict out) {
-  f32x16 acc[R][4];
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) acc[m][v] = load16(out + m * PANEL + 16 * v);
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* w = block + (k - k0) * PANEL;
-    const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
-#pragma GCC unroll 6
-    for (int m = 0; m < R; ++m) {
-      const float a = load(x + m * ldx + k);
-      acc[m][0] += a * w0;
-      acc[m][1] += a * w1;
-      acc[m][2] += a * w2;
-      acc[m][3] += a * w3;
-    }
-  }
-  for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) store16(out + m * PANEL + 16 * v, acc[m][v]);
-}
-
 constexpr int DIRECT_ROWS = 3;  // up to this many rows: dequantize in registers; more: into an L1 block
-constexpr int MR = 6;           // rows per register tile over a dequantized block
+constexpr int MR = PANEL_MR;    // rows per register tile over a dequantized block (cpu_common.h's panel tile)
 constexpr int64_t KB = 64;      // k rows per dequantized block (16 KB of float32)
 
 template <int KIND, typename T>
@@ -170,18 +148,6 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
     case 3: tile_direct<3, KIND>(x, ldx, panel, k0, k1, scale, zs, out); break;
     case 2: tile_direct<2, KIND>(x, ldx, panel, k0, k1, scale, zs, out); break;
     default: tile_direct<1, KIND>(x, ldx, panel, k0, k1, scale, zs, out); break;
-  }
-}
-
-template <typename T>
-void block_rows(int64_t rows, const T* x, int64_t ldx, const float* block, int64_t k0, int64_t k1, float* out) {
-  switch (rows) {
-    case 6: tile_block<6>(x, ldx, block, k0, k1, out); break;
-    case 5: tile_block<5>(x, ldx, block, k0, k1, out); break;
-    case 4: tile_block<4>(x, ldx, block, k0, k1, out); break;
-    case 3: tile_block<3>(x, ldx, block, k0, k1, out); break;
-    case 2: tile_block<2>(x, ldx, block, k0, k1, out); break;
-    default: tile_block<1>(x, ldx, block, k0, k1, out); break;
   }
 }
 
@@ -225,7 +191,8 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
         }
         for (int64_t m = 0; m < rows; m += MR) {
           const int64_t r = rows - m < MR ? rows - m : MR;
-          block_rows(r, x + (m0 + m) * ldx, ldx, block, k0, k0 + kb, out + m * PANEL);
+          // the float panels' tile over the block (its k rows 0..kb are x's k0..k0 + kb); nothing to prefetch
+          panel_tile_rows(r, x + (m0 + m) * ldx + k0, ldx, block, int64_t(0), kb, out + m * PANEL, nullptr, 0, 0);
         }
       }
     }
