@@ -269,6 +269,8 @@ def _malformed(quantized, tmp_path, case: str, edit) -> str:
     ("gptq-w4", lambda t: [t.pop(f"model.layers.1.mlp.up_proj.{s}") for s in ("qweight", "qzeros", "scales", "g_idx")]
      + [t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(128, 64)})],
      "'model.layers.1.mlp.up_proj.weight' has dtype F32, but quantization_config \\(gptq int4 group 32\\) quantizes"),
+    ("ct-fp8-channel", lambda t: t["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)[3, 5].fill_(0xFF),
+     "'model.layers.1.mlp.down_proj.weight' holds NaN weights"),
     ("gptq-w4", lambda t: t.update({"model.layers.0.self_attn.q_proj.scales":
                                     t["model.layers.0.self_attn.q_proj.scales"] * float("nan")}),
      "'model.layers.0.self_attn.q_proj.scales' holds NaN"),

@@ -161,6 +161,8 @@ def read(scheme: WeightScheme, tensors: dict[str, torch.Tensor], module: str, n:
     if not bool(torch.isfinite(scale).all()):
         suffix = {"gptq": "scales", "awq": "scales", "fp8-block": "weight_scale_inv"}.get(fmt, "weight_scale")
         raise ValueError(f"{where}: tensor {module + '.' + suffix!r} holds NaN or infinite scales")
+    if values.dtype == torch.float8_e4m3fn and bool(((values.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{where}: tensor {module + '.weight'!r} holds NaN weights")  # E4M3's only NaN: S.1111.111
     if zero is not None and scheme.symmetric and not bool(zero.any()):
         zero = None  # gptq's symmetric zero points: all at the midpoint
     qt = QuantizedTensor(values.contiguous(), scale.contiguous(), None if zero is None else zero.contiguous(),
