@@ -95,9 +95,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     quantized = {e.name for _, entries in plan for e in entries if e.quant is not None}
     for name in quantized:  # held quantized (a QuantizedWeight): no float weight is allocated
         modules[_owner(name)].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype).to_empty(device=device)  # in place: `modules` still names its modules
     params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
     files = {entry.key: path for path, entries in plan for entry in entries}
     pending: dict[str, dict[str | None, QuantizedTensor]] = {}  # quantized linear -> its shards
     for path, entries in plan:
@@ -290,13 +289,7 @@ def _quant_entry(module: str, headers: dict, quant: QuantConfig, cls, params: di
 
 def _read_quantized(f, path: str, entry: _Entry, modules: dict) -> QuantizedTensor:
     """One quantized linear's tensors, read whole, as this rank's rows or input columns."""
-    tensors = {}
-    for suffix, key, where in entry.parts:
-        if where == path:
-            tensors[suffix] = f.get_tensor(key)
-        else:
-            with _open(where) as other:
-                tensors[suffix] = other.get_tensor(key)
+    tensors = {suffix: _get_tensor(f, path, key, where) for suffix, key, where in entry.parts}
     spec = _spec(modules, entry.name, entry.shard)
     qt = formats.read(entry.quant, tensors, entry.key, *entry.full, path)
     if spec is None:
@@ -352,14 +345,18 @@ def _load_experts(f, entry: _Entry, module, files: dict[str, str]) -> None:
     prefix = entry.key.rsplit(".experts.", 1)[0] + ".experts."
 
     def sibling(suffix: str) -> torch.Tensor:
-        key = prefix + suffix
-        if files.get(key) == entry.path:
-            return f.get_tensor(key)
-        with _open(files[key]) as other:
-            return other.get_tensor(key)
+        return _get_tensor(f, entry.path, prefix + suffix, files[prefix + suffix])
 
     tensor = None if entry.slot.layout == "scales" else f.get_tensor(entry.key)
     expert_weights.load(module, entry.slot, tensor, sibling)
+
+
+def _get_tensor(f, path: str, key: str, where: str) -> torch.Tensor:
+    """Tensor `key` of file `where`, through `f` (file `path`, open) when it is that file."""
+    if where == path:
+        return f.get_tensor(key)
+    with _open(where) as other:
+        return other.get_tensor(key)
 
 
 def _open(path: str):

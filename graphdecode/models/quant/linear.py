@@ -3,18 +3,21 @@
 `QuantizedWeight` is a cpu_linear.CpuWeight (a handle for the opaque op a compiled forward calls), built once at
 load for its device; `kernel` names what runs:
 
-* `int8_rows` (CPU): 8-bit integers with one scale per output row, through torch's
+* `panels` (CPU with the kernel library): int8, int4 or FP8 in column panels of bytes (csrc/cpu_qlinear.cpp),
+  float32 or bf16 activations, any group that divides K; also inside the one-call decode layers;
+* without the library, `int8_rows` (CPU): 8-bit integers with one scale per output row, through torch's
   `aten._weight_int8pack_mm` (zero points: minus rowsum(x) * zero * scale);
 * `int4_groups` (CPU): 4-bit integers in groups of 32-256, through `aten._weight_int4pack_mm_for_cpu` over
   `_convert_weight_to_int4pack_for_cpu`'s packing; zero points fold into its per-group offsets;
 * `int4_groups_cuda` (GPU): `aten._weight_int4pack_mm` (tinygemm) over `_convert_weight_to_int4pack`, bf16;
 * `fp8_rows_cuda` (GPU, sm89+): FP8 weights with one scale per row through `torch._scaled_mm`, activations
   scaled per token on the device (no host sync: fits CUDA graphs);
-* `dequantize` (everything else: int8 in groups, FP8 on the CPU, FP8 block scales on the GPU): the weight is
-  rebuilt in the compute dtype inside each call from its quantized form (memory stays quantized; slow).
+* `dequantize` (everything else: FP8 block scales on the GPU; int8 in groups or FP8 on a CPU without the library):
+  the weight is rebuilt in the compute dtype inside each call from its quantized form (memory stays quantized;
+  slow).
 
-torch's CPU kernels take 16-bit activations (with float32 ones they are 10-30x slower): a float32 engine runs
-its quantized linears with bfloat16 activations, as the W8A16 / W4A16 schemes name them.
+torch's CPU kernels take 16-bit activations (with float32 ones they are 10-30x slower): where they run, a float32
+engine's quantized linears take bfloat16 activations, as the W8A16 / W4A16 schemes name them.
 """
 
 from __future__ import annotations
@@ -78,11 +81,11 @@ def _pack_panels(qt: QuantizedTensor, kind: str):
     if kind == "int4":  # two k rows a byte: the even one low
         panels = panels[:, 0::2] | (panels[:, 1::2] << 4)
     group = _panel_group(qt)
-    repeat = 1 if qt.group >= k else qt.group // group
-    scale = qt.scale.float()[:, : -(-k // qt.group) if qt.group < k else 1].repeat_interleave(repeat, dim=1)
-    scale = scale[:, : k // group]
+    repeat = 1 if qt.group >= k else qt.group // group  # each scale column over `repeat` panel groups
 
-    def by_panel(t: torch.Tensor) -> torch.Tensor:
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        """[N, ceil(K / qt.group)] -> [P, K / group, 64] float32, padded rows 0."""
+        t = t.float().repeat_interleave(repeat, dim=1)[:, : k // group]
         out = torch.zeros(count * PANEL, t.shape[1], dtype=torch.float32)
         out[:n] = t
         return out.view(count, PANEL, t.shape[1]).transpose(1, 2).contiguous()
@@ -90,9 +93,8 @@ def _pack_panels(qt: QuantizedTensor, kind: str):
     offsets = None
     if kind == "int4" or qt.zero is not None:  # (q - z) s = q s - z s, int4 stored as q + 8
         zero = qt.zero.float() if qt.zero is not None else torch.zeros_like(qt.scale, dtype=torch.float32)
-        zero = zero[:, : scale.shape[1] // repeat if repeat > 1 else scale.shape[1]].repeat_interleave(repeat, 1)
-        offsets = by_panel((zero + (8 if kind == "int4" else 0)) * scale)
-    return panels.contiguous(), by_panel(scale), offsets, group
+        offsets = per_group((zero + (8 if kind == "int4" else 0)) * qt.scale.float())
+    return panels.contiguous(), per_group(qt.scale), offsets, group
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
