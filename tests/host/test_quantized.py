@@ -178,6 +178,22 @@ def test_a_quantized_head_untied_from_its_embedding(tiny_models, tmp_path, fmt, 
     assert max(gaps) < 2e-3 and got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("case, compile", [("ct-w4-group-asym", False), ("gptq-w4-desc-act", False),
+                                           ("ct-fp8-channel", True)])
+def test_graph_twin_bounds_and_compiled_windows_give_the_plain_tokens(quantized, case, compile):
+    """Quantized linears inside the CPU twin of CUDA graphs (captured windows, the first replay refusing host
+    copies), in the bounds-checked mode, with a tight pool (preemption) and, for one case, a compiled window (the
+    weights through the opaque packed_linear op): the tokens of the plain engine."""
+    qdir, _ = quantized[case]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, [20, 9, 33, 50, 3, 41], seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tight = dict(SMALL_ENGINE, max_model_len=96, num_pages=12, page_size=16)
+    want = [o.outputs[0].token_ids for o in LLM(qdir, **tight).generate(prompts, params)]
+    llm = LLM(qdir, cuda_graphs=True, check_bounds=True, compile=compile, **tight)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.stats()["preemptions"] > 0 and llm.stats()["graphs_captured"] > 0
+
+
 def test_quantized_weights_are_smaller(quantized):
     sizes = {}
     for case in ("ct-w4-group", "ct-w8-channel"):
