@@ -16,7 +16,8 @@
 //   sinks       [H] float or null: a learned logit per query head in the softmax's
 //               denominator, attending nothing (gpt-oss)
 //   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
-// Arithmetic is float32 (scores, softmax, accumulation); K/V and q/out are float32 or bf16.
+// Arithmetic is float32 (scores, softmax, accumulation); q/out are float32 or bf16, K/V the same or FP8 E4M3
+// (an FP8 cache's K / V scales folded into the query's scale and the output's).
 // Decode (Q = 1) goes over a row's keys once, in blocks, with an online softmax and the next block
 // prefetched under the arithmetic (attend_decode_row); Q > 1 computes its scores once, a softmax per
 // query, then one pass over V (attend_row). Either way K and V are read once per call, straight from
@@ -35,7 +36,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 13  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers
+#define GRAPHDECODE_CPU_ABI_VERSION 14  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers; 14: FP8 E4M3 KV caches
 
 namespace {
 
@@ -125,6 +126,7 @@ struct Args {
   int64_t window_left;
   float soft_cap;
   const float* sinks;
+  float out_scale;  // the output's factor: an FP8 cache's V scale (1 otherwise)
 };
 
 // Per-call scratch, grown as needed and reused row after row: the visible key range of each
@@ -141,13 +143,13 @@ struct Scratch {
 // all KV heads is read once, contiguously, for all the row's queries (the page layout holds a
 // token's KV heads side by side). DIM > 0: head_dim known at compile time (32, 64, 80, 96,
 // 128, 256), so the per-query loops unroll; DIM == 0: any head_dim up to 512.
-template <typename T, int DIM>
+template <typename T, typename KV, int DIM>
 void attend_row(const Args& a, int64_t b, Scratch& w) {
   const int64_t D = DIM > 0 ? DIM : a.head_dim;
   const int64_t P = a.page_size, H = a.heads, HKV = a.kv_heads, G = H / HKV, Q = a.queries, NQ = Q * H;
   const int64_t max_keys = a.width * P;
   const T* q = static_cast<const T*>(a.q);
-  const T* kv = static_cast<const T*>(a.kv);
+  const KV* kv = static_cast<const KV*>(a.kv);
   T* out = static_cast<T*>(a.out);
   const int64_t token_stride = HKV * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
 
@@ -167,10 +169,10 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     float* dst = w.q.data() + n * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = load(src + d) * a.scale;
   }
-  // each key's K and V rows of all KV heads: straight from the page (float32) or converted once (bf16)
+  // each key's K and V rows of all KV heads: straight from the page (float32) or converted once (bf16, FP8)
   w.k_rows.resize(span);
   w.v_rows.resize(span);
-  if (!std::is_same<T, float>::value) {
+  if (!std::is_same<KV, float>::value) {
     w.keys.resize(span * token_stride);
     w.values.resize(span * token_stride);
   }
@@ -178,15 +180,20 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     const int64_t pos = first + t;
     int64_t page = a.block_table[b * a.bt_stride + pos / P];
     if (page < 0 || page >= a.num_pages) page = 0;  // a stale or bad entry reads the scratch page
-    const T* k = kv + page * page_stride + (pos % P) * token_stride;
-    const T* v = k + v_offset;
-    if (std::is_same<T, float>::value) {
+    const KV* k = kv + page * page_stride + (pos % P) * token_stride;
+    const KV* v = k + v_offset;
+    if (std::is_same<KV, float>::value) {
       w.k_rows[t] = reinterpret_cast<const float*>(k);
       w.v_rows[t] = reinterpret_cast<const float*>(v);
     } else {
       float* kf = w.keys.data() + t * token_stride;
       float* vf = w.values.data() + t * token_stride;
-      for (int64_t i = 0; i < token_stride; ++i) {
+      const int64_t full = token_stride - token_stride % LANES;
+      for (int64_t i = 0; i < full; i += LANES) {
+        store16(kf + i, load16(k + i));
+        store16(vf + i, load16(v + i));
+      }
+      for (int64_t i = full; i < token_stride; ++i) {
         kf[i] = load(k + i);
         vf[i] = load(v + i);
       }
@@ -200,7 +207,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   constexpr int64_t TILE = 16, TILE_QUERIES = 8;
   w.scores.resize(NQ * span);
   if (Q * G < TILE_QUERIES) {
-    const int64_t row_bytes = std::is_same<T, float>::value ? token_stride * int64_t(sizeof(float)) : 0;
+    const int64_t row_bytes = std::is_same<KV, float>::value ? token_stride * int64_t(sizeof(float)) : 0;
     for (int64_t t = 0; t < span; ++t) {
       if (t + AHEAD < span) {  // the K row AHEAD keys on: pages break the hardware prefetcher's streams
         const char* next = reinterpret_cast<const char*>(w.k_rows[t + AHEAD]);
@@ -315,7 +322,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   for (int64_t n = 0; n < NQ; ++n) {
     T* dst = out + (b * NQ + n) * D;
     const float* src = w.acc.data() + n * D;
-    for (int64_t d = 0; d < D; ++d) store(dst + d, src[d]);
+    for (int64_t d = 0; d < D; ++d) store(dst + d, src[d] * a.out_scale);
   }
 }
 
@@ -362,16 +369,16 @@ struct Prefetcher {
   }
 };
 
-template <typename T, int DIM>
+template <typename T, typename KV, int DIM>
 void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
   const int64_t D = DIM > 0 ? DIM : a.head_dim;
   const int64_t P = a.page_size, H = a.heads, HKV = a.kv_heads, G = H / HKV;
   const int64_t max_keys = a.width * P;
   const T* q = static_cast<const T*>(a.q);
-  const T* kv = static_cast<const T*>(a.kv);
+  const KV* kv = static_cast<const KV*>(a.kv);
   T* out = static_cast<T*>(a.out);
   const int64_t token_stride = HKV * D, page_stride = 2 * P * token_stride, v_offset = P * token_stride;
-  const int64_t row_bytes = token_stride * int64_t(sizeof(T));
+  const int64_t row_bytes = token_stride * int64_t(sizeof(KV));
   const int64_t at = a.positions ? a.positions[b] : int64_t(a.seq_lens[b]) - 1;
   const int64_t hi = std::min<int64_t>(std::max<int64_t>(at, 0), max_keys - 1);
   const int64_t lo = a.window_left >= 0 ? std::max<int64_t>(0, hi - a.window_left) : 0;
@@ -399,24 +406,24 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
     return kv + page * page_stride + (t0 % P) * token_stride;
   };
   int64_t keys = 0;
-  const T* k = block_at(lo, keys);
+  const KV* k = block_at(lo, keys);
   Prefetcher first{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(k + v_offset), keys * row_bytes,
                    keys * row_bytes};
   first.step();
-  const T* kr[BLOCK];
-  const T* vr[BLOCK];
+  const KV* kr[BLOCK];
+  const KV* vr[BLOCK];
   const float* p[8];
   float* o[8];
   for (int64_t t0 = lo; t0 <= hi; t0 += keys, k = t0 <= hi ? block_at(t0, keys) : k) {
     Prefetcher next;
     if (t0 + keys <= hi) {
       int64_t next_keys = 0;
-      const T* nk = block_at(t0 + keys, next_keys);
+      const KV* nk = block_at(t0 + keys, next_keys);
       const int64_t bytes = next_keys * row_bytes;  // a slice while each head's scores run, in whole lines
       next = {reinterpret_cast<const char*>(nk), reinterpret_cast<const char*>(nk + v_offset), bytes,
               (bytes / 64 + H - 1) / H * 64};
     }
-    for (int64_t i = 0; i < keys; ++i) {  // K / V rows read in place (bf16 widened as they are loaded)
+    for (int64_t i = 0; i < keys; ++i) {  // K / V rows read in place (bf16, FP8 widened as they are loaded)
       kr[i] = k + i * token_stride;
       vr[i] = k + v_offset + i * token_stride;
     }
@@ -425,7 +432,7 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
     for (int64_t n = 0; n < H; ++n) {
       next.step();
       const float* qv = w.q.data() + n * D;
-      const T* kh[BLOCK];  // past the block's keys: its first key again, the score discarded
+      const KV* kh[BLOCK];  // past the block's keys: its first key again, the score discarded
       for (int64_t i = 0; i < BLOCK; ++i) kh[i] = kr[i < keys ? i : 0] + n / G * D;
       float* s = w.scores.data() + n * BLOCK;
       if (D % LANES == 0) {  // 16 keys' partial dots side by side in registers, then their 16 sums at once
@@ -462,13 +469,13 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
           o[g] = w.block_out.data() + (h * G + g0 + g) * D;
         }
         switch (ng) {
-          case 1: pv_group<1, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 2: pv_group<2, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 3: pv_group<3, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 4: pv_group<4, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 5: pv_group<5, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 6: pv_group<6, T>(p, vr, h * D, 0, keys - 1, o, D); break;
-          default: pv_group<7, T>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 1: pv_group<1, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 2: pv_group<2, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 3: pv_group<3, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 4: pv_group<4, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 5: pv_group<5, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 6: pv_group<6, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          default: pv_group<7, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
         }
       }
     for (int64_t e = 0; e < H * D; ++e) w.acc[e] += w.block_out[e];
@@ -476,7 +483,7 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
   for (int64_t n = 0; n < H; ++n) {
     T* dst = out + (b * H + n) * D;
     const float* src = w.acc.data() + n * D;
-    const float inv = 1.f / denom[n];
+    const float inv = a.out_scale / denom[n];
     for (int64_t d = 0; d < D; ++d) store(dst + d, src[d] * inv);
   }
 }
@@ -484,7 +491,7 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
 // Rows are independent: on `threads` OpenMP threads (torch's pool) each thread takes whole rows
 // with a scratch of its own, so a row's result does not depend on the thread count. Rows differ
 // in length, so they are handed out one at a time.
-template <typename T, int DIM>
+template <typename T, typename KV, int DIM>
 void attend(const Args& a, int32_t threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1 && a.rows > 1)
   {
@@ -495,23 +502,23 @@ void attend(const Args& a, int32_t threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < a.rows; ++b) {
       if (a.queries == 1)
-        attend_decode_row<T, DIM>(a, b, w);
+        attend_decode_row<T, KV, DIM>(a, b, w);
       else
-        attend_row<T, DIM>(a, b, w);
+        attend_row<T, KV, DIM>(a, b, w);
     }
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void attend_any(const Args& a, int32_t threads) {
   switch (a.head_dim) {  // the common head sizes unrolled; any other through the generic loop
-    case 32: return attend<T, 32>(a, threads);
-    case 64: return attend<T, 64>(a, threads);
-    case 80: return attend<T, 80>(a, threads);
-    case 96: return attend<T, 96>(a, threads);
-    case 128: return attend<T, 128>(a, threads);
-    case 256: return attend<T, 256>(a, threads);
-    default: return attend<T, 0>(a, threads);
+    case 32: return attend<T, KV, 32>(a, threads);
+    case 64: return attend<T, KV, 64>(a, threads);
+    case 80: return attend<T, KV, 80>(a, threads);
+    case 96: return attend<T, KV, 96>(a, threads);
+    case 128: return attend<T, KV, 128>(a, threads);
+    case 256: return attend<T, KV, 256>(a, threads);
+    default: return attend<T, KV, 0>(a, threads);
   }
 }
 
@@ -521,27 +528,30 @@ extern "C" {
 
 int graphdecode_cpu_abi_version() { return GRAPHDECODE_CPU_ABI_VERSION; }
 
-// q [rows, queries, heads, head_dim] and out (same shape) contiguous; block_table [rows, >= width]
-// with row stride bt_stride; positions [rows, queries] int64, or null and seq_lens [rows] int32
-// with queries == 1; threads: OpenMP threads over the rows (>= 1). Returns 0, or 1 for arguments it
+// q [rows, queries, heads, head_dim] and out (same shape) contiguous, of `dtype`; kv of `kv_dtype` (dtype's, or
+// FP8 E4M3 holding K / k_scale and V / v_scale: pass scale * k_scale and out_scale = v_scale; 1 otherwise);
+// block_table [rows, >= width] with row stride bt_stride; positions [rows, queries] int64, or null and seq_lens
+// [rows] int32 with queries == 1; threads: OpenMP threads over the rows (>= 1). Returns 0, or 1 for arguments it
 // cannot take (nothing is written then).
 int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t* block_table, int64_t bt_stride,
                                     const int64_t* positions, const int32_t* seq_lens, void* out, int64_t rows,
                                     int64_t queries, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                     int64_t page_size, int64_t width, int64_t num_pages, float scale,
                                     int64_t window_left, float soft_cap, const float* sinks, int32_t dtype,
-                                    int32_t threads) {
+                                    int32_t kv_dtype, float out_scale, int32_t threads) {
   if (!q || !kv || !block_table || !out || (!positions && (!seq_lens || queries != 1)) || rows < 0 ||
       queries < 1 || kv_heads < 1 ||
       heads < kv_heads || heads % kv_heads != 0 || head_dim < 1 || head_dim > 512 || page_size < 1 ||
-      width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f || threads < 1)
+      width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f || !(out_scale > 0.f) ||
+      threads < 1 || (kv_dtype != dtype && kv_dtype != kFloat8E4M3))
     return 1;
   Args a{q, kv, block_table, positions, seq_lens, out, rows, queries, heads, kv_heads, head_dim, page_size,
-         width, num_pages, bt_stride, scale, window_left, soft_cap, sinks};
+         width, num_pages, bt_stride, scale, window_left, soft_cap, sinks, out_scale};
+  const bool fp8 = kv_dtype == kFloat8E4M3;
   if (dtype == kFloat32) {
-    attend_any<float>(a, threads);
+    fp8 ? attend_any<float, e4m3>(a, threads) : attend_any<float, float>(a, threads);
   } else if (dtype == kBFloat16) {
-    attend_any<uint16_t>(a, threads);
+    fp8 ? attend_any<uint16_t, e4m3>(a, threads) : attend_any<uint16_t, uint16_t>(a, threads);
   } else {
     return 1;
   }
@@ -549,20 +559,42 @@ int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t
 }
 
 // This step's K and V into the cache, one call for what torch does in eight ops (the slots' pages and
-// offsets, two indexed writes): kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous; k, v
-// [tokens, kv_heads, head_dim] with their heads contiguous and token strides k_stride / v_stride (in
-// elements: the fused qkv projection's views); slots [tokens] int64 (page * page_size + offset).
-// Returns 1, writing nothing, when a slot is outside the cache or an argument is bad.
+// offsets, two indexed writes): kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous, of kv_dtype; k, v
+// [tokens, kv_heads, head_dim] of dtype with their heads contiguous and token strides k_stride / v_stride (in
+// elements: the fused qkv projection's views); slots [tokens] int64 (page * page_size + offset). kv_dtype is
+// dtype (copied as they are) or FP8 E4M3 (stored as k * k_mul, v * v_mul: the reciprocals of the layer's
+// scales, rounded to nearest even, saturated at +-448). Returns 1, writing nothing, when a slot is outside the
+// cache or an argument is bad.
 int graphdecode_cpu_write_kv(void* kv, const void* k, const void* v, const int64_t* slots, int64_t tokens,
                              int64_t kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride,
-                             int64_t page_size, int64_t num_pages, int32_t dtype) {
+                             int64_t page_size, int64_t num_pages, int32_t dtype, int32_t kv_dtype, float k_mul,
+                             float v_mul) {
   const int64_t elem = dtype == kFloat32 ? 4 : dtype == kBFloat16 ? 2 : 0;
+  const bool fp8 = kv_dtype == kFloat8E4M3;
   const int64_t row = kv_heads * head_dim;
   if (!kv || tokens < 0 || (tokens > 0 && (!k || !v || !slots)) || elem == 0 || kv_heads < 1 || head_dim < 1 ||
-      k_stride < row || v_stride < row || page_size < 1 || num_pages < 1)
+      k_stride < row || v_stride < row || page_size < 1 || num_pages < 1 || (kv_dtype != dtype && !fp8) ||
+      !(k_mul > 0.f) || !(v_mul > 0.f))
     return 1;
   for (int64_t t = 0; t < tokens; ++t)
     if (slots[t] < 0 || slots[t] >= num_pages * page_size) return 1;
+  if (fp8) {
+    e4m3* cache = static_cast<e4m3*>(kv);
+    auto put = [&](e4m3* dst, const void* src, float mul) {
+      if (dtype == kFloat32)
+        for (int64_t i = 0; i < row; ++i) store(dst + i, static_cast<const float*>(src)[i] * mul);
+      else
+        for (int64_t i = 0; i < row; ++i) store(dst + i, load(static_cast<const uint16_t*>(src) + i) * mul);
+    };
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
+      put(cache + ((page * 2 + 0) * page_size + offset) * row, static_cast<const char*>(k) + t * k_stride * elem,
+          k_mul);
+      put(cache + ((page * 2 + 1) * page_size + offset) * row, static_cast<const char*>(v) + t * v_stride * elem,
+          v_mul);
+    }
+    return 0;
+  }
   char* cache = static_cast<char*>(kv);
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;

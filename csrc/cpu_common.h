@@ -1,17 +1,28 @@
 // Shared by the CPU kernels (cpu_attention.cpp, cpu_fused.cpp, cpu_linear.cpp, cpu_prefill.cpp, cpu_layers.cpp,
-// cpu_qlinear.cpp): their dtype codes, float32 / bf16 element access (bf16 stored as its 16 bits; stores round to
+// cpu_qlinear.cpp): their dtype codes, float32 / bf16 / FP8 E4M3 (the KV cache's) element access (bf16 stored as its 16 bits; stores round to
 // nearest even, as torch does), the 16-float vector type (GCC / Clang vector types: SSE, AVX2 or AVX-512, whatever
 // -march=native gives) with its unaligned load (of float32, or bf16 widened) and store, lane trees for its sum and
 // maximum, a vectorised exp (exp16; exp1 for one value), and the column panels' register tile (panel_tile).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace graphdecode_cpu {
 
-enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat8E4M3 = 2 };
+
+// One FP8 E4M3 (fn: no infinities, 0x7f / 0xff NaN) value as its byte: the KV cache's 1-byte element. A type of
+// its own so that load / load16 / store below pick its conversions.
+struct e4m3 {
+  uint8_t bits;
+};
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) {
@@ -30,6 +41,41 @@ inline void store(uint16_t* p, float v) {  // round to nearest even, as torch do
   }
   bits += 0x7fffu + ((bits >> 16) & 1u);
   *p = uint16_t(bits >> 16);
+}
+
+// E4M3 -> float32, exact, without float32 subnormals (E4M3's smallest values would be float32 subnormals in
+// the bit-shift form, slow on x86): a normal's exponent rebiased (7 -> 127), a subnormal as its mantissa * 2^-9
+inline float load(const e4m3* p) {
+  const uint32_t b = p->bits, magnitude = b & 0x7fu, exponent = magnitude >> 3;
+  float f;
+  if (exponent == 0) {
+    f = float(magnitude) * 0x1p-9f;
+  } else {
+    const uint32_t bits = ((exponent + 120u) << 23) | ((magnitude & 7u) << 20);
+    std::memcpy(&f, &bits, sizeof f);
+  }
+  return b & 0x80u ? -f : f;
+}
+
+// float32 -> E4M3 rounded to nearest even and saturated at +-448 (the largest finite value); NaN stays NaN.
+// The same byte torch's `.clamp(-448, 448).to(torch.float8_e4m3fn)` gives.
+inline void store(e4m3* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) {
+    p->bits = sign | 0x7fu;
+  } else if (u >= 0x43e00000u) {  // >= 448 (and +-inf): saturated
+    p->bits = sign | 0x7eu;
+  } else if (u < 0x3c800000u) {  // below 2^-6: a subnormal, in units of 2^-9 (8 rounds up to the first normal)
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    p->bits = sign | uint8_t(std::nearbyint(f * 512.f));
+  } else {  // a normal: 3 mantissa bits kept, rounded to nearest even, then the exponent rebiased (127 -> 7)
+    const uint32_t r = (u + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+    p->bits = sign | uint8_t(std::min<uint32_t>(r - (120u << 3), 0x7eu));
+  }
 }
 
 // v rounded to T's precision, as a float (identity for float)
@@ -58,6 +104,24 @@ inline f32x16 load16(const uint16_t* p) {
   f32x16 f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// 16 E4M3 values widened to float32 (exact): each moved into a half's bits (its value * 2^-8; E4M3's subnormals
+// land on the half's, which the conversion takes as they are), converted, times 256
+inline f32x16 load16(const e4m3* p) {
+#if defined(__AVX512F__)
+  const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), 7),
+                                       _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, half), _mm512_set1_ps(256.f));  // maskz: GCC 12 warns on the plain form
+  f32x16 r;
+  std::memcpy(&r, &f, sizeof r);
+  return r;
+#else
+  f32x16 r;
+  for (int i = 0; i < 16; ++i) r[i] = load(p + i);
+  return r;
+#endif
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }

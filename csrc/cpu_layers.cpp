@@ -30,13 +30,14 @@ int graphdecode_cpu_qpanel_linear(const void* x, int64_t M, int64_t K, int64_t l
                                   void* y, int64_t ldy, int32_t threads, int32_t dtype);
 int graphdecode_cpu_write_kv(void* kv, const void* k, const void* v, const int64_t* slots, int64_t tokens,
                              int64_t kv_heads, int64_t head_dim, int64_t k_stride, int64_t v_stride,
-                             int64_t page_size, int64_t num_pages, int32_t dtype);
+                             int64_t page_size, int64_t num_pages, int32_t dtype, int32_t kv_dtype, float k_mul,
+                             float v_mul);
 int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t* block_table, int64_t bt_stride,
                                     const int64_t* positions, const int32_t* seq_lens, void* out, int64_t rows,
                                     int64_t queries, int64_t heads, int64_t kv_heads, int64_t head_dim,
                                     int64_t page_size, int64_t width, int64_t num_pages, float scale,
                                     int64_t window_left, float soft_cap, const float* sinks, int32_t dtype,
-                                    int32_t threads);
+                                    int32_t kv_dtype, float out_scale, int32_t threads);
 }
 
 namespace {
@@ -45,8 +46,12 @@ using namespace graphdecode_cpu;
 
 // One layer's entries in the caller's int64 table (pointers as integers), and in its float table.
 // SAVE: where x is copied before the layer runs (0: nowhere), [M, hidden]: the hidden states an EAGLE-3 head reads
-enum Word : int64_t { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, WORDS };
-enum Real : int64_t { SCALE, SOFT_CAP, REALS };
+// KV_DTYPE: the layer's cache's dtype code (x's, or FP8 E4M3 written as k * K_MUL, v * V_MUL, its attention's
+// output times OUT_SCALE and SCALE the query's scale times the K scale)
+enum Word : int64_t {
+  IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, KV_DTYPE, WORDS
+};
+enum Real : int64_t { SCALE, SOFT_CAP, K_MUL, V_MUL, OUT_SCALE, REALS };
 // Each projection's (qkv, o, gate_up, down) entries in the caller's quantization table: KIND -1 for float panels
 // (cpu_linear.cpp), else cpu_qlinear.cpp's kind with its scales, offsets (0: none) and group
 enum Projection : int64_t { P_QKV, P_O, P_GATE_UP, P_DOWN, PROJECTIONS };
@@ -129,11 +134,13 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
     err |= graphdecode_cpu_rope(qkv, qkv + qn, q, k, cos, sin, positions, M, s.heads, s.kv_heads, HD, qkv_n, qkv_n,
                                 s.dtype, s.threads);
     void* kv = reinterpret_cast<void*>(static_cast<intptr_t>(w[KV]));
+    const int32_t kv_dtype = int32_t(w[KV_DTYPE]);
     err |= graphdecode_cpu_write_kv(kv, k, qkv + qn + kn, slots, M, s.kv_heads, HD, kn, qkv_n, s.page_size,
-                                    s.num_pages, s.dtype);
+                                    s.num_pages, s.dtype, kv_dtype, r[K_MUL], r[V_MUL]);
     err |= graphdecode_cpu_paged_attention(q, kv, block_table, bt_stride, nullptr, seq_lens, attn, M, 1, s.heads,
                                            s.kv_heads, HD, s.page_size, width, s.num_pages, r[SCALE],
-                                           w[WINDOW_LEFT], r[SOFT_CAP], ptr<float>(w[SINKS]), s.dtype, s.threads);
+                                           w[WINDOW_LEFT], r[SOFT_CAP], ptr<float>(w[SINKS]), s.dtype, kv_dtype,
+                                           r[OUT_SCALE], s.threads);
     err |= project(qt + P_O * QUANT_WORDS, attn, M, qn, ptr<T>(w[O]), H, nullptr, o, s.threads, s.dtype);
     err |= graphdecode_cpu_add_rms_norm(x, o, ptr<T>(w[POST_NORM]), normed, total, M, H, H, s.eps, s.dtype,
                                         s.threads);

@@ -173,11 +173,11 @@ void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int
 
 #endif
 
-template <typename T>
+template <typename T, typename KV>
 struct Args {
   const T* q;
   int64_t ldq;
-  const T* kv;
+  const KV* kv;
   const int32_t* block_table;
   int64_t bt_stride;
   T* out;
@@ -189,16 +189,25 @@ struct Args {
   float scale;
   int64_t window_left;
   const float* sinks;
+  float out_scale;  // the output's factor: an FP8 cache's V scale (1 otherwise)
 };
+
+// A K / V element as bf16 bits (dp()'s packing): bf16 as it is, FP8 E4M3 widened (exact)
+inline uint16_t bf16_bits(const uint16_t* p) { return *p; }
+inline uint16_t bf16_bits(const e4m3* p) {
+  uint16_t h;
+  store(&h, load(p));
+  return h;
+}
 
 struct Item {
   int64_t seq, head, q0, cost;  // cost: the key blocks it visits
 };
 
-template <typename T>
+template <typename T, typename KV>
 class Prefill {
  public:
-  explicit Prefill(const Args<T>& a) : a_(a), G_(a.heads / a.kv_heads), D_(a.head_dim) {
+  explicit Prefill(const Args<T, KV>& a) : a_(a), G_(a.heads / a.kv_heads), D_(a.head_dim) {
     first_block_.resize(a.seqs);
     block_base_.resize(a.seqs + 1, 0);
     for (int64_t b = 0; b < a.seqs; ++b) {
@@ -234,7 +243,7 @@ class Prefill {
  private:
   struct Scratch {
     std::vector<float> q, o, m, l, alpha, s;
-    std::vector<const T*> v;
+    std::vector<const KV*> v;
     std::vector<uint16_t> q16, p16;  // dp(): the rows' bf16 queries (unscaled), a tile's bf16 probabilities
   };
 
@@ -251,7 +260,7 @@ class Prefill {
     return std::max<int64_t>(0, first_pos(b) + q0 - a_.window_left) / KEYS;
   }
 
-  const T* key_row(int64_t b, int64_t t, int64_t which) const {  // which: 0 K, 1 V
+  const KV* key_row(int64_t b, int64_t t, int64_t which) const {  // which: 0 K, 1 V
     const int64_t page = a_.block_table[b * a_.bt_stride + t / a_.page_size];
     return a_.kv + ((page * 2 + which) * a_.page_size + t % a_.page_size) * a_.kv_heads * D_;
   }
@@ -277,16 +286,16 @@ class Prefill {
       const int64_t block = first_block_[b] + i - block_base_[b];
       const int64_t t0 = block * KEYS, t1 = std::min(a_.kv_lens[b], t0 + KEYS);
       for (int64_t t = t0; t < t1; ++t) {
-        const T* k = key_row(b, t, 0);
+        const KV* k = key_row(b, t, 0);
         if constexpr (dp()) {
-          const T* v = key_row(b, t, 1);
+          const KV* v = key_row(b, t, 1);
           const int64_t j = t - t0;
           for (int64_t h = 0; h < a_.kv_heads; ++h) {
             uint16_t* kd = packed_block(b, block, h, 0) + 2 * j;
             uint16_t* vd = packed_block(b, block, h, 1) + (j / 2) * 2 * D_ + j % 2;
             for (int64_t d = 0; d < D_; ++d) {
-              kd[(d / 2) * 2 * KEYS + d % 2] = k[h * D_ + d];
-              vd[2 * d] = v[h * D_ + d];
+              kd[(d / 2) * 2 * KEYS + d % 2] = bf16_bits(k + h * D_ + d);
+              vd[2 * d] = bf16_bits(v + h * D_ + d);
             }
           }
         } else {
@@ -380,7 +389,7 @@ class Prefill {
           w.alpha[r] = alpha;
         }
         float* o = w.o.data() + r0 * D;
-        const T* const* v = w.v.data();
+        const KV* const* v = w.v.data();
         const float* alpha = w.alpha.data() + r0;
         by_rows(R, [&](auto rows_c) {
           constexpr int RR = decltype(rows_c)::value;
@@ -405,21 +414,21 @@ class Prefill {
         factor = std::exp(m - m2);
         l = l * factor + std::exp(sink - m2);
       }
-      factor = l > 0.f ? factor / l : 0.f;
+      factor = l > 0.f ? factor / l * a_.out_scale : 0.f;
       T* dst = a_.out + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldo + head * D;
       for (int64_t d = 0; d < D; ++d) store(dst + d, w.o[r * D + d] * factor);
     }
   }
 
-  const Args<T>& a_;
+  const Args<T, KV>& a_;
   const int64_t G_, D_;
   std::vector<int64_t> first_block_, block_base_;
   std::vector<float> kt_;
   std::vector<uint16_t> kp_;
 };
 
-template <typename T>
-int prefill(const Args<T>& a, int64_t tokens, int64_t width, int64_t num_pages, int32_t threads) {
+template <typename T, typename KV>
+int prefill(const Args<T, KV>& a, int64_t tokens, int64_t width, int64_t num_pages, int32_t threads) {
   for (int64_t b = 0; b < a.seqs; ++b) {  // every argument and page checked before any work
     if (a.q_lens[b] < 1 || a.kv_lens[b] < a.q_lens[b] || a.q_starts[b] < 0 || a.q_starts[b] + a.q_lens[b] > tokens)
       return 1;
@@ -430,14 +439,15 @@ int prefill(const Args<T>& a, int64_t tokens, int64_t width, int64_t num_pages, 
       if (page < 0 || page >= num_pages) return 1;
     }
   }
-  Prefill<T>(a).run(threads);
+  Prefill<T, KV>(a).run(threads);
   return 0;
 }
 
 }  // namespace
 
-// q [tokens, heads, head_dim] (token stride ldq, heads and dims packed) and out (token stride ldo);
-// kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous (this chunk's K/V already written);
+// q [tokens, heads, head_dim] (token stride ldq, heads and dims packed) and out (token stride ldo), of dtype;
+// kv [num_pages, 2, page_size, kv_heads, head_dim] contiguous (this chunk's K/V already written), of kv_dtype:
+// dtype, or FP8 E4M3 holding K / k_scale and V / v_scale (pass scale * k_scale and out_scale = v_scale; else 1);
 // block_table [seqs, >= width] int32 with row stride bt_stride; for each sequence b its queries are
 // rows q_starts[b] .. + q_lens[b] of q at positions kv_lens[b] - q_lens[b] .. kv_lens[b] - 1;
 // window_left < 0: no window; sinks [heads] float or null; threads: OpenMP threads. head_dim must be a
@@ -448,23 +458,24 @@ extern "C" int graphdecode_cpu_prefill_attention(const void* q, int64_t tokens, 
                                                  const int64_t* q_lens, const int64_t* kv_lens, int64_t seqs,
                                                  int64_t heads, int64_t kv_heads, int64_t head_dim,
                                                  int64_t page_size, float scale, int64_t window_left,
-                                                 const float* sinks, int32_t dtype, int32_t threads) {
+                                                 const float* sinks, int32_t dtype, int32_t kv_dtype,
+                                                 float out_scale, int32_t threads) {
   if (!q || !kv || !block_table || !out || !q_starts || !q_lens || !kv_lens || seqs < 0 || kv_heads < 1 ||
       heads < kv_heads || heads % kv_heads != 0 || head_dim < 16 || head_dim % 16 != 0 || head_dim > 512 ||
       ldq < heads * head_dim || ldo < heads * head_dim || page_size < 1 || width < 1 || bt_stride < width ||
-      num_pages < 1 || !(scale > 0.f) || threads < 1)
+      num_pages < 1 || !(scale > 0.f) || !(out_scale > 0.f) || threads < 1 ||
+      (kv_dtype != dtype && kv_dtype != kFloat8E4M3))
     return 1;
-  if (dtype == kFloat32) {
-    const Args<float> a{static_cast<const float*>(q), ldq, static_cast<const float*>(kv), block_table, bt_stride,
-                        static_cast<float*>(out), ldo, q_starts, q_lens, kv_lens, seqs, heads, kv_heads, head_dim,
-                        page_size, scale, window_left, sinks};
+  auto run = [&](auto t, auto k) {
+    using T = decltype(t);
+    using KV = decltype(k);
+    const Args<T, KV> a{static_cast<const T*>(q), ldq, static_cast<const KV*>(kv), block_table, bt_stride,
+                        static_cast<T*>(out), ldo, q_starts, q_lens, kv_lens, seqs, heads, kv_heads, head_dim,
+                        page_size, scale, window_left, sinks, out_scale};
     return prefill(a, tokens, width, num_pages, threads);
-  }
-  if (dtype == kBFloat16) {
-    const Args<uint16_t> a{static_cast<const uint16_t*>(q), ldq, static_cast<const uint16_t*>(kv), block_table,
-                           bt_stride, static_cast<uint16_t*>(out), ldo, q_starts, q_lens, kv_lens, seqs, heads,
-                           kv_heads, head_dim, page_size, scale, window_left, sinks};
-    return prefill(a, tokens, width, num_pages, threads);
-  }
+  };
+  const bool fp8 = kv_dtype == kFloat8E4M3;
+  if (dtype == kFloat32) return fp8 ? run(float{}, e4m3{}) : run(float{}, float{});
+  if (dtype == kBFloat16) return fp8 ? run(uint16_t{}, e4m3{}) : run(uint16_t{}, uint16_t{});
   return 1;
 }

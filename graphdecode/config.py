@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention.kv_cache import kv_bytes_per_page
+from .attention.kv_cache import FP8, kv_bytes_per_page
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 
@@ -133,6 +133,10 @@ class EngineConfig:
     # ValueError naming it.
     num_pages: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # the KV cache's element (vLLM's name): "auto", the model's dtype; "fp8" (or "fp8_e4m3"), FP8 E4M3 at one byte
+    # an element, each layer's K / V divided by the checkpoint's k_scale / v_scale (1.0 where it has none): a pool
+    # of the same bytes holds 2x the tokens of bf16 (4x float32's)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     attention_backend: str | None = None
@@ -185,6 +189,7 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
     torch_device: torch.device = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
+    kv_torch_dtype: torch.dtype = field(init=False)  # the KV cache's: torch_dtype, or float8_e4m3fn
     max_pages_per_seq: int = field(init=False)
     logprobs_width: int = field(init=False)  # logprob entries per row and step on the device
     num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
@@ -260,6 +265,7 @@ class EngineConfig:
         cfg = load_model_config(str(self.model))
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
+        kv_dtype = self._resolve_kv_dtype(dtype)
         self._check_tensor_parallel(cfg, device)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
@@ -283,7 +289,7 @@ class EngineConfig:
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
-        num_pages, source = self._kv_pool_pages(cfg, dtype, device, max_pages, max_batch_size, draft_cfg)
+        num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg)
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -297,6 +303,7 @@ class EngineConfig:
             "eagle3_config": eagle3,
             "torch_device": device,
             "torch_dtype": dtype,
+            "kv_torch_dtype": kv_dtype,
             "max_model_len": max_len,
             "num_pages": num_pages,
             "attention_backend": backend,
@@ -340,6 +347,15 @@ class EngineConfig:
             return _DTYPE_NAMES[self.dtype]
         raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
 
+    def _resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.kv_cache_dtype == "auto":
+            return dtype
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return FP8
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: FP8 KV caches are E4M3 ('fp8')")
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+
 
     @property
     def window_tokens(self) -> int:
@@ -363,15 +379,16 @@ class EngineConfig:
         if device.type == "cuda" and device.index not in (None, 0):
             raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
 
-    def _kv_pool_pages(self, cfg: ModelConfig, dtype, device, max_pages: int, max_batch_size: int,
+    def _kv_pool_pages(self, cfg: ModelConfig, dtype, kv_dtype, device, max_pages: int, max_batch_size: int,
                        draft: ModelConfig | None) -> tuple[int, str]:
         """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment. A page
-        holds the target's K/V and, with a draft model, the draft's (replicated on every rank)."""
+        holds the target's K/V (in kv_dtype) and, with a draft model, the draft's (in dtype, replicated on every
+        rank)."""
         if self.num_pages is not None:
             return self.num_pages, f"num_pages ({self.num_pages})"
         tp = self.tensor_parallel_size
         kv_heads = max(1, cfg.num_kv_heads // tp)  # one rank's share (replicated when fewer heads than ranks)
-        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, dtype)
+        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, kv_dtype)
         if draft is not None:
             per_page += kv_bytes_per_page(draft.num_layers, self.page_size, draft.num_kv_heads, draft.head_dim, dtype)
         wanted = max_batch_size * max_pages + 1

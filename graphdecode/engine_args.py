@@ -131,6 +131,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV pool size in bytes per tensor-parallel rank, on either device, e.g. 4G (default: on "
                         f"CUDA by --gpu-memory-utilization; on CPU ${CPU_KVCACHE_SPACE_ENV} GiB when set, else "
                         f"{CPU_KV_BUDGET_BYTES >> 30} GiB at most)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                   help=f"the KV cache's element: the model's dtype, or FP8 E4M3 with the checkpoint's per-layer "
+                        f"k_scale / v_scale (else 1.0) at one byte each ({config('kv_cache_dtype')})")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                    help=f"share of the device's memory (on CPU: of the host's RAM) that weights, KV pool and "
                         f"activations may take, after what others use now (default: on CUDA {GPU_MEMORY_FRACTION}; "

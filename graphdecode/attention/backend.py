@@ -26,8 +26,11 @@ class AttentionBackend(ABC):
         return not self.reads_pages_in_place
 
     def __init__(self, kv_caches: list[torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
-                 specs: list[AttentionSpec] | None = None):
+                 specs: list[AttentionSpec] | None = None, dtype: torch.dtype | None = None):
+        """dtype: the queries' (the model's); None: the caches' (an FP8 cache needs it named)."""
         self.kv_caches = kv_caches
+        self.dtype = dtype or kv_caches[0].dtype
+        self.kv_dtype = kv_caches[0].dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -63,7 +63,7 @@ from .backend import AttentionBackend
 from .flashinfer_plan import decode_plan_csr, prefill_csr
 from .flashinfer_probe import SUPPORTED_DTYPES
 from .handles import register_backend
-from .kv_cache import copy_slots, write_kv
+from .kv_cache import FP8, copy_slots, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 from .spec import AttentionSpec
 from .torch_backend import TorchAttentionBackend
@@ -86,13 +86,12 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES,
-                 specs=None):
-        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
+                 specs=None, dtype=None):
+        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs, dtype)
         # per layer: its sink logits [H] float32 on the device, or None (applied through the run's LSE)
         self.sinks = [None if spec.sinks is None else spec.sinks.float().to(device) for spec in self.specs]
         self.flashinfer = importlib.import_module("flashinfer")
         self.device = torch.device(device)  # CUDA (EngineConfig checks); tests dry-run it on CPU
-        self.dtype = kv_caches[0].dtype
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"attention_backend 'flashinfer' needs bfloat16 or float16, got {self.dtype}")
         self.page_size = kv_caches[0].shape[2]
@@ -101,7 +100,7 @@ class FlashInferBackend(AttentionBackend):
         missing: dict[str, list[int]] = {}
         for layer, spec in enumerate(self.specs):
             why = flashinfer_probe.variant_unavailable_reason(
-                head_dim, self.dtype, spec.sliding_window is not None, spec.soft_cap is not None)
+                head_dim, self.dtype, spec.sliding_window is not None, spec.soft_cap is not None, self.kv_dtype)
             if why is not None:
                 missing.setdefault(why, []).append(layer)
                 self.layer_variant.append(None)
@@ -111,10 +110,12 @@ class FlashInferBackend(AttentionBackend):
             self.layer_variant.append(self.variants.index(plan_variant(spec)))
         self.reference = None  # the torch attention of the layers FlashInfer has no kernel for
         if missing:
-            self.reference = TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=self.specs)
+            self.reference = TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=self.specs,
+                                                   dtype=self.dtype)
             layers = sorted(i for group in missing.values() for i in group)
-            logger.warning("graphdecode: FlashInfer runs no sliding-window / soft-capped kernel here for layers %s "
-                           "(%s); the torch reference attention runs them", _short(layers), "; ".join(missing))
+            logger.warning("graphdecode: FlashInfer has no kernel here for the sliding-window / soft-capped / FP8-KV "
+                           "attention of layers %s (%s); the torch reference attention runs them", _short(layers),
+                           "; ".join(missing))
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes], shared
         self._prefill_wrappers = [[self._new_prefill_wrapper() for _ in range(2)] for _ in self.variants]
         self._prefill_uploads: list[torch.cuda.Event | None] = [None, None]
@@ -162,7 +163,7 @@ class FlashInferBackend(AttentionBackend):
                 self.page_size,
                 causal=True,
                 q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
                 non_blocking=True,
                 seq_lens=seq_lens,
                 **self._variant_args(variant),
@@ -205,7 +206,7 @@ class FlashInferBackend(AttentionBackend):
                 self.head_dim,
                 self.page_size,
                 q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
                 non_blocking=True,
                 disable_split_kv=True,
                 **self._variant_args(variant),
@@ -244,7 +245,7 @@ class FlashInferBackend(AttentionBackend):
             indices = torch.zeros(plan.num_indices, dtype=torch.int32, device=self.device)
             wrapper.plan(
                 qo_indptr, indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+                self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, non_blocking=True,
                 disable_split_kv=True, **self._variant_args(variant),
             )
             self._verify_by_variant[bucket, variant] = wrapper
@@ -301,7 +302,7 @@ class FlashInferBackend(AttentionBackend):
     # --------------------------------------------------- op bodies (opaque)
     def run_prefill(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
         kv = self.kv_caches[layer]  # [pages, 2, P, H_kv, D]
-        write_kv(kv, k, v, slot_mapping)
+        self._write(layer, kv, k, v, slot_mapping)
         if self._prefill_wrapper is None:
             raise RuntimeError("FlashInferBackend: prefill before plan_prefill")
         if self._prefill_copies is not None:  # partial prefix hits, after this forward's writes
@@ -310,7 +311,7 @@ class FlashInferBackend(AttentionBackend):
 
     def run_decode(self, layer, q, k, v, slot_mapping) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, slot_mapping)
+        self._write(layer, kv, k, v, slot_mapping)
         wrapper = self._decode_by_variant.get((q.shape[0], self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {q.shape[0]} was never planned (plan_decode)")
@@ -318,17 +319,24 @@ class FlashInferBackend(AttentionBackend):
 
     def run_verify(self, layer, q, k, v, slot_mapping, bucket: int) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, slot_mapping)
+        self._write(layer, kv, k, v, slot_mapping)
         wrapper = self._verify_by_variant.get((bucket, self.layer_variant[layer]))
         if wrapper is None:
             raise RuntimeError(f"FlashInferBackend: bucket {bucket} has no verify plan (plan_verify)")
         return self._run(wrapper, layer, q, kv)
 
+    def _write(self, layer: int, kv, k, v, slot_mapping) -> None:
+        spec = self.specs[layer]
+        write_kv(kv, k, v, slot_mapping, spec.k_scale, spec.v_scale)
+
     def _run(self, wrapper, layer: int, q, kv) -> torch.Tensor:
         sinks = self.sinks[layer]
+        scales = {}
+        if self.kv_dtype == FP8:  # FlashInfer folds k_scale into the scores' scale, v_scale into the output
+            scales = dict(k_scale=self.specs[layer].k_scale, v_scale=self.specs[layer].v_scale)
         if sinks is None:
-            return wrapper.run(q.contiguous(), kv, enable_pdl=False)
-        out, lse = wrapper.run(q.contiguous(), kv, enable_pdl=False, return_lse=True)  # lse [T, H], base 2
+            return wrapper.run(q.contiguous(), kv, enable_pdl=False, **scales)
+        out, lse = wrapper.run(q.contiguous(), kv, enable_pdl=False, return_lse=True, **scales)  # lse [T, H], base 2
         return out * torch.sigmoid(lse.float() * LN2 - sinks)[..., None].to(out.dtype)
 
 

@@ -13,8 +13,9 @@ choice) or to refuse an explicit `attention_backend="flashinfer"` by name.
 
 A sliding window or a logits soft-cap is a template parameter of that module (its name
 says `use_swa_True` / `use_logits_cap_True`), so a model with such layers needs another
-module: `variant_unavailable_reason` asks the same question for it, and the backend runs
-the layers whose variant is missing with the torch reference (one log line says so).
+module, and so does an FP8 KV cache (`dtype_kv_e4m3`): `variant_unavailable_reason` asks
+the same question for it, and the backend runs the layers whose variant is missing with the
+torch reference (one log line says so).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ _PAGED_KV_STRIDE_MODE = "equal"  # our cache holds K and V of a page side by sid
 
 
 def kernel_module_name(head_dim: int, dtype: torch.dtype, sliding_window: bool = False,
-                       soft_cap: bool = False) -> str:
-    """The module our wrappers load (BatchPrefill fa2 / BatchDecode with tensor cores) for a variant."""
+                       soft_cap: bool = False, kv_dtype: torch.dtype | None = None) -> str:
+    """The module our wrappers load (BatchPrefill fa2 / BatchDecode with tensor cores) for a variant
+    (kv_dtype: an FP8 cache's; None: the queries' dtype)."""
     from flashinfer.jit.attention import modules
 
     base = modules.get_batch_prefill_uri(
-        "fa2", dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, soft_cap, False
+        "fa2", dtype, kv_dtype or dtype, dtype, torch.int32, head_dim, head_dim, 0, sliding_window, soft_cap, False
     )
     return modules._get_batch_prefill_module_uri(base, "fa2", _PAGED_KV_STRIDE_MODE, "full")
 
@@ -93,10 +95,13 @@ def _module_unavailable_reason(module_name, missing) -> str | None:
 
 
 @functools.cache
-def variant_unavailable_reason(head_dim: int, dtype: torch.dtype, sliding_window: bool, soft_cap: bool) -> str | None:
-    """None when the module for this attention variant can be loaded (or compiled) here, else why not.
-    The plain variant is flashinfer_unavailable_reason's question (asked by the engine config)."""
-    if not (sliding_window or soft_cap):
+def variant_unavailable_reason(head_dim: int, dtype: torch.dtype, sliding_window: bool, soft_cap: bool,
+                               kv_dtype: torch.dtype | None = None) -> str | None:
+    """None when the module for this attention variant (an FP8 cache's kv_dtype among them) can be loaded
+    (or compiled) here, else why not. The plain variant is flashinfer_unavailable_reason's question (asked by
+    the engine config)."""
+    kv_dtype = None if kv_dtype == dtype else kv_dtype
+    if not (sliding_window or soft_cap or kv_dtype is not None):
         return None
-    return _module_unavailable_reason(lambda: kernel_module_name(head_dim, dtype, sliding_window, soft_cap),
+    return _module_unavailable_reason(lambda: kernel_module_name(head_dim, dtype, sliding_window, soft_cap, kv_dtype),
                                       lambda name: f"no prebuilt kernel module {name}")

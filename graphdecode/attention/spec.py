@@ -8,7 +8,8 @@ them alike. The torch backend implements all of them on the CPU (its paged kerne
 the SDPA prefill) and in its reference; the FlashInfer backend maps window, soft-cap and
 scale onto its plan arguments (`window_left`, `logits_soft_cap`, `sm_scale`), runs the
 layers whose kernel module it cannot load with the torch reference, and applies sinks to
-its output through the run's log-sum-exp (flashinfer_backend.py).
+its output through the run's log-sum-exp (flashinfer_backend.py). An FP8 KV cache's per-layer
+scales ride here too (kv_cache.py).
 
 Sliding windows bound what a layer reads, not what the cache holds: a sequence keeps
 all its pages, including those wholly outside every layer's window (the scheduler and
@@ -18,6 +19,7 @@ model's; only the attention work is bounded by the window.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,10 @@ class AttentionSpec:
     soft_cap: float | None = None  # scores = soft_cap * tanh(scores / soft_cap), after scaling
     scale: float | None = None  # None: head_dim ** -0.5
     sinks: torch.Tensor | None = field(default=None, repr=False)  # [H] float32: this layer's sink logits
+    # an FP8 KV cache's scales (the checkpoint's `k_scale` / `v_scale`): it holds K / k_scale and V / v_scale;
+    # a cache in the model's dtype ignores them
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self):
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
@@ -39,6 +45,10 @@ class AttentionSpec:
             raise ValueError(f"soft_cap must be > 0 or None, got {self.soft_cap!r}")
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"scale must be > 0 or None, got {self.scale!r}")
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
 
     @property
     def window_left(self) -> int:

@@ -40,7 +40,7 @@ from ..kernels.cpu import cpu_kernels_for
 from . import cpu_ops  # noqa: F401 - registers the graphdecode::cpu_paged_* ops compiled windows call
 from .backend import AttentionBackend
 from .handles import register_backend
-from .kv_cache import copy_slots, write_kv
+from .kv_cache import FP8, copy_slots, from_fp8, write_kv
 from .metadata import DecodeMetadata, PrefillMetadata, VerifyMetadata
 from .spec import AttentionSpec
 
@@ -66,10 +66,12 @@ def _merge(parts):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, specs: list[AttentionSpec] | None = None):
-        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs)
+    def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, specs: list[AttentionSpec] | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs, dtype)
         kernels = cpu_kernels_for(kv_caches[0].device)
-        self.kernels = kernels if kernels is not None and kv_caches[0].dtype in kernels.supported_dtypes else None
+        usable = kernels is not None and self.dtype in kernels.supported_dtypes and self.kv_dtype in (self.dtype, FP8)
+        self.kernels = kernels if usable else None
         self.handle = register_backend(self)  # for the compiled ops
 
     @property
@@ -80,17 +82,15 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- prefill
     def prefill(self, layer, q, k, v, meta: PrefillMetadata) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        if self.kernels is not None and not torch.compiler.is_compiling():
-            self.kernels.write_kv(kv, k, v, meta.slot_mapping)
-        else:
-            write_kv(kv, k, v, meta.slot_mapping)
+        self._write(layer, k, v, meta.slot_mapping)
         if meta.copy_src is not None:
             copy_slots(kv, meta.copy_src, meta.copy_dst)
         spec = self.specs[layer]
         if self._prefill_kernel(spec):
             return self.kernels.prefill_attention(
                 q, kv, meta.block_table, *meta.host_lens(), scale=spec.scale_for(self.head_dim),
-                window_left=spec.window_left, sinks=None if spec.sinks is None else spec.sinks.float().contiguous())
+                window_left=spec.window_left, sinks=None if spec.sinks is None else spec.sinks.float().contiguous(),
+                k_scale=spec.k_scale, v_scale=spec.v_scale)
         out = torch.empty_like(q)
         lens = list(zip(meta.query_lens_host, meta.seq_lens_host))
         start, g = 0, 0
@@ -115,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
             elif kv_len == q_len and meta.copy_src is None:  # a fresh sequence: its keys are this chunk's own
                 out[start:end] = self._attend_chunk(spec, q[start:end], k[start:end], v[start:end], 0)
             else:
-                keys, values = self._gather(kv, meta.block_table[g], kv_len)
+                keys, values = self._gather(kv, meta.block_table[g], kv_len, spec, q.dtype)
                 out[start:end] = self._attend_chunk(spec, q[start:end], keys, values, kv_len - q_len)
             start, g = end, g + 1
         return out
@@ -145,12 +145,21 @@ class TorchAttentionBackend(AttentionBackend):
             return out
         return out * torch.sigmoid(lse - spec.sinks.to(lse.device)[None, :, None])[..., None].to(out.dtype)
 
-    def _gather(self, kv, pages_row, kv_len: int):
+    def _gather(self, kv, pages_row, kv_len: int, spec: AttentionSpec, dtype: torch.dtype):
         page_size = kv.shape[2]
         pages = pages_row[: -(-kv_len // page_size)].long()
         keys = kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
         values = kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
-        return keys, values
+        return from_fp8(keys, spec.k_scale, dtype), from_fp8(values, spec.v_scale, dtype)
+
+    def _write(self, layer: int, k, v, slot_mapping) -> None:
+        """This step's K/V into layer's cache: by the CPU kernel, or by torch ops inside a compiled graph and
+        without the kernel (an FP8 cache divided by the layer's scales either way)."""
+        spec = self.specs[layer]
+        if self.kernels is not None and not torch.compiler.is_compiling():
+            self.kernels.write_kv(self.kv_caches[layer], k, v, slot_mapping, spec.k_scale, spec.v_scale)
+        else:
+            write_kv(self.kv_caches[layer], k, v, slot_mapping, spec.k_scale, spec.v_scale)
 
     def _attend_chunk(self, spec: AttentionSpec, q, keys, values, offset: int) -> torch.Tensor:
         """q [L, H, D] at positions offset..offset+L-1 over keys/values [offset + L, H_kv, D] -> [L, H, D]."""
@@ -236,20 +245,21 @@ class TorchAttentionBackend(AttentionBackend):
         self.kernels.paged_attention(
             out, q.contiguous(), kv, block_table, positions=positions, seq_lens=seq_lens,
             scale=spec.scale_for(self.head_dim), window_left=spec.window_left, soft_cap=spec.soft_cap or 0.0,
-            sinks=None if spec.sinks is None else spec.sinks.float().contiguous(),
+            sinks=None if spec.sinks is None else spec.sinks.float().contiguous(), k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
         )
 
     def run_paged_decode(self, layer, q, k, v, slot_mapping, seq_lens, block_table) -> torch.Tensor:
         """The CPU kernel's decode step: write this step's K/V, attend each row's pages in place."""
         kv = self.kv_caches[layer]
-        self.kernels.write_kv(kv, k, v, slot_mapping)
+        self._write(layer, k, v, slot_mapping)
         out = torch.empty_like(q)
         self._kernel(out[:, None], q[:, None], kv, block_table, self.specs[layer], seq_lens=seq_lens)
         return out
 
     def run_paged_verify(self, layer, q, k, v, slot_mapping, query_positions, block_table) -> torch.Tensor:
         kv = self.kv_caches[layer]
-        self.kernels.write_kv(kv, k, v, slot_mapping)
+        self._write(layer, k, v, slot_mapping)
         rows, queries = query_positions.shape
         out = torch.empty_like(q)
         shape = (rows, queries, self.num_heads, self.head_dim)
@@ -259,11 +269,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write(self, layer, k, v, slot_mapping) -> None:
         """Write K/V [T, H_kv, D] at slots [T] without attending (an EAGLE-3 head following a plain step)."""
-        kv = self.kv_caches[layer]
-        if self.kernels is not None and not torch.compiler.is_compiling():
-            self.kernels.write_kv(kv, k, v, slot_mapping)
-        else:
-            write_kv(kv, k, v, slot_mapping)
+        self._write(layer, k, v, slot_mapping)
 
     def decode(self, layer, q, k, v, meta: DecodeMetadata) -> torch.Tensor:
         if self.kernels is not None:
@@ -272,12 +278,12 @@ class TorchAttentionBackend(AttentionBackend):
                 return torch.ops.graphdecode.cpu_paged_decode(*args, self.handle, layer)
             return self.run_paged_decode(layer, *args)
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, meta.slot_mapping)
         spec = self.specs[layer]
+        write_kv(kv, k, v, meta.slot_mapping, spec.k_scale, spec.v_scale)
         if meta.ragged:
             return self._decode_ragged(kv, q, meta, spec)
         last = meta.seq_lens.long() - 1  # [B]: the query's position
-        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, last, 1)  # [B, N*P, ...]
+        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, last, 1, q.dtype)  # [B, N*P, ...]
         hidden = positions[:, None, :] > last[:, None, None]  # [B, 1, N*P]
         hidden = self._window_hidden(spec, hidden, positions[:, None, :], last[:, None, None])
         return self._attend(q[:, None], keys, values, hidden, spec)[:, 0]
@@ -290,17 +296,18 @@ class TorchAttentionBackend(AttentionBackend):
                 return torch.ops.graphdecode.cpu_paged_verify(*args, self.handle, layer)
             return self.run_paged_verify(layer, *args)
         kv = self.kv_caches[layer]
-        write_kv(kv, k, v, meta.slot_mapping)
         spec = self.specs[layer]
+        write_kv(kv, k, v, meta.slot_mapping, spec.k_scale, spec.v_scale)
         rows, queries = meta.query_positions.shape
-        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, meta.query_positions[:, 0], queries)
+        keys, values, positions = self._gather_rows(kv, meta.block_table, spec, meta.query_positions[:, 0], queries,
+                                                    q.dtype)
         query_positions = meta.query_positions[:, :, None]
         hidden = positions[:, None, :] > query_positions  # [B, Q, N*P]
         hidden = self._window_hidden(spec, hidden, positions[:, None, :], query_positions)
         out = self._attend(q.view(rows, queries, self.num_heads, self.head_dim), keys, values, hidden, spec)
         return out.reshape(rows * queries, self.num_heads, self.head_dim)
 
-    def _gather_rows(self, kv, block_table, spec: AttentionSpec, first_query, queries: int):
+    def _gather_rows(self, kv, block_table, spec: AttentionSpec, first_query, queries: int, dtype: torch.dtype):
         """The padded reference's keys/values per row and their positions: all W block-table columns,
         or, for a sliding window narrower than that, only the N columns the window of Q queries from
         `first_query` [B] can reach (a static N, so graphs keep one shape; columns past W are clamped
@@ -315,8 +322,8 @@ class TorchAttentionBackend(AttentionBackend):
                 start = torch.div((first_query - spec.window_left).clamp(min=0), page_size, rounding_mode="floor")
                 columns = start[:, None] + torch.arange(count, device=block_table.device)[None, :]
         pages = block_table.gather(1, columns.clamp(max=width - 1)).long()  # [B, N]
-        keys = kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
-        values = kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim)
+        keys = from_fp8(kv[:, 0][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim), spec.k_scale, dtype)
+        values = from_fp8(kv[:, 1][pages].reshape(rows, -1, self.num_kv_heads, self.head_dim), spec.v_scale, dtype)
         offsets = torch.arange(page_size, device=block_table.device)
         positions = (columns[:, :, None] * page_size + offsets).reshape(rows, -1)
         return keys, values, positions
@@ -326,8 +333,8 @@ class TorchAttentionBackend(AttentionBackend):
         rows, page_size = q.shape[0], kv.shape[2]
         pages_per_row = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).long()  # [B]
         pages = meta.kv_indices[: int(meta.kv_indptr[rows])].long()  # [N_pages]
-        keys = kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim)  # [N_pages * P, H_kv, D]
-        values = kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim)
+        keys = from_fp8(kv[pages, 0].reshape(-1, self.num_kv_heads, self.head_dim), spec.k_scale, q.dtype)
+        values = from_fp8(kv[pages, 1].reshape(-1, self.num_kv_heads, self.head_dim), spec.v_scale, q.dtype)
         row_of_page = torch.repeat_interleave(torch.arange(rows), pages_per_row)  # [N_pages]
         last_page = torch.zeros_like(row_of_page, dtype=torch.bool)
         last_page[meta.kv_indptr[1:].long() - 1] = True

@@ -42,12 +42,14 @@ from .window import sample_into
 from .window_writes import WindowWrites
 
 
-def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device, specs=None):
+def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device, specs=None,
+                 dtype=None):
+    """dtype: the model's (the queries'); None: the caches' (an FP8 cache needs it named)."""
     if name == "flashinfer":
         from ..attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device, specs=specs)
-    return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=specs)
+        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device, specs=specs, dtype=dtype)
+    return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=specs, dtype=dtype)
 
 
 class ModelRunner:
@@ -70,10 +72,10 @@ class ModelRunner:
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
-            config.torch_dtype, self.device,
+            config.kv_torch_dtype, self.device,
         )
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
-                                    self.device, getattr(self.model, "attention_specs", None))
+                                    self.device, getattr(self.model, "attention_specs", None), config.torch_dtype)
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
             config.num_decode_steps, config.logprobs_width, self.device,

@@ -28,8 +28,9 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 13
+ABI_VERSION = 14
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FP8 = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
@@ -45,7 +46,7 @@ class CpuKernels:
             raise RuntimeError(f"{path}: ABI {self._lib.graphdecode_cpu_abi_version()}, expected {ABI_VERSION}")
         fn = self._lib.graphdecode_cpu_paged_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32, _I32]
+        fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32, _I32, _F32, _I32]
         self._fn = fn
         self._norm = self._lib.graphdecode_cpu_add_rms_norm
         self._norm.restype = ctypes.c_int
@@ -64,11 +65,11 @@ class CpuKernels:
         self._qpanel.argtypes = [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32]
         self._write_kv = self._lib.graphdecode_cpu_write_kv
         self._write_kv.restype = ctypes.c_int
-        self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32]
+        self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32, _I32, _F32, _F32]
         self._prefill = self._lib.graphdecode_cpu_prefill_attention
         self._prefill.restype = ctypes.c_int
         self._prefill.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P] + [_I64] * 5 + [
-            _F32, _I64, _P, _I32, _I32]
+            _F32, _I64, _P, _I32, _I32, _F32, _I32]
         self._layers = self._lib.graphdecode_cpu_decoder_layers
         self._layers.restype = ctypes.c_int
         self._layers.argtypes = [_P, _P, _P, _I64, _P, _I64] + [_P] * 4 + [_I64, _I64] + [_P] * 3 + [_I64] * 8 + [
@@ -81,19 +82,22 @@ class CpuKernels:
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
 
     def paged_attention(self, out, q, kv, block_table, *, positions=None, seq_lens=None, scale: float,
-                        window_left: int = -1, soft_cap: float = 0.0, sinks=None, threads: int | None = None) -> None:
-        """out, q [B, Q, H, D] contiguous; kv [pages, 2, P, H_kv, D] contiguous; block_table
-        [B, W] int32 with unit column stride; positions [B, Q] int64 contiguous, or seq_lens [B]
-        int32 (Q = 1, the query at seq_len - 1); sinks [H] float32 or None. All CPU tensors.
-        The rows go over `threads` (default torch's) threads; a row's result does not depend on it."""
+                        window_left: int = -1, soft_cap: float = 0.0, sinks=None, k_scale: float = 1.0,
+                        v_scale: float = 1.0, threads: int | None = None) -> None:
+        """out, q [B, Q, H, D] contiguous; kv [pages, 2, P, H_kv, D] contiguous, q's dtype or float8_e4m3fn
+        (then holding K / k_scale and V / v_scale); block_table [B, W] int32 with unit column stride; positions
+        [B, Q] int64 contiguous, or seq_lens [B] int32 (Q = 1, the query at seq_len - 1); sinks [H] float32 or
+        None. All CPU tensors. The rows go over `threads` (default torch's) threads; a row's result does not
+        depend on it."""
         rows, queries, heads, head_dim = q.shape
+        kv_code, scale, out_scale = _kv_terms(kv, q.dtype, scale, k_scale, v_scale)
         err = self._fn(
             q.data_ptr(), kv.data_ptr(), block_table.data_ptr(), block_table.stride(0),
             positions.data_ptr() if positions is not None else None,
             seq_lens.data_ptr() if seq_lens is not None else None, out.data_ptr(),
             rows, queries, heads, kv.shape[3], head_dim, kv.shape[2], block_table.shape[1], kv.shape[0],
-            scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, _DTYPES[q.dtype],
-            _threads(threads),
+            scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1),
+            kv_code, out_scale, _threads(threads),
         )
         if err:
             raise ValueError(f"graphdecode_cpu_paged_attention rejected its arguments: q {tuple(q.shape)} "
@@ -105,23 +109,27 @@ class CpuKernels:
         return head_dim % 16 == 0 and 16 <= head_dim <= 512
 
     def prefill_attention(self, q, kv, block_table, q_starts, q_lens, kv_lens, *, scale: float,
-                          window_left: int = -1, sinks=None, threads: int | None = None):
+                          window_left: int = -1, sinks=None, k_scale: float = 1.0, v_scale: float = 1.0,
+                          threads: int | None = None):
         """Causal attention of prefill chunks over the paged cache (their own K/V already written):
         sequence b's queries are q[q_starts[b] : q_starts[b] + q_lens[b]] (q [T, H, D], any token stride) at
         positions kv_lens[b] - q_lens[b] .. kv_lens[b] - 1, over its keys 0 .. kv_lens[b] - 1 read through
         block_table [B, W] int32. q_starts / q_lens / kv_lens: [B] int64 CPU tensors. -> out [T, H, D].
-        A page outside the cache, or lengths the table cannot hold, is a ValueError (nothing computed)."""
+        A page outside the cache, or lengths the table cannot hold, is a ValueError (nothing computed). An
+        FP8 cache (float8_e4m3fn) holds K / k_scale and V / v_scale."""
         q = _heads_contiguous(q)
+        kv_code, scale, out_scale = _kv_terms(kv, q.dtype, scale, k_scale, v_scale)
         tokens, heads, head_dim = q.shape
         out = torch.empty((tokens, heads, head_dim), dtype=q.dtype)
         arrays = [_dense(t, torch.int64) for t in (q_starts, q_lens, kv_lens)]
         if (block_table.dtype != torch.int32 or block_table.stride(1) != 1 or not kv.is_contiguous()
-                or kv.dtype != q.dtype or kv.shape[4] != head_dim or len({a.shape[0] for a in arrays}) != 1
+                or kv_code < 0 or kv.shape[4] != head_dim or len({a.shape[0] for a in arrays}) != 1
                 or (sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()))) or self._prefill(
                 q.data_ptr(), tokens, q.stride(0), kv.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], kv.shape[0], out.data_ptr(), out.stride(0), *(a.data_ptr() for a in arrays),
                 arrays[0].shape[0], heads, kv.shape[3], head_dim, kv.shape[2], scale, window_left,
-                sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1), _threads(threads)):
+                sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1), kv_code, out_scale,
+                _threads(threads)):
             raise ValueError(f"graphdecode_cpu_prefill_attention rejected q {tuple(q.shape)} {q.dtype}, kv "
                              f"{tuple(kv.shape)}, block_table {tuple(block_table.shape)} (a page outside the cache, "
                              f"or more pages than the table holds?)")
@@ -153,17 +161,19 @@ class CpuKernels:
                              f"{positions.tolist()[:8]}, slots {slots.tolist()[:8]} (a position past the rotary "
                              f"table's {cos.shape[0]} rows, or a slot outside the cache's {num_pages * page_size}?)")
 
-    def write_kv(self, kv, k, v, slots) -> None:
+    def write_kv(self, kv, k, v, slots, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """k, v [T, H_kv, D] into kv [pages, 2, P, H_kv, D] at slots [T] int64 (page * P + offset), in place:
-        kv_cache.write_kv's eight torch ops in one call. A slot outside the cache is a ValueError (nothing
-        written)."""
+        kv_cache.write_kv's eight torch ops in one call (an FP8 cache: k / k_scale and v / v_scale, rounded
+        and saturated as kv_cache.write_kv does). A slot outside the cache is a ValueError (nothing written)."""
         k, v = _heads_contiguous(_ready(k)), _heads_contiguous(_ready(v))
         slots = _dense(slots, torch.int64)
         pages, _, page_size, kv_heads, head_dim = kv.shape
-        if (k.dtype != kv.dtype or v.dtype != kv.dtype or k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape
+        kv_code = _kv_terms(kv, k.dtype, 1.0, k_scale, v_scale)[0]
+        if (kv_code < 0 or v.dtype != k.dtype or k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape
                 or slots.shape != k.shape[:1] or not kv.is_contiguous()) or self._write_kv(
                 kv.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], kv_heads, head_dim,
-                k.stride(0), v.stride(0), page_size, pages, _DTYPES.get(kv.dtype, -1)):
+                k.stride(0), v.stride(0), page_size, pages, _DTYPES.get(k.dtype, -1), kv_code, 1.0 / k_scale,
+                1.0 / v_scale):
             raise ValueError(f"graphdecode_cpu_write_kv rejected k {tuple(k.shape)} {k.dtype}, kv {tuple(kv.shape)} "
                              f"{kv.dtype}, slots {tuple(slots.shape)} (a slot outside the cache's "
                              f"{pages * page_size}?)")
@@ -253,6 +263,14 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_automaton_advance: a state out of range ({states.tolist()[:8]})")
         return out
+
+
+def _kv_terms(kv, dtype, scale: float, k_scale: float, v_scale: float) -> tuple[int, float, float]:
+    """The cache's dtype code (-1: neither `dtype`'s nor FP8), the query scale and the output factor: an FP8 cache
+    folds its K scale into the scores' scale and its V scale into the output; any other ignores them."""
+    if kv.dtype == torch.float8_e4m3fn:
+        return _FP8, scale * k_scale, v_scale
+    return (_DTYPES[dtype] if kv.dtype == dtype and dtype in _DTYPES else -1), scale, 1.0
 
 
 def _threads(threads: int | None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention.kv_cache import FP8
 from .cpu_linear import PANEL_ROWS, PanelWeight
 from .layers import GatedActivation, RMSNorm
 from .quant.linear import QuantizedWeight
@@ -33,11 +34,13 @@ from .quant.linear import QuantizedWeight
 # panels from 8 rows in the layer-by-layer forward, but by less than the one call saves there (SmolLM2 bf16, two
 # threads, one call with panels against the eager forward with oneDNN: 1.18x at batch 8, 0.89x at batch 16).
 MIN_ROWS = {torch.bfloat16: 8}
-WORDS = 11  # csrc/cpu_layers.cpp's Word entries per layer
+WORDS = 12  # csrc/cpu_layers.cpp's Word entries per layer
 SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
-REALS = 2  # and its Real entries
+KV_DTYPE = 11  # ... and its cache's dtype code
+REALS = 5  # and its Real entries: scale, soft-cap, and an FP8 cache's K / V multipliers and output factor
 QUANT_WORDS = 4  # csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FP8_CODE = 2  # csrc's kFloat8E4M3
 
 
 def _runs_here(weight) -> bool:
@@ -72,7 +75,9 @@ class CpuDecodeLayers:
         self.quant = torch.tensor([[_quant_words(p.packed) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
                                    for layer in layers], dtype=torch.int64)
+        # the Real table for a cache in the model's dtype, and for an FP8 one (its K scale folded into the query's)
         self.reals = torch.zeros(len(layers), REALS, dtype=torch.float32)
+        self.fp8_reals = torch.zeros(len(layers), REALS, dtype=torch.float32)
         self._keep = []  # tensors whose pointers the table holds
         for i, layer in enumerate(layers):
             attn = layer.self_attn
@@ -86,8 +91,11 @@ class CpuDecodeLayers:
                 layer.mlp.gate_up_proj.packed.panels.data_ptr(), layer.mlp.down_proj.packed.panels.data_ptr(),
                 0, sinks.data_ptr() if sinks is not None else 0])
             self.words[i, 9] = spec.window_left
-            self.reals[i, 0] = spec.scale_for(attn.head_dim)
-            self.reals[i, 1] = spec.soft_cap or 0.0
+            self.words[i, KV_DTYPE] = _DTYPES[self.dtype]  # run() sets the cache's
+            scale = spec.scale_for(attn.head_dim)
+            self.reals[i] = torch.tensor([scale, spec.soft_cap or 0.0, 1.0, 1.0, 1.0])
+            self.fp8_reals[i] = torch.tensor([scale * spec.k_scale, spec.soft_cap or 0.0, 1.0 / spec.k_scale,
+                                                1.0 / spec.v_scale, spec.v_scale])
         self._scratch = torch.empty(0, dtype=self.dtype)
 
     @classmethod
@@ -119,7 +127,7 @@ class CpuDecodeLayers:
         if torch.compiler.is_compiling() or (ctx.decode is None and ctx.verify is None) or tokens > self.rows:
             return False
         backend = ctx.backend
-        return getattr(backend, "kernels", None) is not None and backend.kv_caches[0].dtype == self.dtype
+        return getattr(backend, "kernels", None) is not None and backend.kv_caches[0].dtype in (self.dtype, FP8)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """hidden [M, hidden] embeddings -> the last layer's output (before the final norm), new tensor."""
@@ -147,11 +155,13 @@ class CpuDecodeLayers:
         kv = caches[0]
         saved = x.new_empty((len(stops), rows, x.shape[1])) if stops else None
         words = self.words.numpy()
+        fp8 = kv.dtype == FP8
+        words[:, KV_DTYPE] = FP8_CODE if fp8 else _DTYPES[self.dtype]
         words[:, SAVE] = 0
         for j, layer in enumerate(stops):
             words[layer, SAVE] = saved[j].data_ptr()
         self.kernels.decoder_layers(
-            self.words, self.quant, self.reals, self.num_layers, x, positions, seq_lens,
+            self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions, seq_lens,
             slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
             kv.shape[2], kv.shape[0], self.eps)
         return x, saved.transpose(0, 1).reshape(rows, -1) if stops else None

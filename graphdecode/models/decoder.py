@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
         self.head_dim = cfg.head_dim
         self.spec = spec or AttentionSpec()
+        self.k_scale = self.v_scale = 1.0  # an FP8 KV cache's scales (the checkpoint's k_scale / v_scale)
         q_spec = split_rows(cfg.num_heads * cfg.head_dim, tp)
         kv_spec = kv_heads_spec(cfg.num_kv_heads, cfg.head_dim, tp)
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_spec, "k": kv_spec, "v": kv_spec}, cfg.qkv_bias)
@@ -91,10 +92,9 @@ class Attention(nn.Module):
 
     @property
     def attention_spec(self) -> AttentionSpec:
-        """The spec the backend runs this layer with (the loaded sink logits included)."""
-        if not hasattr(self, "sinks"):
-            return self.spec
-        return replace(self.spec, sinks=self.sinks.detach().float())
+        """The spec the backend runs this layer with (the loaded sink logits and KV scales included)."""
+        sinks = self.sinks.detach().float() if hasattr(self, "sinks") else None
+        return replace(self.spec, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale)
 
     def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx, kv_layer: int | None = None) -> torch.Tensor:
         """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""

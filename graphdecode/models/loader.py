@@ -25,6 +25,7 @@ tensor (q rows first, then k, then v), the same rows per rank as from unfused te
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ class _Entry:
     quant: WeightScheme | None = None  # a quantized linear (key: its module): its scheme, with `parts`
     parts: tuple[tuple[str, str, str], ...] = ()  # (suffix, checkpoint key, file) of each of its tensors
     full: tuple[int, ...] = ()  # ... and its float weight's shape in the checkpoint [N, K]
+    kv_scale: str | None = None  # an attention layer's FP8 KV-cache scale (name: the module): k, v or kv (both)
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -108,6 +110,9 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
                         continue
                     if entry.slot is not None:
                         _load_experts(f, entry, modules[entry.experts], files)
+                        continue
+                    if entry.kv_scale is not None:
+                        _load_kv_scale(f, path, entry, modules[entry.name])
                         continue
                     tensor = _read(f, entry.key, _spec(modules, entry.name, entry.shard), entry.offset, entry.fused)
                 except (SafetensorError, OSError) as e:
@@ -159,6 +164,10 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         with _open(path) as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras:
+                    continue
+                kv_scale = _kv_scale_entry(path, f, key, cls, modules)
+                if kv_scale is not None:
+                    entries.append(kv_scale)
                     continue
                 if quant is not None and _quant_part(path, f, key, quant, quant_parts, cls, modules):
                     continue
@@ -297,6 +306,32 @@ def _read_quantized(f, path: str, entry: _Entry, modules: dict) -> QuantizedTens
     if spec.dim == 0:
         return qt.rows(spec.start, spec.stop)
     return qt.columns(spec.start, spec.stop, f"{path}: tensor {entry.key!r}")
+
+
+_KV_SCALES = {"k_scale": "k", "v_scale": "v", "kv_scale": "kv"}  # an attention layer's FP8 KV-cache scales
+
+
+def _kv_scale_entry(path: str, f, key: str, cls, modules: dict) -> _Entry | None:
+    """An attention layer's K / V cache scale (compressed-tensors' and vLLM's `self_attn.k_scale` / `v_scale`, the
+    older single `kv_scale`): a float scalar, else a ValueError naming it; None for any other tensor."""
+    owner, _, suffix = _renamed(key, cls).rpartition(".")
+    if suffix not in _KV_SCALES or not hasattr(modules.get(owner), "k_scale"):
+        return None
+    header = f.get_slice(key)
+    if header.get_dtype() not in _FLOAT_DTYPES or math.prod(header.get_shape()) != 1:
+        raise ValueError(f"{path}: tensor {key!r} ({header.get_dtype()}, shape {header.get_shape()}): a KV-cache "
+                         f"scale must be one floating-point number per layer (per-head scales are not supported)")
+    return _Entry(key, path, owner, None, kv_scale=_KV_SCALES[suffix])
+
+
+def _load_kv_scale(f, path: str, entry: _Entry, attention) -> None:
+    value = float(_get_tensor(f, path, entry.key, path).float().reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{path}: tensor {entry.key!r} is {value}: a KV-cache scale must be finite and > 0")
+    if "k" in entry.kv_scale:
+        attention.k_scale = value
+    if "v" in entry.kv_scale:
+        attention.v_scale = value
 
 
 def _renamed(key: str, cls) -> str:

@@ -129,11 +129,14 @@ def _compressed_tensors(field: str, quant: dict) -> QuantConfig:
     if quant.get("quantization_status", "compressed") != "compressed":
         raise ValueError(f"{field}.quantization_status: {quant.get('quantization_status')!r} is not supported "
                          f"(only compressed checkpoints, as llm-compressor saves them)")
-    if quant.get("kv_cache_scheme") is not None:
-        raise ValueError(f"{field}.kv_cache_scheme: a quantized KV cache in the checkpoint is not supported")
+    kv_scheme = quant.get("kv_cache_scheme")
+    if kv_scheme is not None:
+        _check_kv_cache_scheme(f"{field}.kv_cache_scheme", kv_scheme)
     model_format = quant.get("format")
     groups = quant.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
+    if groups in ({}, None) and kv_scheme is not None:
+        groups = {}  # only the KV cache's scales (the weights are float)
+    elif not isinstance(groups, dict) or not groups:
         raise ValueError(f"{field}.config_groups: must be a non-empty object")
     parsed = []
     for name, group in groups.items():
@@ -145,6 +148,21 @@ def _compressed_tensors(field: str, quant: dict) -> QuantConfig:
             raise ValueError(f"{where}.targets: must name at least one module")
         parsed.append((targets, _compressed_scheme(where, group, group.get("format") or model_format)))
     return QuantConfig("compressed-tensors", tuple(parsed), _names(field, quant, "ignore"), quantize_head=True)
+
+
+def _check_kv_cache_scheme(field: str, scheme) -> None:
+    """An FP8 KV cache's scheme: per-tensor E4M3, its scales the checkpoint's `self_attn.k_scale` / `v_scale`
+    (the engine's kv_cache_dtype="fp8" reads them; the cache stays in the model's dtype otherwise)."""
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{field}: must be an object")
+    if scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8:
+        raise ValueError(f"{field}: {scheme.get('num_bits')!r}-bit {scheme.get('type')!r} KV caches are not supported "
+                         f"(FP8: num_bits 8, type float)")
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise ValueError(f"{field}.strategy: {scheme.get('strategy')!r} is not supported (one scale per layer: "
+                         f"'tensor')")
+    if scheme.get("dynamic", False) not in (False, None):
+        raise ValueError(f"{field}.dynamic: dynamic KV scales are not supported (static per-layer scales)")
 
 
 def _compressed_scheme(where: str, group: dict, fmt) -> WeightScheme:
