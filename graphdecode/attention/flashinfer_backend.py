@@ -26,6 +26,10 @@ wrapper allocates its own, so a bucket's captured graph always reads its own pla
 
 K/V are written into the cache by slot (kv_cache.write_kv) inside the attention
 ops (flashinfer_ops.py), before attending. KV layout NHD: [pages, 2, P, H_kv, D].
+An FP8 cache (kv_cache_dtype="fp8") is planned as `kv_data_type=float8_e4m3fn`
+against the model's q dtype, and each layer's run passes its `k_scale` / `v_scale`
+(FlashInfer multiplies sm_scale by the one and the output by the other); its
+module is a variant like those below.
 
 Attention variants (AttentionSpec): a sliding window, a logits soft-cap and a query
 scale are plan() arguments of FlashInfer's wrappers (`window_left`, `logits_soft_cap`,

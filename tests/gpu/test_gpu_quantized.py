@@ -75,3 +75,35 @@ def test_gpu_quantized_graphs_match_the_dequantized_float_model(source, tmp_path
 
 def _argmax(entry: dict) -> int:
     return next(t for t, e in entry.items() if e.rank == 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.extended
+def test_gpu_fp8_kv_cache_in_graphs_gives_the_bf16_caches_tokens(source, record_testsuite_property):
+    """kv_cache_dtype="fp8" with FlashInfer in CUDA graphs: its FP8-KV kernel where the kit or JIT has it, else
+    the torch reference on the same FP8 cache (one warning); either way the bf16 cache's greedy tokens on 3 of 4
+    prompts or more, and the pool holds 2x the pages at the same bytes."""
+    from graphdecode import LLM, SamplingParams
+    from graphdecode.attention.kv_cache import FP8
+
+    require_flashinfer(GPU_D64.head_dim, torch.bfloat16)
+    common = dict(page_size=16, max_model_len=256, seed=0, device="cuda", max_batch_size=8, num_decode_steps=4,
+                  attention_backend="flashinfer", cuda_graphs=True, compile=False, kv_cache_memory_bytes=64 << 20)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 30, 60, 90], GPU_D64.vocab_size, seed=22)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs, pages = {}, {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(source, kv_cache_dtype=kv, **common)
+        runner = llm.engine.runner
+        if kv == "fp8":
+            assert runner.kv_caches[0].dtype == FP8
+            record_testsuite_property("fp8_kv.flashinfer_kernel", runner.backend.reference is None)
+        outs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        pages[kv] = llm.config.num_pages
+        assert llm.stats()["graphs_captured"] > 0
+        del llm, runner
+        free_memory()
+    same = sum(a == b for a, b in zip(outs["auto"], outs["fp8"]))
+    record_testsuite_property("fp8_kv.same_greedy_prompts", same)
+    assert pages["fp8"] == 2 * pages["auto"]
+    assert same >= 3

@@ -379,3 +379,22 @@ def test_ab_cpu_decode_layers_smoke(micro_dir, monkeypatch):
     assert [r["batch"] for r in results] == [1, 3]
     for r in results:
         assert r["same_tokens"] and r["eager_tokens_per_s"] > 0 and r["layers_tokens_per_s"] > 0
+
+
+def test_kv_fp8_bench_smoke(micro_dir, tmp_path):
+    """bench_kv_fp8: the capacity table (4x float32's pages at the same bytes), perplexities, decode with both
+    caches through bench_cpu_peers' worker, the calibrated-scales checkpoint written, the JSON."""
+    out = tmp_path / "kv"
+    report = _script("bench_kv_fp8").main(["--model", micro_dir, "--threads", "1", "--batches", "1,2",
+                                           "--prompt-len", "8", "--gen-len", "4", "--repeats", "1", "--rounds", "1",
+                                           "--pool-bytes", str(8 << 20), "--context", "256",
+                                           "--work", str(tmp_path / "work"), "--out", str(out)])
+    assert _load(out)["table"] == report["table"]
+    capacity = report["capacity"]["float32"]
+    assert capacity["fp8"]["pages"] == 4 * capacity["auto"]["pages"]
+    assert capacity["fp8"]["sequences"] >= 4 * capacity["auto"]["sequences"]
+    assert all(p > 1 for p in report["perplexity"].values()) and len(report["perplexity"]) == 3
+    for kv in ("auto", "fp8"):
+        assert [p["batch"] for p in report["decode"][kv]["decode"]] == [1, 2]
+        assert all(p["tokens_per_s"] > 0 for p in report["decode"][kv]["decode"])
+    assert os.path.isfile(tmp_path / "work" / (os.path.basename(micro_dir) + "-kv-scales") / "config.json")
