@@ -278,7 +278,8 @@ def _backends(monkeypatch, available: bool, specs=SPECS):
     from graphdecode.attention.flashinfer_backend import FlashInferBackend
 
     monkeypatch.setattr(flashinfer_probe, "variant_unavailable_reason",
-                        lambda head_dim, dtype, window, soft_cap: None if available or not window else "no module")
+                        lambda head_dim, dtype, window, soft_cap, kv_dtype=None: None if available or not window
+                        else "no module")
     fi_caches, ref_caches = _caches(layers=len(specs)), _caches(layers=len(specs))
     return (FlashInferBackend(fi_caches, H, H_KV, D, device="cpu", specs=specs),
             TorchAttentionBackend(ref_caches, H, H_KV, D, specs=specs), fi_caches, ref_caches)

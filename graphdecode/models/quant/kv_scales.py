@@ -2,7 +2,7 @@
 
 The engine runs `kv_cache_dtype="fp8"` with each attention layer's `self_attn.k_scale` / `v_scale` from the
 checkpoint (compressed-tensors' `kv_cache_scheme`, as llm-compressor writes it; vLLM reads the same), else 1.0.
-This writes them: the float engine prefills the calibration prompts, each layer's largest |K| and |V| in its
+This writes them: the float model prefills the calibration prompts, each layer's largest |K| and |V| in its
 cache (keys after rotary, what the cache holds) over E4M3's largest value, 448, is that layer's scale, so the
 calibration's peak lands on 448 and nothing it saw saturates. The weights are copied unchanged; config.json's
 `quantization_config` gains the `kv_cache_scheme` (a new compressed-tensors section without weight groups
@@ -24,20 +24,35 @@ from ..loader import checkpoint_files
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
-def calibrate_kv_scales(src: str, prompts: list[list[int]]) -> list[tuple[float, float]]:
-    """(k_scale, v_scale) per decoder layer: the largest |K| / |V| the float engine caches for `prompts`, / 448."""
-    from ...host.llm import LLM
-    from ...sampling_params import SamplingParams
+def calibrate_kv_scales(src: str, prompts: list[list[int]], page_size: int = 16) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) per decoder layer: the largest |K| / |V| that a float32 prefill of each prompt writes
+    into the cache, / 448 (the model run directly through the torch attention backend, one prompt at a time)."""
+    from ...attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
+    from ...attention.kv_cache import allocate_kv_caches
+    from ..loader import load_model
+    from ..model_config import load_model_config
 
-    longest = max(len(p) for p in prompts) + 1
-    with LLM(src, dtype="float32", device="cpu", max_model_len=longest, max_batch_size=len(prompts),
-             enable_prefix_caching=False, num_decode_steps=1) as llm:
-        caches = llm.engine.runner.kv_caches
-        for cache in caches:
-            cache.zero_()  # only what the prompts write counts (padded rows write the scratch page: zero too)
-        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1))
-        peaks = [(float(c[1:, 0].abs().amax()), float(c[1:, 1].abs().amax())) for c in caches]
-    return [(max(k, 1e-6) / FP8_MAX, max(v, 1e-6) / FP8_MAX) for k, v in peaks]
+    cfg = load_model_config(src)
+    longest = max(len(p) for p in prompts)
+    model = load_model(src, cfg, torch.float32, torch.device("cpu"), longest)
+    pages = -(-longest // page_size)
+    peaks = torch.zeros(cfg.num_layers, 2)
+    with torch.inference_mode():
+        for prompt in prompts:
+            caches = allocate_kv_caches(cfg.num_layers, pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                        torch.float32, "cpu")
+            backend = TorchAttentionBackend(caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                            specs=getattr(model, "attention_specs", None))
+            n = len(prompt)
+            table = torch.arange(1, pages + 1, dtype=torch.int32)[None]  # page 0: the scratch page
+            meta = PrefillMetadata(cu_query_lens=torch.tensor([0, n], dtype=torch.int32),
+                                   seq_lens=torch.tensor([n], dtype=torch.int32), block_table=table,
+                                   slot_mapping=torch.arange(page_size, page_size + n), query_lens_host=[n],
+                                   seq_lens_host=[n], block_table_host=table)
+            model(torch.tensor(prompt), torch.arange(n), ForwardContext(backend, prefill=meta))
+            for layer, cache in enumerate(caches):
+                peaks[layer] = torch.maximum(peaks[layer], cache[1:].abs().amax(dim=(0, 2, 3, 4)))
+    return [(max(float(k), 1e-6) / FP8_MAX, max(float(v), 1e-6) / FP8_MAX) for k, v in peaks]
 
 
 def write_kv_scales(src: str, dst: str, scales: list[tuple[float, float]]) -> str:
