@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -201,6 +202,151 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
   }
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Integer dot products (AVX-512 VNNI, vpdpbusd): int8 / int4 weights times activations quantized to int8 per row
+// and block of 32 input columns, as llama.cpp's Q8_0 / Q4_0 kernels compute. The panels are laid out for the
+// instruction: each 32-bit lane holds one output column's 4 consecutive k (int8: [K / 4][64][4] bytes, q + 128;
+// int4: [K / 8][64][4] bytes, the low nibbles k..k+3 and the high nibbles k+4..k+7, q + 8). With the weights
+// unsigned u and w = u s - zs (zs = (128 + z) s, or (8 + z) s), an activation block x ~ a xq (a = max|x| / 127,
+// xq = round(x / a) to nearest even) gives x . w = a (s (xq . u) - zs sum(xq)): xq . u exactly in int32, then one
+// float step per block and column. Every row's activations are quantized alone, so a result does not depend on
+// the rows beside it; blocks are added in ascending k.
+#if defined(__AVX512VNNI__)
+#define GRAPHDECODE_QLINEAR_VNNI 1
+
+constexpr int64_t QBLOCK = 32;  // input columns per activation scale
+constexpr int VNNI_MR = 4;      // rows per register tile: 16 int32 accumulators
+
+enum VnniKind : int32_t { kInt8Vnni = 3, kInt4Vnni = 4 };
+
+// row x[0:K] -> xq[0:K] int8, a[K / 32] (the blocks' scales) and sums[K / 32] (each block's sum of xq)
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* xq, float* a, int32_t* sums) {
+  for (int64_t b = 0; b < K / QBLOCK; ++b) {
+    f32x16 v0 = load16(x + b * QBLOCK), v1 = load16(x + b * QBLOCK + 16);
+    const f32x16 m0 = v0 < 0 ? -v0 : v0, m1 = v1 < 0 ? -v1 : v1;
+    const float peak = tree_max(max16(m0, m1));
+    const float inv = peak > 0.f ? 127.f / peak : 0.f;
+    a[b] = peak / 127.f;
+    __m512i q0, q1;
+    __m512 f0, f1;
+    std::memcpy(&f0, &v0, sizeof f0);
+    std::memcpy(&f1, &v1, sizeof f1);
+    q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, _mm512_set1_ps(inv)));  // to nearest even (MXCSR's default)
+    q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QBLOCK), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * QBLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+    sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+
+// out[R][64] += the blocks b0..b1 (one scale group: s, zs [64]) of R rows' quantized activations @ the panel
+template <int R, int KIND>
+void vnni_tile(const int8_t* __restrict xq, int64_t ldq, const float* __restrict a, const int32_t* __restrict sums,
+               int64_t lda, const uint8_t* __restrict panel, int64_t b0, int64_t b1, const float* __restrict s,
+               const float* __restrict zs, float* __restrict out) {
+  __m512 sv[4], zv[4];
+  for (int v = 0; v < 4; ++v) {
+    sv[v] = _mm512_loadu_ps(s + 16 * v);
+    zv[v] = _mm512_loadu_ps(zs + 16 * v);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512i acc[R][4];
+    for (int m = 0; m < R; ++m)
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_si512();
+    if (KIND == kInt8Vnni) {
+      const uint8_t* w = panel + b * QBLOCK * PANEL;  // 8 steps of 4 k: 256 bytes each
+      for (int64_t step = 0; step < QBLOCK / 4; ++step) {
+        __m512i wv[4];
+        for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(w + step * 4 * PANEL + 64 * v);
+        for (int m = 0; m < R; ++m) {
+          int32_t word;
+          std::memcpy(&word, xq + m * ldq + b * QBLOCK + 4 * step, 4);
+          const __m512i xv = _mm512_set1_epi32(word);
+          for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_dpbusd_epi32(acc[m][v], wv[v], xv);
+        }
+      }
+    } else {
+      const uint8_t* w = panel + b * (QBLOCK / 2) * PANEL;  // 4 steps of 8 k: 256 bytes each
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      for (int64_t step = 0; step < QBLOCK / 8; ++step) {
+        __m512i lo[4], hi[4];
+        for (int v = 0; v < 4; ++v) {
+          const __m512i raw = _mm512_loadu_si512(w + step * 4 * PANEL + 64 * v);
+          lo[v] = _mm512_and_si512(raw, low);
+          hi[v] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        for (int m = 0; m < R; ++m) {
+          int32_t w0, w1;
+          std::memcpy(&w0, xq + m * ldq + b * QBLOCK + 8 * step, 4);
+          std::memcpy(&w1, xq + m * ldq + b * QBLOCK + 8 * step + 4, 4);
+          const __m512i x0 = _mm512_set1_epi32(w0), x1 = _mm512_set1_epi32(w1);
+          for (int v = 0; v < 4; ++v)
+            acc[m][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][v], lo[v], x0), hi[v], x1);
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m) {  // out += a (s (xq . u) - zs sum(xq))
+      const __m512 am = _mm512_set1_ps(a[m * lda + b]);
+      const __m512 sm = _mm512_set1_ps(float(sums[m * lda + b]));
+      for (int v = 0; v < 4; ++v) {
+        const __m512 t = _mm512_fnmadd_ps(zv[v], sm, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][v]), sv[v]));
+        _mm512_storeu_ps(out + m * PANEL + 16 * v, _mm512_fmadd_ps(t, am, _mm512_loadu_ps(out + m * PANEL + 16 * v)));
+      }
+    }
+  }
+}
+
+template <int KIND>
+void vnni_rows(int64_t rows, const int8_t* xq, int64_t ldq, const float* a, const int32_t* sums, int64_t lda,
+               const uint8_t* panel, int64_t b0, int64_t b1, const float* s, const float* zs, float* out) {
+  switch (rows) {
+    case 4: vnni_tile<4, KIND>(xq, ldq, a, sums, lda, panel, b0, b1, s, zs, out); break;
+    case 3: vnni_tile<3, KIND>(xq, ldq, a, sums, lda, panel, b0, b1, s, zs, out); break;
+    case 2: vnni_tile<2, KIND>(xq, ldq, a, sums, lda, panel, b0, b1, s, zs, out); break;
+    default: vnni_tile<1, KIND>(xq, ldq, a, sums, lda, panel, b0, b1, s, zs, out); break;
+  }
+}
+
+template <int KIND, typename T>
+void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels, const float* scales,
+                 const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = K / group, blocks = K / QBLOCK;
+  const int64_t per_group = group / QBLOCK;
+  const int64_t panel_bytes = (KIND == kInt4Vnni ? K / 2 : K) * PANEL;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> a(M * blocks);
+  std::vector<int32_t> sums(M * blocks);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, xq.data() + m * K, a.data() + m * blocks,
+                                               sums.data() + m * blocks);
+  const int64_t row_blocks = (M + ROWS_MAX - 1) / ROWS_MAX, tasks = row_blocks * num_panels;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    alignas(64) float out[ROWS_MAX * PANEL];
+    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
+    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    const uint8_t* panel = panels + p * panel_bytes;
+    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* s = scales + (p * groups + g) * PANEL;
+      const float* z = zs + (p * groups + g) * PANEL;
+      for (int64_t m = 0; m < rows; m += VNNI_MR) {
+        const int64_t r = rows - m < VNNI_MR ? rows - m : VNNI_MR;
+        vnni_rows<KIND>(r, xq.data() + (m0 + m) * K, K, a.data() + (m0 + m) * blocks, sums.data() + (m0 + m) * blocks,
+                        blocks, panel, g * per_group, (g + 1) * per_group, s, z, out + m * PANEL);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, out[m * PANEL + j]);
+  }
+}
+#else
+#define GRAPHDECODE_QLINEAR_VNNI 0
+#endif
+
 template <typename T>
 int dispatch(int32_t kind, const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels,
              const float* scales, const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy,
@@ -209,14 +355,28 @@ int dispatch(int32_t kind, const T* x, int64_t M, int64_t K, int64_t ldx, const 
     case kInt8: qpanel_linear<kInt8>(x, M, K, ldx, panels, scales, zs, group, N, bias, y, ldy, threads); return 0;
     case kInt4: qpanel_linear<kInt4>(x, M, K, ldx, panels, scales, zs, group, N, bias, y, ldy, threads); return 0;
     case kFp8: qpanel_linear<kFp8>(x, M, K, ldx, panels, scales, zs, group, N, bias, y, ldy, threads); return 0;
+#if GRAPHDECODE_QLINEAR_VNNI
+    case kInt8Vnni:
+    case kInt4Vnni:
+      if (!zs || group % QBLOCK) return 1;
+      if (kind == kInt8Vnni)
+        vnni_linear<kInt8Vnni>(x, M, K, ldx, panels, scales, zs, group, N, bias, y, ldy, threads);
+      else
+        vnni_linear<kInt4Vnni>(x, M, K, ldx, panels, scales, zs, group, N, bias, y, ldy, threads);
+      return 0;
+#endif
     default: return 1;
   }
 }
 
 }  // namespace
 
+// Whether this build has the integer dot-product kinds (3 int8, 4 int4: AVX-512 VNNI)
+extern "C" int graphdecode_cpu_qlinear_vnni() { return GRAPHDECODE_QLINEAR_VNNI; }
+
 // x [M, K] (row stride ldx), panels [ceil(N / 64)][K (int4: K / 2)][64] bytes of `kind` (0 int8, 1 int4,
-// 2 FP8 E4M3; columns past N zero), scales [ceil(N / 64)][K / group][64] float32, zs (the per-group offsets,
+// 2 FP8 E4M3; 3 int8 and 4 int4 in the integer dot products' layout above, their offsets required and group a
+// multiple of 32; columns past N zero), scales [ceil(N / 64)][K / group][64] float32, zs (the per-group offsets,
 // or null) likewise, bias [N] or null, y [M, N] (row stride ldy); x, bias and y float32 or bf16 (dtype);
 // threads: OpenMP threads over (row block, panel) pairs. group divides K (and is even for int4). Returns
 // nonzero on bad arguments.

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 14
+ABI_VERSION = 15
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _FP8 = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -63,6 +63,7 @@ class CpuKernels:
         self._qpanel = self._lib.graphdecode_cpu_qpanel_linear
         self._qpanel.restype = ctypes.c_int
         self._qpanel.argtypes = [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32]
+        self.vnni = bool(self._lib.graphdecode_cpu_qlinear_vnni())  # the integer dot-product kinds are built
         self._write_kv = self._lib.graphdecode_cpu_write_kv
         self._write_kv.restype = ctypes.c_int
         self._write_kv.argtypes = [_P] * 4 + [_I64] * 7 + [_I32, _I32, _F32, _F32]
@@ -220,16 +221,21 @@ class CpuKernels:
                              f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
 
-    QUANT_KINDS = {"int8": 0, "int4": 1, "fp8": 2}
+    QUANT_KINDS = {"int8": 0, "int4": 1, "fp8": 2, "int8_vnni": 3, "int4_vnni": 4}
+    # bytes per panel row of each kind's layout, and k values per such row (csrc/cpu_qlinear.cpp)
+    _PANEL_ROWS = {"int8": (64, 1), "int4": (64, 2), "fp8": (64, 1), "int8_vnni": (256, 4), "int4_vnni": (256, 8)}
 
     def qpanel_linear(self, x, panels, kind: str, scales, offsets, group: int, out_features: int, bias=None,
                       threads: int | None = None):
         """x [..., K] @ W^T (+ bias) -> new [..., N], W quantized in panels of bytes (csrc/cpu_qlinear.cpp; kind
-        int8, int4 or fp8): panels [ceil(N / 64), K (int4: K / 2), 64] uint8, scales and offsets (or None)
-        [ceil(N / 64), K / group, 64] float32; x, bias and the result float32 or bf16."""
+        int8, int4 or fp8: panels [ceil(N / 64), K (int4: K / 2), 64] uint8; int8_vnni / int4_vnni, the integer
+        dot products' layout with activations quantized per 32 columns: [ceil(N / 64), K / 4 (K / 8), 64, 4]),
+        scales and offsets (or None; the vnni kinds need them) [ceil(N / 64), K / group, 64] float32; x, bias and
+        the result float32 or bf16."""
         x, x2, lead, k, y = _linear_io(x, out_features)
-        rows = k // 2 if kind == "int4" else k
-        if x.dtype not in _DTYPES or panels.dtype != torch.uint8 or panels.shape[1] != rows or (
+        row_bytes, per_row = self._PANEL_ROWS[kind]
+        if x.dtype not in _DTYPES or panels.dtype != torch.uint8 or panels[0].numel() != (k // per_row) * row_bytes or (
+                k % per_row) or (
                 scales.dtype != torch.float32) or (bias is not None and bias.dtype != x.dtype) or self._qpanel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), self.QUANT_KINDS[kind],
                 scales.data_ptr(), offsets.data_ptr() if offsets is not None else None, group, out_features,

@@ -4,7 +4,10 @@
 load for its device; `kernel` names what runs:
 
 * `panels` (CPU with the kernel library): int8, int4 or FP8 in column panels of bytes (csrc/cpu_qlinear.cpp),
-  float32 or bf16 activations, any group that divides K; also inside the one-call decode layers;
+  float32 or bf16 activations, any group that divides K; also inside the one-call decode layers. On a CPU with
+  AVX-512 VNNI, int8 and int4 in groups of whole 32-column blocks take the integer dot products instead
+  (`panel_kind`: "int8_vnni" / "int4_vnni"): the activations quantized to int8 per row and 32 columns, as
+  llama.cpp's Q8_0 / Q4_0 kernels do (1.6-2.4x the float-activation panels per matmul, section 19);
 * without the library, `int8_rows` (CPU): 8-bit integers with one scale per output row, through torch's
   `aten._weight_int8pack_mm` (zero points: minus rowsum(x) * zero * scale);
 * `int4_groups` (CPU): 4-bit integers in groups of 32-256, through `aten._weight_int4pack_mm_for_cpu` over
@@ -23,6 +26,7 @@ engine's quantized linears take bfloat16 activations, as the W8A16 / W4A16 schem
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -67,19 +71,43 @@ def _panel_group(qt: QuantizedTensor) -> int:
     return k if qt.group >= k else math.gcd(qt.group, k)
 
 
+INT8_ACTIVATIONS_ENV = "GRAPHDECODE_INT8_ACTIVATIONS"  # "0": the int panels keep float activations everywhere
+
+
+def panel_kind(qt: QuantizedTensor, kernels) -> str:
+    """The panels' kind for `qt`: FP8, or int8 / int4 with float activations, or (a CPU with AVX-512 VNNI, groups
+    of whole 32-column blocks, unless GRAPHDECODE_INT8_ACTIVATIONS=0) int8 / int4 by integer dot products over
+    activations quantized per 32 columns."""
+    if qt.is_float:
+        return "fp8"
+    kind = f"int{qt.bits}"
+    k = qt.shape[1]
+    if kernels.vnni and k % 32 == 0 and _panel_group(qt) % 32 == 0 and os.environ.get(INT8_ACTIVATIONS_ENV) != "0":
+        return kind + "_vnni"
+    return kind
+
+
+_UNSIGNED = {"int4": 8, "int8_vnni": 128, "int4_vnni": 8}  # the kinds stored as q + this (unsigned)
+
+
 def _pack_panels(qt: QuantizedTensor, kind: str):
-    """(panels [P, K or K / 2, 64] uint8, scales [P, G, 64] float32, offsets likewise or None, group)."""
+    """(panels, scales [P, G, 64] float32, offsets likewise or None, group); panels [P, K or K / 2, 64] uint8, or
+    for the vnni kinds [P, K / 4 (int4: K / 8), 64, 4] (csrc/cpu_qlinear.cpp's layouts)."""
     n, k = qt.shape
     count = -(-n // PANEL)
-    if kind == "int4":
-        codes = (qt.values.to(torch.int16) + 8).to(torch.uint8)  # unsigned: q + 8
-    else:
-        codes = qt.values.view(torch.uint8)
+    shift = _UNSIGNED.get(kind, 0)
+    codes = (qt.values.to(torch.int16) + shift).to(torch.uint8) if shift else qt.values.view(torch.uint8)
     padded = torch.zeros(count * PANEL, k, dtype=torch.uint8)
     padded[:n] = codes
-    panels = padded.view(count, PANEL, k).transpose(1, 2)
-    if kind == "int4":  # two k rows a byte: the even one low
-        panels = panels[:, 0::2] | (panels[:, 1::2] << 4)
+    if kind == "int8_vnni":  # each column's 4 consecutive k side by side
+        panels = padded.view(count, PANEL, k // 4, 4).transpose(1, 2)
+    elif kind == "int4_vnni":  # k = 8 i + 4 h + j: byte (i, column, j) holds k = 8 i + j low, 8 i + 4 + j high
+        pairs = padded.view(count, PANEL, k // 8, 2, 4)
+        panels = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).transpose(1, 2)
+    else:
+        panels = padded.view(count, PANEL, k).transpose(1, 2)
+        if kind == "int4":  # two k rows a byte: the even one low
+            panels = panels[:, 0::2] | (panels[:, 1::2] << 4)
     group = _panel_group(qt)
     repeat = 1 if qt.group >= k else qt.group // group  # each scale column over `repeat` panel groups
 
@@ -91,9 +119,9 @@ def _pack_panels(qt: QuantizedTensor, kind: str):
         return out.view(count, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
     offsets = None
-    if kind == "int4" or qt.zero is not None:  # (q - z) s = q s - z s, int4 stored as q + 8
+    if shift or qt.zero is not None:  # (q - z) s = (q + shift) s - (z + shift) s
         zero = qt.zero.float() if qt.zero is not None else torch.zeros_like(qt.scale, dtype=torch.float32)
-        offsets = per_group((zero + (8 if kind == "int4" else 0)) * qt.scale.float())
+        offsets = per_group((zero + shift) * qt.scale.float())
     return panels.contiguous(), per_group(qt.scale), offsets, group
 
 
@@ -104,7 +132,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedWeight(CpuWeight):
-    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device, kernel: str | None = None):
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device, kernel: str | None = None,
+                 kind: str | None = None):
+        """kernel: what runs (default: choose_kernel's); kind: the panels' (default: panel_kind's)."""
         super().__init__(qt.values)
         self.dtype = dtype
         self.bits = qt.bits
@@ -136,7 +166,7 @@ class QuantizedWeight(CpuWeight):
             from ...kernels.cpu import cpu_kernels
 
             self.kernels = cpu_kernels()
-            self.kind = "fp8" if qt.is_float else f"int{qt.bits}"
+            self.kind = kind or panel_kind(qt, self.kernels)
             self.panels, self.panel_scales, self.panel_offsets, self.group = _pack_panels(qt, self.kind)
         elif self.kernel == "fp8_rows_cuda":
             self.values = _aligned(qt.values.to(device))
