@@ -40,22 +40,30 @@ def best_us(fn, sweeps: int = 10) -> float:
 def weights(n: int, k: int) -> dict[str, list]:
     cpu, f32 = torch.device("cpu"), torch.float32
 
-    def quantized(values, scale, group, bits):
-        return QuantizedWeight(QuantizedTensor(values, scale, None, group, bits), f32, cpu)
+    def quantized(values, scale, group, bits, kind=None):
+        return QuantizedWeight(QuantizedTensor(values, scale, None, group, bits), f32, cpu, "panels", kind)
 
-    return {
+    def int8(kind=None):
+        return quantized(torch.randint(-127, 127, (n, k), dtype=torch.int8), torch.rand(n, 1) * 0.01, k, 8, kind)
+
+    def int4(kind=None):
+        return quantized(torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // 64) * 0.01, 64, 4, kind)
+
+    kinds = {
         "fp32": [PanelWeight(torch.randn(n, k) * 0.02, cpu_kernels()) for _ in range(COPIES)],
-        "int8": [quantized(torch.randint(-127, 127, (n, k), dtype=torch.int8), torch.rand(n, 1) * 0.01, k, 8)
-                 for _ in range(COPIES)],
-        "int4": [quantized(torch.randint(-8, 8, (n, k), dtype=torch.int8), torch.rand(n, k // 64) * 0.01, 64, 4)
-                 for _ in range(COPIES)],
+        "int8": [int8("int8") for _ in range(COPIES)],
+        "int4": [int4("int4") for _ in range(COPIES)],
         "fp8": [quantized(torch.randn(n, k).to(torch.float8_e4m3fn), torch.rand(n, 1) * 0.01, k, 8)
                 for _ in range(COPIES)],
     }
+    if cpu_kernels().vnni:  # the integer dot products (activations quantized per 32 columns): the default here
+        kinds["int8_vnni"] = [int8("int8_vnni") for _ in range(COPIES)]
+        kinds["int4_vnni"] = [int4("int4_vnni") for _ in range(COPIES)]
+    return kinds
 
 
 def main() -> None:
-    bytes_per = {"fp32": 4, "int8": 1, "int4": 0.5, "fp8": 1}
+    bytes_per = {"fp32": 4, "int8": 1, "int4": 0.5, "fp8": 1, "int8_vnni": 1, "int4_vnni": 0.5}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for n, k in ((3072, 576), (576, 1536)):
