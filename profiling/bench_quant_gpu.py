@@ -1,5 +1,6 @@
-"""Quantized decode on the GPU: int4 (tinygemm) and FP8 (scaled_mm) linears in the window's CUDA graphs beside the
-bf16 engine on the same model, tokens/s side by side (issue 34's GPU benchmark).
+"""Quantized decode on the GPU: int4 (tinygemm) and FP8 (scaled_mm) linears, and an FP8 KV cache, in the window's
+CUDA graphs beside the bf16 engine on the same model, tokens/s side by side (issue 34's GPU benchmark; gpu_check's
+bench_quant stage).
 
 The `llama-3.2-1b` preset (random bf16 weights, built on the device) is written by graphdecode's round-to-nearest
 writer (graphdecode/models/quant/rtn.py) as compressed-tensors pack-quantized int4 (groups of 128) and
@@ -23,7 +24,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMATS = {"bf16": None, "int4": ("pack-quantized", 4, 128, True), "fp8": ("float-quantized", 8, None, True)}
+FORMATS = {"bf16": None, "int4": ("pack-quantized", 4, 128, True), "fp8": ("float-quantized", 8, None, True),
+           "kv-fp8": None}  # kv-fp8: the bf16 weights with kv_cache_dtype="fp8"
 
 
 def decode_rate(llm, batch: int, prompt_len: int, gen_len: int, vocab: int, repeats: int):
@@ -82,8 +84,13 @@ def main(argv=None) -> dict:
         written = time.perf_counter() - t0
         llm = LLM(path, device=args.device, dtype="bfloat16", cuda_graphs=args.device == "cuda", compile=False,
                   attention_backend=args.attention, num_decode_steps=8, max_batch_size=max(batches),
-                  max_model_len=args.prompt_len + args.gen_len + 16, enable_prefix_caching=False)
+                  max_model_len=args.prompt_len + args.gen_len + 16, enable_prefix_caching=False,
+                  kv_cache_dtype="fp8" if name == "kv-fp8" else "auto")
         kernel = getattr(llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.packed, "kernel", "bf16")
+        if name == "kv-fp8":  # FlashInfer's FP8-KV module, or the torch reference where the kit lacks it
+            backend = llm.engine.runner.backend
+            kernel = "fp8 KV, " + ("torch reference" if getattr(backend, "reference", None) is not None
+                                   else backend.name)
         vocab = llm.config.model_config.vocab_size
         points, first = [], None
         for batch in batches:

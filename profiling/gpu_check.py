@@ -40,8 +40,11 @@ ending with the exact command that reruns what failed, was cut or did not fit.
                        llama-3.2-1b shape with the built-in tokenizer, batch 1/16/64, --compile off
   bench_moe            MoE decode beside transformers (profiling/bench_moe.py): the wide qwen3_moe
                        preset, bf16, batch 1/16/64, grouped vs dense experts, graphs, --compile off
+  bench_quant          quantized decode in graphs beside bf16 (profiling/bench_quant_gpu.py): the llama-3.2-1b
+                       preset written as int4 (tinygemm) and FP8 (scaled_mm) checkpoints on the device, and the
+                       bf16 model with an FP8 KV cache, batch 1/16/64, --compile off
   bench_compiled       the bucket sweep with --compile on, buckets 1,16
-  (bench_spec, bench_tp, bench_serve, bench_structured and bench_moe write their numbers into
+  (bench_spec, bench_tp, bench_serve, bench_structured, bench_moe and bench_quant write their numbers into
   summary.json only: $OUT holds gpu_check.log, summary.json, bench_buckets.json and
   bench_buckets_compiled.json; the device returns 8 files at most)
 
@@ -82,6 +85,7 @@ from gpu_check_report import (
     junit_report,
     moe_points,
     must_pass,
+    quant_points,
     serve_points,
     side_bench_points,
     structured_points,
@@ -122,6 +126,7 @@ PLAN = {
     "bench_serve": (240, 150, 40),
     "bench_structured": (120, 60, 30),
     "bench_moe": (150, 80, 30),
+    "bench_quant": (180, 100, 30),
     "bench_compiled": (150, 90, None),
 }
 STAGES = tuple(PLAN)
@@ -134,7 +139,8 @@ GRACE_S = (5, 3)  # after the limit: SIGINT (pytest writes its XML), then SIGTER
 # Python modules a stage needs beyond the GPU machine's image; missing ones are installed from
 # the carried wheels (.gpu/wheels, downloaded by --prepare), else the stage is skipped naming them.
 REQUIRES = {"bench_serve": ("fastapi", "starlette", "pydantic", "uvicorn", "openai", "httpx", "prometheus_client"),
-            "bench_structured": ("outlines_core",)}  # structured outputs' compiler
+            "bench_structured": ("outlines_core",),  # structured outputs' compiler
+            "bench_quant": ("compressed_tensors",)}  # the RTN writer's compressed-tensors checkpoints
 # Modules only some of a stage's tests use: installed the same way, but where still missing only
 # those tests skip (each skips itself where its import fails), not the stage.
 OPTIONAL = {"pytest_graphs": ("outlines_core",),  # the structured-window test
@@ -523,13 +529,16 @@ class Check:
             xml = os.path.join(self.work, f"{name}.xml")
             if os.path.isfile(xml):
                 record["tests"] = junit_report(xml)
-        elif name in ("bench_spec", "bench_tp", "bench_serve", "bench_structured", "bench_moe"):  # JSON: work dir
+        elif name in ("bench_spec", "bench_tp", "bench_serve", "bench_structured", "bench_moe",
+                      "bench_quant"):  # their JSON in the work dir
             path = os.path.join(self.work, name + ".json")
             if os.path.isfile(path):
                 if name == "bench_structured":
                     record["bench"] = structured_points(path)
                 elif name == "bench_moe":
                     record["bench"] = moe_points(path)
+                elif name == "bench_quant":
+                    record["bench"] = quant_points(path)
                 else:
                     record["bench"] = (serve_points if name == "bench_serve" else side_bench_points)(path)
         elif name.startswith("bench"):
@@ -749,6 +758,16 @@ class Check:
         argv = [self.python, os.path.join(ROOT, "profiling", "bench_moe.py"), *sizes, "--compile", "off",
                 "--impls", "grouped,dense", "--repeats", "1" if self.dry else "2",
                 "--json", os.path.join(self.work, "bench_moe.json")]
+        return self.verdict(self.run(argv, limit))
+
+    def stage_bench_quant(self, limit: float) -> dict:
+        """Quantized weights (int4 tinygemm, FP8 scaled_mm) and an FP8 KV cache in the window's graphs beside the
+        bf16 engine (profiling/bench_quant_gpu.py), tokens/s side by side."""
+        sizes = (["--device", "cpu", "--preset", "micro", "--batches", "1,2", "--prompt-len", "8", "--gen-len", "4",
+                  "--repeats", "1"] if self.dry else ["--device", "cuda", "--attention", "flashinfer"])
+        argv = [self.python, os.path.join(ROOT, "profiling", "bench_quant_gpu.py"), *sizes,
+                "--formats", "bf16,int4,fp8,kv-fp8", "--work", os.path.join(self.work, "quant"),
+                "--out", os.path.join(self.work, "bench_quant")]
         return self.verdict(self.run(argv, limit))
 
     # ------------------------------------------------------------------ main

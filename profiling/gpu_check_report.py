@@ -142,6 +142,22 @@ def moe_points(path: str) -> dict | None:
     return {"points": points, "family": data.get("family"), "preset": data.get("preset")}
 
 
+def quant_points(path: str) -> dict | None:
+    """The key numbers of a bench_quant_gpu JSON, for summary.json: per format its kernel, decode tokens/s per
+    batch and the ratio to bf16's."""
+    data = _read_json(path)
+    if data is None:
+        return None
+    base = data.get("formats", {}).get("bf16")
+    points = []
+    for name, entry in data.get("formats", {}).items():
+        for i, p in enumerate(entry["decode"]):
+            ratio = p["decode_tokens_per_s"] / base["decode"][i]["decode_tokens_per_s"] if base else None
+            points.append({"format": name, "kernel": entry["kernel"], "batch": p["batch"],
+                           "tokens_per_s": _r(p["decode_tokens_per_s"]), "vs_bf16": _r(ratio)})
+    return {"points": points}
+
+
 def stage_passed(name: str, st: dict) -> tuple[bool, str]:
     """Whether a stage passed, and if not, why not in a few words. A pytest stage passes only if
     at least one test ran and none failed: one whose tests all skipped proved nothing."""
@@ -211,6 +227,9 @@ def _bench_line(p: dict) -> str:
         sides = ", ".join(f"{i} {p[i + '_tokens_per_s']:.0f} tok/s ({p.get(i + '_ratio')}x, MoE "
                           f"{p.get(i + '_moe_share')})" for i in impls)
         return f"moe batch={p['batch']}: {sides}; transformers {p['transformers_tokens_per_s']}"
+    if "format" in p:  # quantized weights / FP8 KV beside bf16
+        return (f"{p['format']} ({p['kernel']}) batch={p['batch']}: {p['tokens_per_s']:.0f} tok/s "
+                f"({p['vs_bf16']}x bf16)")
     if "constrained_tokens_per_s" in p:
         return (f"structured batch={p['batch']}: {p['unconstrained_tokens_per_s']:.0f} -> "
                 f"{p['constrained_tokens_per_s']:.0f} tok/s constrained ({p['ratio']}x)")

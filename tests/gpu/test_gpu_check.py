@@ -27,7 +27,7 @@ from tests.helpers import REPO
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 CORE = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs"]
 STAGES = CORE + ["pytest_extended", "bench", "bench_spec", "pytest_compile", "bench_tp", "bench_serve",
-                 "bench_structured", "bench_moe", "bench_compiled"]
+                 "bench_structured", "bench_moe", "bench_quant", "bench_compiled"]
 PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_extended",
                  "pytest_compile"]
 HOOKS = ("GPU_CHECK_", "GDKIT_")
@@ -120,6 +120,10 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert moe["status"] == "ok" and [p["batch"] for p in moe["bench"]["points"]] == [1, 2]
     assert all(p["grouped_tokens_per_s"] > 0 and p["dense_tokens_per_s"] > 0 and 0 < p["grouped_moe_share"] < 1
                and p["transformers_tokens_per_s"] > 0 for p in moe["bench"]["points"])
+    quant = stages["bench_quant"]  # int4 / FP8 weights and an FP8 KV cache beside bf16, numbers in summary.json
+    assert quant["status"] == "ok", quant
+    assert {p["format"] for p in quant["bench"]["points"]} == {"bf16", "int4", "fp8", "kv-fp8"}
+    assert all(p["tokens_per_s"] > 0 and p["vs_bf16"] > 0 for p in quant["bench"]["points"])
     # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
     compiled = stages["bench_compiled"]
     assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]
