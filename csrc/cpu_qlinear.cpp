@@ -152,6 +152,18 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
   }
 }
 
+// A task's output rows for panel p: the bias's columns (0 without one), then, summed, its first cols columns stored
+template <typename T>
+inline void start_panel(float* out, int64_t rows, const T* bias, int64_t p, int64_t cols) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+}
+template <typename T>
+inline void finish_panel(const float* out, int64_t rows, T* y, int64_t ldy, int64_t cols) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t j = 0; j < cols; ++j) store(y + m * ldy + j, out[m * PANEL + j]);
+}
+
 template <int KIND, typename T>
 void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels, const float* scales,
                    const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads) {
@@ -170,8 +182,7 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const uint8_t* panel = panels + p * panel_bytes;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    start_panel(out, rows, bias, p, cols);
     for (int64_t g = 0; g < groups; ++g) {
       const float* scale = scales + (p * groups + g) * PANEL;
       const float* offsets = zs ? zs + (p * groups + g) * PANEL : nullptr;
@@ -197,8 +208,7 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
         }
       }
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, out[m * PANEL + j]);
+    finish_panel(out, rows, y + m0 * ldy + p * PANEL, ldy, cols);
   }
 }
 
@@ -328,8 +338,7 @@ void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* p
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const uint8_t* panel = panels + p * panel_bytes;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    start_panel(out, rows, bias, p, cols);
     for (int64_t g = 0; g < groups; ++g) {
       const float* s = scales + (p * groups + g) * PANEL;
       const float* z = zs + (p * groups + g) * PANEL;
@@ -339,8 +348,7 @@ void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* p
                         blocks, panel, g * per_group, (g + 1) * per_group, s, z, out + m * PANEL);
       }
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, out[m * PANEL + j]);
+    finish_panel(out, rows, y + m0 * ldy + p * PANEL, ldy, cols);
   }
 }
 #else

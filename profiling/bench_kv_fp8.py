@@ -42,20 +42,6 @@ def capacity(model: str, dtype: str, kv: str, pool_bytes: int, context: int) -> 
     return {"pages": config.num_pages, "sequences": (config.num_pages - 1) // config.max_pages_per_seq}
 
 
-def perplexity(path: str, kv: str, threads: int) -> float:
-    import math
-
-    from graphdecode import LLM, SamplingParams
-
-    with LLM(path, dtype="float32", cpu_threads=threads, max_model_len=1024, enable_prefix_caching=False,
-             kv_cache_dtype=kv) as llm:
-        ids = llm.get_tokenizer().encode(quant.TEXT)[:1000]  # SmolLM2: about 500 (a byte-level toy: all of 1000)
-        (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
-                              use_tqdm=False)
-    nll = [-out.prompt_logprobs[j][t].logprob for j, t in enumerate(ids) if j > 0]
-    return math.exp(sum(nll) / len(nll))
-
-
 def calibrated(model: str, work: str) -> str:
     from transformers import AutoTokenizer
 
@@ -90,7 +76,7 @@ def main(argv=None) -> dict:
     scaled = calibrated(args.model, args.work)
     for name, path, kv in (("auto", args.model, "auto"), ("fp8", args.model, "fp8"),
                            ("fp8, calibrated scales", scaled, "fp8")):
-        report["perplexity"][name] = perplexity(path, kv, args.threads)
+        report["perplexity"][name] = quant.perplexity(path, "float32", args.threads, kv_cache_dtype=kv)
         print(f"[bench_kv_fp8] perplexity {name}: {report['perplexity'][name]:.4f}", flush=True)
     peer_args = argparse.Namespace(batches=[int(b) for b in args.batches.split(",")], prefill=[],
                                    prompt_len=args.prompt_len, gen_len=args.gen_len, repeats=args.repeats,

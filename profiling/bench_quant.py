@@ -101,11 +101,14 @@ def gguf(args, name: str) -> str | None:
     return path
 
 
-def perplexity(path: str, dtype: str, threads: int) -> float:
+def perplexity(path: str, dtype: str, threads: int, **engine) -> float:
+    """exp(mean NLL) of TEXT's tokens (its first 1000: SmolLM2 has about 500) from the prompt logprobs; engine:
+    further LLM options (bench_kv_fp8.py's kv_cache_dtype)."""
     from graphdecode import LLM, SamplingParams
 
-    with LLM(path, dtype=dtype, cpu_threads=threads, max_model_len=1024, enable_prefix_caching=False) as llm:
-        ids = llm.get_tokenizer().encode(TEXT)
+    with LLM(path, dtype=dtype, cpu_threads=threads, max_model_len=1024, enable_prefix_caching=False,
+             **engine) as llm:
+        ids = llm.get_tokenizer().encode(TEXT)[:1000]
         (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
                               use_tqdm=False)
     nll = [-out.prompt_logprobs[j][t].logprob for j, t in enumerate(ids) if j > 0]

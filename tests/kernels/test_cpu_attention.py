@@ -196,6 +196,19 @@ def test_gathering_reference_decode_has_every_variant(spec_name, ragged):
     torch.testing.assert_close(got.double(), want, **_tol(torch.float32))
 
 
+def verify_inputs(rows: Rows, queries: int):
+    """Each row's last `queries` positions as one verify: (q, k, v, VerifyMetadata, positions [B, Q])."""
+    count = len(rows.lengths)
+    positions = torch.tensor([[n - queries + j for j in range(queries)] for n in rows.lengths])
+    q = torch.randn(count * queries, rows.heads, rows.head_dim, generator=torch.Generator().manual_seed(6))
+    k = torch.cat([keys[-queries:] for keys in rows.keys])
+    v = torch.cat([values[-queries:] for values in rows.values])
+    slots = torch.cat([rows.slots(b, positions[b]) for b in range(count)])
+    meta = VerifyMetadata(block_table=rows.block_table, query_positions=positions, slot_mapping=slots,
+                          live=torch.ones(count, dtype=torch.bool))
+    return q, k, v, meta, positions
+
+
 @pytest.mark.parametrize("kernels", [pytest.param(True, marks=needs_kernels), False])
 @pytest.mark.parametrize("spec_name", ["default", "window", "all"])
 @pytest.mark.parametrize("queries", [2, 4])  # 6 queries per KV head: the decode-shaped loops; 12: the tiled ones
@@ -204,14 +217,7 @@ def test_verify_attends_queries_causally(kernels, spec_name, queries):
     heads, kv_heads, head_dim = 9, 3, 64
     rows = Rows([6, 20, 33], heads, kv_heads, head_dim, torch.float32, seed=5)
     spec = SPECS[spec_name](heads)
-    positions = torch.tensor([[n - queries + j for j in range(queries)] for n in rows.lengths])
-    g = torch.Generator().manual_seed(6)
-    q = torch.randn(3 * queries, heads, head_dim, generator=g)
-    k = torch.cat([keys[-queries:] for keys in rows.keys])
-    v = torch.cat([values[-queries:] for values in rows.values])
-    slots = torch.cat([rows.slots(b, positions[b]) for b in range(3)])
-    meta = VerifyMetadata(block_table=rows.block_table, query_positions=positions, slot_mapping=slots,
-                          live=torch.ones(3, dtype=torch.bool))
+    q, k, v, meta, positions = verify_inputs(rows, queries)
     got = rows.backend(spec, kernels).verify(0, q, k, v, meta).view(3, queries, heads, head_dim)
     for b in range(3):
         want = oracle(q.view(3, queries, heads, head_dim)[b], rows.keys[b], rows.values[b], positions[b].tolist(),

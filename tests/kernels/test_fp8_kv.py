@@ -18,11 +18,11 @@ import logging
 import pytest
 import torch
 
-from graphdecode.attention import PrefillMetadata, TorchAttentionBackend, VerifyMetadata
+from graphdecode.attention import PrefillMetadata, TorchAttentionBackend
 from graphdecode.attention.kv_cache import FP8, from_fp8, to_fp8, write_kv
 from graphdecode.attention.spec import AttentionSpec
 from graphdecode.kernels.cpu import cpu_kernels
-from tests.kernels.test_cpu_attention import PAGE, SPECS, Rows, oracle
+from tests.kernels.test_cpu_attention import PAGE, SPECS, Rows, oracle, verify_inputs
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler: the CPU kernel cannot be built")
 K_SCALE, V_SCALE = 0.37, 2.5  # scales other than 1, so that a dropped or inverted one shows
@@ -131,13 +131,7 @@ def test_verify_over_an_fp8_cache(kernels, spec_name, queries):
     heads, kv_heads, head_dim = 9, 3, 64
     rows = Fp8Rows([6, 20, 33], heads, kv_heads, head_dim, seed=5)
     spec = _specs(spec_name, heads)
-    positions = torch.tensor([[n - queries + j for j in range(queries)] for n in rows.lengths])
-    q = torch.randn(3 * queries, heads, head_dim, generator=torch.Generator().manual_seed(6))
-    k = torch.cat([keys[-queries:] for keys in rows.keys])  # FP8 values already: written back unchanged
-    v = torch.cat([values[-queries:] for values in rows.values])
-    slots = torch.cat([rows.slots(b, positions[b]) for b in range(3)])
-    meta = VerifyMetadata(block_table=rows.block_table, query_positions=positions, slot_mapping=slots,
-                          live=torch.ones(3, dtype=torch.bool))
+    q, k, v, meta, positions = verify_inputs(rows, queries)  # k, v: FP8 values already, written back unchanged
     got = rows.backend(spec, kernels).verify(0, q, k, v, meta).view(3, queries, heads, head_dim)
     for b in range(3):
         want = oracle(q.view(3, queries, heads, head_dim)[b], rows.keys[b], rows.values[b], positions[b].tolist(),
