@@ -521,4 +521,9 @@ def model_weight_bytes(cfg: ModelConfig, dtype) -> int:
     sparse = 0 if moe is None else attn + moe.num_experts * (h + 3 * h * moe.intermediate_size)  # router + experts
     count = sum(sparse if moe is not None and moe.is_sparse(layer) else dense for layer in range(cfg.decoder_layers))
     count += v * h * (1 if cfg.tie_word_embeddings else 2)
-    return count * torch.tensor([], dtype=dtype).element_size()
+    size = torch.tensor([], dtype=dtype).element_size()
+    if moe is not None and cfg.quantization == "mxfp4":  # the experts stay MXFP4: 17 bytes per 32 weights
+        experts = sum(moe.is_sparse(layer) for layer in range(cfg.decoder_layers)) * moe.num_experts * 3 * h * \
+            moe.intermediate_size
+        return (count - experts) * size + experts * 17 // 32
+    return count * size

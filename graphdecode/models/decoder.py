@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
+from . import mxfp4
 from .layers import FusedLinear, GatedActivation, RMSNorm
 from .model_config import SLIDING, ModelConfig
 from .moe import SparseMoE, default_implementation
@@ -230,6 +231,8 @@ class DecoderForCausalLM(nn.Module):
             for counter, layer in zip(self.expert_tokens, moe):
                 layer.expert_tokens = counter
                 layer.experts.implementation = implementation
+                if layer.experts.mxfp4:  # the E2M1 values on the device, float32 (the weights dequantize exactly)
+                    layer.experts.fp4_values = mxfp4.fp4_table(weight.device)
 
     def init_rotary(self, max_positions: int) -> None:
         weight = self.model.embed_tokens.weight

@@ -15,7 +15,8 @@ its columns of down (I / ranks of each expert). The layouts read into them:
   dim (gate at even columns), `gate_up_proj_bias` [E, 2I] interleaved alike,
   `experts.down_proj` [E, I, H], `down_proj_bias` [E, H]; or, quantised (config.json's
   quantization_config mxfp4), `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` /
-  `_scales` as [E, out, in] MXFP4 (mxfp4.py), dequantised to the compute dtype here.
+  `_scales` as [E, out, in] MXFP4 (mxfp4.py), kept in 4 bits (moe.Experts.hold_mxfp4; this rank's rows, gate
+  then up), or dequantised to the compute dtype here where a rank's slice is no whole number of 32-blocks.
 
 The loader (loader.py) asks `slot()` about each checkpoint tensor under an `Experts`
 module: what it fills (a `Slot`: the parameter and the part of it, the shape and dtypes to
@@ -124,6 +125,18 @@ def load(module: Experts, s: Slot, tensor: torch.Tensor, read) -> None:
             param.copy_(tensor[:, :, lo:hi])
         else:
             param.copy_(torch.cat([tensor[:, lo:hi], tensor[:, full + lo:full + hi]], dim=1))
+        return
+    if s.layout == "mxfp4" and module.mxfp4:  # kept in 4 bits: this rank's rows, gate rows then up rows
+        scales = read(f"{s.param}_scales")
+        name = s.param.removesuffix("_proj")
+        blocks_param, scales_param = getattr(module, f"{name}_blocks"), getattr(module, f"{name}_scales")
+        if s.param == "gate_up_proj":  # [E, 2I, H / 32, ...], gate and up rows interleaved
+            blocks_param.copy_(torch.cat([tensor[:, 0::2][:, lo:hi], tensor[:, 1::2][:, lo:hi]], dim=1))
+            scales_param.copy_(torch.cat([scales[:, 0::2][:, lo:hi], scales[:, 1::2][:, lo:hi]], dim=1))
+        else:  # down [E, H, I / 32, ...]: this rank's input blocks
+            b0, b1 = lo // mxfp4.BLOCK, hi // mxfp4.BLOCK
+            blocks_param.copy_(tensor[:, :, b0:b1])
+            scales_param.copy_(scales[:, :, b0:b1])
         return
     if s.layout == "mxfp4":  # [E, out, in] -> the unquantized gpt-oss layout [E, in, out]
         scales = read(f"{s.param}_scales")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 
-from . import expert_weights
+from . import expert_weights, mxfp4
 from .config_fields import read_json_object
 from .cpu_decode import CpuDecodeLayers
 from .cpu_linear import can_prepack, prepack_cpu_linears
@@ -97,6 +97,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     quantized = {e.name for _, entries in plan for e in entries if e.quant is not None}
     for name in quantized:  # held quantized (a QuantizedWeight): no float weight is allocated
         modules[_owner(name)].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    for owner in {e.experts for _, entries in plan for e in entries if e.slot is not None and e.slot.layout == "mxfp4"}:
+        modules[owner].hold_mxfp4()  # MXFP4 experts stay in 4 bits (where this rank's slice allows)
     model = model.to(dtype=dtype).to_empty(device=device)  # in place: `modules` still names its modules
     params = dict(model.named_parameters())
     files = {entry.key: path for path, entries in plan for entry in entries}
@@ -131,6 +133,13 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
         else:
             module.packed = weight
     _check_finite(params, modules, plan, dtype)
+    if dtype == torch.float16:  # MXFP4 experts dequantize per call: their largest value must fit float16
+        for name, module in modules.items():
+            if getattr(module, "mxfp4", False):
+                exponent = max(int(module.gate_up_scales.max()), int(module.down_scales.max())) - mxfp4.SCALE_BIAS
+                if 6.0 * 2.0**exponent > torch.finfo(torch.float16).max:
+                    raise ValueError(f"{name}: MXFP4 expert weights reach 6 x 2**{exponent}, beyond float16; load "
+                                     f"with dtype='bfloat16' or 'float32'")
     model.post_load(max_positions)
     model.eval()
     if can_prepack(device, dtype):

@@ -79,7 +79,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss)
     attn_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss `self_attn.sinks`)
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight before the cast back (gpt-oss)
-    quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (dequantised at load)
+    quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (kept in 4 bits)
     weight_quant: QuantConfig | None = None  # the linears' quantized weights (quant/config.py), or None
 
     @property
@@ -121,7 +121,7 @@ class Family:
     window_switch: str | None = None  # a flag that must be true for sliding_window to apply (Qwen)
     window_default: int | None = None  # the window when config.json has no sliding_window key
     keep_layer_types: bool = False  # layer_types matter without a window (each layer's kind picks its rope)
-    quantizations: tuple[str, ...] = ()  # quantization_config quant_methods it loads (dequantised at load)
+    quantizations: tuple[str, ...] = ()  # quantization_config quant_methods it loads (its experts' MXFP4)
 
     def sliding_window(self, where: str, raw: dict) -> int | None:
         """The sliding layers' window (None: no window)."""

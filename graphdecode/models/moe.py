@@ -36,6 +36,12 @@ Every implementation adds a token's expert outputs in ascending expert order, st
 from the lowest, as transformers' loop does (index_add_ per expert into zeros), so the
 sums agree bit for bit when the per-expert matmuls do.
 
+MXFP4 checkpoints (gpt-oss) keep their experts' weights in 4 bits (`Experts.hold_mxfp4`: blocks of 32 FP4
+values with a power-of-two scale byte, 4.25 bits a weight, the float parameters empty) and dequantize them
+inside each call: a decode step's few (token, expert) pairs dequantize only their experts (one batched matmul
+per projection); a larger batch dequantizes every expert of the layer once and runs the implementation above.
+No host sync either way, so it runs inside CUDA graphs; memory is the checkpoint's, compute pays the unpacking.
+
 Tensor parallelism: each rank holds every expert's slice of the intermediate size (rows
 of gate and up, columns of down); the router is replicated; the MoE's output is
 all-reduced once, as a dense MLP's is (the down bias is added by rank 0 only).
@@ -53,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mxfp4
 from .parallel import TPGroup, split
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
@@ -224,12 +231,67 @@ class Experts(nn.Module):
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
         self.implementation = "reference"  # what runs anywhere; post_load picks the device's (default_implementation)
+        self.mxfp4 = False  # hold_mxfp4: the weights kept as MXFP4 blocks and scales
+
+    def hold_mxfp4(self) -> bool:
+        """Keep gate_up / down as MXFP4 (gpt-oss's checkpoints): uint8 buffers gate_up_blocks [E, 2I, H / 32, 16]
+        and gate_up_scales [E, 2I, H / 32] (gate rows, then up rows), down_blocks [E, H, I / 32, 16] and
+        down_scales [E, H, I / 32], 4.25 bits a weight; the float parameters become empty. Called on the meta
+        device before the weights are read; False (floats kept) where this rank's intermediate slice is no whole
+        number of 32-column blocks."""
+        local = self.rows.stop - self.rows.start
+        if local % mxfp4.BLOCK or self.rows.start % mxfp4.BLOCK:
+            return False
+        e, h = self.cfg.num_experts, self.gate_up_proj.shape[2]
+        if h % mxfp4.BLOCK:
+            return False
+        device = self.gate_up_proj.device
+        for name, (out, inp) in (("gate_up", (2 * local, h)), ("down", (h, local))):
+            setattr(self, f"{name}_proj", nn.Parameter(torch.empty(0, device=device), requires_grad=False))
+            self.register_buffer(f"{name}_blocks", torch.empty(e, out, inp // mxfp4.BLOCK, mxfp4.BLOCK // 2,
+                                                               dtype=torch.uint8, device=device))
+            self.register_buffer(f"{name}_scales", torch.empty(e, out, inp // mxfp4.BLOCK, dtype=torch.uint8,
+                                                               device=device))
+        self.register_buffer("fp4_values", torch.empty(len(mxfp4.FP4_VALUES), device=device),
+                             persistent=False)  # post_load fills it
+        self.mxfp4 = True
+        return True
+
+    def dequantized(self, dtype: torch.dtype, experts: torch.Tensor | None = None):
+        """(gate_up [E', 2I, H], down [E', H, I]) in dtype: every expert's, or those `experts` names (MXFP4)."""
+        pick = (lambda t: t) if experts is None else (lambda t: t[experts])
+        lut = self.fp4_values  # on the device already: no host copy inside a graph
+        return (mxfp4.dequantize(pick(self.gate_up_blocks), pick(self.gate_up_scales), dtype, lut),
+                mxfp4.dequantize(pick(self.down_blocks), pick(self.down_scales), dtype, lut))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         b2 = self.down_proj_bias if self.tp.rank == 0 else None  # added once across the ranks' partial sums
+        if self.mxfp4:
+            return self._mxfp4_forward(x, ids, weights, b2)
         return moe_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, b2,
                            c.activation, c.swiglu_alpha, c.swiglu_limit, self.implementation)
+
+    def _mxfp4_forward(self, x, ids, weights, b2) -> torch.Tensor:
+        """MXFP4 experts, dequantized inside the call (no host sync; static shapes): with fewer (token, expert)
+        pairs than experts (decode), only each pair's expert, one batched matmul per projection; else every
+        expert once, then the device's implementation as for float weights."""
+        c = self.cfg
+        tokens, k = ids.shape
+        if tokens * k >= c.num_experts:
+            w13, w2 = self.dequantized(x.dtype)
+            return moe_experts(x, ids, weights, w13, w2, self.gate_up_proj_bias, b2, c.activation, c.swiglu_alpha,
+                               c.swiglu_limit, self.implementation)
+        pairs = ids.reshape(-1)
+        w13, w2 = self.dequantized(x.dtype, pairs)  # [P, 2I, H], [P, H, I]
+        rows = x.repeat_interleave(k, dim=0)[:, None]  # [P, 1, H]
+        h = torch.bmm(rows, w13.transpose(1, 2))[:, 0]
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[pairs]
+        y = torch.bmm(activate(h, c.activation, c.swiglu_alpha, c.swiglu_limit)[:, None], w2.transpose(1, 2))[:, 0]
+        if b2 is not None:
+            y = y + b2[pairs]
+        return _sum_in_order((y.view(tokens, k, -1) * weights[..., None]).to(x.dtype))
 
 class SparseMoE(nn.Module):
     """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks)."""

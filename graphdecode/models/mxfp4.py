@@ -7,10 +7,11 @@ uint8 [..., N/32]. gpt-oss stores its experts' weights this way as [E, out, in],
 `dequantize` turns back into [E, out, in] floats (the loader transposes to the layout the
 unquantized checkpoint has).
 
-The engine dequantises at load into the compute dtype: every FP4 value times a power of
-two is exact in bfloat16 and float32 (float16 can overflow; the loader's finite check says
-so). The memory this costs is the dequantised size: 16 bits per weight in bf16 instead of
-4.25 (README: gpt-oss-20b's experts take about 38 GB in bf16 instead of 10 GB).
+The engine keeps the experts in this form (moe.Experts.hold_mxfp4: 4.25 bits a weight) and
+dequantises them inside each MoE call into the compute dtype: every FP4 value times a power
+of two is exact in bfloat16 and float32 (float16 can overflow: the loader checks the scales).
+Where a tensor-parallel rank's slice is no whole number of 32-blocks, that rank dequantises
+at load instead.
 """
 
 from __future__ import annotations
@@ -23,18 +24,25 @@ BLOCK = 32
 SCALE_BIAS = 127
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in dtype."""
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+               lut: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in dtype. lut: FP4_VALUES as a float32
+    tensor on the blocks' device (`fp4_table`), so that a call inside a CUDA graph copies nothing from the host."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(expected blocks [..., G, {BLOCK // 2}] and scales [..., G])")
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    lut = fp4_table(blocks.device) if lut is None else lut
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
     values = values.flatten(-2)  # [..., G, 32]: low nibble, high nibble, ...
     exponent = scales.to(torch.int32) - SCALE_BIAS
     return torch.ldexp(values, exponent[..., None]).flatten(-2).to(dtype)
+
+
+def fp4_table(device) -> torch.Tensor:
+    """The 16 E2M1 values, float32, on `device`."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
 
 
 def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

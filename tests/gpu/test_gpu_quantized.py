@@ -107,3 +107,21 @@ def test_gpu_fp8_kv_cache_in_graphs_gives_the_bf16_caches_tokens(source, record_
     record_testsuite_property("fp8_kv.same_greedy_prompts", same)
     assert pages["fp8"] == 2 * pages["auto"]
     assert same >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.extended
+def test_gpu_mxfp4_experts_in_graphs_give_the_float_checkpoints_tokens(tmp_path_factory):
+    """gpt-oss's MXFP4 experts kept in 4 bits, dequantized inside the captured windows (the routed experts at
+    decode, every expert for a prefill), bf16: the tokens of the same weights stored as floats."""
+    from graphdecode import LLM, SamplingParams
+    from tests.unit.test_mxfp4 import checkpoints as build
+
+    float_dir, mxfp4_dir, _ = build.__wrapped__(tmp_path_factory)
+    common = dict(device="cuda", dtype="bfloat16", cuda_graphs=True, compile=False, max_model_len=256,
+                  max_batch_size=4, num_decode_steps=4)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 17, 40, 70], 512, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got, want = ([o.outputs[0].token_ids for o in LLM(d, **common).generate(prompts, params)]
+                 for d in (mxfp4_dir, float_dir))
+    assert list(got) == list(want)

@@ -198,20 +198,46 @@ def test_mxfp4_checkpoint_decodes_as_the_float_one_and_as_transformers(checkpoin
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mxfp4_experts_load_the_float_checkpoints_weights(checkpoints, dtype):
+    """The experts stay MXFP4 (uint8 blocks and scales, 4.25 bits a weight; no float weight), and dequantize to
+    exactly the float checkpoint's weights in the engine's layout."""
     float_dir, mxfp4_dir, plain = checkpoints
     ours, reference = LLM(mxfp4_dir, **ENGINE, dtype=dtype), LLM(float_dir, **ENGINE, dtype=dtype)
     for layer in range(2):
         got, want = _experts(ours, layer), _experts(reference, layer)
-        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        assert got.mxfp4 and not want.mxfp4
+        assert got.gate_up_proj.numel() == 0 and got.down_proj.numel() == 0
+        packed = sum(getattr(got, f"{n}_{part}").numel() for n in ("gate_up", "down") for part in ("blocks", "scales"))
+        assert packed * 32 == (want.gate_up_proj.numel() + want.down_proj.numel()) * 17  # 4.25 bits a weight
+        gate_up, down = got.dequantized(getattr(torch, dtype))
+        assert torch.equal(gate_up, want.gate_up_proj) and torch.equal(down, want.down_proj), layer
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == getattr(torch, dtype) and torch.equal(a, b), (layer, name)
         # the engine's layout: [E, 2I, H] gate rows then up rows (the checkpoint interleaves them), [E, H, I]
         prefix = f"model.layers.{layer}.mlp.experts."
-        gate_up = plain[prefix + "gate_up_proj"].transpose(1, 2)  # [E, 2I, H], interleaved
-        assert torch.equal(got.gate_up_proj.float(), torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
-        assert torch.equal(got.down_proj.float(), plain[prefix + "down_proj"].transpose(1, 2))
+        interleaved = plain[prefix + "gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
+        assert torch.equal(gate_up.float(), torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=1))
+        assert torch.equal(down.float(), plain[prefix + "down_proj"].transpose(1, 2))
         bias = plain[prefix + "gate_up_proj_bias"].to(getattr(torch, dtype)).float()
         assert torch.equal(got.gate_up_proj_bias.float(), torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1))
+
+
+def test_mxfp4_decode_dequantizes_only_the_routed_experts(checkpoints, monkeypatch):
+    """One sequence's decode step routes 2 of the 4 experts: only those dequantize (one batched matmul per
+    projection); a prefill dequantizes each expert once. Both give the float checkpoint's tokens, also in the
+    CPU twin of CUDA graphs."""
+    from graphdecode.models import moe
+
+    float_dir, mxfp4_dir, _ = checkpoints
+    dequantized = []
+    real = moe.Experts.dequantized
+    monkeypatch.setattr(moe.Experts, "dequantized", lambda self, dtype, experts=None: dequantized.append(
+        None if experts is None else experts.numel()) or real(self, dtype, experts))
+    prompts = random_prompts(1, [40], seed=5)
+    want = generate_tokens(LLM(float_dir, **ENGINE), prompts, GREEDY)
+    assert generate_tokens(LLM(mxfp4_dir, **ENGINE), prompts, GREEDY) == want
+    assert None in dequantized and 2 in dequantized  # the prefill's every expert, the decode steps' 2 routed
+    assert generate_tokens(LLM(mxfp4_dir, **ENGINE, cuda_graphs=True), prompts, GREEDY) == want
 
 
 def test_transformers_dequantizes_the_mxfp4_checkpoint_to_the_same_weights(checkpoints):
@@ -271,3 +297,25 @@ def test_bad_mxfp4_tensors_are_named_before_any_weight_is_read(checkpoints, tmp_
     assert weights in message, message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_mxfp4_experts_count_as_4_bits_in_the_pool_budget(checkpoints):
+    """EngineConfig sizes the KV pool after the weights: MXFP4 experts count 17 bytes per 32 weights."""
+    from graphdecode.config import model_weight_bytes
+    from graphdecode.models.model_config import load_model_config
+
+    float_dir, mxfp4_dir, _ = checkpoints
+    plain, packed = load_model_config(float_dir), load_model_config(mxfp4_dir)
+    experts = 2 * 4 * 3 * 64 * 64  # layers x experts x (gate, up, down) x hidden x intermediate
+    assert model_weight_bytes(plain, torch.bfloat16) - model_weight_bytes(packed, torch.bfloat16) == \
+        experts * 2 - experts * 17 // 32
+
+
+def test_mxfp4_scales_beyond_float16_are_refused_for_float16(checkpoints, tmp_path):
+    _, mxfp4_dir, _ = checkpoints
+    model_dir = str(tmp_path / "loud")
+    shutil.copytree(mxfp4_dir, model_dir)
+    edit_tensors(model_dir, lambda t: t[L1 + "down_proj_scales"].view(-1)[5].fill_(127 + 14))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts: MXFP4 expert weights reach 6 x 2\*\*14, "
+                                         r"beyond float16"):
+        LLM(model_dir, **ENGINE, dtype="float16")
