@@ -410,8 +410,15 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
   Prefetcher first{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(k + v_offset), keys * row_bytes,
                    keys * row_bytes};
   first.step();
-  const KV* kr[BLOCK];
-  const KV* vr[BLOCK];
+  // a block's K / V rows as float32: read in place from a float32 cache; widened once per block from a bf16 or FP8
+  // one (into the scratch), not once per query head
+  constexpr bool widen = !std::is_same<KV, float>::value;
+  if (widen) {
+    w.keys.resize(BLOCK * token_stride);
+    w.values.resize(BLOCK * token_stride);
+  }
+  const float* kr[BLOCK];
+  const float* vr[BLOCK];
   const float* p[8];
   float* o[8];
   for (int64_t t0 = lo; t0 <= hi; t0 += keys, k = t0 <= hi ? block_at(t0, keys) : k) {
@@ -424,15 +431,33 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
               (bytes / 64 + H - 1) / H * 64};
     }
     for (int64_t i = 0; i < keys; ++i) {  // K / V rows read in place (bf16, FP8 widened as they are loaded)
-      kr[i] = k + i * token_stride;
-      vr[i] = k + v_offset + i * token_stride;
+      const KV* kk = k + i * token_stride;
+      const KV* vv = kk + v_offset;
+      if constexpr (widen) {
+        float* kf = w.keys.data() + i * token_stride;
+        float* vf = w.values.data() + i * token_stride;
+        const int64_t full = token_stride - token_stride % LANES;
+        for (int64_t e = 0; e < full; e += LANES) {
+          store16(kf + e, load16(kk + e));
+          store16(vf + e, load16(vv + e));
+        }
+        for (int64_t e = full; e < token_stride; ++e) {
+          kf[e] = load(kk + e);
+          vf[e] = load(vv + e);
+        }
+        kr[i] = kf;
+        vr[i] = vf;
+      } else {
+        kr[i] = reinterpret_cast<const float*>(kk);
+        vr[i] = reinterpret_cast<const float*>(vv);
+      }
     }
     // each head's scores over the block, its online softmax step: the new maximum, the old terms
     // rescaled, this block's probabilities (keys past the block: -inf, probability 0)
     for (int64_t n = 0; n < H; ++n) {
       next.step();
       const float* qv = w.q.data() + n * D;
-      const KV* kh[BLOCK];  // past the block's keys: its first key again, the score discarded
+      const float* kh[BLOCK];  // past the block's keys: its first key again, the score discarded
       for (int64_t i = 0; i < BLOCK; ++i) kh[i] = kr[i < keys ? i : 0] + n / G * D;
       float* s = w.scores.data() + n * BLOCK;
       if (D % LANES == 0) {  // 16 keys' partial dots side by side in registers, then their 16 sums at once
@@ -469,13 +494,13 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
           o[g] = w.block_out.data() + (h * G + g0 + g) * D;
         }
         switch (ng) {
-          case 1: pv_group<1, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 2: pv_group<2, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 3: pv_group<3, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 4: pv_group<4, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 5: pv_group<5, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          case 6: pv_group<6, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
-          default: pv_group<7, KV>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 1: pv_group<1>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 2: pv_group<2>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 3: pv_group<3>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 4: pv_group<4>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 5: pv_group<5>(p, vr, h * D, 0, keys - 1, o, D); break;
+          case 6: pv_group<6>(p, vr, h * D, 0, keys - 1, o, D); break;
+          default: pv_group<7>(p, vr, h * D, 0, keys - 1, o, D); break;
         }
       }
     for (int64_t e = 0; e < H * D; ++e) w.acc[e] += w.block_out[e];
