@@ -17,7 +17,8 @@
 //               denominator, attending nothing (gpt-oss)
 //   window_left >= 0: a sliding window of window_left + 1 keys ending at the query
 // Arithmetic is float32 (scores, softmax, accumulation); q/out are float32 or bf16, K/V the same or FP8 E4M3
-// (an FP8 cache's K / V scales folded into the query's scale and the output's).
+// (an FP8 cache's K / V scales folded into the query's scale and the output's; a bf16 or FP8 block of keys is
+// widened to float32 once, into scratch, for every query head).
 // Decode (Q = 1) goes over a row's keys once, in blocks, with an online softmax and the next block
 // prefetched under the arithmetic (attend_decode_row); Q > 1 computes its scores once, a softmax per
 // query, then one pass over V (attend_row). Either way K and V are read once per call, straight from
