@@ -115,6 +115,14 @@ void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64
     }
 }
 
+// n elements of a bf16 or FP8 row as float32 (exact), 16 at a time
+template <typename KV>
+inline void widen(const KV* src, float* dst, int64_t n) {
+  const int64_t full = n - n % LANES;
+  for (int64_t i = 0; i < full; i += LANES) store16(dst + i, load16(src + i));
+  for (int64_t i = full; i < n; ++i) dst[i] = load(src + i);
+}
+
 struct Args {
   const void* q;
   const void* kv;
@@ -189,15 +197,8 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
     } else {
       float* kf = w.keys.data() + t * token_stride;
       float* vf = w.values.data() + t * token_stride;
-      const int64_t full = token_stride - token_stride % LANES;
-      for (int64_t i = 0; i < full; i += LANES) {
-        store16(kf + i, load16(k + i));
-        store16(vf + i, load16(v + i));
-      }
-      for (int64_t i = full; i < token_stride; ++i) {
-        kf[i] = load(k + i);
-        vf[i] = load(v + i);
-      }
+      widen(k, kf, token_stride);
+      widen(v, vf, token_stride);
       w.k_rows[t] = kf;
       w.v_rows[t] = vf;
     }
@@ -413,8 +414,8 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
   first.step();
   // a block's K / V rows as float32: read in place from a float32 cache; widened once per block from a bf16 or FP8
   // one (into the scratch), not once per query head
-  constexpr bool widen = !std::is_same<KV, float>::value;
-  if (widen) {
+  constexpr bool widened = !std::is_same<KV, float>::value;
+  if (widened) {
     w.keys.resize(BLOCK * token_stride);
     w.values.resize(BLOCK * token_stride);
   }
@@ -434,18 +435,11 @@ void attend_decode_row(const Args& a, int64_t b, Scratch& w) {
     for (int64_t i = 0; i < keys; ++i) {  // K / V rows read in place (bf16, FP8 widened as they are loaded)
       const KV* kk = k + i * token_stride;
       const KV* vv = kk + v_offset;
-      if constexpr (widen) {
+      if constexpr (widened) {
         float* kf = w.keys.data() + i * token_stride;
         float* vf = w.values.data() + i * token_stride;
-        const int64_t full = token_stride - token_stride % LANES;
-        for (int64_t e = 0; e < full; e += LANES) {
-          store16(kf + e, load16(kk + e));
-          store16(vf + e, load16(vv + e));
-        }
-        for (int64_t e = full; e < token_stride; ++e) {
-          kf[e] = load(kk + e);
-          vf[e] = load(vv + e);
-        }
+        widen(kk, kf, token_stride);
+        widen(vv, vf, token_stride);
         kr[i] = kf;
         vr[i] = vf;
       } else {
