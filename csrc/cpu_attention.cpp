@@ -51,13 +51,13 @@ using namespace graphdecode_cpu;
 constexpr int64_t LANES = 16;  // f32x16 (cpu_common.h)
 constexpr int64_t AHEAD = 8;   // keys ahead whose K / V rows decode prefetches
 // q . k over n floats (DIM > 0: n == DIM, known at compile time)
-template <int DIM, typename R = float>
-inline float dot(const float* a, const R* b, int64_t n) {
+template <int DIM>
+inline float dot(const float* a, const float* b, int64_t n) {
   const int64_t D = DIM > 0 ? DIM : n, full = D - D % LANES;
   f32x16 part = {};
   for (int64_t d0 = 0; d0 < full; d0 += LANES) part += load16(a + d0) * load16(b + d0);
   float tail = 0.f;
-  for (int64_t d = full; d < D; ++d) tail += a[d] * load(b + d);
+  for (int64_t d = full; d < D; ++d) tail += a[d] * b[d];
   return tree_sum(part) + tail;
 }
 
@@ -66,8 +66,8 @@ inline float dot(const float* a, const R* b, int64_t n) {
 // key t). 32 floats of D at a time are held in registers for all NG queries, so each V row is
 // read once; with fewer than four queries, KEYS keys at a time go to separate accumulators
 // (added in a fixed order at the end) to keep the FMA pipes busy.
-template <int NG, typename R = float>
-void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64_t lo, int64_t hi,
+template <int NG>
+void pv_group(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
               float* const* o, int64_t D) {
   constexpr int KEYS = NG >= 4 ? 1 : (NG >= 2 ? 2 : 4);
   const int64_t full = D - D % LANES;
@@ -81,7 +81,7 @@ void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64
           __builtin_prefetch(rows[t + k + AHEAD] + offset + c0, 0, 3);
           __builtin_prefetch(rows[t + k + AHEAD] + offset + c0 + LANES, 0, 3);
         }
-        const R* v = rows[t + k] + offset + c0;
+        const float* v = rows[t + k] + offset + c0;
         const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
         for (int g = 0; g < NG; ++g) {
           const float pg = p[g][t + k];
@@ -90,7 +90,7 @@ void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64
         }
       }
     for (; t <= hi; ++t) {
-      const R* v = rows[t] + offset + c0;
+      const float* v = rows[t] + offset + c0;
       const f32x16 v0 = load16(v), v1 = two ? load16(v + LANES) : f32x16{};
       for (int g = 0; g < NG; ++g) {
         acc[0][g][0] += p[g][t] * v0;
@@ -110,7 +110,7 @@ void pv_group(const float* const* p, const R* const* rows, int64_t offset, int64
   for (int64_t d = full; d < D; ++d)
     for (int g = 0; g < NG; ++g) {
       float acc = 0.f;
-      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * load(rows[t] + offset + d);
+      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
       o[g][d] = acc;
     }
 }

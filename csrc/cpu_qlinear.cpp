@@ -152,37 +152,37 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
   }
 }
 
-// A task's output rows for panel p: the bias's columns (0 without one), then, summed, its first cols columns stored
-template <typename T>
-inline void start_panel(float* out, int64_t rows, const T* bias, int64_t p, int64_t cols) {
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
-}
-template <typename T>
-inline void finish_panel(const float* out, int64_t rows, T* y, int64_t ldy, int64_t cols) {
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < cols; ++j) store(y + m * ldy + j, out[m * PANEL + j]);
+// The work of one linear: tasks of (a block of up to ROWS_MAX rows, a panel) over `threads` threads. A task's
+// output rows start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products
+// into them, then their first columns are stored to y.
+template <typename T, typename Body>
+void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads, Body&& body) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+  const int64_t tasks = (M + ROWS_MAX - 1) / ROWS_MAX * num_panels;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    alignas(64) float out[ROWS_MAX * PANEL];
+    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
+    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    body(out, m0, rows, p);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, out[m * PANEL + j]);
+  }
 }
 
 template <int KIND, typename T>
 void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels, const float* scales,
                    const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads) {
-  const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t groups = K / group;
   const int64_t panel_bytes = (KIND == kInt4 ? K / 2 : K) * PANEL;
-  const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
-  const int64_t tasks = blocks * num_panels;
   int64_t kb = KB;  // a block lies in one group
   while (group % kb) kb /= 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    alignas(64) float out[ROWS_MAX * PANEL];
+  for_each_panel(M, N, bias, y, ldy, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
     alignas(64) float block[KB * PANEL];
-    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
-    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const uint8_t* panel = panels + p * panel_bytes;
-    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    start_panel(out, rows, bias, p, cols);
     for (int64_t g = 0; g < groups; ++g) {
       const float* scale = scales + (p * groups + g) * PANEL;
       const float* offsets = zs ? zs + (p * groups + g) * PANEL : nullptr;
@@ -208,8 +208,7 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
         }
       }
     }
-    finish_panel(out, rows, y + m0 * ldy + p * PANEL, ldy, cols);
-  }
+  });
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -321,7 +320,7 @@ void vnni_rows(int64_t rows, const int8_t* xq, int64_t ldq, const float* a, cons
 template <int KIND, typename T>
 void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels, const float* scales,
                  const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads) {
-  const int64_t num_panels = (N + PANEL - 1) / PANEL, groups = K / group, blocks = K / QBLOCK;
+  const int64_t groups = K / group, blocks = K / QBLOCK;
   const int64_t per_group = group / QBLOCK;
   const int64_t panel_bytes = (KIND == kInt4Vnni ? K / 2 : K) * PANEL;
   std::vector<int8_t> xq(M * K);
@@ -330,15 +329,8 @@ void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* p
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, xq.data() + m * K, a.data() + m * blocks,
                                                sums.data() + m * blocks);
-  const int64_t row_blocks = (M + ROWS_MAX - 1) / ROWS_MAX, tasks = row_blocks * num_panels;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    alignas(64) float out[ROWS_MAX * PANEL];
-    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
-    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+  for_each_panel(M, N, bias, y, ldy, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
     const uint8_t* panel = panels + p * panel_bytes;
-    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    start_panel(out, rows, bias, p, cols);
     for (int64_t g = 0; g < groups; ++g) {
       const float* s = scales + (p * groups + g) * PANEL;
       const float* z = zs + (p * groups + g) * PANEL;
@@ -348,8 +340,7 @@ void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* p
                         blocks, panel, g * per_group, (g + 1) * per_group, s, z, out + m * PANEL);
       }
     }
-    finish_panel(out, rows, y + m0 * ldy + p * PANEL, ldy, cols);
-  }
+  });
 }
 #else
 #define GRAPHDECODE_QLINEAR_VNNI 0

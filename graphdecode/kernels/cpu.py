@@ -29,15 +29,15 @@ from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
 ABI_VERSION = 15
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FP8 = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
+FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
 
 class CpuKernels:
     """The loaded library: `paged_attention` writes out[...] from q over the paged cache."""
 
-    supported_dtypes = tuple(_DTYPES)
+    supported_dtypes = tuple(DTYPE_CODES)
 
     def __init__(self, path: str):
         self.path = path
@@ -97,7 +97,7 @@ class CpuKernels:
             positions.data_ptr() if positions is not None else None,
             seq_lens.data_ptr() if seq_lens is not None else None, out.data_ptr(),
             rows, queries, heads, kv.shape[3], head_dim, kv.shape[2], block_table.shape[1], kv.shape[0],
-            scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1),
+            scale, window_left, soft_cap, sinks.data_ptr() if sinks is not None else None, DTYPE_CODES.get(q.dtype, -1),
             kv_code, out_scale, _threads(threads),
         )
         if err:
@@ -129,7 +129,7 @@ class CpuKernels:
                 q.data_ptr(), tokens, q.stride(0), kv.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], kv.shape[0], out.data_ptr(), out.stride(0), *(a.data_ptr() for a in arrays),
                 arrays[0].shape[0], heads, kv.shape[3], head_dim, kv.shape[2], scale, window_left,
-                sinks.data_ptr() if sinks is not None else None, _DTYPES.get(q.dtype, -1), kv_code, out_scale,
+                sinks.data_ptr() if sinks is not None else None, DTYPE_CODES.get(q.dtype, -1), kv_code, out_scale,
                 _threads(threads)):
             raise ValueError(f"graphdecode_cpu_prefill_attention rejected q {tuple(q.shape)} {q.dtype}, kv "
                              f"{tuple(kv.shape)}, block_table {tuple(block_table.shape)} (a page outside the cache, "
@@ -157,7 +157,7 @@ class CpuKernels:
                 words.data_ptr(), quant.data_ptr(), reals.data_ptr(), num_layers, x.data_ptr(), rows, positions.data_ptr(),
                 seq_lens.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), hidden, heads, kv_heads,
-                head_dim, inter, page_size, num_pages, cos.shape[0], eps, _DTYPES.get(x.dtype, -1), _threads(threads)):
+                head_dim, inter, page_size, num_pages, cos.shape[0], eps, DTYPE_CODES.get(x.dtype, -1), _threads(threads)):
             raise ValueError(f"graphdecode_cpu_decoder_layers rejected x {tuple(x.shape)} {x.dtype}, positions "
                              f"{positions.tolist()[:8]}, slots {slots.tolist()[:8]} (a position past the rotary "
                              f"table's {cos.shape[0]} rows, or a slot outside the cache's {num_pages * page_size}?)")
@@ -173,7 +173,7 @@ class CpuKernels:
         if (kv_code < 0 or v.dtype != k.dtype or k.shape[1:] != (kv_heads, head_dim) or v.shape != k.shape
                 or slots.shape != k.shape[:1] or not kv.is_contiguous()) or self._write_kv(
                 kv.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), k.shape[0], kv_heads, head_dim,
-                k.stride(0), v.stride(0), page_size, pages, _DTYPES.get(k.dtype, -1), kv_code, 1.0 / k_scale,
+                k.stride(0), v.stride(0), page_size, pages, DTYPE_CODES.get(k.dtype, -1), kv_code, 1.0 / k_scale,
                 1.0 / v_scale):
             raise ValueError(f"graphdecode_cpu_write_kv rejected k {tuple(k.shape)} {k.dtype}, kv {tuple(kv.shape)} "
                              f"{kv.dtype}, slots {tuple(slots.shape)} (a slot outside the cache's "
@@ -190,7 +190,7 @@ class CpuKernels:
         total = torch.empty_like(out) if residual is not None else x
         err = self._norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                          out.data_ptr(), total.data_ptr() if residual is not None else None, rows, hidden,
-                         x.stride(0), eps, _DTYPES[x.dtype], _threads(threads))
+                         x.stride(0), eps, DTYPE_CODES[x.dtype], _threads(threads))
         if err:
             raise ValueError(f"graphdecode_cpu_add_rms_norm rejected x {tuple(x.shape)} {x.dtype}")
         return total, out
@@ -202,7 +202,7 @@ class CpuKernels:
         q_out, k_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
         err = self._rope(q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
                          sin.data_ptr(), positions.data_ptr(), tokens, q_heads, k.shape[1], dim, q.stride(0),
-                         k.stride(0), _DTYPES[q.dtype], _threads(threads))
+                         k.stride(0), DTYPE_CODES[q.dtype], _threads(threads))
         if err:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out
@@ -212,11 +212,11 @@ class CpuKernels:
         PanelWeight; csrc/cpu_linear.cpp), x, panels, bias and the result all float32 or all bf16 (float32 sums),
         on `threads` (default torch's) threads; the result does not depend on their number."""
         x, x2, lead, k, y = _linear_io(x, out_features)
-        if x.dtype not in _DTYPES or panels.dtype != x.dtype or panels.shape[1] != k or (
+        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.shape[1] != k or (
                 bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
-                _threads(threads), _DTYPES[x.dtype]):
+                _threads(threads), DTYPE_CODES[x.dtype]):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
@@ -234,13 +234,13 @@ class CpuKernels:
         the result float32 or bf16."""
         x, x2, lead, k, y = _linear_io(x, out_features)
         row_bytes, per_row = self._PANEL_ROWS[kind]
-        if x.dtype not in _DTYPES or panels.dtype != torch.uint8 or panels[0].numel() != (k // per_row) * row_bytes or (
+        if x.dtype not in DTYPE_CODES or panels.dtype != torch.uint8 or panels[0].numel() != (k // per_row) * row_bytes or (
                 k % per_row) or (
                 scales.dtype != torch.float32) or (bias is not None and bias.dtype != x.dtype) or self._qpanel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), self.QUANT_KINDS[kind],
                 scales.data_ptr(), offsets.data_ptr() if offsets is not None else None, group, out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features, _threads(threads),
-                _DTYPES[x.dtype]):
+                DTYPE_CODES[x.dtype]):
             raise ValueError(f"graphdecode_cpu_qpanel_linear rejected x {tuple(x.shape)} {x.dtype}, {kind} panels "
                              f"{tuple(panels.shape)}, group {group}, {out_features} outputs")
         return y.view(*lead, out_features)
@@ -275,8 +275,8 @@ def _kv_terms(kv, dtype, scale: float, k_scale: float, v_scale: float) -> tuple[
     """The cache's dtype code (-1: neither `dtype`'s nor FP8), the query scale and the output factor: an FP8 cache
     folds its K scale into the scores' scale and its V scale into the output; any other ignores them."""
     if kv.dtype == torch.float8_e4m3fn:
-        return _FP8, scale * k_scale, v_scale
-    return (_DTYPES[dtype] if kv.dtype == dtype and dtype in _DTYPES else -1), scale, 1.0
+        return FP8_CODE, scale * k_scale, v_scale
+    return (DTYPE_CODES[dtype] if kv.dtype == dtype and dtype in DTYPE_CODES else -1), scale, 1.0
 
 
 def _threads(threads: int | None) -> int:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..attention.kv_cache import FP8
+from ..kernels.cpu import DTYPE_CODES, FP8_CODE
 from .cpu_linear import PANEL_ROWS, PanelWeight
 from .layers import GatedActivation, RMSNorm
 from .quant.linear import QuantizedWeight
@@ -39,8 +40,6 @@ SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
 KV_DTYPE = 11  # ... and its cache's dtype code
 REALS = 5  # and its Real entries: scale, soft-cap, and an FP8 cache's K / V multipliers and output factor
 QUANT_WORDS = 4  # csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-FP8_CODE = 2  # csrc's kFloat8E4M3
 
 
 def _runs_here(weight) -> bool:
@@ -91,7 +90,7 @@ class CpuDecodeLayers:
                 layer.mlp.gate_up_proj.packed.panels.data_ptr(), layer.mlp.down_proj.packed.panels.data_ptr(),
                 0, sinks.data_ptr() if sinks is not None else 0])
             self.words[i, 9] = spec.window_left
-            self.words[i, KV_DTYPE] = _DTYPES[self.dtype]  # run() sets the cache's
+            self.words[i, KV_DTYPE] = DTYPE_CODES[self.dtype]  # run() sets the cache's
             scale = spec.scale_for(attn.head_dim)
             self.reals[i] = torch.tensor([scale, spec.soft_cap or 0.0, 1.0, 1.0, 1.0])
             self.fp8_reals[i] = torch.tensor([scale * spec.k_scale, spec.soft_cap or 0.0, 1.0 / spec.k_scale,
@@ -109,7 +108,7 @@ class CpuDecodeLayers:
                 or len({id(r) for r in model.rotaries}) != 1):
             return None
         rotary = model.rotaries[0]
-        if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in _DTYPES:
+        if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in DTYPE_CODES:
             return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -156,7 +155,7 @@ class CpuDecodeLayers:
         saved = x.new_empty((len(stops), rows, x.shape[1])) if stops else None
         words = self.words.numpy()
         fp8 = kv.dtype == FP8
-        words[:, KV_DTYPE] = FP8_CODE if fp8 else _DTYPES[self.dtype]
+        words[:, KV_DTYPE] = FP8_CODE if fp8 else DTYPE_CODES[self.dtype]
         words[:, SAVE] = 0
         for j, layer in enumerate(stops):
             words[layer, SAVE] = saved[j].data_ptr()

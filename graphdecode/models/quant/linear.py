@@ -31,11 +31,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ...attention.kv_cache import FP8_MAX
 from ..cpu_linear import CpuWeight
 from .tensor import QuantizedTensor
 
 INT4_GROUPS = (32, 64, 128, 256)
-FP8_MAX = 448.0
 
 
 def choose_kernel(qt: QuantizedTensor, dtype: torch.dtype, device: torch.device) -> str:

@@ -21,12 +21,12 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from ...attention.kv_cache import FP8_MAX
 from ..loader import checkpoint_files
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "fp8-block", "gptq", "awq")
 _LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-FP8_MAX = 448.0
 
 
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # the ranges each group tries (fractions of min-max)
