@@ -267,6 +267,8 @@ class EngineConfig:
         dtype = self._resolve_dtype(cfg, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
         self._check_tensor_parallel(cfg, device)
+        if cfg.linear is not None:
+            _check_hybrid(speculative, self.tensor_parallel_size)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
@@ -289,7 +291,8 @@ class EngineConfig:
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
-        num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg)
+        num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg,
+                                                state_cache_bytes(cfg, dtype, max_batch_size))
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -315,6 +318,8 @@ class EngineConfig:
             "buckets": buckets,
             "cpu_threads": cpu_threads,
             "max_pages_per_seq": max_pages,
+            # a hybrid's prefix hits would need the recurrent state at the cached boundary: not kept yet
+            "enable_prefix_caching": self.enable_prefix_caching and cfg.linear is None,
             "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, cfg.vocab_size),
             **speculative,
         }
@@ -380,10 +385,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
 
     def _kv_pool_pages(self, cfg: ModelConfig, dtype, kv_dtype, device, max_pages: int, max_batch_size: int,
-                       draft: ModelConfig | None) -> tuple[int, str]:
+                       draft: ModelConfig | None, states: int = 0) -> tuple[int, str]:
         """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment. A page
         holds the target's K/V (in kv_dtype) and, with a draft model, the draft's (in dtype, replicated on every
-        rank)."""
+        rank). states: a hybrid's recurrent-state slots' bytes, taken from the same budget first."""
         if self.num_pages is not None:
             return self.num_pages, f"num_pages ({self.num_pages})"
         tp = self.tensor_parallel_size
@@ -396,10 +401,13 @@ class EngineConfig:
         if size is None and self.gpu_memory_utilization is None and device.type == "cpu":
             size = _env_kvcache_bytes()
             if size is None:  # the fixed CPU default, never refused: at least one sequence
-                return max(min(wanted, CPU_KV_BUDGET_BYTES // per_page), max_pages + 1), "the default KV pool"
+                return (max(min(wanted, max(CPU_KV_BUDGET_BYTES - states, 0) // per_page), max_pages + 1),
+                        "the default KV pool")
             source = f"{CPU_KVCACHE_SPACE_ENV} ({os.environ[CPU_KVCACHE_SPACE_ENV].strip()} GiB)"
         if size is not None:
-            return size // per_page, f"{source}, {size // per_page} pages of {per_page} bytes,"
+            pages = max(size - states, 0) // per_page
+            held = f" after {states} bytes of recurrent states" if states else ""
+            return pages, f"{source}, {pages} pages of {per_page} bytes{held},"
         fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
         weights = model_weight_bytes(cfg, dtype) + (model_weight_bytes(draft, dtype) * tp if draft is not None else 0)
         if device.type == "cpu":
@@ -411,6 +419,7 @@ class EngineConfig:
         else:
             free, total = torch.cuda.mem_get_info(device)
             budget = int(total * fraction) - (total - free) - weights // tp - ACTIVATION_RESERVE_BYTES
+        budget -= states
         pages = min(wanted, max(budget, 0) // per_page)
         if self.gpu_memory_utilization is None:  # the CUDA default: at least one sequence
             return max(pages, max_pages + 1), "the default KV pool"
@@ -418,6 +427,23 @@ class EngineConfig:
         return pages, (f"gpu_memory_utilization ({fraction}: {fraction * total / gib:.2f} of {total / gib:.2f} GiB, "
                        f"{(total - free) / gib:.2f} GiB in use now, weights {weights / gib:.2f} GiB, activation "
                        f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
+
+
+def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, max_batch_size: int) -> int:
+    """A hybrid's recurrent-state cache (attention/state_cache.py): max_batch_size slots and the scratch one."""
+    if cfg.linear is None:
+        return 0
+    return (max_batch_size + 1) * len(cfg.linear_layers) * cfg.linear.state_bytes(dtype)
+
+
+def _check_hybrid(speculative: dict, tensor_parallel_size: int) -> None:
+    """What a hybrid model (linear-attention layers) does not run yet, refused by the field's name."""
+    if speculative["speculative_method"] is not None:
+        raise ValueError("speculative_config: speculative decoding of a hybrid model (linear-attention layers) is "
+                         "not supported yet")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}): a hybrid model (linear-attention layers) "
+                         f"runs on one rank")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")

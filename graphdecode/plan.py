@@ -40,6 +40,7 @@ class RowStart:
     token_ids: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     structured: object = None  # a constrained row's TablePlacement (host/structured_store.py), else None
+    state_slot: int = 0  # a hybrid's recurrent-state slot (attention/state_cache.py); 0: the scratch slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,10 @@ class PrefillChunk:
     targets: tuple[int, ...] = ()  # the prompt tokens its first len(targets) positions predict
     prefix_copy: PrefixCopy | None = None
     next_token: int | None = None  # the token after the chunk where it is known (an EAGLE-3 head reads it)
+    # a hybrid's recurrent state: the slot the chunk continues (zeroed first when start is 0), and the n > 1
+    # children's slots that receive a copy of it after the last chunk
+    state_slot: int = 0
+    state_forks: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:

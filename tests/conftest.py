@@ -41,7 +41,8 @@ def _save(path: str, cls_name: str, **config_kwargs) -> str:
         return path
     from graphdecode.default_model import save_random_model
 
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, cls_name if cls_name.endswith("Config") else
+                         cls_name.replace("ForCausalLM", "Config"))
     save_random_model(path, config_cls(**config_kwargs), seed=1234)
     return path
 
@@ -134,6 +135,15 @@ MODEL_SPECS = {
         "Qwen3MoeForCausalLM",
         dict(COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
              num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    ),
+    # Qwen3.5 text: a hybrid, three Gated DeltaNet layers, a gated attention layer (q/k norms, a quarter of the
+    # head rotates), two more linear layers; (1 + w) norms; value heads 2 per key head
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        dict(COMMON, num_hidden_layers=6, layer_types=["linear_attention"] * 3 + ["full_attention"]
+             + ["linear_attention"] * 2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+             linear_num_value_heads=4),
     ),
     # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
     # full attention, YaRN over an original 64 positions

@@ -22,6 +22,7 @@ class PrefillMetadata:
     # is written and before attending, slot copy_src[i] is copied to copy_dst[i] ([C] int64)
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
+    state_slots_host: list[int] | None = None  # [G]: each sequence's recurrent-state slot (a hybrid's)
     _host_lens: tuple | None = field(default=None, repr=False)
 
     def host_lens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,6 +45,7 @@ class DecodeMetadata:
     kv_indices: torch.Tensor  # [B * max_pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
     ragged: bool = False  # eager CPU only: the torch reference attends over the CSR pages, not a padded width
+    state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (a hybrid's; 0: scratch)
 
 
 @dataclass

@@ -12,6 +12,7 @@ GRAPHDECODE_CHECK_BOUNDS=1; the CPU test suite turns it on) each window step fir
   ids are real pages;
 * KV lengths: a live row attends at most the tokens its pages hold (seq_len = position + 1,
   and where the backend reads FlashInfer's CSR, one page list entry per ceil(len / P));
+* recurrent-state slots (a hybrid's): inside the state cache, and a live row's not the scratch slot 0;
 * automaton states: every constrained row's state is inside the table store, and the token
   it sampled is one its state allows.
 
@@ -42,10 +43,11 @@ def _require(ok: torch.Tensor, what: str) -> None:
 
 
 class BoundsCheck:
-    def __init__(self, rope_rows: int, page_size: int, num_pages: int):
+    def __init__(self, rope_rows: int, page_size: int, num_pages: int, num_state_slots: int = 0):
         self.rope_rows = rope_rows  # positions index the rope tables: [0, rope_rows)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.num_state_slots = num_state_slots  # a hybrid's recurrent-state slots (0: none)
 
     def _pages(self, state, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's block tables (int64) and each row's page count."""
@@ -70,6 +72,10 @@ class BoundsCheck:
         seq_len = state.seq_lens[rows].to(torch.int64)
         _require(torch.where(live, (seq_len == position + 1) & (seq_len <= owned * P), seq_len >= 1),
                  "seq_lens: a KV length past the pages its row holds")
+        if self.num_state_slots:
+            slots = state.state_slot[rows]
+            _require((slots >= torch.where(live, 1, 0)) & (slots < self.num_state_slots),
+                     "state_slot: a recurrent-state slot outside the state cache (a live row's: not the scratch slot)")
         if csr:
             count = (state.kv_indptr[1 : bucket + 1] - state.kv_indptr[:bucket]).to(torch.int64)
             need = torch.div(seq_len + P - 1, P, rounding_mode="floor")

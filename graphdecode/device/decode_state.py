@@ -30,7 +30,7 @@ from .features.speculation import SpeculationRows
 from .sampler import SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "seeded", "done")
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "seeded", "done", "state_slot")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p")
 
 
@@ -57,6 +57,7 @@ class DecodeState:
         self.kv_indptr = buf(rows + 1, dtype=torch.int32)  # [B_max + 1] FlashInfer CSR
         self.kv_indices = buf(rows * max_pages, dtype=torch.int32)  # [B_max * max_pages]
         self.kv_last_page_len = buf(rows, dtype=torch.int32, fill=1)  # [B_max]
+        self.state_slot = buf(rows, dtype=torch.int64)  # [B_max]: a hybrid's recurrent-state slot (0: scratch)
         # per-row stop state and sampling parameters
         self.done = buf(rows, dtype=torch.bool, fill=True)  # [B_max]: inert rows
         self.max_len = buf(rows, dtype=torch.int32)
@@ -115,6 +116,7 @@ class DecodeState:
             kv_indices=self.kv_indices[: bucket * self.max_pages],
             kv_last_page_len=self.kv_last_page_len[:bucket],
             ragged=ragged,
+            state_slots=self.state_slot[:bucket],
         )
 
     def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool, csr: bool = True) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
+from ..attention.state_cache import StateCache
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.moe import moe_stats
@@ -74,6 +75,12 @@ class ModelRunner:
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
             config.kv_torch_dtype, self.device,
         )
+        # a hybrid's recurrent states: a slot per admitted sequence (every one holds a row or a reserved row)
+        self.states = None
+        if cfg.linear is not None:
+            self.states = StateCache(cfg.linear, len(cfg.linear_layers), config.max_batch_size + 1,
+                                     config.torch_dtype, self.device)
+            self.model.bind_states(self.states)
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
                                     self.device, getattr(self.model, "attention_specs", None), config.torch_dtype)
         self.state = DecodeState(
@@ -87,7 +94,8 @@ class ModelRunner:
             structured_max_exceptions=config.structured_max_exceptions,
         )
         if config.check_bounds:
-            self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages)
+            self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages,
+                                            self.states.num_slots if self.states is not None else 0)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.logprobs_width)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -176,6 +184,7 @@ class ModelRunner:
         return {
             "weight_bytes": sum(_tensor_bytes(m.parameters()) + packed_bytes(m) for m in models),
             "kv_cache_bytes": _tensor_bytes(caches),
+            "state_cache_bytes": self.states.nbytes if self.states is not None else 0,
         }
 
     # ------------------------------------------------------------ device rows
@@ -264,7 +273,12 @@ class ModelRunner:
             block_table_host=table_host,
             copy_src=copy_src,
             copy_dst=copy_dst,
+            state_slots_host=[c.state_slot for c in chunks],
         )
+        if self.states is not None:  # a sequence's first chunk starts from a zero state
+            fresh = [c.state_slot for c in chunks if c.start == 0]
+            if fresh:
+                self.states.reset(self._send(np.asarray(fresh, dtype=np.int64)))
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
@@ -281,6 +295,10 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             if c.prompt_logprobs is not None:
                 self._prompt_results.append(self._prompt_logprobs(c, hidden, int(cu[i])))
+        forks = [(c.state_slot, child) for c in chunks for child in c.state_forks]
+        if forks:  # n > 1: each child continues from the prompt's final state
+            src, dst = zip(*forks)
+            self.states.fork(self._send(np.asarray(src, dtype=np.int64)), self._send(np.asarray(dst, dtype=np.int64)))
         sampled = [i for i, c in enumerate(chunks) if c.sample_rows]
         if sampled:
             self._sample_first_tokens([chunks[i] for i in sampled], hidden, cu[1:][sampled] - 1)

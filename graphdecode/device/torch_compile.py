@@ -109,6 +109,8 @@ def _mark_batch_dims(input_ids, positions, ctx) -> None:
         meta = ctx.decode
         dims += [(meta.seq_lens, 0), (meta.slot_mapping, 0), (meta.block_table, 0), (meta.block_table, 1),
                  (meta.kv_indptr, 0), (meta.kv_indices, 0), (meta.kv_last_page_len, 0)]
+        if meta.state_slots is not None:  # a hybrid's recurrent-state slots
+            dims.append((meta.state_slots, 0))
     if ctx.verify is not None:  # a speculative window's verify forward: B rows of Q queries
         meta = ctx.verify
         dims += [(meta.block_table, 0), (meta.block_table, 1), (meta.query_positions, 0), (meta.slot_mapping, 0),

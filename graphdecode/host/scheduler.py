@@ -102,6 +102,9 @@ class Scheduler:
         self._group_of: dict[int, PrefillGroup] = {}  # seq_id -> its prefilling group
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, oldest admission first
         self._free_rows = list(range(config.max_batch_size))  # a heap: lowest row first keeps buckets small
+        # a hybrid's recurrent-state slots (attention/state_cache.py), one per admitted sequence; slot 0 is scratch
+        hybrid = config.model_config.linear is not None
+        self._free_state_slots = list(range(config.max_batch_size, 0, -1)) if hybrid else None
         self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
         self._cleared: list[int] = []  # rows released since the last plan
@@ -246,6 +249,9 @@ class Scheduler:
                 placed.page_copies.append((leader.pages[shared], own[0]))
             child.pages = leader.pages[:shared] + own
         self._reserved_rows += len(group)
+        if self._free_state_slots is not None:  # never short: every holder holds a row or a reserved one
+            for seq in group:
+                seq.state_slot = self._free_state_slots.pop()
         metrics = leader.request.metrics
         if metrics is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = time.time()
@@ -285,6 +291,8 @@ class Scheduler:
             targets=targets,
             prefix_copy=group.prefix_copy,
             next_token=leader.token_ids[end] if end < len(leader.token_ids) else None,
+            state_slot=leader.state_slot,
+            state_forks=tuple(child.state_slot for child in group.seqs[1:]) if rows and leader.state_slot else (),
         ))
         group.prefix_copy = None
         return end - start
@@ -313,6 +321,7 @@ class Scheduler:
             or seq.request.placement is not None else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             structured=seq.request.placement,
+            state_slot=seq.state_slot,
         ))
         plan.readout.append(Readout(row, seq, seq.epoch, 0))
         return row
@@ -409,12 +418,25 @@ class Scheduler:
             self.pool.free(seq.pages)
             seq.pages = []
             seq.num_cached_pages = 0
+            self._free_state(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
         seq.pages = []
         seq.num_cached_pages = 0
+        self._free_state(seq)
         self._cleared.append(seq.row)
         heapq.heappush(self._free_rows, seq.row)
         seq.row = None
         del self.running[seq.seq_id]
+
+    def _free_state(self, seq: Sequence) -> None:
+        """A hybrid sequence's state slot goes back (a later admission zeroes it before its first chunk)."""
+        if seq.state_slot:
+            self._free_state_slots.append(seq.state_slot)
+            seq.state_slot = 0
+
+    @property
+    def num_free_state_slots(self) -> int | None:
+        """State slots not held by a sequence (None: not a hybrid model)."""
+        return None if self._free_state_slots is None else len(self._free_state_slots)

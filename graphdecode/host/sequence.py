@@ -76,6 +76,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, as computed
     pages: list[int] = field(default_factory=list)
     row: int | None = None
+    state_slot: int = 0  # a hybrid's recurrent-state slot while admitted (0: none)
     epoch: int = -1  # which admission the row belongs to; stale window rows are skipped
     finish_reason: str | None = None
     stop_reason: int | str | None = None

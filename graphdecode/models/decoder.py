@@ -68,7 +68,7 @@ class Attention(nn.Module):
     layer with (sliding window, soft-cap, query scale)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, *, qk_norm: bool = False,
-                 norm_offset: bool = False, spec: AttentionSpec | None = None):
+                 norm_offset: bool = False, spec: AttentionSpec | None = None, output_gate: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads // tp.size  # this rank's
@@ -76,11 +76,15 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.spec = spec or AttentionSpec()
         self.k_scale = self.v_scale = 1.0  # an FP8 KV cache's scales (the checkpoint's k_scale / v_scale)
-        q_spec = split_rows(cfg.num_heads * cfg.head_dim, tp)
+        # output_gate (Qwen3.5, Qwen3-Next): q_proj's rows hold each head's query and then its gate, and the
+        # attention output is multiplied by sigmoid(gate) before o_proj
+        self.output_gate = output_gate
+        widen = 2 if output_gate else 1
+        q_spec = split_rows(cfg.num_heads * cfg.head_dim * widen, tp)
         kv_spec = kv_heads_spec(cfg.num_kv_heads, cfg.head_dim, tp)
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_spec, "k": kv_spec, "v": kv_spec}, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp)
-        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim * widen, self.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qk_norm = qk_norm
         if qk_norm:
@@ -101,13 +105,18 @@ class Attention(nn.Module):
         """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = ctx.attend(self.layer_idx if kv_layer is None else kv_layer, q, k, v)  # [T, H, D]
+        if gate is not None:
+            return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, -1))
         return self.o_proj(out.reshape(tokens, -1))
 
 

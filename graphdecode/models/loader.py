@@ -159,6 +159,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     packed = cls.packed_modules
     tied = model.config.tie_word_embeddings
     extras = getattr(cls, "checkpoint_extras", ())  # tensors the class reads itself (an EAGLE-3 head's id maps)
+    skipped = getattr(cls, "checkpoint_skipped", ())  # name prefixes of parts it does not run (a vision tower)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     files = checkpoint_files(model_dir)
@@ -172,7 +173,8 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         entries = []
         with _open(path) as f:
             for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras:
+                if (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras
+                        or key.startswith(skipped)):
                     continue
                 kv_scale = _kv_scale_entry(path, f, key, cls, modules)
                 if kv_scale is not None:

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .config_fields import read_bool, read_float, read_int, read_json_object, read_optional_positive
+from .gated_deltanet import LinearAttentionConfig
 from .moe import MoEConfig
 from .quant.config import METHODS as QUANT_METHODS
 from .quant.config import QuantConfig, parse_quant_config
 from .rope_config import RopeConfig, RopeRules, rope_from
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-FULL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer_types
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"  # transformers' layer_types
 
 _DTYPES = {
     "float32": torch.float32,
@@ -81,6 +82,10 @@ class ModelConfig:
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight before the cast back (gpt-oss)
     quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (kept in 4 bits)
     weight_quant: QuantConfig | None = None  # the linears' quantized weights (quant/config.py), or None
+    # hybrids (Qwen3.5, Qwen3-Next): the layers layer_types marks LINEAR are Gated DeltaNet layers of these
+    # sizes, holding a per-sequence state instead of K/V (num_layers counts only the attention layers)
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False  # attention output times sigmoid of a gate from q_proj (Qwen3.5, Qwen3-Next)
 
     @property
     def decoder_layers(self) -> int:
@@ -91,6 +96,15 @@ class ModelConfig:
         """A longrope model that can see positions past original_max_position_embeddings (two K/V streams)."""
         return (self.rope.rope_type == "longrope"
                 and self.max_position_embeddings > self.rope.original_max_position_embeddings)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The decoder layers that are linear attention (a hybrid's), ascending."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR) if self.linear is not None else ()
+
+    def kv_layer(self, layer: int) -> int:
+        """Decoder layer `layer`'s KV-cache layer (a hybrid's attention layers are numbered among themselves)."""
+        return layer - sum(1 for i in self.linear_layers if i < layer)
 
     def layer_window(self, layer: int) -> int | None:
         """Decoder layer `layer`'s sliding window (None: full attention)."""
@@ -122,6 +136,8 @@ class Family:
     window_default: int | None = None  # the window when config.json has no sliding_window key
     keep_layer_types: bool = False  # layer_types matter without a window (each layer's kind picks its rope)
     quantizations: tuple[str, ...] = ()  # quantization_config quant_methods it loads (its experts' MXFP4)
+    attn_output_gate: bool = False  # the module gates attention's output (Qwen3.5, Qwen3-Next)
+    text_config: bool = False  # config.json keeps the text model's fields under text_config (a multimodal model)
 
     def sliding_window(self, where: str, raw: dict) -> int | None:
         """The sliding layers' window (None: no window)."""
@@ -146,6 +162,10 @@ class Family:
 
     def moe(self, where: str, raw: dict, num_layers: int, intermediate: int) -> MoEConfig | None:
         """The experts and their routing (None: dense MLPs)."""
+        return None
+
+    def linear_attention(self, where: str, raw: dict) -> LinearAttentionConfig | None:
+        """A hybrid's linear-attention layers (None: attention only); layer_types marks which are LINEAR."""
         return None
 
 
@@ -216,6 +236,16 @@ def _quantization(where: str, raw: dict, family: Family) -> tuple[str | None, Qu
                      f"{', '.join(QUANT_METHODS + family.quantizations)})")
 
 
+def _text_config(where: str, raw: dict) -> dict:
+    """A multimodal config.json's text model: text_config's fields, with the top level's LM head tying and
+    quantization (what the whole checkpoint's loader reads there)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: text_config must be an object with the text model's fields, got {text!r}")
+    shared = {key: raw[key] for key in ("tie_word_embeddings", "quantization_config") if key in raw}
+    return {**text, **shared, "model_type": raw["model_type"]}
+
+
 def _attn_scale(where: str, raw: dict, default: float | None) -> float | None:
     """query_pre_attn_scalar ** -0.5 for a family that reads it (None: head_dim ** -0.5, as with a null one)."""
     scalar = None if default is None else raw.get("query_pre_attn_scalar", default)
@@ -235,6 +265,8 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         raise ValueError(
             f"{where}: model_type: {model_type!r} is not supported (supported: {', '.join(_FAMILIES)})"
         )
+    if family.text_config:
+        raw = _text_config(where, raw)
     act = raw.get(family.activation_key, family.activation)
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"{where}: {family.activation_key}: {act!r} is not supported "
@@ -274,12 +306,16 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     two_streams = rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings
     moe = family.moe(where, raw, num_layers, intermediate)
     quantization, weight_quant = _quantization(where, raw, family)
+    linear = family.linear_attention(where, raw)
+    kv_layers = num_layers - (sum(t == LINEAR for t in layer_types) if linear is not None else 0)
+    if linear is not None and not kv_layers:
+        raise ValueError(f"{where}: layer_types: a hybrid needs at least one {FULL!r} layer")
     return ModelConfig(
         model_type=model_type,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_layers=num_layers * (2 if two_streams else 1),
+        num_layers=kv_layers * (2 if two_streams else 1),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -305,6 +341,8 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         norm_weight_fp32=family.norm_weight_fp32,
         quantization=quantization,
         weight_quant=weight_quant,
+        linear=linear,
+        attn_output_gate=family.attn_output_gate,
     )
 
 

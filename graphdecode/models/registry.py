@@ -15,6 +15,7 @@ from .model_config import Family, ModelConfig, register_family
 from .phi3 import Phi3Family
 from .qwen2 import Qwen2Family
 from .qwen3 import Qwen3Family
+from .qwen3_5 import Qwen3_5ConditionalFamily, Qwen3_5Family
 from .qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: tuple[Family, ...] = (
@@ -27,6 +28,8 @@ FAMILIES: tuple[Family, ...] = (
     MixtralFamily(),
     Qwen3MoeFamily(),
     GptOssFamily(),
+    Qwen3_5Family(),
+    Qwen3_5ConditionalFamily(),
 )
 for _family in FAMILIES:
     register_family(_family)

@@ -5,7 +5,8 @@ takes through device/graphs.py, run in CI.
 * lazy capture of a new variant while rows are live: the warm-up window really runs and is
   undone (window_writes.py), so the tokens, logprobs and the MoE expert counters equal an
   eager engine's;
-* every tensor a window changes, outside the KV cache, is in the registered set.
+* every tensor a window changes, outside the KV cache, is in the registered set (a hybrid's recurrent
+  states too: they are overwritten in place, so a warm-up must restore them).
 """
 
 from __future__ import annotations
@@ -99,6 +100,20 @@ def test_lazy_capture_leaves_the_expert_counters_alone(tiny_models, family):
     assert [sum(layer) for layer in counts] == [top_k * live] * len(counts)
 
 
+def test_lazy_capture_leaves_the_recurrent_states_alone(tiny_models):
+    """A hybrid's linear layers overwrite each row's state in place (no slot to write past, as K/V has): a
+    lazily captured variant's warm-up window must restore them, or the live rows' tokens change."""
+    path = tiny_models["qwen3_5"]
+    first, later = prompts(3, seed=6), prompts(2, seed=7)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=12, logprobs=2, ignore_eos=True)
+    graphed = LLM(path, cuda_graphs=True, **ENGINE)
+    before = set(graphed.engine.runner.windows.graphs)
+    got = staggered(graphed, first, plain, later, sampled)
+    assert set(graphed.engine.runner.windows.graphs) - before
+    assert got == staggered(LLM(path, cuda_graphs=False, **ENGINE), first, plain, later, sampled)
+
+
 def _tensors_of(obj, seen: set[int], found: dict[str, torch.Tensor], path: str, depth: int = 0) -> None:
     """Every tensor reachable from `obj` through attributes, lists, dicts and modules."""
     if id(obj) in seen or depth > 6:
@@ -133,7 +148,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family,speculative", [("llama_gqa_llama3", True), ("mixtral", False)])
+@pytest.mark.parametrize("family,speculative", [("llama_gqa_llama3", True), ("mixtral", False), ("qwen3_5", False)])
 def test_everything_a_window_writes_is_registered(tiny_models, family, speculative):
     """Live rows (logprobs, penalties; speculation where asked): around each window the engine
     runs, compare every tensor the runner can reach before and after; each one the window
@@ -164,6 +179,7 @@ def test_everything_a_window_writes_is_registered(tiny_models, family, speculati
     assert all(any("runner.state.out_tokens" in changed for v, changed in seen if v.speculative == spec)
                for spec in {v.speculative for v, _ in seen})  # the windows ran
     assert family != "mixtral" or any("runner.model.expert_tokens" in changed for _, changed in seen)
+    assert family != "qwen3_5" or any("recurrent_state" in name for _, changed in seen for name in changed)
     for variant, changed in seen:
         unregistered = [name for name in changed if not runner.window_writes.holds(watched[name])]
         assert not unregistered, f"{variant}: window state outside WindowWrites: {unregistered}"

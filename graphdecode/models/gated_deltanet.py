@@ -1,0 +1,210 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 and Qwen3-Next, over a per-sequence state cache.
+
+A layer keeps no history. Each sequence holds a slot of two tensors per layer (states.py allocates them):
+
+* the convolution window `conv_state` [slots, C, K - 1]: the last K - 1 inputs of the causal depthwise
+  convolution over the mixed q/k/v channels (C = 2 key_dim + value_dim, K = linear_conv_kernel_dim);
+* the recurrent matrix `recurrent_state` [slots, Hv, Dk, Dv], float32: S in the gated delta rule
+
+      S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,   o_t = S_t^T q_t
+
+  with q, k L2-normalised per head (q also scaled by Dk ** -0.5), beta = sigmoid(b), and the decay
+  g = -exp(A_log) softplus(a + dt_bias) (Yang et al., "Gated Delta Networks", 2024; transformers'
+  Qwen3_5GatedDeltaNet computes the same). Key heads are shared by Hv / Hk value heads.
+
+Decode (one token per row, `ctx.decode`) runs the recurrence once per row on the rows' slots, gathered and
+written back with index ops on static buffers, so it runs inside a captured window; padded and finished rows
+point at the scratch slot 0. Prefill (`ctx.prefill`) runs each sequence's chunk in the chunked form: within
+blocks of CHUNK tokens the updates are solved together (the WY / UT transform: one triangular solve per block),
+across blocks the state carries. A chunk starts from the slot's state, so a prompt split anywhere continues
+exactly; the runner zeroes the slot before a sequence's first chunk. The output passes an RMSNorm gated by
+silu(z) (per value head) and the out projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import FusedLinear
+from .parallel import RowParallelLinear, TPGroup
+from .parallel import split as split_rows
+
+CHUNK = 64  # tokens per block of the chunked form
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers' sizes (config.json's linear_* fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One slot of one layer: the convolution window (in the model's dtype) and the float32 matrix."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        return conv + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head, times silu(gate) (transformers' RMSNormGated: norm, weight, then gate)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class Conv1dWeight(nn.Module):
+    """Holds the depthwise convolution's weight under transformers' name (`conv1d.weight`, [C, 1, K])."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, lin: LinearAttentionConfig, hidden_size: int, eps: float, state_index: int,
+                 tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.lin = lin
+        self.state_index = state_index  # this layer's place among the model's linear layers
+        full = TPGroup()  # one rank (the config refuses tensor parallelism for these layers)
+        self.in_proj = FusedLinear(hidden_size, {
+            "qkv": split_rows(lin.conv_dim, full), "z": split_rows(lin.value_dim, full),
+            "b": split_rows(lin.num_value_heads, full), "a": split_rows(lin.num_value_heads, full)}, bias=False)
+        self.split_sizes = [lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads]
+        self.conv1d = Conv1dWeight(lin.conv_dim, lin.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
+        self.norm = GatedRMSNorm(lin.value_head_dim, eps)
+        self.out_proj = RowParallelLinear(lin.value_dim, hidden_size, False, full)
+        self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by states.StateCache
+        self.recurrent_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
+
+    def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        lin = self.lin
+        mixed, z, b, a = self.in_proj(hidden).split(self.split_sizes, dim=-1)
+        beta = torch.sigmoid(b.float())
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # g, log space, <= 0
+        if ctx.prefill is not None:
+            core = self._prefill(mixed, beta, decay, ctx.prefill)
+        else:
+            core = self._decode(mixed, beta, decay, ctx.decode.state_slots)
+        tokens = hidden.shape[0]
+        core = self.norm(core.to(hidden.dtype), z.view(tokens, lin.num_value_heads, lin.value_head_dim))
+        return self.out_proj(core.reshape(tokens, lin.value_dim))
+
+    # ---------------------------------------------------------------- the two forms
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved channels [T, C] -> q, k [T, Hv, Dk] (normalised, q scaled; key heads repeated) and
+        v [T, Hv, Dv], float32."""
+        lin = self.lin
+        tokens = conv_out.shape[0]
+        q, k, v = conv_out.float().split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+        q = q.view(tokens, lin.num_key_heads, lin.key_head_dim)
+        k = k.view(tokens, lin.num_key_heads, lin.key_head_dim)
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * lin.key_head_dim**-0.5
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        group = lin.num_value_heads // lin.num_key_heads
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        return q, k, v.view(tokens, lin.num_value_heads, lin.value_head_dim)
+
+    def _decode(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """One token per row: [B, C] -> [B, Hv, Dv]; reads and writes the rows' slots."""
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        window = torch.cat([self.conv_state.index_select(0, slots), mixed.to(self.conv_state.dtype)[:, :, None]],
+                           dim=-1)  # [B, C, K]
+        self.conv_state.index_copy_(0, slots, window[:, :, 1:])
+        conv_out = F.silu((window.to(weight.dtype) * weight).sum(-1))
+        q, k, v = self._qkv(conv_out)
+        state = self.recurrent_state.index_select(0, slots) * decay.exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+        delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+        state = state + k[..., None] * delta[..., None, :]
+        self.recurrent_state.index_copy_(0, slots, state)
+        return (state * q[..., None]).sum(-2)
+
+    def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, meta) -> torch.Tensor:
+        """Each sequence's chunk from its slot's state: [T, C] -> [T, Hv, Dv]."""
+        weight = self.conv1d.weight  # [C, 1, K]
+        outputs = []
+        starts, lengths, _ = meta.host_lens()
+        for slot, start, length in zip(meta.state_slots_host, starts.tolist(), lengths.tolist()):
+            x = mixed[start : start + length].to(self.conv_state.dtype).t()  # [C, L]
+            full = torch.cat([self.conv_state[slot], x], dim=-1)  # [C, K - 1 + L]
+            self.conv_state[slot].copy_(full[:, -(self.lin.conv_kernel - 1):])
+            conv_out = F.silu(F.conv1d(full[None].to(weight.dtype), weight, groups=full.shape[0])[0]).t()  # [L, C]
+            q, k, v = self._qkv(conv_out)
+            out, final = chunked_delta_rule(q, k, v, decay[start : start + length], beta[start : start + length],
+                                            self.recurrent_state[slot])
+            self.recurrent_state[slot].copy_(final)
+            outputs.append(out)
+        return torch.cat(outputs)
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over L tokens of one sequence, CHUNK at a time, float32.
+
+    q, k [L, H, Dk] (normalised), v [L, H, Dv], decay (g) and beta [L, H], state [H, Dk, Dv] ->
+    (outputs [L, H, Dv], the final state). Within a block, with G the cumulative decay from the block's start,
+    the updates solve (I + A) U = V_beta and (I + A) W = K_beta exp(G), A the strictly lower part of
+    (K_beta K^T) exp(G_i - G_j); each block then reads the carried state once and adds its own correction."""
+    length, heads = decay.shape
+    pad = (-length) % chunk
+    blocks = (length + pad) // chunk
+
+    def blocked(x: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...], padding with zeros
+        x = x.transpose(0, 1)
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.reshape(heads, blocks, chunk, *x.shape[2:])
+
+    q, k, v = blocked(q), blocked(k), blocked(v)
+    decay, beta = blocked(decay), blocked(beta)  # padded tokens: no decay, no update
+    cum = decay.cumsum(-1)  # [H, N, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, N, C, C], i >= j
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * pair
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    block_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(values)
+    state = state.float()
+    for i in range(blocks):
+        new = values[:, i] - reads[:, i] @ state  # what the carried state does not already predict
+        out[:, i] = q_decayed[:, i] @ state + scores[:, i] @ new
+        state = state * block_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ new
+    out = out.reshape(heads, blocks * chunk, -1)[:, :length].transpose(0, 1)
+    return out, state

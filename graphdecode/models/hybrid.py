@@ -1,0 +1,117 @@
+"""Hybrid decoders: attention layers and Gated DeltaNet linear-attention layers in one stack (Qwen3.5, Qwen3-Next).
+
+`ModelConfig.layer_types` marks each decoder layer FULL (attention over the paged KV cache) or LINEAR (a
+gated_deltanet.GatedDeltaNet over the sequence's state slot). Both take the shared pre-norm residual block of
+models/decoder.py: an input norm, the token mixer, a post-attention norm, the MLP (a GatedMLP, or a SparseMoE
+where `ModelConfig.moe` marks the layer sparse). The attention layers are decoder.Attention with its variants
+as parameters (here: q/k norms, a gated output, partial rotary), numbered among themselves in the KV cache
+(`ModelConfig.kv_layer`); the linear layers own their state tensors, which the runner binds (`bind_states`)
+once it has sized the slots.
+
+A family is a small file that says how config.json reads (qwen3_5.py) and sets the class flags here; the
+forward below is the one loop every hybrid runs (no fused CPU decode driver: cpu_decode.py takes plain layers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+from .decoder import Attention, DecoderForCausalLM, GatedMLP
+from .gated_deltanet import GatedDeltaNet
+from .layers import RMSNorm
+from .model_config import LINEAR, ModelConfig
+from .moe import SparseMoE
+from .parallel import TPGroup, VocabParallelEmbedding
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, spec: AttentionSpec, norm_offset: bool):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_idx] == LINEAR
+        if self.is_linear:
+            state_index = cfg.linear_layers.index(layer_idx)
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, state_index, tp)
+        else:
+            self.self_attn = Attention(cfg, cfg.kv_layer(layer_idx), tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset,
+                                       spec=spec, output_gate=cfg.attn_output_gate)
+        self.sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
+        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size, tp) if self.sparse else GatedMLP(cfg, tp, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+
+    def forward(self, positions, hidden, rotary, ctx):
+        normed = self.input_layernorm(hidden)
+        if self.is_linear:
+            mixed = self.linear_attn(normed, ctx)
+        else:
+            mixed = self.self_attn(positions, normed, rotary, ctx)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, mixed)
+        if self.sparse:
+            return hidden + self.mlp(normed, ctx.live_tokens())
+        return hidden + self.mlp(normed)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, tp, specs[i], norm_offset) for i in range(cfg.decoder_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+
+
+class HybridForCausalLM(DecoderForCausalLM):
+    packed_modules = {  # the linear layers' four input projections fill one fused in_proj
+        **DecoderForCausalLM.packed_modules,
+        "in_proj_qkv": ("in_proj", "qkv"),
+        "in_proj_z": ("in_proj", "z"),
+        "in_proj_b": ("in_proj", "b"),
+        "in_proj_a": ("in_proj", "a"),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.tp = tp
+        self.model = HybridModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)], self.norm_offset)
+        if not cfg.tie_word_embeddings:
+            from .parallel import ParallelLMHead
+
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.rotaries = []
+        self.packed_head = None
+        self._embed_scale = None
+        self.expert_tokens = None
+        self.cpu_decode = None
+
+    @property
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [layer.self_attn.attention_spec for layer in self.model.layers if not layer.is_linear]
+
+    @property
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+
+    def bind_states(self, states) -> None:
+        """Give each linear layer its tensors of the state cache (states.StateCache)."""
+        for layer, (conv, recurrent) in zip(self.linear_layers, states.layers):
+            layer.conv_state, layer.recurrent_state = conv, recurrent
+
+    def window_tensors(self) -> dict[str, torch.Tensor | None]:
+        """A window writes the rows' states besides the KV cache (and the experts' counters)."""
+        out = dict(super().window_tensors())
+        for i, layer in enumerate(self.linear_layers):
+            out[f"conv_state.{i}"] = layer.conv_state
+            out[f"recurrent_state.{i}"] = layer.recurrent_state
+        return out
+
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.embed(input_ids)
+        saved = []
+        for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
+            if i in aux_layers:
+                saved.append(hidden)
+            hidden = layer(positions, hidden, rotary, ctx)
+        return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None

@@ -1,0 +1,161 @@
+"""Hybrid models (Qwen3.5: Gated DeltaNet + gated attention) against transformers, and their state cache.
+
+A tiny random Qwen3.5 text model (three linear-attention layers, one attention layer, then two more linear
+ones) runs greedy beside transformers' generate (its torch fallbacks for the delta rule and the convolution
+are the oracle) through the engine's paths: eager and graph-twin windows, k = 1 / 4 / 8, page sizes, chunked
+prefill (prompts cut at arbitrary points, across the delta rule's 64-token blocks), a tiny pool that preempts,
+n > 1 forks; the multimodal checkpoint's text part; the state slots' accounting; refusals by field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.models.gated_deltanet import chunked_delta_rule
+from tests.helpers import hf_greedy, random_prompts, token_prompts
+
+LAYERS = 6  # tests/conftest.py's qwen3_5: linear x 3, attention, linear x 2
+
+
+@pytest.fixture(scope="module")
+def qwen35(tiny_models) -> str:
+    return tiny_models["qwen3_5"]
+
+
+PROMPTS = random_prompts(4, [5, 37, 70, 150], seed=71)  # 70 and 150 cross the delta rule's 64-token blocks
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _tokens(llm, prompts, params=GREEDY) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(token_prompts(prompts), params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("engine", [
+    dict(),
+    dict(cuda_graphs=True, num_decode_steps=4, page_size=4, max_num_batched_tokens=16),
+    dict(num_decode_steps=1, buckets=[1, 2, 4], max_num_batched_tokens=45),
+    dict(num_pages=20, max_model_len=192, max_num_batched_tokens=256),  # admitted in 19 pages, grow to 23
+], ids=["eager", "graphs-chunked", "k1-buckets", "preempting"])
+def test_greedy_matches_transformers(qwen35, engine):
+    expected = hf_greedy(qwen35, PROMPTS, 24)
+    with LLM(qwen35, dtype="float32", cpu_threads=1, **engine) as llm:
+        assert _tokens(llm, PROMPTS) == expected
+        if "num_pages" in engine:
+            assert llm.engine.stats()["preemptions"] > 0
+        assert llm.engine.scheduler.num_free_state_slots == llm.config.max_batch_size  # every slot came back
+
+
+def test_children_fork_the_prompts_state_and_sampling_ignores_company(qwen35):
+    expected = hf_greedy(qwen35, PROMPTS[1:3], 16)
+    with LLM(qwen35, dtype="float32", cpu_threads=1, max_num_batched_tokens=24) as llm:
+        outs = llm.generate(token_prompts(PROMPTS[1:3]), SamplingParams(n=3, temperature=0, max_tokens=16,
+                                                                        ignore_eos=True), use_tqdm=False)
+        for out, ref in zip(outs, expected):
+            assert [list(c.token_ids) for c in out.outputs] == [ref] * 3
+        seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+        alone = _tokens(llm, PROMPTS[2:3], seeded)[0]
+        crowd = llm.generate(token_prompts(PROMPTS), [GREEDY, GREEDY, seeded, GREEDY], use_tqdm=False)
+        assert list(crowd[2].outputs[0].token_ids) == alone
+        children = llm.generate(token_prompts(PROMPTS[2:3]), SamplingParams(n=2, temperature=1.0, seed=11,
+                                                                            max_tokens=16, ignore_eos=True),
+                                use_tqdm=False)[0].outputs
+        assert len({tuple(c.token_ids) for c in children}) == 2  # forked states, each child its own noise
+
+
+def test_state_slots_come_back_after_aborts(qwen35):
+    with LLM(qwen35, dtype="float32", cpu_threads=1, max_batch_size=8, max_model_len=128) as llm:
+        engine = llm.engine
+        prompts = random_prompts(60, [3, 9, 20, 40], seed=72)
+        params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True, n=2)
+        ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps % 3 == 0 and ids:
+                engine.abort_request(ids.pop(0 if steps % 2 else -1))  # waiting, prefilling or running ones
+            assert engine.scheduler.num_free_state_slots >= 0
+        assert engine.scheduler.num_free_state_slots == 8
+        assert engine.pool.num_free == llm.config.num_pages - 1
+
+
+def test_multimodal_checkpoint_runs_its_text_part(qwen35, tmp_path):
+    path = str(tmp_path / "qwen3_5_vl")
+    os.makedirs(path)
+    with open(os.path.join(qwen35, "config.json")) as f:
+        text = json.load(f)
+    text.pop("architectures", None)
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "tie_word_embeddings": False, "text_config": text, "vision_config": {"depth": 1}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(
+        os.path.join(qwen35, "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    with LLM(path, dtype="float32", cpu_threads=1) as llm:
+        assert _tokens(llm, PROMPTS[:2]) == hf_greedy(qwen35, PROMPTS[:2], 24)
+
+
+def test_refusals_name_the_field(qwen35, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(qwen35, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(qwen35, tensor_parallel_size=2)
+    path = str(tmp_path / "bad")
+    os.makedirs(path)
+    with open(os.path.join(qwen35, "config.json")) as f:
+        config = json.load(f)
+    for edit, field in [({"layer_types": ["linear_attention"] * LAYERS}, "layer_types"),
+                        ({"layer_types": ["sliding_attention"] * LAYERS}, "layer_types"),
+                        ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+                        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim")]:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**config, **edit}, f)
+        with pytest.raises(ValueError, match=field):  # from config.json alone: no weights in this directory
+            LLM(path)
+
+
+def test_prefix_caching_is_off_and_the_budget_holds_the_states(qwen35):
+    from graphdecode.config import EngineConfig, state_cache_bytes
+
+    config = EngineConfig(qwen35, dtype="float32", kv_cache_memory_bytes=1 << 22, max_batch_size=8)
+    assert config.enable_prefix_caching is False
+    states = state_cache_bytes(config.model_config, torch.float32, 8)
+    per_state = 5 * (128 * 3 * 4 + 4 * 16 * 16 * 4)  # 5 linear layers: conv window + float32 matrix
+    assert states == 9 * per_state
+    per_page = 1 * 2 * 16 * 2 * 16 * 4  # one attention layer: K and V, 16 tokens, 2 heads of 16
+    assert config.num_pages == ((1 << 22) - states) // per_page
+
+
+@pytest.mark.parametrize("cut", [1, 17, 64, 100])
+def test_chunked_delta_rule_equals_the_recurrence_and_continues_across_cuts(cut):
+    torch.manual_seed(0)
+    length, heads, dk, dv = 130, 3, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(length, heads, dk), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(length, heads, dk), dim=-1)
+    v = torch.randn(length, heads, dv)
+    decay = -torch.rand(length, heads)
+    beta = torch.rand(length, heads)
+    state0 = torch.randn(heads, dk, dv)
+    state, expected = state0.clone(), []
+    for t in range(length):  # the recurrent form, token by token
+        state = state * decay[t].exp()[:, None, None]
+        delta = (v[t] - (state * k[t][..., None]).sum(-2)) * beta[t][:, None]
+        state = state + k[t][..., None] * delta[:, None, :]
+        expected.append((state * q[t][..., None]).sum(-2))
+    expected = torch.stack(expected)
+    whole, final = chunked_delta_rule(q, k, v, decay, beta, state0)
+    torch.testing.assert_close(whole, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, state, rtol=1e-4, atol=1e-4)
+    head, mid = chunked_delta_rule(q[:cut], k[:cut], v[:cut], decay[:cut], beta[:cut], state0)
+    tail, end = chunked_delta_rule(q[cut:], k[cut:], v[cut:], decay[cut:], beta[cut:], mid)
+    torch.testing.assert_close(torch.cat([head, tail]), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(end, state, rtol=1e-4, atol=1e-4)
