@@ -320,6 +320,24 @@ def test_moe_bench_smoke(tmp_path, monkeypatch):
     assert torch.get_num_threads() == threads  # --threads 1 was this process's for the run only
 
 
+def test_hybrid_bench_smoke(tmp_path, monkeypatch):
+    """bench_hybrid --preset tiny: decode beside transformers (the same fp32 tokens) and the per-token cost at two
+    contexts for the hybrid and its dense contrast, every number positive, the presets built in the cache."""
+    monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "hybrid.json"
+    result = _script("bench_hybrid").main(["--preset", "tiny", "--batches", "1,2", "--contexts", "16,48",
+                                           "--new-tokens", "4", "--prompt-len", "8", "--repeats", "1",
+                                           "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["decode"] == json.loads(json.dumps(result["decode"]))
+    assert [p["batch"] for p in result["decode"]] == [1, 2]
+    for point in result["decode"]:
+        assert point["graphdecode_decode_tokens_per_s"] > 0 and point["transformers_decode_tokens_per_s"] > 0
+        assert point["rows_equal"] == point["rows"]
+    for kind in ("hybrid", "dense"):
+        assert [p["context"] for p in result["context"][kind]] == [16, 48]
+        assert all(p["ms_per_token"] > 0 for p in result["context"][kind])
+
+
 def test_cpu_peers_bench_smoke(micro_dir, tmp_path):
     """bench_cpu_peers with graphdecode alone (the peers need their own installs): each point
     positive, CPU-seconds per token never negative, the table and JSON written; and the helpers that
