@@ -49,6 +49,22 @@ def test_decode_checks_pass_on_a_consistent_state_and_name_what_breaks():
         check.decode(csr, 4, csr=True)
 
 
+def test_state_slot_check_for_hybrid_rows():
+    """A hybrid's rows: a live row's recurrent-state slot is one of the cache's own, never the scratch slot."""
+    check = BoundsCheck(ROPE_ROWS, P, NUM_PAGES, num_state_slots=5)
+    state = live_state({0: 5, 1: 12}, {0: 2, 1: 3})
+    state.state_slot[:2] = torch.tensor([3, 1])
+    check.decode(state, 4, csr=False)
+    state.state_slot[1] = 0  # a live row on the scratch slot would share its state with every padded row
+    with pytest.raises(BoundsError, match=r"state_slot.*rows \[1\]"):
+        check.decode(state, 4, csr=False)
+    state.state_slot[1] = 1
+    state.state_slot[3] = 5  # an inert row past the cache
+    with pytest.raises(BoundsError, match=r"state_slot.*rows \[3\]"):
+        check.decode(state, 4, csr=False)
+    BoundsCheck(ROPE_ROWS, P, NUM_PAGES).decode(state, 4, csr=False)  # not a hybrid: no slots to check
+
+
 def _old_verify_metadata(state, bucket, queries, page_size, kv_width, live):
     """The verify metadata before the end-of-context fix: page columns clamped into the row's
     table, positions unclamped (the drafts near max_len wrote over the row's last page)."""

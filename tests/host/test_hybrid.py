@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphdecode import LLM, SamplingParams
+from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.models.gated_deltanet import chunked_delta_rule
 from tests.helpers import hf_greedy, random_prompts, token_prompts
 
@@ -83,6 +85,23 @@ def test_state_slots_come_back_after_aborts(qwen35):
             assert engine.scheduler.num_free_state_slots >= 0
         assert engine.scheduler.num_free_state_slots == 8
         assert engine.pool.num_free == llm.config.num_pages - 1
+
+
+def test_structured_outputs_constrain_a_hybrid_in_the_window(qwen35, text_model, tmp_path):
+    """The constraint lives in the sampler; the recurrent layers under it run as always (twin windows here)."""
+    path = str(tmp_path / "with_tokenizer")
+    shutil.copytree(qwen35, path)
+    for name in os.listdir(text_model):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(text_model, name), path)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, structured_outputs=StructuredOutputsParams(
+        regex=pattern)) for s in range(3)]
+    with LLM(path, dtype="float32", cpu_threads=1, cuda_graphs=True, num_decode_steps=4) as llm:
+        outs = llm.generate(["Code: ", "The code is ", "Write one: "], params, use_tqdm=False)
+    for out in outs:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
 
 
 def test_multimodal_checkpoint_runs_its_text_part(qwen35, tmp_path):
