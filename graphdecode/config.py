@@ -145,6 +145,9 @@ class EngineConfig:
     seed: int = 0
     max_num_batched_tokens: int = 8192  # prefill tokens per engine step (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # a hybrid model's prefix cache keeps the recurrent state at up to this many cached page boundaries (each one
+    # slot of the state cache, host/state_slots.py); None: max_batch_size of them (0 without prefix caching)
+    num_state_snapshots: int | None = None
     # logprobs / prompt_logprobs per token a request may ask for; -1: no cap, logprobs=-1 gives the
     # whole vocabulary (the device's logprob buffers then hold vocab_size entries per row and step)
     max_logprobs: int = 20
@@ -231,6 +234,9 @@ class EngineConfig:
         if len(sizes) > 1:
             raise ValueError(f"{sizes[0]} and {sizes[1]} both size the KV pool: give one of them")
         _pos_int("max_model_len", self.max_model_len, allow_none=True)
+        if self.num_state_snapshots is not None and (isinstance(self.num_state_snapshots, bool) or not isinstance(
+                self.num_state_snapshots, int) or self.num_state_snapshots < 0):
+            raise ValueError(f"num_state_snapshots must be an integer >= 0, got {self.num_state_snapshots!r}")
         _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_logprobs != -1:
             _pos_int("max_logprobs", self.max_logprobs)
@@ -291,8 +297,11 @@ class EngineConfig:
         compile_ = self.compile if self.compile is not None else device.type == "cuda"
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
+        snapshots = 0
+        if cfg.linear is not None and self.enable_prefix_caching:
+            snapshots = self.num_state_snapshots if self.num_state_snapshots is not None else max_batch_size
         num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg,
-                                                state_cache_bytes(cfg, dtype, max_batch_size))
+                                                state_cache_bytes(cfg, dtype, max_batch_size + snapshots))
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -318,8 +327,7 @@ class EngineConfig:
             "buckets": buckets,
             "cpu_threads": cpu_threads,
             "max_pages_per_seq": max_pages,
-            # a hybrid's prefix hits would need the recurrent state at the cached boundary: not kept yet
-            "enable_prefix_caching": self.enable_prefix_caching and cfg.linear is None,
+            "num_state_snapshots": snapshots,
             "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, cfg.vocab_size),
             **speculative,
         }
@@ -429,11 +437,12 @@ class EngineConfig:
                        f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
 
 
-def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, max_batch_size: int) -> int:
-    """A hybrid's recurrent-state cache (attention/state_cache.py): max_batch_size slots and the scratch one."""
+def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int) -> int:
+    """A hybrid's recurrent-state cache (attention/state_cache.py): `slots` slots (live and snapshots) and the
+    scratch one."""
     if cfg.linear is None:
         return 0
-    return (max_batch_size + 1) * len(cfg.linear_layers) * cfg.linear.state_bytes(dtype)
+    return (slots + 1) * len(cfg.linear_layers) * cfg.linear.state_bytes(dtype)
 
 
 def _check_hybrid(speculative: dict, tensor_parallel_size: int) -> None:

@@ -83,9 +83,13 @@ class PrefillChunk:
     targets: tuple[int, ...] = ()  # the prompt tokens its first len(targets) positions predict
     prefix_copy: PrefixCopy | None = None
     next_token: int | None = None  # the token after the chunk where it is known (an EAGLE-3 head reads it)
-    # a hybrid's recurrent state: the slot the chunk continues (zeroed first when start is 0), and the n > 1
-    # children's slots that receive a copy of it after the last chunk
+    # a hybrid's recurrent state: the slot the chunk continues; for a sequence's first chunk, what the slot
+    # starts from (0: zeros; s > 0: a copy of snapshot slot s, a prefix hit; None: a later chunk, it continues);
+    # the slot it is copied into after the chunk (a prefix-cache snapshot; 0: none); and the n > 1 children's
+    # slots that receive a copy after the last chunk
     state_slot: int = 0
+    state_from: int | None = None
+    state_snapshot: int = 0
     state_forks: tuple[int, ...] = ()
 
     @property

@@ -7,7 +7,9 @@ sequence's pages (host/scheduler.py): taken at admission, given back when the se
 or is preempted (its recomputation starts from a zeroed slot); n > 1 children take their own at admission
 and receive a copy of the prompt's final state when its last chunk has run (`fork`).
 
-Every sequence that holds a slot holds a row or a reserved row, so `max_batch_size + 1` slots never run out.
+Every sequence that holds a slot holds a row or a reserved row, so slots 1..max_batch_size never run out. The
+slots after them hold the prefix cache's snapshots: a sequence's state at the end of a cached page, copied in
+after the chunk that ends there and copied out when a later prompt hits those pages (host/state_slots.py).
 """
 
 from __future__ import annotations

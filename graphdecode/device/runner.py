@@ -78,8 +78,9 @@ class ModelRunner:
         # a hybrid's recurrent states: a slot per admitted sequence (every one holds a row or a reserved row)
         self.states = None
         if cfg.linear is not None:
-            self.states = StateCache(cfg.linear, len(cfg.linear_layers), config.max_batch_size + 1,
-                                     config.torch_dtype, self.device)
+            self.states = StateCache(cfg.linear, len(cfg.linear_layers),
+                                     config.max_batch_size + 1 + config.num_state_snapshots, config.torch_dtype,
+                                     self.device)
             self.model.bind_states(self.states)
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
                                     self.device, getattr(self.model, "attention_specs", None), config.torch_dtype)
@@ -95,7 +96,7 @@ class ModelRunner:
         )
         if config.check_bounds:
             self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages,
-                                            self.states.num_slots if self.states is not None else 0)
+                                            config.max_batch_size + 1 if self.states is not None else 0)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.logprobs_width)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -275,10 +276,11 @@ class ModelRunner:
             copy_dst=copy_dst,
             state_slots_host=[c.state_slot for c in chunks],
         )
-        if self.states is not None:  # a sequence's first chunk starts from a zero state
-            fresh = [c.state_slot for c in chunks if c.start == 0]
+        if self.states is not None:  # a sequence's first chunk starts from zeros, or from a prefix hit's snapshot
+            fresh = [c.state_slot for c in chunks if c.state_from == 0]
             if fresh:
                 self.states.reset(self._send(np.asarray(fresh, dtype=np.int64)))
+            self._copy_states([(c.state_from, c.state_slot) for c in chunks if c.state_from])
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
@@ -295,10 +297,9 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             if c.prompt_logprobs is not None:
                 self._prompt_results.append(self._prompt_logprobs(c, hidden, int(cu[i])))
-        forks = [(c.state_slot, child) for c in chunks for child in c.state_forks]
-        if forks:  # n > 1: each child continues from the prompt's final state
-            src, dst = zip(*forks)
-            self.states.fork(self._send(np.asarray(src, dtype=np.int64)), self._send(np.asarray(dst, dtype=np.int64)))
+        # prefix-cache snapshots of the chunks' final states; n > 1: each child continues from the prompt's
+        self._copy_states([(c.state_slot, c.state_snapshot) for c in chunks if c.state_snapshot]
+                          + [(c.state_slot, child) for c in chunks for child in c.state_forks])
         sampled = [i for i, c in enumerate(chunks) if c.sample_rows]
         if sampled:
             self._sample_first_tokens([chunks[i] for i in sampled], hidden, cu[1:][sampled] - 1)
@@ -315,6 +316,12 @@ class ModelRunner:
             last = self._send(np.repeat(cu[1:][sampled] - 1, counts).astype(np.int64))
             ends = self._send(np.repeat([chunks[i].end - 1 for i in sampled], counts).astype(np.int64))
             self.eagle.start_rows(self.state, rows, ends, aux[last])
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state slots (source, destination) in every linear layer."""
+        if pairs:
+            src, dst = zip(*pairs)
+            self.states.fork(self._send(np.asarray(src, dtype=np.int64)), self._send(np.asarray(dst, dtype=np.int64)))
 
     def _prompt_logprobs(self, chunk: PrefillChunk, hidden, offset: int):
         """Raw logprobs of the prompt tokens the chunk's positions predict, their ranks and the top N."""

@@ -288,7 +288,18 @@ class Engine:
             "spec_draft_tokens": s.spec_draft_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_accepted_per_position": tuple(s.spec_accepted_per_position),
+            **self._state_load(),
         }
+
+    def _state_load(self) -> dict:
+        """A hybrid's recurrent-state slots held by sequences, and the prefix cache's state snapshots (zeros
+        for a model without linear-attention layers)."""
+        states = self.scheduler.states
+        if states is None:
+            return {"state_slots_in_use": 0, "state_slots": 0, "state_snapshots_cached": 0}
+        slots = self.config.max_batch_size
+        return {"state_slots_in_use": slots - states.num_free, "state_slots": slots,
+                "state_snapshots_cached": states.num_cached_snapshots}
 
     def stats(self) -> dict:
         s = self._stats
@@ -312,6 +323,9 @@ class Engine:
         out["kv_pages_total"] = self.pool.num_pages - 1  # the scratch page aside
         out["kv_pages_free"] = self.pool.num_free  # an allocation could take them now (cached ones included)
         out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
+        out.update(self._state_load())
+        states = self.scheduler.states
+        out["state_snapshots_taken"] = states.num_snapshots_taken if states is not None else 0
         automata = self.inputs.automata  # structured outputs: compiles (cold / cached) and the device store
         compiled = automata.stats().as_dict() if automata is not None else {}
         out["structured_compiles"] = compiled.get("compiled", 0)

@@ -59,6 +59,7 @@ class PagePool:
         self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent key -> {page: its tokens}
         self._parent_of_page: list[bytes | None] = [None] * num_pages
         self.num_evictions = 0
+        self.on_forget = None  # called with a key the cache forgets (a hybrid's state snapshots go with it)
 
     # ----------------------------------------------------------------- counts
     @property
@@ -171,7 +172,10 @@ class PagePool:
         self._parent_of_page[page] = parent
 
     def _forget(self, page: int) -> None:
-        del self._page_of_key[self._key_of_page[page]]
+        key = self._key_of_page[page]
+        del self._page_of_key[key]
+        if self.on_forget is not None:
+            self.on_forget(key)
         self._key_of_page[page] = None
         self._unlist(page)
 

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
 from .page_pool import ROOT_KEY, PagePool, page_key
 from .sequence import Sequence
+from .state_slots import StateSlots
 from .waiting_queue import make_waiting_queue
 
 
@@ -83,6 +84,10 @@ class PrefillGroup:
     seqs: list[Sequence]  # seqs[0], the leader, computes the chunks; the others fork at the last one
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (leader's partial page, child's copy)
     prefix_copy: PrefixCopy | None = None  # a partial prefix hit, copied by the first chunk
+    # a hybrid's recurrent state: where the first chunk starts from (0: zeros; s: snapshot slot s), and the
+    # token counts after which its state is snapshotted (host/state_slots.py)
+    state_from: int | None = 0
+    snapshot_at: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -102,9 +107,11 @@ class Scheduler:
         self._group_of: dict[int, PrefillGroup] = {}  # seq_id -> its prefilling group
         self.running: dict[int, Sequence] = {}  # seq_id -> sequence, oldest admission first
         self._free_rows = list(range(config.max_batch_size))  # a heap: lowest row first keeps buckets small
-        # a hybrid's recurrent-state slots (attention/state_cache.py), one per admitted sequence; slot 0 is scratch
-        hybrid = config.model_config.linear is not None
-        self._free_state_slots = list(range(config.max_batch_size, 0, -1)) if hybrid else None
+        # a hybrid's recurrent-state slots and the prefix cache's state snapshots (host/state_slots.py)
+        self.states = None
+        if config.model_config.linear is not None:
+            self.states = StateSlots(config.max_batch_size, config.num_state_snapshots, config.page_size)
+            pool.on_forget = self.states.forget
         self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
         self._cleared: list[int] = []  # rows released since the last plan
@@ -134,6 +141,8 @@ class Scheduler:
         """speculative: the engine's choice for this step's window; a plain window reserves
         lookahead for k tokens per row, a speculative one for k (d + 1)."""
         plan = StepPlan()
+        if self.states is not None:
+            self.states.commit()
         if self.tables is not None:  # constraints placed since the last plan, uploaded before their rows start
             plan.table_uploads = self.tables.take_uploads()
         window_tokens = self.window_tokens if speculative else self.num_decode_steps
@@ -220,6 +229,10 @@ class Scheduler:
             start = len(hits) * size  # then the tokens of the next page, short of the last token
             parent = leader.page_keys[len(hits) - 1] if hits else ROOT_KEY
             source, partial = self.pool.partial_lookup(parent, leader.token_ids[start : min(start + size, num_tokens) - 1])
+        state_from, cached = 0, len(hits) * size
+        if self.states is not None:  # a hybrid: pages ending in a state snapshot, and no partial page (mid-page state)
+            usable, state_from = self.states.usable_hits(hits, leader.page_keys)
+            hits, source, partial = hits[:usable], 0, 0
         # the most one window can add (k (d + 1) with speculation): the window the group joins
         # may be speculative, and the lookahead reserved for it does not cover joining rows
         total = pages_for(min(num_tokens + 1 + self.window_tokens, leader.max_len), size)
@@ -249,9 +262,12 @@ class Scheduler:
                 placed.page_copies.append((leader.pages[shared], own[0]))
             child.pages = leader.pages[:shared] + own
         self._reserved_rows += len(group)
-        if self._free_state_slots is not None:  # never short: every holder holds a row or a reserved one
+        if self.states is not None:  # never short: every holder holds a row or a reserved one
             for seq in group:
-                seq.state_slot = self._free_state_slots.pop()
+                self.states.take(seq)
+            placed.state_from = state_from
+            if self.pool.enable_caching:
+                placed.snapshot_at = self.states.boundaries(computed, cached, num_tokens)
         metrics = leader.request.metrics
         if metrics is not None and metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = time.time()
@@ -265,8 +281,14 @@ class Scheduler:
         leader = group.seqs[0]
         start, num_tokens = leader.num_computed_tokens, leader.num_tokens
         end = min(num_tokens, start + budget)
+        if group.snapshot_at and group.snapshot_at[0] < end:
+            end = group.snapshot_at[0]  # a chunk ends where a state snapshot is taken
         leader.num_computed_tokens = end
         self._cache_pages(leader)  # later admissions of this step may hit them: see the module docstring
+        snapshot = 0
+        if group.snapshot_at and group.snapshot_at[0] == end:
+            group.snapshot_at.pop(0)
+            snapshot = self.states.reserve(self._keys(leader, end // self.page_size)[-1])
         rows = ()
         if end == num_tokens:
             self._list_partial_page(leader)
@@ -293,8 +315,11 @@ class Scheduler:
             next_token=leader.token_ids[end] if end < len(leader.token_ids) else None,
             state_slot=leader.state_slot,
             state_forks=tuple(child.state_slot for child in group.seqs[1:]) if rows and leader.state_slot else (),
+            state_from=group.state_from if leader.state_slot else None,
+            state_snapshot=snapshot,
         ))
         group.prefix_copy = None
+        group.state_from = None
         return end - start
 
     def _start(self, seq: Sequence, plan: StepPlan) -> int:
@@ -432,11 +457,10 @@ class Scheduler:
 
     def _free_state(self, seq: Sequence) -> None:
         """A hybrid sequence's state slot goes back (a later admission zeroes it before its first chunk)."""
-        if seq.state_slot:
-            self._free_state_slots.append(seq.state_slot)
-            seq.state_slot = 0
+        if self.states is not None:
+            self.states.give_back(seq)
 
     @property
     def num_free_state_slots(self) -> int | None:
         """State slots not held by a sequence (None: not a hybrid model)."""
-        return None if self._free_state_slots is None else len(self._free_state_slots)
+        return None if self.states is None else self.states.num_free

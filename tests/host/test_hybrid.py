@@ -76,14 +76,18 @@ def test_state_slots_come_back_after_aborts(qwen35):
         prompts = random_prompts(60, [3, 9, 20, 40], seed=72)
         params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True, n=2)
         ids = [engine.add_request({"prompt_token_ids": p}, params).request_id for p in prompts]
-        steps = 0
+        steps = busy = 0
         while engine.has_unfinished():
             engine.step()
             steps += 1
             if steps % 3 == 0 and ids:
                 engine.abort_request(ids.pop(0 if steps % 2 else -1))  # waiting, prefilling or running ones
             assert engine.scheduler.num_free_state_slots >= 0
+            busy = max(busy, engine.load()["state_slots_in_use"])
         assert engine.scheduler.num_free_state_slots == 8
+        stats = engine.stats()
+        assert busy == 8 and (stats["state_slots_in_use"], stats["state_slots"]) == (0, 8)
+        assert engine.load()["state_slots_in_use"] == 0
         assert engine.pool.num_free == llm.config.num_pages - 1
 
 
@@ -142,16 +146,65 @@ def test_refusals_name_the_field(qwen35, tmp_path):
             LLM(path)
 
 
-def test_prefix_caching_is_off_and_the_budget_holds_the_states(qwen35):
+def test_the_budget_holds_the_live_states_and_the_snapshots_first(qwen35):
     from graphdecode.config import EngineConfig, state_cache_bytes
 
-    config = EngineConfig(qwen35, dtype="float32", kv_cache_memory_bytes=1 << 22, max_batch_size=8)
-    assert config.enable_prefix_caching is False
-    states = state_cache_bytes(config.model_config, torch.float32, 8)
     per_state = 5 * (128 * 3 * 4 + 4 * 16 * 16 * 4)  # 5 linear layers: conv window + float32 matrix
-    assert states == 9 * per_state
     per_page = 1 * 2 * 16 * 2 * 16 * 4  # one attention layer: K and V, 16 tokens, 2 heads of 16
-    assert config.num_pages == ((1 << 22) - states) // per_page
+    for caching, snapshots in ((True, 8), (False, 0)):
+        config = EngineConfig(qwen35, dtype="float32", kv_cache_memory_bytes=1 << 22, max_batch_size=8,
+                              enable_prefix_caching=caching)
+        assert config.num_state_snapshots == snapshots
+        states = state_cache_bytes(config.model_config, torch.float32, 8 + snapshots)
+        assert states == (9 + snapshots) * per_state
+        assert config.num_pages == ((1 << 22) - states) // per_page
+    with pytest.raises(ValueError, match="num_state_snapshots"):
+        EngineConfig(qwen35, num_state_snapshots=-1)
+
+
+SYSTEM = random_prompts(1, [40], seed=81)[0]  # 2 full pages of 16 and 8 tokens
+QUESTIONS = random_prompts(4, [9, 30, 17, 3], seed=82)
+
+
+def _hit_tokens(llm, prompt, params=GREEDY) -> tuple[list[int], int]:
+    """(greedy tokens, prompt tokens the prefix cache supplied)."""
+    before = llm.engine.stats()["prefix_cache_hits"]
+    tokens = _tokens(llm, [prompt], params)[0]
+    return tokens, llm.engine.stats()["prefix_cache_hits"] - before
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(page_size=4, cuda_graphs=True, num_decode_steps=4)],
+                         ids=["pages16", "pages4-graphs"])
+def test_a_shared_system_prompt_hits_from_its_third_request_with_the_state_restored(qwen35, engine):
+    prompts = [SYSTEM + q for q in QUESTIONS]
+    expected = hf_greedy(qwen35, prompts + [prompts[0]], 24)
+    size = engine.get("page_size", 16)
+    with LLM(qwen35, dtype="float32", cpu_threads=1, **engine) as llm:
+        first, hit1 = _hit_tokens(llm, prompts[0])
+        second, hit2 = _hit_tokens(llm, prompts[1])  # finds the system prompt's K/V but no state there: snapshots it
+        third, hit3 = _hit_tokens(llm, prompts[2])
+        again, hit4 = _hit_tokens(llm, prompts[0])  # the same prompt: its last full page's snapshot
+        assert [first, second, third, again] == [expected[0], expected[1], expected[2], expected[4]]
+        assert (hit1, hit2, hit3) == (0, 0, 40 // size * size)
+        assert hit4 == (len(prompts[0]) - 1) // size * size
+        # a batch sharing the prefix, admitted in one step: each restores the snapshot and goes on alone
+        batch = [SYSTEM + q for q in random_prompts(3, [5, 12, 20], seed=83)]
+        assert _tokens(llm, batch) == hf_greedy(qwen35, batch, 24)
+        assert llm.engine.scheduler.num_free_state_slots == llm.config.max_batch_size
+
+
+def test_snapshots_are_evicted_least_recently_used_and_hits_stay_exact(qwen35):
+    systems = [random_prompts(1, [36], seed=90 + i)[0] for i in range(3)]
+    prompts = [system + q for system in systems for q in QUESTIONS[:3]]
+    expected = hf_greedy(qwen35, prompts, 12)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(qwen35, dtype="float32", cpu_threads=1, num_state_snapshots=2) as llm:
+        got = [_tokens(llm, [p], params)[0] for p in prompts]
+        states = llm.engine.scheduler.states
+        assert states.num_cached_snapshots == 2 and states.num_snapshots_taken > 2  # some were evicted
+        assert llm.engine.stats()["state_snapshots_cached"] == 2
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+    assert got == expected
 
 
 @pytest.mark.parametrize("cut", [1, 17, 64, 100])

@@ -136,7 +136,8 @@ def test_a_killed_core_is_logged_by_its_signal_and_the_server_exits_1_within_5_s
 def test_the_engine_gauges_read_0_once_the_core_died():
     """The running and waiting gauges and KV usage are the core's figures while it lives, 0 after;
     counters keep their values, and the heartbeat age goes on."""
-    load = {"num_running_seqs": 3, "num_waiting_seqs": 2, "kv_pages_in_use": 5, "kv_pages": 10, "windows": 7}
+    load = {"num_running_seqs": 3, "num_waiting_seqs": 2, "kv_pages_in_use": 5, "kv_pages": 10, "windows": 7,
+            "state_slots_in_use": 2, "state_slots": 8, "state_snapshots_cached": 4}
     engine = SimpleNamespace(config=SimpleNamespace(max_model_len=64), load=load, dead=None, is_dead=False,
                              heartbeat_age=0.4, step_seconds=0.25)
 
@@ -148,10 +149,12 @@ def test_the_engine_gauges_read_0_once_the_core_died():
     assert (alive[f"{P}num_requests_running"], alive[f"{P}num_requests_waiting"]) == (3, 2)
     assert alive[f"{P}kv_cache_usage_perc"] == 0.5 and alive[f"{P}engine_alive"] == 1
     assert alive[f"{P}engine_heartbeat_age_seconds"] == 0.4 and alive[f"{P}engine_step_seconds"] == 0.25
+    assert (alive[f"{P}state_slots_in_use"], alive[f"{P}state_slots"], alive[f"{P}state_snapshots_cached"]) == (2, 8, 4)
     engine.is_dead, engine.dead, engine.heartbeat_age = True, "the engine core process exited", 12.0
     dead = gauges()
     assert (dead[f"{P}num_requests_running"], dead[f"{P}num_requests_waiting"]) == (0, 0)
     assert dead[f"{P}kv_cache_usage_perc"] == 0 and dead[f"{P}engine_alive"] == 0
+    assert dead[f"{P}state_slots_in_use"] == 0
     assert dead[f"{P}engine_heartbeat_age_seconds"] == 12.0 and dead[f"{P}windows_total"] == 7
 
 
