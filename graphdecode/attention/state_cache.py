@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models.gated_deltanet import LinearAttentionConfig
-
 
 class StateCache:
-    def __init__(self, lin: LinearAttentionConfig, num_layers: int, num_slots: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, lin, num_layers: int, num_slots: int, dtype: torch.dtype, device: torch.device):
+        """lin: the layers' sizes (models/gated_deltanet.LinearAttentionConfig: conv_dim, conv_kernel,
+        num_value_heads, key_head_dim, value_head_dim)."""
         self.num_slots = num_slots
         self.layers = [
             (torch.zeros(num_slots, lin.conv_dim, lin.conv_kernel - 1, dtype=dtype, device=device),
