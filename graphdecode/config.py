@@ -447,9 +447,9 @@ def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int) -> int:
 
 def _check_hybrid(speculative: dict, tensor_parallel_size: int) -> None:
     """What a hybrid model (linear-attention layers) does not run yet, refused by the field's name."""
-    if speculative["speculative_method"] is not None:
-        raise ValueError("speculative_config: speculative decoding of a hybrid model (linear-attention layers) is "
-                         "not supported yet")
+    if speculative["speculative_method"] == "eagle3":
+        raise ValueError("speculative_config: method 'eagle3' with a hybrid model (linear-attention layers) is not "
+                         "supported yet (ngram and draft_model are)")
     if tensor_parallel_size > 1:
         raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}): a hybrid model (linear-attention layers) "
                          f"runs on one rank")
@@ -512,6 +512,9 @@ def _check_draft(path: str | None, target: ModelConfig, max_len: int) -> ModelCo
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocab_size ({draft.vocab_size}) differs from the "
                          f"target's ({target.vocab_size}); a draft model must share the target's tokenizer")
+    if draft.linear is not None:
+        raise ValueError("speculative_config.model: a hybrid draft model (linear-attention layers) is not supported; "
+                         "the draft keeps K/V in the target's pages")
     if draft.max_position_embeddings < max_len:
         raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
                          f"({draft.max_position_embeddings}) is below max_model_len ({max_len})")

@@ -65,3 +65,4 @@ class VerifyMetadata:
     kv_indptr: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
     kv_last_page_len: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (a hybrid's)

@@ -42,7 +42,7 @@ from .window_writes import WindowWrites
 
 class WindowGraphs:
     def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs,
-                 writes: WindowWrites, drafter=None):
+                 writes: WindowWrites, drafter=None, commit_states=None):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
@@ -53,6 +53,7 @@ class WindowGraphs:
         self.page_size = page_size
         self.use_graphs = use_graphs
         self.drafter = drafter  # where speculative windows' drafts come from (drafters.py)
+        self.commit_states = commit_states  # a hybrid's: recurrent states over each round's accepted positions
         # CUDA graphs on a GPU, their CPU twin on a CPU (graph_runtime.py): the same logic below
         self.runtime = graph_runtime(state.input_ids.device) if use_graphs else None
         self.graphs: dict[tuple[int, SamplerVariant], object] = {}  # CUDAGraph or RecordedWindow
@@ -108,7 +109,7 @@ class WindowGraphs:
         if variant.speculative:
             speculative_window(
                 self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
-                self.page_size, variant, kv_width, self.drafter,
+                self.page_size, variant, kv_width, self.drafter, self.commit_states,
             )
             return
         decode_window(

@@ -82,6 +82,8 @@ class ModelRunner:
                                      config.max_batch_size + 1 + config.num_state_snapshots, config.torch_dtype,
                                      self.device)
             self.model.bind_states(self.states)
+            if config.num_speculative_tokens:
+                self.model.hold_verified(config.max_batch_size, config.num_speculative_tokens + 1)
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
                                     self.device, getattr(self.model, "attention_specs", None), config.torch_dtype)
         self.state = DecodeState(
@@ -126,6 +128,7 @@ class ModelRunner:
             buckets=config.buckets, num_decode_steps=config.num_decode_steps, page_size=config.page_size,
             use_graphs=config.cuda_graphs, writes=self.window_writes,
             drafter=drafter,
+            commit_states=self.model.commit_verified if self.states is not None else None,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():

@@ -16,7 +16,9 @@ Each of a window's k rounds, per row, with no host involvement:
    ids, max_len; min_tokens masks stops as usual): 1 to d + 1 tokens per row;
 4. advance the row by its own count, extend its history, and recompute the attention
    metadata (advance_step with advance=False). K/V written for rejected positions is
-   simply overwritten later: attention never reads past a query's own position.
+   simply overwritten later: attention never reads past a query's own position. A hybrid's
+   recurrent states, which have no positions to overwrite, are moved over exactly the
+   consumed inputs (`commit_states`, models/gated_deltanet.py).
 
 Because the noise depends only on (seed, position, token), the token sampled at a
 position is the token plain decoding samples there whenever the drafts before it are
@@ -73,6 +75,7 @@ def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: in
         live=live,
         kv_lens=kv_lens.to(torch.int32),
         context_lens=torch.where(live, torch.minimum(kv_lens, max_len), 0).to(torch.int32),
+        state_slots=state.state_slot[rows],
     )
 
 
@@ -87,6 +90,7 @@ def speculative_window(
     variant: SamplerVariant,
     kv_width: int,
     drafter,  # drafters.py: (state, bucket, live, history, variant, kv_width, page_size) -> drafts, counts, q
+    commit_states=None,  # a hybrid's (accepted [B], slots [B]) -> None: recurrent states over accepted positions
 ) -> None:
     rows = slice(0, bucket)
     d = state.spec_tokens
@@ -153,6 +157,8 @@ def speculative_window(
         first_stop = torch.where(stopping.any(dim=1), stopping.to(torch.int64).argmax(dim=1), queries)
         emit = torch.where(live, torch.minimum(emit, first_stop + 1), 0)  # [B] tokens this round emits
         written = offsets[None, :] < emit[:, None]  # [B, Q]
+        if commit_states is not None:  # the rows' inputs consumed this round: emit (the rest were rejected)
+            commit_states(emit, state.state_slot[rows])
         if drafter.reads_hidden:  # the drafter's state over the verified positions, before the rows advance
             drafter.accepted(state, bucket, meta, hidden, sampled, emit)
         # outputs: columns 1 + count .. (distinct per row and offset: no scatter collisions)

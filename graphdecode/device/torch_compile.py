@@ -115,6 +115,8 @@ def _mark_batch_dims(input_ids, positions, ctx) -> None:
         meta = ctx.verify
         dims += [(meta.block_table, 0), (meta.block_table, 1), (meta.query_positions, 0), (meta.slot_mapping, 0),
                  (meta.live, 0)]
+        if meta.state_slots is not None:
+            dims.append((meta.state_slots, 0))
     for tensor, dim in dims:
         if tensor.shape[dim] > 1:
             torch._dynamo.mark_dynamic(tensor, dim)

@@ -14,7 +14,10 @@ A layer keeps no history. Each sequence holds a slot of two tensors per layer (s
 
 Decode (one token per row, `ctx.decode`) runs the recurrence once per row on the rows' slots, gathered and
 written back with index ops on static buffers, so it runs inside a captured window; padded and finished rows
-point at the scratch slot 0. Prefill (`ctx.prefill`) runs each sequence's chunk in the chunked form: within
+point at the scratch slot 0. A speculative verify (`ctx.verify`: Q positions per row) runs it Q times from the
+row's state without writing it, keeping the positions' inputs in static buffers; once the window knows how
+many positions each row accepted, `commit` moves the state over exactly those (recomputing them from the kept
+inputs), so rejected drafts never reach a state. Prefill (`ctx.prefill`) runs each sequence's chunk in the chunked form: within
 blocks of CHUNK tokens the updates are solved together (the WY / UT transform: one triangular solve per block),
 across blocks the state carries. A chunk starts from the slot's state, so a prompt split anywhere continues
 exactly; the runner zeroes the slot before a sequence's first chunk. The output passes an RMSNorm gated by
@@ -106,6 +109,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(lin.value_dim, hidden_size, False, full)
         self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by states.StateCache
         self.recurrent_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
+        # speculative verify: each row's Q positions' inputs, kept until `commit` knows how many were accepted
+        self.verified: dict[str, torch.Tensor] | None = None
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         lin = self.lin
@@ -114,6 +119,8 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # g, log space, <= 0
         if ctx.prefill is not None:
             core = self._prefill(mixed, beta, decay, ctx.prefill)
+        elif ctx.verify is not None:
+            core = self._verify(mixed, beta, decay, ctx.verify.state_slots)
         else:
             core = self._decode(mixed, beta, decay, ctx.decode.state_slots)
         tokens = hidden.shape[0]
@@ -145,11 +152,63 @@ class GatedDeltaNet(nn.Module):
         self.conv_state.index_copy_(0, slots, window[:, :, 1:])
         conv_out = F.silu((window.to(weight.dtype) * weight).sum(-1))
         q, k, v = self._qkv(conv_out)
-        state = self.recurrent_state.index_select(0, slots) * decay.exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
-        delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
-        state = state + k[..., None] * delta[..., None, :]
+        state = _delta_step(self.recurrent_state.index_select(0, slots), k, v, decay, beta)  # [B, Hv, Dk, Dv]
         self.recurrent_state.index_copy_(0, slots, state)
         return (state * q[..., None]).sum(-2)
+
+    def _verify(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """B rows of Q positions ([B * Q, C], row-major) from the rows' states, which stay as they are: the
+        positions' inputs are kept for `commit`, which advances each state by the positions the round
+        accepted. -> [B * Q, Hv, Dv]."""
+        rows = slots.shape[0]
+        queries = mixed.shape[0] // rows
+        x = mixed.to(self.conv_state.dtype).view(rows, queries, -1)
+        weight = self.conv1d.weight
+        full = torch.cat([self.conv_state.index_select(0, slots), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + Q]
+        conv_out = F.silu(F.conv1d(full.to(weight.dtype), weight, groups=full.shape[1])).transpose(1, 2)  # [B, Q, C]
+        q, k, v = self._qkv(conv_out.reshape(rows * queries, -1))
+        q, k, v = (t.view(rows, queries, *t.shape[1:]) for t in (q, k, v))
+        decay, beta = decay.view(rows, queries, -1), beta.view(rows, queries, -1)
+        kept = self.verified
+        kept["inputs"][:rows].copy_(x)
+        kept["k"][:rows].copy_(k)
+        kept["v"][:rows].copy_(v)
+        kept["decay"][:rows].copy_(decay)
+        kept["beta"][:rows].copy_(beta)
+        state, outputs = self.recurrent_state.index_select(0, slots), []
+        for t in range(queries):
+            state = _delta_step(state, k[:, t], v[:, t], decay[:, t], beta[:, t])
+            outputs.append((state * q[:, t, ..., None]).sum(-2))
+        return torch.stack(outputs, dim=1).view(rows * queries, *outputs[0].shape[1:])
+
+    def commit(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
+        """After a verify: each row's state moves over its first accepted[b] positions ([B] int64, 0..Q;
+        0 for inert rows: their state stays)."""
+        rows = slots.shape[0]
+        kept = self.verified
+        x = kept["inputs"][:rows]  # [B, Q, C]
+        queries, width = x.shape[1], self.lin.conv_kernel - 1
+        full = torch.cat([self.conv_state.index_select(0, slots), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + Q]
+        index = (accepted[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)
+        self.conv_state.index_copy_(0, slots, full.gather(2, index))
+        state = self.recurrent_state.index_select(0, slots)
+        for t in range(queries):
+            moved = _delta_step(state, kept["k"][:rows, t], kept["v"][:rows, t], kept["decay"][:rows, t],
+                                kept["beta"][:rows, t])
+            state = torch.where((t < accepted)[:, None, None, None], moved, state)
+        self.recurrent_state.index_copy_(0, slots, state)
+
+    def hold_verified(self, rows: int, queries: int) -> None:
+        """Buffers for `rows` rows of `queries` verify positions (speculative decoding)."""
+        lin, device = self.lin, self.conv_state.device
+        self.verified = {
+            "inputs": torch.zeros(rows, queries, lin.conv_dim, dtype=self.conv_state.dtype, device=device),
+            "k": torch.zeros(rows, queries, lin.num_value_heads, lin.key_head_dim, device=device),
+            "v": torch.zeros(rows, queries, lin.num_value_heads, lin.value_head_dim, device=device),
+            "decay": torch.zeros(rows, queries, lin.num_value_heads, device=device),
+            "beta": torch.zeros(rows, queries, lin.num_value_heads, device=device),
+        }
 
     def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, meta) -> torch.Tensor:
         """Each sequence's chunk from its slot's state: [T, C] -> [T, Hv, Dv]."""
@@ -167,6 +226,15 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[slot].copy_(final)
             outputs.append(out)
         return torch.cat(outputs)
+
+
+def _delta_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule per row: state [B, Hv, Dk, Dv], k [B, Hv, Dk], v [B, Hv, Dv],
+    decay and beta [B, Hv] -> the new state."""
+    state = state * decay.exp()[:, :, None, None]
+    delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
+    return state + k[..., None] * delta[..., None, :]
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,

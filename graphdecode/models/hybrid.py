@@ -98,12 +98,24 @@ class HybridForCausalLM(DecoderForCausalLM):
         for layer, (conv, recurrent) in zip(self.linear_layers, states.layers):
             layer.conv_state, layer.recurrent_state = conv, recurrent
 
+    def hold_verified(self, rows: int, queries: int) -> None:
+        """Speculative decoding: each linear layer keeps a verify's positions until `commit_verified`."""
+        for layer in self.linear_layers:
+            layer.hold_verified(rows, queries)
+
+    def commit_verified(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
+        """After a verify round: each row's states move over the accepted[b] positions it consumed."""
+        for layer in self.linear_layers:
+            layer.commit(accepted, slots)
+
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
         """A window writes the rows' states besides the KV cache (and the experts' counters)."""
         out = dict(super().window_tensors())
         for i, layer in enumerate(self.linear_layers):
             out[f"conv_state.{i}"] = layer.conv_state
             out[f"recurrent_state.{i}"] = layer.recurrent_state
+            for name, tensor in (layer.verified or {}).items():
+                out[f"verified.{i}.{name}"] = tensor
         return out
 
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,

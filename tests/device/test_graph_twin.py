@@ -148,7 +148,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family,speculative", [("llama_gqa_llama3", True), ("mixtral", False), ("qwen3_5", False)])
+@pytest.mark.parametrize("family,speculative", [("llama_gqa_llama3", True), ("mixtral", False), ("qwen3_5", True)])
 def test_everything_a_window_writes_is_registered(tiny_models, family, speculative):
     """Live rows (logprobs, penalties; speculation where asked): around each window the engine
     runs, compare every tensor the runner can reach before and after; each one the window

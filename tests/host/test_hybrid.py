@@ -127,9 +127,43 @@ def test_multimodal_checkpoint_runs_its_text_part(qwen35, tmp_path):
         assert _tokens(llm, PROMPTS[:2]) == hf_greedy(qwen35, PROMPTS[:2], 24)
 
 
+def _echo_prompts(path: str) -> list[list[int]]:
+    """Prompts that repeat themselves after the model's own continuation: n-gram drafts get accepted."""
+    base = random_prompts(4, [12, 20, 30, 9], seed=5)
+    return [p + c + p for p, c in zip(base, hf_greedy(path, base, 40))]
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(cuda_graphs=True, num_decode_steps=4)], ids=["eager", "graphs"])
+def test_ngram_speculation_keeps_only_the_accepted_positions_in_the_states(qwen35, engine):
+    prompts = _echo_prompts(qwen35)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM(qwen35, dtype="float32", cpu_threads=1, speculative_config=spec, **engine) as llm:
+        llm.engine.spec_policy.speculate = lambda bucket: True
+        assert _tokens(llm, prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) == \
+            hf_greedy(qwen35, prompts, 40)
+        stats = llm.engine.stats()
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # some drafts kept, some rejected
+        seeded = [SamplingParams(max_tokens=30, temperature=0.8, seed=i, ignore_eos=True) for i in range(4)]
+        speculated = _tokens(llm, prompts, seeded)
+    with LLM(qwen35, dtype="float32", cpu_threads=1, **engine) as plain:
+        assert _tokens(plain, prompts, seeded) == speculated  # speculation changes speed, never output
+
+
+def test_a_dense_draft_model_drafts_for_a_hybrid(qwen35, tiny_models):
+    prompts = _echo_prompts(qwen35)
+    spec = {"method": "draft_model", "model": tiny_models["llama_gqa_llama3"], "num_speculative_tokens": 2}
+    with LLM(qwen35, dtype="float32", cpu_threads=1, speculative_config=spec) as llm:
+        llm.engine.spec_policy.speculate = lambda bucket: True
+        got = _tokens(llm, prompts[:2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert llm.engine.stats()["spec_draft_tokens"] > 0
+    assert got == hf_greedy(qwen35, prompts[:2], 24)
+
+
 def test_refusals_name_the_field(qwen35, tmp_path):
-    with pytest.raises(ValueError, match="speculative_config"):
-        LLM(qwen35, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config: method 'eagle3'"):
+        LLM(qwen35, speculative_config={"method": "eagle3", "model": qwen35, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config.model: a hybrid draft"):
+        LLM(qwen35, speculative_config={"method": "draft_model", "model": qwen35, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(qwen35, tensor_parallel_size=2)
     path = str(tmp_path / "bad")
