@@ -145,6 +145,23 @@ MODEL_SPECS = {
              linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
              linear_num_value_heads=4),
     ),
+    # Qwen3-Next: Qwen3.5's layers with the linear projections grouped per key head (value heads of 8 beside
+    # key heads of 16), routed experts (8, top-2) beside a gated shared expert, layer 1 dense (mlp_only_layers)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(COMMON, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
+             linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    ),
+    # Qwen3.5-MoE text: every layer's MLP routed experts and a shared one
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        dict({k: v for k, v in COMMON.items() if k != "intermediate_size"}, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
     # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
     # full attention, YaRN over an original 64 positions
     "gpt_oss": (

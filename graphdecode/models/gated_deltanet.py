@@ -48,6 +48,10 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # how the checkpoint stores the input projections: "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b,
+    # in_proj_a) or "grouped" (Qwen3-Next: in_proj_qkvz and in_proj_ba, each key head's q, k, v, z (b, a) rows
+    # together; their rows are reordered into the split order at load)
+    layout: str = "split"
 
     @property
     def key_dim(self) -> int:
@@ -98,9 +102,13 @@ class GatedDeltaNet(nn.Module):
         self.lin = lin
         self.state_index = state_index  # this layer's place among the model's linear layers
         full = TPGroup()  # one rank (the config refuses tensor parallelism for these layers)
-        self.in_proj = FusedLinear(hidden_size, {
-            "qkv": split_rows(lin.conv_dim, full), "z": split_rows(lin.value_dim, full),
-            "b": split_rows(lin.num_value_heads, full), "a": split_rows(lin.num_value_heads, full)}, bias=False)
+        if lin.layout == "grouped":
+            shards = {"qkvz": split_rows(lin.conv_dim + lin.value_dim, full),
+                      "ba": split_rows(2 * lin.num_value_heads, full)}
+        else:
+            shards = {"qkv": split_rows(lin.conv_dim, full), "z": split_rows(lin.value_dim, full),
+                      "b": split_rows(lin.num_value_heads, full), "a": split_rows(lin.num_value_heads, full)}
+        self.in_proj = FusedLinear(hidden_size, shards, bias=False)
         self.split_sizes = [lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads]
         self.conv1d = Conv1dWeight(lin.conv_dim, lin.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
@@ -111,6 +119,12 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
         # speculative verify: each row's Q positions' inputs, kept until `commit` knows how many were accepted
         self.verified: dict[str, torch.Tensor] | None = None
+
+    def post_load(self) -> None:
+        """A grouped checkpoint's in_proj rows, put in the split order the forward reads (once, at load)."""
+        if self.lin.layout == "grouped":
+            weight = self.in_proj.weight
+            weight.data.copy_(weight.data[grouped_order(self.lin).to(weight.device)])
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         lin = self.lin
@@ -226,6 +240,23 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[slot].copy_(final)
             outputs.append(out)
         return torch.cat(outputs)
+
+
+def grouped_order(lin: LinearAttentionConfig) -> torch.Tensor:
+    """Rows of [in_proj_qkvz; in_proj_ba] (Qwen3-Next: per key head g, its q, k, then its r = Hv / Hk value heads'
+    v and z; then per g its r b's and r a's) in the split order [q | k | v | z | b | a]."""
+    hk, dk, dv = lin.num_key_heads, lin.key_head_dim, lin.value_head_dim
+    r = lin.num_value_heads // hk
+    group = 2 * dk + 2 * r * dv
+    base = torch.arange(hk)[:, None] * group
+    q = (base + torch.arange(dk)).reshape(-1)
+    k = (base + dk + torch.arange(dk)).reshape(-1)
+    v = (base + 2 * dk + torch.arange(r * dv)).reshape(-1)
+    z = (base + 2 * dk + r * dv + torch.arange(r * dv)).reshape(-1)
+    ba = hk * group + torch.arange(hk)[:, None] * 2 * r
+    b = (ba + torch.arange(r)).reshape(-1)
+    a = (ba + r + torch.arange(r)).reshape(-1)
+    return torch.cat([q, k, v, z, b, a])
 
 
 def _delta_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,

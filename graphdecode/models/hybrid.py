@@ -68,6 +68,8 @@ class HybridForCausalLM(DecoderForCausalLM):
         "in_proj_z": ("in_proj", "z"),
         "in_proj_b": ("in_proj", "b"),
         "in_proj_a": ("in_proj", "a"),
+        "in_proj_qkvz": ("in_proj", "qkvz"),  # Qwen3-Next's grouped layout
+        "in_proj_ba": ("in_proj", "ba"),
     }
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
@@ -97,6 +99,11 @@ class HybridForCausalLM(DecoderForCausalLM):
         """Give each linear layer its tensors of the state cache (states.StateCache)."""
         for layer, (conv, recurrent) in zip(self.linear_layers, states.layers):
             layer.conv_state, layer.recurrent_state = conv, recurrent
+
+    def post_load(self, max_positions: int) -> None:
+        super().post_load(max_positions)
+        for layer in self.linear_layers:
+            layer.post_load()
 
     def hold_verified(self, rows: int, queries: int) -> None:
         """Speculative decoding: each linear layer keeps a verify's positions until `commit_verified`."""

@@ -138,6 +138,7 @@ class Family:
     quantizations: tuple[str, ...] = ()  # quantization_config quant_methods it loads (its experts' MXFP4)
     attn_output_gate: bool = False  # the module gates attention's output (Qwen3.5, Qwen3-Next)
     text_config: bool = False  # config.json keeps the text model's fields under text_config (a multimodal model)
+    intermediate_size: int | None = None  # intermediate_size when config.json has none (None: it is required)
 
     def sliding_window(self, where: str, raw: dict) -> int | None:
         """The sliding layers' window (None: no window)."""
@@ -273,7 +274,8 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
                          f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
     vocab_size = read_int(where, raw, "vocab_size")
     hidden = read_int(where, raw, "hidden_size")
-    intermediate = read_int(where, raw, "intermediate_size")
+    intermediate = (read_int(where, raw, "intermediate_size") if family.intermediate_size is None
+                    else read_int(where, raw, "intermediate_size", family.intermediate_size))
     num_layers = read_int(where, raw, "num_hidden_layers")
     num_heads = read_int(where, raw, "num_attention_heads")
     num_kv_heads = read_int(where, raw, "num_key_value_heads", num_heads)

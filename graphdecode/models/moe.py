@@ -60,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mxfp4
-from .parallel import TPGroup, split
+from .layers import FusedLinear, GatedActivation
+from .parallel import RowParallelLinear, TPGroup, split
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -80,6 +81,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702  # gpt_oss activation
     swiglu_limit: float = 7.0
     sparse_layers: tuple[bool, ...] = ()  # per decoder layer: MoE (True) or a dense MLP; empty: all MoE
+    shared_intermediate_size: int = 0  # an always-on shared expert beside the routed ones, gated (Qwen3-Next)
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -293,8 +295,24 @@ class Experts(nn.Module):
             y = y + b2[pairs]
         return _sum_in_order((y.view(tokens, k, -1) * weights[..., None]).to(x.dtype))
 
+class SharedExpert(nn.Module):
+    """The expert every token takes beside its routed ones (Qwen3-Next, Qwen3.5-MoE: `mlp.shared_expert`): a
+    SwiGLU MLP (gate / up fused, split across ranks like a dense MLP, down all-reduced)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        rows = split(intermediate_size, tp)
+        self.gate_up_proj = FusedLinear(hidden_size, {"gate": rows, "up": rows}, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+        self.act = GatedActivation("silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
 class SparseMoE(nn.Module):
-    """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks)."""
+    """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks); with a shared expert, plus
+    sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, tp: TPGroup):
         super().__init__()
@@ -303,6 +321,9 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router (replicated)
         self.experts = Experts(cfg, hidden_size, tp)
         self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
+        if cfg.shared_intermediate_size:
+            self.shared_expert = SharedExpert(hidden_size, cfg.shared_intermediate_size, tp)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # replicated
 
     def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; live [T] bool (None: every row) -> [T, H]."""
@@ -310,7 +331,10 @@ class SparseMoE(nn.Module):
         if self.expert_tokens is not None:
             counted = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).to(ids.dtype)
             self.expert_tokens.scatter_add_(0, ids.reshape(-1), counted.reshape(-1))
-        return self.tp.all_reduce(self.experts(x, ids, weights))
+        out = self.tp.all_reduce(self.experts(x, ids, weights))
+        if self.cfg.shared_intermediate_size:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+        return out
 
 
 def moe_stats(model) -> dict:

@@ -15,8 +15,9 @@ from .model_config import Family, ModelConfig, register_family
 from .phi3 import Phi3Family
 from .qwen2 import Qwen2Family
 from .qwen3 import Qwen3Family
-from .qwen3_5 import Qwen3_5ConditionalFamily, Qwen3_5Family
+from .qwen3_5 import Qwen3_5ConditionalFamily, Qwen3_5Family, Qwen3_5MoeConditionalFamily, Qwen3_5MoeFamily
 from .qwen3_moe import Qwen3MoeFamily
+from .qwen3_next import Qwen3NextFamily
 
 FAMILIES: tuple[Family, ...] = (
     LlamaFamily(),
@@ -30,6 +31,9 @@ FAMILIES: tuple[Family, ...] = (
     GptOssFamily(),
     Qwen3_5Family(),
     Qwen3_5ConditionalFamily(),
+    Qwen3_5MoeFamily(),
+    Qwen3_5MoeConditionalFamily(),
+    Qwen3NextFamily(),
 )
 for _family in FAMILIES:
     register_family(_family)

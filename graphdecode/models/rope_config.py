@@ -47,6 +47,7 @@ class RopeRules:
     aliases: tuple[tuple[str, str], ...] = ()  # (old name, rope type) it reads as another type
     theta: float = 10000.0  # rope_theta when config.json has none
     partial_rotary: bool = False  # config.json's partial_rotary_factor is read and may be below 1
+    partial_default: float = 1.0  # partial_rotary_factor when config.json has none (Qwen3.5 / Qwen3-Next: 0.25)
     original_max: int | None = None  # the config class's own original_max_position_embeddings default:
     # its top-level field wins over rope_parameters' copy (None: rope_parameters', else max_position_embeddings)
 
@@ -92,8 +93,8 @@ def rope_from(raw: dict, where: str, model_type: str, rules: RopeRules = RopeRul
     if rope_type not in rules.types:
         raise ValueError(f"{where}: rope_type: {rope_type!r} is not supported for {model_type} "
                          f"(supported: {', '.join(rules.types)})")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0) if rules.partial_rotary
-                         else 1.0)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", rules.partial_default)
+                         if rules.partial_rotary else 1.0)
     partial = read_float(where, {"partial_rotary_factor": partial}, "partial_rotary_factor", 1.0)
     if partial != 1.0 and not rules.partial_rotary:
         raise ValueError(f"{where}: partial_rotary_factor: only 1.0 is supported for {model_type}")

@@ -53,6 +53,28 @@ def test_greedy_matches_transformers(qwen35, engine):
         assert llm.engine.scheduler.num_free_state_slots == llm.config.max_batch_size  # every slot came back
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("engine", [dict(), dict(cuda_graphs=True, num_decode_steps=4, page_size=4,
+                                                  max_num_batched_tokens=16)], ids=["eager", "graphs-chunked"])
+def test_the_moe_hybrids_match_transformers(tiny_models, family, engine):
+    """Qwen3-Next (grouped projections, shared expert, a dense layer) and Qwen3.5-MoE."""
+    path = tiny_models[family]
+    with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        assert _tokens(llm, PROMPTS) == hf_greedy(path, PROMPTS, 24)
+        assert sum(map(sum, llm.stats()["moe_tokens_per_expert"])) > 0
+
+
+def test_ngram_speculation_on_qwen3_next(tiny_models):
+    path = tiny_models["qwen3_next"]
+    prompts = _echo_prompts(path)
+    with LLM(path, dtype="float32", cpu_threads=1,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        llm.engine.spec_policy.speculate = lambda bucket: True
+        got = _tokens(llm, prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    assert got == hf_greedy(path, prompts, 40)
+
+
 def test_children_fork_the_prompts_state_and_sampling_ignores_company(qwen35):
     expected = hf_greedy(qwen35, PROMPTS[1:3], 16)
     with LLM(qwen35, dtype="float32", cpu_threads=1, max_num_batched_tokens=24) as llm:
