@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .causal_conv import CausalConv
 from .layers import FusedLinear
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
@@ -87,14 +88,6 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-class Conv1dWeight(nn.Module):
-    """Holds the depthwise convolution's weight under transformers' name (`conv1d.weight`, [C, 1, K])."""
-
-    def __init__(self, channels: int, kernel: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-
-
 class GatedDeltaNet(nn.Module):
     def __init__(self, lin: LinearAttentionConfig, hidden_size: int, eps: float, state_index: int,
                  tp: TPGroup = TPGroup()):
@@ -110,7 +103,7 @@ class GatedDeltaNet(nn.Module):
                       "b": split_rows(lin.num_value_heads, full), "a": split_rows(lin.num_value_heads, full)}
         self.in_proj = FusedLinear(hidden_size, shards, bias=False)
         self.split_sizes = [lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads]
-        self.conv1d = Conv1dWeight(lin.conv_dim, lin.conv_kernel)
+        self.conv1d = CausalConv(lin.conv_dim, lin.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
         self.norm = GatedRMSNorm(lin.value_head_dim, eps)
@@ -160,12 +153,7 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
         """One token per row: [B, C] -> [B, Hv, Dv]; reads and writes the rows' slots."""
-        weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        window = torch.cat([self.conv_state.index_select(0, slots), mixed.to(self.conv_state.dtype)[:, :, None]],
-                           dim=-1)  # [B, C, K]
-        self.conv_state.index_copy_(0, slots, window[:, :, 1:])
-        conv_out = F.silu((window.to(weight.dtype) * weight).sum(-1))
-        q, k, v = self._qkv(conv_out)
+        q, k, v = self._qkv(self.conv1d.decode(self.conv_state, slots, mixed))
         state = _delta_step(self.recurrent_state.index_select(0, slots), k, v, decay, beta)  # [B, Hv, Dk, Dv]
         self.recurrent_state.index_copy_(0, slots, state)
         return (state * q[..., None]).sum(-2)
@@ -178,9 +166,7 @@ class GatedDeltaNet(nn.Module):
         rows = slots.shape[0]
         queries = mixed.shape[0] // rows
         x = mixed.to(self.conv_state.dtype).view(rows, queries, -1)
-        weight = self.conv1d.weight
-        full = torch.cat([self.conv_state.index_select(0, slots), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + Q]
-        conv_out = F.silu(F.conv1d(full.to(weight.dtype), weight, groups=full.shape[1])).transpose(1, 2)  # [B, Q, C]
+        conv_out = self.conv1d.verify(self.conv_state, slots, x)  # [B, Q, C]
         q, k, v = self._qkv(conv_out.reshape(rows * queries, -1))
         q, k, v = (t.view(rows, queries, *t.shape[1:]) for t in (q, k, v))
         decay, beta = decay.view(rows, queries, -1), beta.view(rows, queries, -1)
@@ -202,10 +188,8 @@ class GatedDeltaNet(nn.Module):
         rows = slots.shape[0]
         kept = self.verified
         x = kept["inputs"][:rows]  # [B, Q, C]
-        queries, width = x.shape[1], self.lin.conv_kernel - 1
-        full = torch.cat([self.conv_state.index_select(0, slots), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + Q]
-        index = (accepted[:, None] + torch.arange(width, device=x.device))[:, None, :].expand(-1, full.shape[1], -1)
-        self.conv_state.index_copy_(0, slots, full.gather(2, index))
+        queries = x.shape[1]
+        self.conv1d.commit(self.conv_state, slots, x, accepted)
         state = self.recurrent_state.index_select(0, slots)
         for t in range(queries):
             moved = _delta_step(state, kept["k"][:rows, t], kept["v"][:rows, t], kept["decay"][:rows, t],
@@ -226,15 +210,10 @@ class GatedDeltaNet(nn.Module):
 
     def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, meta) -> torch.Tensor:
         """Each sequence's chunk from its slot's state: [T, C] -> [T, Hv, Dv]."""
-        weight = self.conv1d.weight  # [C, 1, K]
         outputs = []
         starts, lengths, _ = meta.host_lens()
         for slot, start, length in zip(meta.state_slots_host, starts.tolist(), lengths.tolist()):
-            x = mixed[start : start + length].to(self.conv_state.dtype).t()  # [C, L]
-            full = torch.cat([self.conv_state[slot], x], dim=-1)  # [C, K - 1 + L]
-            self.conv_state[slot].copy_(full[:, -(self.lin.conv_kernel - 1):])
-            conv_out = F.silu(F.conv1d(full[None].to(weight.dtype), weight, groups=full.shape[0])[0]).t()  # [L, C]
-            q, k, v = self._qkv(conv_out)
+            q, k, v = self._qkv(self.conv1d.prefill(self.conv_state, slot, mixed[start : start + length]))
             out, final = chunked_delta_rule(q, k, v, decay[start : start + length], beta[start : start + length],
                                             self.recurrent_state[slot])
             self.recurrent_state[slot].copy_(final)
