@@ -162,6 +162,14 @@ MODEL_SPECS = {
              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
+    # Nemotron-H: Mamba2 blocks (8 heads of 8, state 16, 2 groups, SSD chunks of 16), an attention block without
+    # rope, relu-squared MLP blocks, one mixer per block
+    "nemotron_h": (
+        "NemotronHConfig",
+        dict(COMMON, layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
+             mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16),
+    ),
     # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
     # full attention, YaRN over an original 64 positions
     "gpt_oss": (

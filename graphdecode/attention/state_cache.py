@@ -1,4 +1,5 @@
-"""The recurrent-state cache beside the paged KV cache: one slot per sequence, for a hybrid's linear layers.
+"""The recurrent-state cache beside the paged KV cache: one slot per sequence, for a hybrid's recurrent layers
+(Gated DeltaNet, Mamba2).
 
 Slot s of linear layer l is `layers[l] = (conv[s], recurrent[s])` (models/gated_deltanet.py says what they
 hold). Slot 0 is the scratch slot: padded and finished rows of a window read and write it, as their K/V goes
@@ -19,13 +20,12 @@ import torch
 
 class StateCache:
     def __init__(self, lin, num_layers: int, num_slots: int, dtype: torch.dtype, device: torch.device):
-        """lin: the layers' sizes (models/gated_deltanet.LinearAttentionConfig: conv_dim, conv_kernel,
-        num_value_heads, key_head_dim, value_head_dim)."""
+        """lin: the layers' sizes (models/gated_deltanet.LinearAttentionConfig, models/mamba2.Mamba2Config:
+        conv_dim, conv_kernel, recurrent_shape)."""
         self.num_slots = num_slots
         self.layers = [
             (torch.zeros(num_slots, lin.conv_dim, lin.conv_kernel - 1, dtype=dtype, device=device),
-             torch.zeros(num_slots, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim,
-                         dtype=torch.float32, device=device))
+             torch.zeros(num_slots, *lin.recurrent_shape, dtype=torch.float32, device=device))
             for _ in range(num_layers)
         ]
 

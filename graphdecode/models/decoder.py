@@ -68,8 +68,10 @@ class Attention(nn.Module):
     layer with (sliding window, soft-cap, query scale)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, *, qk_norm: bool = False,
-                 norm_offset: bool = False, spec: AttentionSpec | None = None, output_gate: bool = False):
+                 norm_offset: bool = False, spec: AttentionSpec | None = None, output_gate: bool = False,
+                 rope: bool = True):
         super().__init__()
+        self.rope = rope  # False: no position encoding at all (Nemotron-H's attention layers)
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads // tp.size  # this rank's
         self.num_kv_heads = local_kv_heads(cfg.num_kv_heads, tp)
@@ -113,7 +115,8 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        if self.rope:
+            q, k = rotary(positions, q, k)
         out = ctx.attend(self.layer_idx if kv_layer is None else kv_layer, q, k, v)  # [T, H, D]
         if gate is not None:
             return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, -1))

@@ -27,6 +27,8 @@ from .parallel import TPGroup, VocabParallelEmbedding
 
 
 class HybridLayer(nn.Module):
+    """Qwen3.5 / Qwen3-Next: a token mixer (linear or attention) and an MLP, each pre-normed with a residual."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, spec: AttentionSpec, norm_offset: bool):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_idx] == LINEAR
@@ -41,6 +43,15 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
 
+    @property
+    def state_mixer(self):
+        """The layer's recurrent mixer (None: an attention layer)."""
+        return self.linear_attn if self.is_linear else None
+
+    @property
+    def attention(self):
+        return None if self.is_linear else self.self_attn
+
     def forward(self, positions, hidden, rotary, ctx):
         normed = self.input_layernorm(hidden)
         if self.is_linear:
@@ -54,14 +65,16 @@ class HybridLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool, layer_class,
+                 norm_weight_fp32: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(HybridLayer(cfg, i, tp, specs[i], norm_offset) for i in range(cfg.decoder_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset)
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp, specs[i], norm_offset) for i in range(cfg.decoder_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, norm_weight_fp32)
 
 
 class HybridForCausalLM(DecoderForCausalLM):
+    layer_class = HybridLayer  # a family's decoder layer: `state_mixer` and `attention` name its parts
     packed_modules = {  # the linear layers' four input projections fill one fused in_proj
         **DecoderForCausalLM.packed_modules,
         "in_proj_qkv": ("in_proj", "qkv"),
@@ -76,7 +89,8 @@ class HybridForCausalLM(DecoderForCausalLM):
         nn.Module.__init__(self)
         self.config = cfg
         self.tp = tp
-        self.model = HybridModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)], self.norm_offset)
+        self.model = HybridModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)], self.norm_offset,
+                                 self.layer_class, cfg.norm_weight_fp32)
         if not cfg.tie_word_embeddings:
             from .parallel import ParallelLMHead
 
@@ -89,11 +103,12 @@ class HybridForCausalLM(DecoderForCausalLM):
 
     @property
     def attention_specs(self) -> list[AttentionSpec]:
-        return [layer.self_attn.attention_spec for layer in self.model.layers if not layer.is_linear]
+        return [layer.attention.attention_spec for layer in self.model.layers if layer.attention is not None]
 
     @property
-    def linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]
+    def linear_layers(self) -> list:
+        """The recurrent mixers (gated_deltanet.GatedDeltaNet, mamba2.Mamba2Mixer), in layer order."""
+        return [layer.state_mixer for layer in self.model.layers if layer.state_mixer is not None]
 
     def bind_states(self, states) -> None:
         """Give each linear layer its tensors of the state cache (states.StateCache)."""

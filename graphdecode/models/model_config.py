@@ -33,13 +33,14 @@ import torch
 
 from .config_fields import read_bool, read_float, read_int, read_json_object, read_optional_positive
 from .gated_deltanet import LinearAttentionConfig
+from .mamba2 import Mamba2Config
 from .moe import MoEConfig
 from .quant.config import METHODS as QUANT_METHODS
 from .quant.config import QuantConfig, parse_quant_config
 from .rope_config import RopeConfig, RopeRules, rope_from
 
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"  # transformers' layer_types
+MLP_ONLY = "mlp"  # a layer that is only an MLP (Nemotron-H)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -82,9 +83,10 @@ class ModelConfig:
     norm_weight_fp32: bool = False  # RMSNorm multiplies by its weight before the cast back (gpt-oss)
     quantization: str | None = None  # the checkpoint's expert weights: None or "mxfp4" (kept in 4 bits)
     weight_quant: QuantConfig | None = None  # the linears' quantized weights (quant/config.py), or None
-    # hybrids (Qwen3.5, Qwen3-Next): the layers layer_types marks LINEAR are Gated DeltaNet layers of these
-    # sizes, holding a per-sequence state instead of K/V (num_layers counts only the attention layers)
-    linear: LinearAttentionConfig | None = None
+    # hybrids: the layers layer_types marks LINEAR are recurrent layers of these sizes (Gated DeltaNet: Qwen3.5,
+    # Qwen3-Next; mamba2.Mamba2Config: Nemotron-H), holding a per-sequence state instead of K/V (num_layers counts
+    # only the attention layers)
+    linear: LinearAttentionConfig | Mamba2Config | None = None
     attn_output_gate: bool = False  # attention output times sigmoid of a gate from q_proj (Qwen3.5, Qwen3-Next)
 
     @property
@@ -104,7 +106,9 @@ class ModelConfig:
 
     def kv_layer(self, layer: int) -> int:
         """Decoder layer `layer`'s KV-cache layer (a hybrid's attention layers are numbered among themselves)."""
-        return layer - sum(1 for i in self.linear_layers if i < layer)
+        if self.linear is None:
+            return layer
+        return sum(1 for t in self.layer_types[:layer] if t in (FULL, SLIDING))
 
     def layer_window(self, layer: int) -> int | None:
         """Decoder layer `layer`'s sliding window (None: full attention)."""
@@ -139,6 +143,12 @@ class Family:
     attn_output_gate: bool = False  # the module gates attention's output (Qwen3.5, Qwen3-Next)
     text_config: bool = False  # config.json keeps the text model's fields under text_config (a multimodal model)
     intermediate_size: int | None = None  # intermediate_size when config.json has none (None: it is required)
+    activations: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")  # the MLP activations the module runs
+    norm_eps_key: str = "rms_norm_eps"  # the field naming the RMSNorms' epsilon
+
+    def num_layers(self, where: str, raw: dict) -> int:
+        """Decoder layers (config.json's num_hidden_layers)."""
+        return read_int(where, raw, "num_hidden_layers")
 
     def sliding_window(self, where: str, raw: dict) -> int | None:
         """The sliding layers' window (None: no window)."""
@@ -269,14 +279,14 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     if family.text_config:
         raw = _text_config(where, raw)
     act = raw.get(family.activation_key, family.activation)
-    if act not in SUPPORTED_ACTIVATIONS:
+    if act not in family.activations:
         raise ValueError(f"{where}: {family.activation_key}: {act!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+                         f"(supported: {', '.join(family.activations)})")
     vocab_size = read_int(where, raw, "vocab_size")
     hidden = read_int(where, raw, "hidden_size")
     intermediate = (read_int(where, raw, "intermediate_size") if family.intermediate_size is None
                     else read_int(where, raw, "intermediate_size", family.intermediate_size))
-    num_layers = read_int(where, raw, "num_hidden_layers")
+    num_layers = family.num_layers(where, raw)
     num_heads = read_int(where, raw, "num_attention_heads")
     num_kv_heads = read_int(where, raw, "num_key_value_heads", num_heads)
     if num_heads % num_kv_heads:
@@ -309,7 +319,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     moe = family.moe(where, raw, num_layers, intermediate)
     quantization, weight_quant = _quantization(where, raw, family)
     linear = family.linear_attention(where, raw)
-    kv_layers = num_layers - (sum(t == LINEAR for t in layer_types) if linear is not None else 0)
+    kv_layers = sum(t in (FULL, SLIDING) for t in layer_types) if linear is not None else num_layers
     if linear is not None and not kv_layers:
         raise ValueError(f"{where}: layer_types: a hybrid needs at least one {FULL!r} layer")
     return ModelConfig(
@@ -321,7 +331,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=read_float(where, raw, "rms_norm_eps", 1e-6, positive=False),
+        rms_norm_eps=read_float(where, raw, family.norm_eps_key, 1e-6, positive=False),
         max_position_embeddings=max_positions,
         rope=rope,
         tie_word_embeddings=read_bool(where, raw, "tie_word_embeddings", default=family.tie_word_embeddings),

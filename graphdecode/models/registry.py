@@ -12,6 +12,7 @@ from .gpt_oss import GptOssFamily
 from .llama import LlamaFamily, MistralFamily
 from .mixtral import MixtralFamily
 from .model_config import Family, ModelConfig, register_family
+from .nemotron_h import NemotronHFamily
 from .phi3 import Phi3Family
 from .qwen2 import Qwen2Family
 from .qwen3 import Qwen3Family
@@ -34,6 +35,7 @@ FAMILIES: tuple[Family, ...] = (
     Qwen3_5MoeFamily(),
     Qwen3_5MoeConditionalFamily(),
     Qwen3NextFamily(),
+    NemotronHFamily(),
 )
 for _family in FAMILIES:
     register_family(_family)

@@ -64,6 +64,35 @@ def test_the_moe_hybrids_match_transformers(tiny_models, family, engine):
         assert sum(map(sum, llm.stats()["moe_tokens_per_expert"])) > 0
 
 
+NEMOTRON_ENGINES = [dict(), dict(cuda_graphs=True, num_decode_steps=4, page_size=4, max_num_batched_tokens=21),
+                    dict(num_decode_steps=1, compile=True, max_model_len=256)]
+
+
+@pytest.mark.parametrize("engine", NEMOTRON_ENGINES, ids=["eager", "graphs-chunked", "k1-compiled"])
+def test_nemotron_h_matches_transformers(tiny_models, engine):
+    """Mamba2 blocks (the SSD chunks of 16 crossed by the prompts and by 21-token prefill chunks), attention
+    without rope, relu-squared MLPs; tokens up to and including EOS, as generate stops there."""
+    path = tiny_models["nemotron_h"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
+
+
+def test_nemotron_h_speculation_and_prefix_hits(tiny_models):
+    path = tiny_models["nemotron_h"]
+    prompts = _echo_prompts(path)
+    with LLM(path, dtype="float32", cpu_threads=1,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        llm.engine.spec_policy.speculate = lambda bucket: True
+        got = _tokens(llm, prompts, SamplingParams(max_tokens=30, temperature=0))
+        assert llm.engine.stats()["spec_accepted_tokens"] > 0
+        shared = [SYSTEM + q for q in QUESTIONS[:3]]
+        hits = [_hit_tokens(llm, p, SamplingParams(max_tokens=12, temperature=0)) for p in shared]
+        assert [h for _, h in hits] == [0, 0, 32]
+    assert got == hf_greedy(path, prompts, 30)
+    assert [t for t, _ in hits] == hf_greedy(path, shared, 12)
+
+
 def test_ngram_speculation_on_qwen3_next(tiny_models):
     path = tiny_models["qwen3_next"]
     prompts = _echo_prompts(path)

@@ -1,0 +1,222 @@
+"""Mamba2: the selective state-space layer of Nemotron-H, over the same per-sequence state cache as Gated DeltaNet.
+
+in_proj gives the gate z, the convolved channels [x | B | C] and the time step dt; per head h (P dims, N state
+dims, heads sharing B and C in n_groups groups):
+
+    dt = clamp(softplus(dt + dt_bias), time_step_limit),   dA = exp(dt A),   A = -exp(A_log)
+    S_t = dA S_{t-1} + (dt x_t) B_t^T          [P, N], float32
+    y_t = S_t C_t + D x_t
+
+then an RMSNorm over groups of the intermediate size applied to y * silu(z), and out_proj (Dao & Gu, "Transformers
+are SSMs", 2024; transformers' NemotronHMamba2Mixer computes the same). The state is `conv_state`
+[slots, C, K - 1] (causal_conv.py) and `recurrent_state` [slots, H, P, N]; decode runs the recurrence once per
+row, prefill the chunked (SSD) form: within blocks of `chunk_size` tokens the contributions are one masked
+matmul, the state carried between blocks. A speculative verify runs Q steps without writing the state and
+`commit` moves it over the accepted positions, as gated_deltanet.py does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .causal_conv import CausalConv
+from .layers import FusedLinear
+from .parallel import RowParallelLinear, TPGroup
+from .parallel import split as split_rows
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def recurrent_shape(self) -> tuple[int, ...]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+        return conv + self.num_heads * self.head_dim * self.state_size * 4
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z) over groups of the intermediate size, times the weight (NemotronHRMSNormGated)."""
+
+    def __init__(self, size: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = y.float() * F.silu(z.float())
+        shape = h.shape
+        h = h.view(*shape[:-1], self.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(shape)
+        return self.weight * h.to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: Mamba2Config, hidden_size: int, eps: float, state_index: int):
+        super().__init__()
+        self.cfg = cfg
+        self.state_index = state_index
+        one = TPGroup()  # one rank (the config refuses tensor parallelism for hybrids)
+        self.in_proj = FusedLinear(hidden_size, {"all": split_rows(cfg.intermediate_size + cfg.conv_dim
+                                                                   + cfg.num_heads, one)}, bias=cfg.proj_bias)
+        self.split_sizes = [cfg.intermediate_size, cfg.conv_dim, cfg.num_heads]
+        self.conv1d = CausalConv(cfg.conv_dim, cfg.conv_kernel, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_heads))
+        self.D = nn.Parameter(torch.ones(cfg.num_heads))
+        self.norm = GroupedGatedRMSNorm(cfg.intermediate_size, cfg.n_groups, eps)
+        self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, cfg.proj_bias, one)
+        self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by the state cache
+        self.recurrent_state: torch.Tensor | None = None  # [slots, H, P, N] float32
+        self.verified: dict[str, torch.Tensor] | None = None  # a verify's positions, until `commit`
+
+    def post_load(self) -> None:
+        pass
+
+    def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
+        low, high = self.cfg.time_step_limit
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if low > 0.0 or high != float("inf"):
+            dt = dt.clamp(low, high)
+        if ctx.prefill is not None:
+            y = self._prefill(xbc, dt, ctx.prefill)
+        elif ctx.verify is not None:
+            y = self._verify(xbc, dt, ctx.verify.state_slots)
+        else:
+            y = self._decode(xbc, dt, ctx.decode.state_slots)
+        return self.out_proj(self.norm(y, z, hidden.dtype))
+
+    # ---------------------------------------------------------------- pieces
+    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [T, C] -> x [T, H, P], B and C [T, H, N] (groups repeated over their heads), float32."""
+        cfg = self.cfg
+        tokens = conv_out.shape[0]
+        x, b, c = conv_out.float().split([cfg.intermediate_size, cfg.n_groups * cfg.state_size,
+                                          cfg.n_groups * cfg.state_size], dim=-1)
+        repeat = cfg.num_heads // cfg.n_groups
+        b = b.view(tokens, cfg.n_groups, cfg.state_size).repeat_interleave(repeat, dim=1)
+        c = c.view(tokens, cfg.n_groups, cfg.state_size).repeat_interleave(repeat, dim=1)
+        return x.view(tokens, cfg.num_heads, cfg.head_dim), b, c
+
+    def _step(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """One token per row: state [B, H, P, N], x [B, H, P], b [B, H, N], dt [B, H] -> the new state."""
+        decay = torch.exp(dt * -self.A_log.float().exp())
+        return state * decay[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None, :]
+
+    def _read(self, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """y = S C + D x: [B, H, P, N], [B, H, P], [B, H, N] -> [B, H * P]."""
+        y = (state * c[:, :, None, :]).sum(-1) + x * self.D.float()[:, None]
+        return y.reshape(y.shape[0], -1)
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        x, b, c = self._split(self.conv1d.decode(self.conv_state, slots, xbc))
+        state = self._step(self.recurrent_state.index_select(0, slots), x, b, dt)
+        self.recurrent_state.index_copy_(0, slots, state)
+        return self._read(state, x, c)
+
+    def _verify(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        rows = slots.shape[0]
+        queries = xbc.shape[0] // rows
+        inputs = xbc.to(self.conv_state.dtype).view(rows, queries, -1)
+        x, b, c = self._split(self.conv1d.verify(self.conv_state, slots, inputs).reshape(rows * queries, -1))
+        x, b, c = (t.view(rows, queries, *t.shape[1:]) for t in (x, b, c))
+        dt = dt.view(rows, queries, -1)
+        kept = self.verified
+        kept["inputs"][:rows].copy_(inputs)
+        kept["x"][:rows].copy_(x)
+        kept["b"][:rows].copy_(b)
+        kept["dt"][:rows].copy_(dt)
+        state, outputs = self.recurrent_state.index_select(0, slots), []
+        for t in range(queries):
+            state = self._step(state, x[:, t], b[:, t], dt[:, t])
+            outputs.append(self._read(state, x[:, t], c[:, t]))
+        return torch.stack(outputs, dim=1).view(rows * queries, -1)
+
+    def commit(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
+        rows = slots.shape[0]
+        kept = self.verified
+        self.conv1d.commit(self.conv_state, slots, kept["inputs"][:rows], accepted)
+        state = self.recurrent_state.index_select(0, slots)
+        for t in range(kept["x"].shape[1]):
+            moved = self._step(state, kept["x"][:rows, t], kept["b"][:rows, t], kept["dt"][:rows, t])
+            state = torch.where((t < accepted)[:, None, None, None], moved, state)
+        self.recurrent_state.index_copy_(0, slots, state)
+
+    def hold_verified(self, rows: int, queries: int) -> None:
+        cfg, device = self.cfg, self.conv_state.device
+        self.verified = {
+            "inputs": torch.zeros(rows, queries, cfg.conv_dim, dtype=self.conv_state.dtype, device=device),
+            "x": torch.zeros(rows, queries, cfg.num_heads, cfg.head_dim, device=device),
+            "b": torch.zeros(rows, queries, cfg.num_heads, cfg.state_size, device=device),
+            "dt": torch.zeros(rows, queries, cfg.num_heads, device=device),
+        }
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, meta) -> torch.Tensor:
+        outputs = []
+        starts, lengths, _ = meta.host_lens()
+        log_a = -self.A_log.float().exp()
+        for slot, start, length in zip(meta.state_slots_host, starts.tolist(), lengths.tolist()):
+            x, b, c = self._split(self.conv1d.prefill(self.conv_state, slot, xbc[start : start + length]))
+            y, final = chunked_scan(x, b, c, dt[start : start + length] * log_a, dt[start : start + length],
+                                    self.recurrent_state[slot], self.cfg.chunk_size)
+            self.recurrent_state[slot].copy_(final)
+            outputs.append((y + x * self.D.float()[:, None]).reshape(length, -1))
+        return torch.cat(outputs)
+
+
+def chunked_scan(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, log_decay: torch.Tensor, dt: torch.Tensor,
+                 state: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSM over L tokens of one sequence, `chunk` at a time, float32 (the D skip not included).
+
+    x [L, H, P], b and c [L, H, N], log_decay (dt A) and dt [L, H], state [H, P, N] -> (y [L, H, P], the final
+    state). Within a block, with G the cumulative log decay from its start, y_t = exp(G_t) S0 c_t +
+    sum_{s <= t} exp(G_t - G_s) (c_t . b_s) dt_s x_s, and the block's end state is exp(G_end) S0 +
+    sum_s exp(G_end - G_s) dt_s x_s b_s^T."""
+    length, heads = dt.shape
+    pad = (-length) % chunk
+    blocks = (length + pad) // chunk
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:  # [L, H, ...] -> [H, N, C, ...], zero-padded
+        t = t.transpose(0, 1)
+        if pad:
+            t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(heads, blocks, chunk, *t.shape[2:])
+
+    xs = blocked(x * dt[..., None])  # dt x, padded tokens contribute nothing
+    b, c, cum = blocked(b), blocked(c), blocked(log_decay).cumsum(-1)  # [H, N, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, N, C, C]
+    scores = (c @ b.transpose(-1, -2)) * pair  # [H, N, C, C]
+    within = scores @ xs  # [H, N, C, P]
+    to_end = (cum[..., -1:] - cum).exp()  # [H, N, C]
+    out = torch.empty_like(within)
+    state = state.float()
+    for i in range(blocks):
+        out[:, i] = within[:, i] + cum[:, i].exp()[..., None] * (c[:, i] @ state.transpose(-1, -2))
+        state = state * cum[:, i, -1].exp()[:, None, None] + (xs[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ b[:, i]
+    return out.reshape(heads, blocks * chunk, -1)[:, :length].transpose(0, 1), state

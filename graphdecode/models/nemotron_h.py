@@ -1,0 +1,144 @@
+"""Nemotron-H (`nemotron_h`: NemotronHForCausalLM, e.g. Nemotron-H-8B / 4B): Mamba2 layers, attention layers and MLP
+layers, one mixer per block (models/hybrid.py's stack, models/mamba2.py's layer).
+
+* `layers_block_type` (or the older `hybrid_override_pattern`, M / * / -) gives each block's mixer:
+  `linear_attention` (Mamba2), `full_attention` (attention without any position encoding: no rope), `mlp`
+  (up_proj, relu squared, down_proj: no gate); `moe` blocks (Nemotron 3's) are refused by name;
+* every block is `hidden + mixer(norm(hidden))`, the RMSNorm multiplying by its weight in float32
+  (`layer_norm_epsilon`); weights under `backbone.` (`embeddings`, `layers.N.norm` / `mixer`, `norm_f`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+from .config_fields import read_bool, read_int
+from .decoder import Attention, DecoderForCausalLM
+from .hybrid import HybridForCausalLM
+from .layers import FusedLinear, RMSNorm
+from .mamba2 import Mamba2Config, Mamba2Mixer
+from .model_config import FULL, LINEAR, MLP_ONLY, Family, ModelConfig
+from .parallel import RowParallelLinear, TPGroup
+from .parallel import split as split_rows
+
+_PATTERN = {"M": LINEAR, "*": FULL, "-": MLP_ONLY, "E": "moe"}
+
+
+class ReluSquaredMLP(nn.Module):
+    """down(relu(up(x)) ** 2): Nemotron-H's MLP blocks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        self.up_proj = FusedLinear(hidden_size, {"up": split_rows(intermediate_size, tp)}, bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, spec: AttentionSpec, norm_offset: bool):
+        super().__init__()
+        self.kind = cfg.layer_types[layer_idx]
+        self.sparse = False
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_fp32=True)
+        if self.kind == LINEAR:
+            self.mixer = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, cfg.linear_layers.index(layer_idx))
+        elif self.kind == FULL:
+            self.mixer = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=False)
+        else:
+            self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+
+    @property
+    def state_mixer(self):
+        return self.mixer if self.kind == LINEAR else None
+
+    @property
+    def attention(self):
+        return self.mixer if self.kind == FULL else None
+
+    def forward(self, positions, hidden, rotary, ctx):
+        normed = self.norm(hidden)
+        if self.kind == LINEAR:
+            return hidden + self.mixer(normed, ctx)
+        if self.kind == FULL:
+            return hidden + self.mixer(positions, normed, rotary, ctx)
+        return hidden + self.mixer(normed)
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    layer_class = NemotronHBlock
+    packed_modules = {  # q/k/v fused; Mamba2's in_proj and the MLPs' up_proj are one-shard column linears
+        **{k: v for k, v in DecoderForCausalLM.packed_modules.items() if v[0] == "qkv_proj"},
+        "in_proj": ("in_proj", "all"),
+        "up_proj": ("up_proj", "up"),
+    }
+    checkpoint_renames = {"backbone.embeddings.": "model.embed_tokens.", "backbone.norm_f.": "model.norm.",
+                          "backbone.": "model."}
+
+
+class NemotronHFamily(Family):
+    model_type = "nemotron_h"
+    model_class = NemotronHForCausalLM
+    activation_key = "mlp_hidden_act"
+    activation = "relu2"
+    activations = ("relu2",)
+    norm_eps_key = "layer_norm_epsilon"
+    head_dim = 128
+    keep_layer_types = True
+    norm_weight_fp32 = True
+
+    def sliding_window(self, where: str, raw: dict) -> None:
+        return None
+
+    def num_layers(self, where: str, raw: dict) -> int:
+        return len(self._block_types(where, raw))
+
+    def layer_types(self, where: str, raw: dict, num_layers: int) -> tuple[str, ...]:
+        return self._block_types(where, raw)
+
+    def _block_types(self, where: str, raw: dict) -> tuple[str, ...]:
+        given = raw.get("layers_block_type")
+        if given is None:
+            pattern = raw.get("hybrid_override_pattern")
+            if not isinstance(pattern, str) or not pattern or any(ch not in _PATTERN for ch in pattern):
+                raise ValueError(f"{where}: layers_block_type (or hybrid_override_pattern, a string of M, *, - and E) "
+                                 f"is required, got {pattern!r}")
+            given = [_PATTERN[ch] for ch in pattern]
+        if not isinstance(given, list) or not given or any(t not in _PATTERN.values() for t in given):
+            raise ValueError(f"{where}: layers_block_type must list {LINEAR!r}, {FULL!r}, {MLP_ONLY!r} or 'moe' "
+                             f"for each layer, got {given!r}")
+        if "moe" in given:
+            raise ValueError(f"{where}: layers_block_type: 'moe' blocks (Nemotron 3's routed experts) are not "
+                             f"supported; Mamba2, attention and MLP blocks are")
+        return tuple(given)
+
+    def linear_attention(self, where: str, raw: dict) -> Mamba2Config:
+        if raw.get("mamba_hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: mamba_hidden_act: {raw['mamba_hidden_act']!r} is not supported (silu)")
+        if read_bool(where, raw, "residual_in_fp32"):
+            raise ValueError(f"{where}: residual_in_fp32: a float32 residual stream is not supported")
+        limit = raw.get("time_step_limit", [0.0, float("inf")])
+        try:
+            low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
+        except (TypeError, ValueError, KeyError):
+            raise ValueError(f"{where}: time_step_limit must be two numbers, got {limit!r}") from None
+        cfg = Mamba2Config(
+            num_heads=read_int(where, raw, "mamba_num_heads", 128),
+            head_dim=read_int(where, raw, "mamba_head_dim", 64),
+            state_size=read_int(where, raw, "ssm_state_size", 128),
+            n_groups=read_int(where, raw, "n_groups", 8),
+            conv_kernel=read_int(where, raw, "conv_kernel", 4),
+            chunk_size=read_int(where, raw, "chunk_size", 128),
+            conv_bias=read_bool(where, raw, "use_conv_bias", True),
+            proj_bias=read_bool(where, raw, "use_bias"),
+            time_step_limit=(low, high),
+        )
+        if cfg.num_heads % cfg.n_groups:
+            raise ValueError(f"{where}: mamba_num_heads ({cfg.num_heads}) must be a multiple of n_groups "
+                             f"({cfg.n_groups})")
+        if cfg.conv_kernel < 2:
+            raise ValueError(f"{where}: conv_kernel must be at least 2, got {cfg.conv_kernel}")
+        return cfg
