@@ -274,7 +274,7 @@ class EngineConfig:
         kv_dtype = self._resolve_kv_dtype(dtype)
         self._check_tensor_parallel(cfg, device)
         if cfg.linear is not None:
-            _check_hybrid(speculative, self.tensor_parallel_size)
+            _check_hybrid(cfg, speculative, self.tensor_parallel_size)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
@@ -301,7 +301,8 @@ class EngineConfig:
         if cfg.linear is not None and self.enable_prefix_caching:
             snapshots = self.num_state_snapshots if self.num_state_snapshots is not None else max_batch_size
         num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg,
-                                                state_cache_bytes(cfg, dtype, max_batch_size + snapshots))
+                                                state_cache_bytes(cfg, dtype, max_batch_size + snapshots,
+                                                                  self.tensor_parallel_size))
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -437,22 +438,29 @@ class EngineConfig:
                        f"reserve {ACTIVATION_RESERVE_BYTES / gib:.0f} GiB: {pages} pages of {per_page} bytes)")
 
 
-def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int) -> int:
-    """A hybrid's recurrent-state cache (attention/state_cache.py): `slots` slots (live and snapshots) and the
-    scratch one."""
+def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int, ranks: int = 1) -> int:
+    """A hybrid's recurrent-state cache on one tensor-parallel rank (attention/state_cache.py): `slots` slots
+    (live and snapshots) and the scratch one, of the rank's share of the recurrent heads."""
     if cfg.linear is None:
         return 0
-    return (slots + 1) * len(cfg.linear_layers) * cfg.linear.state_bytes(dtype)
+    return (slots + 1) * len(cfg.linear_layers) * cfg.linear.local(ranks).state_bytes(dtype)
 
 
-def _check_hybrid(speculative: dict, tensor_parallel_size: int) -> None:
-    """What a hybrid model (linear-attention layers) does not run yet, refused by the field's name."""
+def _check_hybrid(cfg: ModelConfig, speculative: dict, tensor_parallel_size: int) -> None:
+    """A hybrid model's limits (recurrent layers), refused by the field's name."""
     if speculative["speculative_method"] == "eagle3":
         raise ValueError("speculative_config: method 'eagle3' with a hybrid model (linear-attention layers) is not "
                          "supported yet (ngram and draft_model are)")
-    if tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}): a hybrid model (linear-attention layers) "
-                         f"runs on one rank")
+    tp, lin = tensor_parallel_size, cfg.linear
+    if tp > 1:
+        heads = {"linear_num_key_heads": getattr(lin, "num_key_heads", None), "mamba_num_heads":
+                 getattr(lin, "num_heads", None), "n_groups": getattr(lin, "n_groups", None)}
+        for name, count in heads.items():
+            if count is not None and count % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide {name} ({count}): a hybrid's recurrent "
+                                 f"heads are split across ranks")
+        if cfg.weight_quant is not None:
+            raise ValueError(f"tensor_parallel_size ({tp}): a quantized hybrid model runs on one rank")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")

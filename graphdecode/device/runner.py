@@ -78,7 +78,7 @@ class ModelRunner:
         # a hybrid's recurrent states: a slot per admitted sequence (every one holds a row or a reserved row)
         self.states = None
         if cfg.linear is not None:
-            self.states = StateCache(cfg.linear, len(cfg.linear_layers),
+            self.states = StateCache(cfg.linear.local(tp.size), len(cfg.linear_layers),
                                      config.max_batch_size + 1 + config.num_state_snapshots, config.torch_dtype,
                                      self.device)
             self.model.bind_states(self.states)

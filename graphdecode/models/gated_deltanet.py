@@ -26,7 +26,7 @@ silu(z) (per value head) and the out projection.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,22 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    def local(self, ranks: int) -> LinearAttentionConfig:
+        """One tensor-parallel rank's share: its key heads and their value heads."""
+        return replace(self, num_key_heads=self.num_key_heads // ranks, num_value_heads=self.num_value_heads // ranks)
+
+    def rank_rows(self, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank's rows of in_proj in the split order [q | k | v | z | b | a], its convolution channels [q | k | v])."""
+        hk, dk, hv, dv = self.num_key_heads, self.key_head_dim, self.num_value_heads, self.value_head_dim
+        mine_k = torch.arange(rank * hk // ranks * dk, (rank + 1) * hk // ranks * dk)
+        mine_v = torch.arange(rank * hv // ranks * dv, (rank + 1) * hv // ranks * dv)
+        mine_h = torch.arange(rank * hv // ranks, (rank + 1) * hv // ranks)
+        key, value = hk * dk, hv * dv
+        channels = torch.cat([mine_k, key + mine_k, 2 * key + mine_v])
+        rows = torch.cat([channels, self.conv_dim + mine_v, self.conv_dim + value + mine_h,
+                          self.conv_dim + value + hv + mine_h])
+        return rows, channels
+
     @property
     def recurrent_shape(self) -> tuple[int, ...]:
         return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
@@ -93,12 +109,18 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """Tensor parallelism splits the key heads (and their value heads) across ranks: each rank loads the whole
+    input projections and convolution and keeps its rows at load (`post_load`), its state holds its heads, and
+    out_proj (split by columns) all-reduces."""
+
     def __init__(self, lin: LinearAttentionConfig, hidden_size: int, eps: float, state_index: int,
                  tp: TPGroup = TPGroup()):
         super().__init__()
-        self.lin = lin
+        self.full_lin = lin
+        self.lin = lin.local(tp.size)
+        self.tp = tp
         self.state_index = state_index  # this layer's place among the model's linear layers
-        full = TPGroup()  # one rank (the config refuses tensor parallelism for these layers)
+        full = TPGroup()  # the whole projections are read; post_load keeps this rank's rows
         if lin.layout == "grouped":
             shards = {"qkvz": split_rows(lin.conv_dim + lin.value_dim, full),
                       "ba": split_rows(2 * lin.num_value_heads, full)}
@@ -106,22 +128,32 @@ class GatedDeltaNet(nn.Module):
             shards = {"qkv": split_rows(lin.conv_dim, full), "z": split_rows(lin.value_dim, full),
                       "b": split_rows(lin.num_value_heads, full), "a": split_rows(lin.num_value_heads, full)}
         self.in_proj = FusedLinear(hidden_size, shards, bias=False)
-        self.split_sizes = [lin.conv_dim, lin.value_dim, lin.num_value_heads, lin.num_value_heads]
+        local = self.lin
+        self.split_sizes = [local.conv_dim, local.value_dim, local.num_value_heads, local.num_value_heads]
         self.conv1d = CausalConv(lin.conv_dim, lin.conv_kernel)
         self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
         self.norm = GatedRMSNorm(lin.value_head_dim, eps)
-        self.out_proj = RowParallelLinear(lin.value_dim, hidden_size, False, full)
+        self.out_proj = RowParallelLinear(lin.value_dim, hidden_size, False, tp)
         self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by states.StateCache
         self.recurrent_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
         # speculative verify: each row's Q positions' inputs, kept until `commit` knows how many were accepted
         self.verified: dict[str, torch.Tensor] | None = None
 
     def post_load(self) -> None:
-        """A grouped checkpoint's in_proj rows, put in the split order the forward reads (once, at load)."""
+        """Once, at load: a grouped checkpoint's in_proj rows put in the split order the forward reads; then, with
+        tensor parallelism, this rank's rows of the projections, channels of the convolution and heads."""
+        weight = self.in_proj.weight
         if self.lin.layout == "grouped":
-            weight = self.in_proj.weight
-            weight.data.copy_(weight.data[grouped_order(self.lin).to(weight.device)])
+            weight.data.copy_(weight.data[grouped_order(self.full_lin).to(weight.device)])
+        if self.tp.size > 1:
+            rows, channels = self.full_lin.rank_rows(self.tp.rank, self.tp.size)
+            n = self.lin.num_value_heads
+            heads = torch.arange(self.tp.rank * n, (self.tp.rank + 1) * n)
+            keep_rows(self.in_proj, rows)
+            keep_rows(self.conv1d, channels)
+            self.dt_bias = nn.Parameter(self.dt_bias.data[heads.to(weight.device)], requires_grad=False)
+            self.A_log = nn.Parameter(self.A_log.data[heads.to(weight.device)], requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         lin = self.lin
@@ -223,6 +255,16 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[slot].copy_(final)
             outputs.append(out)
         return torch.cat(outputs)
+
+
+def keep_rows(module: nn.Module, rows: torch.Tensor) -> None:
+    """Keep only `rows` of a module's weight (and bias): a rank's share of a projection loaded whole."""
+    index = rows.to(module.weight.device)
+    module.weight = nn.Parameter(module.weight.data[index].contiguous(), requires_grad=False)
+    if getattr(module, "bias", None) is not None:
+        module.bias = nn.Parameter(module.bias.data[index].contiguous(), requires_grad=False)
+    if hasattr(module, "out_features"):
+        module.out_features = len(rows)
 
 
 def grouped_order(lin: LinearAttentionConfig) -> torch.Tensor:

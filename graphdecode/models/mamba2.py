@@ -17,13 +17,14 @@ matmul, the state carried between blocks. A speculative verify runs Q steps with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .causal_conv import CausalConv
+from .gated_deltanet import keep_rows
 from .layers import FusedLinear
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
@@ -48,6 +49,20 @@ class Mamba2Config:
     @property
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def local(self, ranks: int) -> Mamba2Config:
+        """One tensor-parallel rank's share: its heads and their groups."""
+        return replace(self, num_heads=self.num_heads // ranks, n_groups=self.n_groups // ranks)
+
+    def rank_rows(self, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rank's rows of in_proj [z | x | B | C | dt], its convolution channels [x | B | C], its heads)."""
+        inner, groups = self.intermediate_size, self.n_groups * self.state_size
+        heads = torch.arange(rank * self.num_heads // ranks, (rank + 1) * self.num_heads // ranks)
+        dims = (heads[:, None] * self.head_dim + torch.arange(self.head_dim)).reshape(-1)
+        group = torch.arange(rank * groups // ranks, (rank + 1) * groups // ranks)
+        channels = torch.cat([dims, inner + group, inner + groups + group])
+        rows = torch.cat([dims, inner + channels, inner + self.conv_dim + heads])
+        return rows, channels, heads
 
     @property
     def recurrent_shape(self) -> tuple[int, ...]:
@@ -76,26 +91,41 @@ class GroupedGatedRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: Mamba2Config, hidden_size: int, eps: float, state_index: int):
+    """Tensor parallelism splits the heads (and their groups of B and C) across ranks: each rank loads the whole
+    in_proj and convolution and keeps its rows at load (`post_load`); out_proj (split by columns) all-reduces."""
+
+    def __init__(self, cfg: Mamba2Config, hidden_size: int, eps: float, state_index: int, tp: TPGroup = TPGroup()):
         super().__init__()
-        self.cfg = cfg
+        self.full_cfg = cfg
+        self.cfg = cfg.local(tp.size)
+        self.tp = tp
         self.state_index = state_index
-        one = TPGroup()  # one rank (the config refuses tensor parallelism for hybrids)
+        one = TPGroup()  # the whole in_proj is read; post_load keeps this rank's rows
         self.in_proj = FusedLinear(hidden_size, {"all": split_rows(cfg.intermediate_size + cfg.conv_dim
                                                                    + cfg.num_heads, one)}, bias=cfg.proj_bias)
-        self.split_sizes = [cfg.intermediate_size, cfg.conv_dim, cfg.num_heads]
+        local = self.cfg
+        self.split_sizes = [local.intermediate_size, local.conv_dim, local.num_heads]
         self.conv1d = CausalConv(cfg.conv_dim, cfg.conv_kernel, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(cfg.num_heads))
         self.A_log = nn.Parameter(torch.zeros(cfg.num_heads))
         self.D = nn.Parameter(torch.ones(cfg.num_heads))
         self.norm = GroupedGatedRMSNorm(cfg.intermediate_size, cfg.n_groups, eps)
-        self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, cfg.proj_bias, one)
+        self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, cfg.proj_bias, tp)
         self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by the state cache
         self.recurrent_state: torch.Tensor | None = None  # [slots, H, P, N] float32
         self.verified: dict[str, torch.Tensor] | None = None  # a verify's positions, until `commit`
 
     def post_load(self) -> None:
-        pass
+        """With tensor parallelism: this rank's rows of in_proj, channels of the convolution, heads and norm groups."""
+        if self.tp.size == 1:
+            return
+        rows, channels, heads = self.full_cfg.rank_rows(self.tp.rank, self.tp.size)
+        keep_rows(self.in_proj, rows)
+        keep_rows(self.conv1d, channels)
+        keep_rows(self.norm, rows[: self.cfg.intermediate_size])
+        self.norm.groups = self.cfg.n_groups
+        for name in ("dt_bias", "A_log", "D"):
+            setattr(self, name, nn.Parameter(getattr(self, name).data[heads.to(self.D.device)], requires_grad=False))
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)

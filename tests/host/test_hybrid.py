@@ -215,8 +215,6 @@ def test_refusals_name_the_field(qwen35, tmp_path):
         LLM(qwen35, speculative_config={"method": "eagle3", "model": qwen35, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config.model: a hybrid draft"):
         LLM(qwen35, speculative_config={"method": "draft_model", "model": qwen35, "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(qwen35, tensor_parallel_size=2)
     path = str(tmp_path / "bad")
     os.makedirs(path)
     with open(os.path.join(qwen35, "config.json")) as f:

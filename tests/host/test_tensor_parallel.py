@@ -85,9 +85,34 @@ def test_each_rank_holds_its_share(tiny_models):
         assert rank["weight_bytes"] == (single["weight_bytes"] - norms) // 2 + norms
 
 
+@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next", "nemotron_h"])
+def test_tp2_hybrids_split_their_recurrent_heads(tiny_models, model):
+    """Gated DeltaNet key heads (Qwen3.5; Qwen3-Next's grouped projections and shared experts) and Mamba2 heads
+    and groups (Nemotron-H) split across two ranks: TP=1's tokens (greedy, seeded n > 1, a prefix hit restoring
+    a state snapshot, n-gram speculation), each rank holding half of every state."""
+    path = tiny_models[model]
+    system = random_prompts(1, [40], seed=3)[0]
+    prompts = token_prompts([system + p for p in random_prompts(4, [3, 17, 30, 60], seed=4)])
+    cases = [SamplingParams(temperature=0, max_tokens=20),
+             SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=12)]
+    engine = dict(SMALL_ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    single = LLM(path, **engine)
+    want = [outputs(single, prompts[:1], cases[0])] + [outputs(single, prompts, params) for params in cases]
+    states = single.engine.runner.memory_sizes()["state_cache_bytes"]
+    with LLM(path, tensor_parallel_size=2, **engine) as tp2:
+        got = [outputs(tp2, prompts[:1], cases[0])] + [outputs(tp2, prompts, params) for params in cases]
+        assert tp2.engine.stats()["prefix_cache_hits"] > 0
+        driver = tp2.engine.runner.memory_sizes()
+        _, worker = tp2.engine.executor.gather_from_workers("sizes")
+    assert got == want
+    assert driver["state_cache_bytes"] == worker["state_cache_bytes"] == states // 2
+
+
 def test_tp_validation(tiny_models):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tiny_models["llama_gqa_llama3"], tensor_parallel_size=3)  # 4 heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must divide linear_num_key_heads \(2\)"):
+        LLM(tiny_models["qwen3_5"], tensor_parallel_size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tiny_models["llama_gqa_llama3"], tensor_parallel_size=0)
 
