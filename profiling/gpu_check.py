@@ -27,6 +27,8 @@ ending with the exact command that reruns what failed, was cut or did not fit.
   after the core
   pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py, test_gpu_graphs.py and test_gpu_quantized.py
                        (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE)
+  pytest_hybrid        hybrid models (Qwen3.5, Nemotron-H tiny presets) in CUDA graphs against the eager fp32
+                       reference: chunked prefill, n-gram speculation, a prefix hit; bf16 beside them
   bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, --compile off
   bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1
                        and 8, --compile off
@@ -103,6 +105,7 @@ PYTEST_STAGES = {  # stage: (test files, marker expression)
                          "tests/gpu/test_gpu_quantized.py"),
                         "gpu and extended and not compile"),
     "pytest_compile": (("tests/gpu/test_gpu_graphs.py",), "gpu and compile"),
+    "pytest_hybrid": (("tests/gpu/test_gpu_hybrid.py",), "gpu"),
 }
 # Per stage, in the order they run: its own limit, its estimated need on the GPU and in a dry run
 # (seconds). A stage is not started with less budget left than its need; a dry-run need of None
@@ -119,6 +122,7 @@ PLAN = {
     "pytest_graphs": (150, 70, 10),
     # after the core
     "pytest_extended": (200, 110, 10),
+    "pytest_hybrid": (150, 70, 10),
     "bench": (120, 60, 20),
     "bench_spec": (90, 45, 20),
     "pytest_compile": (150, 90, 10),
