@@ -192,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._qkv(self.conv1d.decode(self.conv_state, slots, mixed))
         state = _delta_step(self.recurrent_state.index_select(0, slots), k, v, decay, beta)  # [B, Hv, Dk, Dv]
         self.recurrent_state.index_copy_(0, slots, state)
-        return (state * q[..., None]).sum(-2)
+        return _delta_read(state, q)
 
     def _verify(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
@@ -215,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         state, outputs = self.recurrent_state.index_select(0, slots), []
         for t in range(queries):
             state = _delta_step(state, k[:, t], v[:, t], decay[:, t], beta[:, t])
-            outputs.append((state * q[:, t, ..., None]).sum(-2))
+            outputs.append(_delta_read(state, q[:, t]))
         return torch.stack(outputs, dim=1).view(rows * queries, *outputs[0].shape[1:])
 
     def commit(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
@@ -287,10 +287,22 @@ def grouped_order(lin: LinearAttentionConfig) -> torch.Tensor:
 def _delta_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
                 beta: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule per row: state [B, Hv, Dk, Dv], k [B, Hv, Dk], v [B, Hv, Dv],
-    decay and beta [B, Hv] -> the new state."""
-    state = state * decay.exp()[:, :, None, None]
-    delta = (v - (state * k[..., None]).sum(-2)) * beta[..., None]
-    return state + k[..., None] * delta[..., None, :]
+    decay and beta [B, Hv] -> the new state (a new tensor; `state` is not written). The products are batched
+    matmuls over the B x Hv heads: S^T k and the rank-one update (baddbmm_, in place on the new state)."""
+    rows, heads, dk, dv = state.shape
+    state = state * decay.exp()[..., None, None]
+    flat = state.view(rows * heads, dk, dv)
+    keys = k.reshape(rows * heads, dk)
+    recalled = torch.bmm(keys[:, None, :], flat).view(rows, heads, dv)  # S^T k
+    delta = (v - recalled) * beta[..., None]
+    flat.baddbmm_(keys[:, :, None], delta.reshape(rows * heads, 1, dv))
+    return state
+
+
+def _delta_read(state: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """S^T q per row and head: state [B, Hv, Dk, Dv], q [B, Hv, Dk] -> [B, Hv, Dv]."""
+    rows, heads, dk, dv = state.shape
+    return torch.bmm(q.reshape(rows * heads, 1, dk), state.view(rows * heads, dk, dv)).view(rows, heads, dv)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,

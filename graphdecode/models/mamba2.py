@@ -154,14 +154,19 @@ class Mamba2Mixer(nn.Module):
         return x.view(tokens, cfg.num_heads, cfg.head_dim), b, c
 
     def _step(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-        """One token per row: state [B, H, P, N], x [B, H, P], b [B, H, N], dt [B, H] -> the new state."""
-        decay = torch.exp(dt * -self.A_log.float().exp())
-        return state * decay[..., None, None] + (x * dt[..., None])[..., None] * b[:, :, None, :]
+        """One token per row: state [B, H, P, N], x [B, H, P], b [B, H, N], dt [B, H] -> the new state (a new
+        tensor); the outer product (dt x) b^T added in place by a batched matmul."""
+        rows, heads, p, n = state.shape
+        state = state * torch.exp(dt * -self.A_log.float().exp())[..., None, None]
+        state.view(rows * heads, p, n).baddbmm_((x * dt[..., None]).reshape(rows * heads, p, 1),
+                                                b.reshape(rows * heads, 1, n))
+        return state
 
     def _read(self, state: torch.Tensor, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """y = S C + D x: [B, H, P, N], [B, H, P], [B, H, N] -> [B, H * P]."""
-        y = (state * c[:, :, None, :]).sum(-1) + x * self.D.float()[:, None]
-        return y.reshape(y.shape[0], -1)
+        rows, heads, p, n = state.shape
+        y = torch.bmm(state.view(rows * heads, p, n), c.reshape(rows * heads, n, 1)).view(rows, heads, p)
+        return (y + x * self.D.float()[:, None]).reshape(rows, -1)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         x, b, c = self._split(self.conv1d.decode(self.conv_state, slots, xbc))
