@@ -170,7 +170,8 @@ def format_table(result: dict) -> str:
     lines = ["| batch | graphdecode tok/s | transformers tok/s | ratio | rows equal |", "|---|---|---|---|---|"]
     for p in result["decode"]:
         lines.append(f"| {p['batch']} | {p['graphdecode_decode_tokens_per_s']:.1f} | "
-                     f"{p['transformers_decode_tokens_per_s']:.1f} | {p['ratio']:.2f}x | {p['rows_equal']}/{p['rows']} |")
+                     f"{p['transformers_decode_tokens_per_s']:.1f} | {p['ratio']:.2f}x | "
+                     f"{p['rows_equal']}/{p['rows']} |")
     contexts = [p["context"] for p in result["context"]["hybrid"]]
     lines += ["", "| ms per decoded token, batch 1 | " + " | ".join(f"{c} context" for c in contexts)
               + " | last / first |", "|---" * (len(contexts) + 2) + "|"]

@@ -10,11 +10,15 @@ Each format is SmolLM2-135M-Instruct (default) written by graphdecode's round-to
 | bf16 | the float checkpoint, dtype bfloat16 | bf16 | BF16 |
 | int8 | pack-quantized int8, one scale per row | float32 | Q8_0 (blocks of 32) |
 | int4 | pack-quantized int4, groups of 32, symmetric | float32 | Q4_0 (blocks of 32) |
+| int4-awq | int4 as above, AWQ-calibrated (rtn.py's `calibration`, awq.py) | float32 | Q4_0 (blocks of 32) |
 | fp8 | float-quantized FP8 E4M3, one scale per row | float32 | - |
 
-The quantized checkpoints quantize the LM head too (int8 per row; FP8 for fp8), written untied from the
-embedding, which stays float (only its rows are read); llama.cpp's `llama-quantize` quantizes its output tensor
-too (Q8_0 in Q8_0, Q6_K in Q4_0).
+int4-awq is the same standard checkpoint format with activation-aware scales folded into the float weights
+(docs/quantization.md): calibrated on 16 sequences of the model's own sampled text
+(quantize_rtn.calibration_tokens, about
+4000 tokens, never TEXT below); its llama.cpp peer is the same plain Q4_0. The quantized checkpoints quantize the
+LM head too (int8 per row; FP8 for fp8), written untied from the embedding, which stays float (only its rows are
+read); llama.cpp's `llama-quantize` quantizes its output tensor too (Q8_0 in Q8_0, Q6_K in Q4_0).
 
 Decode is profiling/bench_cpu_peers.py's measurement (its worker and its llama.cpp runner): 128-token random
 prompts, 128 greedy tokens, decode tokens/s = batch * 127 / (full run - prefill-only run), engines alternating
@@ -46,8 +50,10 @@ FORMATS = {  # name -> (dtype, rtn arguments (format, bits, group, symmetric) or
     "bf16": ("bfloat16", None, "BF16"),
     "int8": ("float32", ("pack-quantized", 8, None, True), "Q8_0"),
     "int4": ("float32", ("pack-quantized", 4, 32, True), "Q4_0"),
+    "int4-awq": ("float32", ("pack-quantized", 4, 32, True), "Q4_0"),
     "fp8": ("float32", ("float-quantized", 8, None, True), None),
 }
+CALIBRATED = ("int4-awq",)  # written with AWQ calibration on the model's own sampled text
 # every quantized format also quantizes the LM head (int8, FP8 for fp8; untied from the embedding), as
 # llama-quantize does (its output tensor: Q8_0 in Q8_0, Q6_K in Q4_0)
 
@@ -84,7 +90,12 @@ def checkpoint(args, name: str) -> str:
 
     path = os.path.join(args.work, f"{os.path.basename(os.path.normpath(args.model))}-{name}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        quantize_checkpoint(args.model, path, *rtn, quantize_head=True)
+        calibration = None
+        if name in CALIBRATED:
+            calibration_tokens = script_module(os.path.join(HERE, "quantize_rtn.py")).calibration_tokens
+
+            calibration = calibration_tokens(args.model, threads=args.threads)
+        quantize_checkpoint(args.model, path, *rtn, quantize_head=True, calibration=calibration)
     return path
 
 
@@ -124,7 +135,7 @@ def weight_bytes(path: str) -> int:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=peers.DEFAULT_MODEL, help="float HF checkpoint (SmolLM2 by default)")
-    ap.add_argument("--formats", default="fp32,bf16,int8,int4,fp8")
+    ap.add_argument("--formats", default="fp32,bf16,int8,int4,int4-awq,fp8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -1,8 +1,10 @@
 """Round-to-nearest quantization of a float checkpoint into each format the engine loads (config.py), as real files.
 
-Not a calibrated quantizer (no GPTQ Hessian, no AWQ scaling search): every decoder-layer linear is rounded to
-the nearest representable value with min-max scales, so any small model can be run and measured in every
-format here (`profiling/quantize_rtn.py` adds perplexity). The embedding, norms and LM head stay float.
+Every decoder-layer linear is rounded to the nearest representable value with min-max scales (each group's range
+shrunk by the clip that rounds it best), so any small model can be run and measured in every format here
+(`profiling/quantize_rtn.py` writes one, `profiling/bench_quant.py` measures perplexity and speed). No GPTQ
+Hessian; with `calibration`, AWQ's activation-aware scales (awq.py) are searched and folded into the float weights
+first, for the integer formats. The embedding, norms and LM head stay float (unless `quantize_head`).
 
 * `compressed-tensors` pack-quantized / int-quantized / float-quantized: written by the compressed-tensors library
   itself (its compressors quantize with our scales and pack; its QuantizationConfig writes config.json's section);
@@ -23,69 +25,51 @@ from safetensors.torch import load_file, save_file
 
 from ...attention.kv_cache import FP8_MAX
 from ..loader import checkpoint_files
+from .rounding import int_rounding
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "fp8-block", "gptq", "awq")
 _LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 _AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # the ranges each group tries (fractions of min-max)
-
-
-def int_scales(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales [N, G] (float32) and signed zero points [N, G] (int8; zeros when symmetric): per group, the min-max
-    range shrunk by the CLIP_GRID fraction whose rounding has the least squared error (clipping a few outliers
-    buys finer steps for the rest; still round-to-nearest, no calibration data)."""
-    n, k = w.shape
-    g = group or k
-    blocks = w.float().reshape(n, k // g, g)
-    best_err, best = None, None
-    for clip in CLIP_GRID:
-        if symmetric:
-            scale = (blocks.abs().amax(-1) * clip / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
-            zero = torch.zeros(scale.shape, device=scale.device)
-        else:
-            low, high = blocks.amin(-1).clamp(max=0) * clip, blocks.amax(-1).clamp(min=0) * clip
-            scale = ((high - low) / (2**bits - 1)).clamp(min=1e-8)
-            zero = (torch.round(-low / scale) - 2 ** (bits - 1)).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-        q = (torch.round(blocks / scale[..., None]) + zero[..., None]).clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-        err = ((q - zero[..., None]) * scale[..., None] - blocks).pow(2).sum(-1)
-        if best is None:
-            best_err, best = err, (scale, zero)
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best = (torch.where(better, scale, best[0]), torch.where(better, zero, best[1]))
-    return best[0], best[1].to(torch.int8)
-
-
-def int_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """round(w / scale) + zero, clamped: [N, K] int8."""
-    n, k = w.shape
-    g = k // scale.shape[1]
-    q = torch.round(w.float() / scale.repeat_interleave(g, 1)) + zero.repeat_interleave(g, 1).float()
-    return q.clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).to(torch.int8)
-
-
 def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int | None = 128,
                         symmetric: bool = True, act_order: bool = False, scale_dtype: torch.dtype | None = None,
-                        quantize_head: bool = False, device: str = "cpu") -> str:
+                        quantize_head: bool = False, device: str = "cpu",
+                        calibration: list[list[int]] | None = None) -> str:
     """Write `src` (a float HuggingFace directory) to `dst` in `fmt`; returns dst. group None: one scale per row.
     quantize_head (compressed-tensors formats): the LM head too, int8 (FP8 for float-quantized) with one scale per
     row, as its own config group; a tied head is written as an untied lm_head (the embedding stays float).
-    device: where the rounding runs (a GPU for billion-parameter checkpoints)."""
+    device: where the rounding runs (a GPU for billion-parameter checkpoints).
+    calibration: token-id sequences (profiling/quantize_rtn.py's calibration_tokens samples some): the decoder
+    linears are first scaled by AWQ's activation-aware search on them (awq.py; int formats of llama-family
+    models), the scales folded into the float ops before them, then rounded as without; None: plain
+    round-to-nearest."""
     if fmt not in FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if quantize_head and fmt not in ("pack-quantized", "int-quantized", "float-quantized"):
         raise ValueError("quantize_head: only the compressed-tensors formats are written with a quantized head")
-    os.makedirs(dst, exist_ok=True)
+    if calibration is not None and fmt in ("float-quantized", "fp8-block"):
+        raise ValueError(f"calibration: AWQ scaling is searched for the integer formats, not {fmt}")
+    if calibration is not None and act_order:
+        raise ValueError("calibration: AWQ scaling is searched for the natural column order, not with act_order")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
+    if calibration is not None:
+        from .awq import check_model_type
+
+        check_model_type(config)
+    os.makedirs(dst, exist_ok=True)
     state = {}
     for path in checkpoint_files(src):
         state.update(load_file(path))
     model_dtype = next(v.dtype for k, v in state.items() if k.endswith("norm.weight"))
     scale_dtype = scale_dtype or (torch.float16 if fmt in ("gptq", "awq") else model_dtype)
+    inputs: dict[str, torch.Tensor] = {}  # calibrated: each linear's input moments (its clip search)
+    if calibration is not None:
+        from .awq import awq_calibrate, fold_scales
+
+        found = awq_calibrate(src, calibration, fmt, bits, group, symmetric, scale_dtype, device=device)
+        state, inputs = fold_scales(state, found.scales, config), found.inputs
     out = {}
     norms: dict[str, torch.Tensor] = {}  # act_order: one input order per input (q/k/v share it, gate/up too)
     for key, w in state.items():
@@ -97,7 +81,7 @@ def quantize_checkpoint(src: str, dst: str, fmt: str, bits: int = 4, group: int 
             continue
         module = key[: -len(".weight")]
         order = torch.argsort(norms[_input_of(key)], descending=True, stable=True) if act_order else None
-        tensors = _quantize(w.to(device), fmt, bits, group, symmetric, order, scale_dtype)
+        tensors = _quantize(w.to(device), fmt, bits, group, symmetric, order, scale_dtype, inputs.get(module))
         out.update({f"{module}.{suffix}": t.contiguous().cpu() for suffix, t in tensors.items()})
     if quantize_head:
         head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
@@ -154,7 +138,7 @@ def _config(fmt: str, bits: int, group: int | None, symmetric: bool, act_order: 
 
 
 def _quantize(w: torch.Tensor, fmt: str, bits: int, group: int | None, symmetric: bool, order: torch.Tensor | None,
-              scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+              scale_dtype: torch.dtype, inputs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     n, k = w.shape
@@ -180,11 +164,7 @@ def _quantize(w: torch.Tensor, fmt: str, bits: int, group: int | None, symmetric
     perm = order  # columns of larger norm first, as GPTQ's desc_act orders by the Hessian's diagonal
     if perm is not None:
         w = w[:, perm]
-    scale, zero = int_scales(w, bits, group, symmetric)
-    if fmt == "gptq":  # v1 stores zero points minus one: keep the unsigned zero >= 1
-        zero = zero.clamp(min=1 - 2 ** (bits - 1))
-    scale = scale.to(scale_dtype).float()  # round to the stored dtype first: the values use the stored scales
-    values = int_values(w, scale, zero, bits)
+    scale, zero, values = int_rounding(w, fmt, bits, group, symmetric, scale_dtype, inputs)
     if fmt in ("pack-quantized", "int-quantized"):
         from compressed_tensors.compressors.base import BaseCompressor
 
