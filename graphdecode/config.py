@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention.kv_cache import FP8, kv_bytes_per_page
+from .attention.state_cache import slot_bytes
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 
@@ -443,7 +444,7 @@ def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int, ranks: i
     (live and snapshots) and the scratch one, of the rank's share of the recurrent heads."""
     if cfg.linear is None:
         return 0
-    return (slots + 1) * len(cfg.linear_layers) * cfg.linear.local(ranks).state_bytes(dtype)
+    return (slots + 1) * len(cfg.linear_layers) * slot_bytes(cfg.linear.local(ranks), dtype)
 
 
 def _check_hybrid(cfg: ModelConfig, speculative: dict, tensor_parallel_size: int) -> None:

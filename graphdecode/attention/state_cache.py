@@ -15,7 +15,15 @@ after the chunk that ends there and copied out when a later prompt hits those pa
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def slot_bytes(lin, dtype: torch.dtype) -> int:
+    """One slot of one layer: the convolution window (in the model's dtype) and the float32 recurrent state."""
+    conv = lin.conv_dim * (lin.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    return conv + math.prod(lin.recurrent_shape) * 4
 
 
 class StateCache:

@@ -86,11 +86,6 @@ class LinearAttentionConfig:
     def recurrent_shape(self) -> tuple[int, ...]:
         return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One slot of one layer: the convolution window (in the model's dtype) and the float32 matrix."""
-        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
-        return conv + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
-
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head, times silu(gate) (transformers' RMSNormGated: norm, weight, then gate)."""

@@ -68,10 +68,6 @@ class Mamba2Config:
     def recurrent_shape(self) -> tuple[int, ...]:
         return (self.num_heads, self.head_dim, self.state_size)
 
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        conv = self.conv_dim * (self.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
-        return conv + self.num_heads * self.head_dim * self.state_size * 4
-
 
 class GroupedGatedRMSNorm(nn.Module):
     """RMSNorm of y * silu(z) over groups of the intermediate size, times the weight (NemotronHRMSNormGated)."""

@@ -159,23 +159,27 @@ def test_structured_outputs_constrain_a_hybrid_in_the_window(qwen35, text_model,
         assert out.outputs[0].finish_reason == "stop"
 
 
-def test_multimodal_checkpoint_runs_its_text_part(qwen35, tmp_path):
-    path = str(tmp_path / "qwen3_5_vl")
+@pytest.mark.parametrize("text_model_name,model_type", [("qwen3_5", "qwen3_5"), ("qwen3_5_moe", "qwen3_5_moe")])
+def test_multimodal_checkpoint_runs_its_text_part(tiny_models, tmp_path, text_model_name, model_type):
+    """Qwen3_5(Moe)ForConditionalGeneration's checkpoint: text_config, model.language_model.*, beside a vision
+    tower and MTP layers that are skipped."""
+    source = tiny_models[text_model_name]
+    path = str(tmp_path / f"{model_type}_vl")
     os.makedirs(path)
-    with open(os.path.join(qwen35, "config.json")) as f:
+    with open(os.path.join(source, "config.json")) as f:
         text = json.load(f)
     text.pop("architectures", None)
-    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    config = {"model_type": model_type, "architectures": ["ForConditionalGeneration"],
               "tie_word_embeddings": False, "text_config": text, "vision_config": {"depth": 1}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(
-        os.path.join(qwen35, "model.safetensors")).items()}
+        os.path.join(source, "model.safetensors")).items()}
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with LLM(path, dtype="float32", cpu_threads=1) as llm:
-        assert _tokens(llm, PROMPTS[:2]) == hf_greedy(qwen35, PROMPTS[:2], 24)
+        assert _tokens(llm, PROMPTS[:2]) == hf_greedy(source, PROMPTS[:2], 24)
 
 
 def _echo_prompts(path: str) -> list[list[int]]:
