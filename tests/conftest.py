@@ -170,6 +170,16 @@ MODEL_SPECS = {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
              mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16),
     ),
+    # Granite 4.0-H (dense): Mamba2 layers (8 heads of 8, 2 groups) and a rope attention layer, each followed by a
+    # shared SwiGLU MLP; Granite's embedding / residual / attention / logits multipliers
+    "granite_hybrid": (
+        "GraniteMoeHybridConfig",
+        dict(COMMON, num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"],
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=0, shared_intermediate_size=96,
+             mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16,
+             embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+             position_embedding_type="rope"),
+    ),
     # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
     # full attention, YaRN over an original 64 positions
     "gpt_oss": (

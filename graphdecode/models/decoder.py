@@ -261,6 +261,8 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:  # Granite: times a Python float, as transformers does
+            hidden = hidden * self.config.embedding_multiplier
         return hidden * self._embed_scale if self._embed_scale is not None else hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
@@ -299,5 +301,7 @@ class DecoderForCausalLM(nn.Module):
         """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size, self.packed_head)
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_soft_cap
         return logits if cap is None else torch.tanh(logits / cap) * cap

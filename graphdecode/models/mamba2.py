@@ -69,6 +69,25 @@ class Mamba2Config:
         return (self.num_heads, self.head_dim, self.state_size)
 
 
+def read_time_step_limit(where: str, raw: dict) -> tuple[float, float]:
+    """config.json's time_step_limit: two numbers (transformers 5 writes infinity as {"__float__": "Infinity"})."""
+    limit = raw.get("time_step_limit", [0.0, float("inf")])
+    try:
+        low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
+    except (TypeError, ValueError, KeyError):
+        raise ValueError(f"{where}: time_step_limit must be two numbers, got {limit!r}") from None
+    return low, high
+
+
+def check_mamba(where: str, cfg: Mamba2Config, heads_key: str, groups_key: str, kernel_key: str) -> Mamba2Config:
+    """The sizes' consistency, errors naming the family's own fields."""
+    if cfg.num_heads % cfg.n_groups:
+        raise ValueError(f"{where}: {heads_key} ({cfg.num_heads}) must be a multiple of {groups_key} ({cfg.n_groups})")
+    if cfg.conv_kernel < 2:
+        raise ValueError(f"{where}: {kernel_key} must be at least 2, got {cfg.conv_kernel}")
+    return cfg
+
+
 class GroupedGatedRMSNorm(nn.Module):
     """RMSNorm of y * silu(z) over groups of the intermediate size, times the weight (NemotronHRMSNormGated)."""
 

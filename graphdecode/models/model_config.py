@@ -88,6 +88,10 @@ class ModelConfig:
     # only the attention layers)
     linear: LinearAttentionConfig | Mamba2Config | None = None
     attn_output_gate: bool = False  # attention output times sigmoid of a gate from q_proj (Qwen3.5, Qwen3-Next)
+    rope_enabled: bool = True  # False: attention without any position encoding (Nemotron-H; Granite's "nope")
+    embedding_multiplier: float = 1.0  # embeddings times this (Granite)
+    residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
 
     @property
     def decoder_layers(self) -> int:
@@ -143,8 +147,21 @@ class Family:
     attn_output_gate: bool = False  # the module gates attention's output (Qwen3.5, Qwen3-Next)
     text_config: bool = False  # config.json keeps the text model's fields under text_config (a multimodal model)
     intermediate_size: int | None = None  # intermediate_size when config.json has none (None: it is required)
+    intermediate_key: str = "intermediate_size"  # the field sizing the (dense) MLPs
     activations: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")  # the MLP activations the module runs
     norm_eps_key: str = "rms_norm_eps"  # the field naming the RMSNorms' epsilon
+
+    def rope_enabled(self, where: str, raw: dict) -> bool:
+        """Whether attention rotates q and k (False: no position encoding)."""
+        return True
+
+    def multipliers(self, where: str, raw: dict) -> tuple[float, float, float]:
+        """(embedding_multiplier, residual_multiplier, logits_scaling): 1.0 but for Granite's."""
+        return 1.0, 1.0, 1.0
+
+    def attention_scale(self, where: str, raw: dict) -> float | None:
+        """The queries' scale (None: head_dim ** -0.5)."""
+        return _attn_scale(where, raw, self.query_pre_attn_scalar)
 
     def num_layers(self, where: str, raw: dict) -> int:
         """Decoder layers (config.json's num_hidden_layers)."""
@@ -284,8 +301,9 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
                          f"(supported: {', '.join(family.activations)})")
     vocab_size = read_int(where, raw, "vocab_size")
     hidden = read_int(where, raw, "hidden_size")
-    intermediate = (read_int(where, raw, "intermediate_size") if family.intermediate_size is None
-                    else read_int(where, raw, "intermediate_size", family.intermediate_size))
+    key = family.intermediate_key
+    intermediate = (read_int(where, raw, key) if family.intermediate_size is None
+                    else read_int(where, raw, key, family.intermediate_size))
     num_layers = family.num_layers(where, raw)
     num_heads = read_int(where, raw, "num_attention_heads")
     num_kv_heads = read_int(where, raw, "num_key_value_heads", num_heads)
@@ -319,6 +337,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     moe = family.moe(where, raw, num_layers, intermediate)
     quantization, weight_quant = _quantization(where, raw, family)
     linear = family.linear_attention(where, raw)
+    multipliers = family.multipliers(where, raw)
     kv_layers = sum(t in (FULL, SLIDING) for t in layer_types) if linear is not None else num_layers
     if linear is not None and not kv_layers:
         raise ValueError(f"{where}: layer_types: a hybrid needs at least one {FULL!r} layer")
@@ -345,7 +364,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         qk_norm=family.qk_norm,
         hidden_act=act,
         local_rope=local_rope,
-        attn_scale=_attn_scale(where, raw, family.query_pre_attn_scalar),
+        attn_scale=family.attention_scale(where, raw),
         attn_soft_cap=read_optional_positive(where, raw, "attn_logit_softcapping"),
         final_soft_cap=read_optional_positive(where, raw, "final_logit_softcapping"),
         moe=moe,
@@ -355,6 +374,10 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         weight_quant=weight_quant,
         linear=linear,
         attn_output_gate=family.attn_output_gate,
+        rope_enabled=family.rope_enabled(where, raw),
+        embedding_multiplier=multipliers[0],
+        residual_multiplier=multipliers[1],
+        logits_scaling=multipliers[2],
     )
 
 

@@ -18,7 +18,7 @@ from .config_fields import read_bool, read_int
 from .decoder import Attention, DecoderForCausalLM
 from .hybrid import HybridForCausalLM
 from .layers import FusedLinear, RMSNorm
-from .mamba2 import Mamba2Config, Mamba2Mixer
+from .mamba2 import Mamba2Config, Mamba2Mixer, check_mamba, read_time_step_limit
 from .model_config import FULL, LINEAR, MLP_ONLY, Family, ModelConfig
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
@@ -48,7 +48,7 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, cfg.linear_layers.index(layer_idx),
                                      tp)
         elif self.kind == FULL:
-            self.mixer = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=False)
+            self.mixer = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
@@ -121,11 +121,6 @@ class NemotronHFamily(Family):
             raise ValueError(f"{where}: mamba_hidden_act: {raw['mamba_hidden_act']!r} is not supported (silu)")
         if read_bool(where, raw, "residual_in_fp32"):
             raise ValueError(f"{where}: residual_in_fp32: a float32 residual stream is not supported")
-        limit = raw.get("time_step_limit", [0.0, float("inf")])
-        try:
-            low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
-        except (TypeError, ValueError, KeyError):
-            raise ValueError(f"{where}: time_step_limit must be two numbers, got {limit!r}") from None
         cfg = Mamba2Config(
             num_heads=read_int(where, raw, "mamba_num_heads", 128),
             head_dim=read_int(where, raw, "mamba_head_dim", 64),
@@ -135,11 +130,9 @@ class NemotronHFamily(Family):
             chunk_size=read_int(where, raw, "chunk_size", 128),
             conv_bias=read_bool(where, raw, "use_conv_bias", True),
             proj_bias=read_bool(where, raw, "use_bias"),
-            time_step_limit=(low, high),
+            time_step_limit=read_time_step_limit(where, raw),
         )
-        if cfg.num_heads % cfg.n_groups:
-            raise ValueError(f"{where}: mamba_num_heads ({cfg.num_heads}) must be a multiple of n_groups "
-                             f"({cfg.n_groups})")
-        if cfg.conv_kernel < 2:
-            raise ValueError(f"{where}: conv_kernel must be at least 2, got {cfg.conv_kernel}")
-        return cfg
+        return check_mamba(where, cfg, "mamba_num_heads", "n_groups", "conv_kernel")
+
+    def rope_enabled(self, where: str, raw: dict) -> bool:
+        return False  # Nemotron-H's attention has no position encoding

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .gemma3 import Gemma3Family
 from .gpt_oss import GptOssFamily
+from .granite_hybrid import GraniteHybridFamily
 from .llama import LlamaFamily, MistralFamily
 from .mixtral import MixtralFamily
 from .model_config import Family, ModelConfig, register_family
@@ -36,6 +37,7 @@ FAMILIES: tuple[Family, ...] = (
     Qwen3_5MoeConditionalFamily(),
     Qwen3NextFamily(),
     NemotronHFamily(),
+    GraniteHybridFamily(),
 )
 for _family in FAMILIES:
     register_family(_family)

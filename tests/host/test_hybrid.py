@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.models.gated_deltanet import chunked_delta_rule
-from tests.helpers import hf_greedy, random_prompts, token_prompts
+from tests.helpers import copy_model, hf_greedy, random_prompts, rewrite_config, token_prompts
 
 LAYERS = 6  # tests/conftest.py's qwen3_5: linear x 3, attention, linear x 2
 
@@ -75,6 +75,21 @@ def test_nemotron_h_matches_transformers(tiny_models, engine):
     path = tiny_models["nemotron_h"]
     params = SamplingParams(max_tokens=24, temperature=0)
     with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
+
+
+@pytest.mark.parametrize("engine", NEMOTRON_ENGINES[:2], ids=["eager", "graphs-chunked"])
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
+def test_granite_4_h_matches_transformers(tiny_models, tmp_path, engine, rope):
+    """Granite 4.0-H (dense): Mamba2 and attention layers with shared MLPs, Granite's four multipliers; with
+    position_embedding_type "rope" and without any position encoding."""
+    path = tiny_models["granite_hybrid"]
+    if not rope:
+        path = copy_model(tiny_models, "granite_hybrid", tmp_path, "granite_nope")
+        rewrite_config(path, lambda raw: raw.update(position_embedding_type=None))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        assert llm.config.model_config.rope_enabled is rope
         assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
 
 

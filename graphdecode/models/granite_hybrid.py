@@ -1,0 +1,131 @@
+"""Granite 4.0-H (`granitemoehybrid`: GraniteMoeHybridForCausalLM, e.g. granite-4.0-h-micro): Mamba2 layers and
+attention layers, each followed by a shared SwiGLU MLP (models/hybrid.py's stack, models/mamba2.py's layer).
+
+* `layer_types`: `linear_attention` (Mamba2, `model.layers.N.mamba.*`, sized by the `mamba_*` fields; head_dim
+  "auto" is mamba_expand * hidden_size / mamba_n_heads) or `full_attention` (`self_attn`, rope only with
+  position_embedding_type "rope");
+* every layer: input_layernorm, the mixer, `residual + out * residual_multiplier`, post_attention_layernorm, the
+  shared MLP (`shared_mlp.input_linear`: gate then up rows in one tensor; `output_linear`), the same residual;
+* Granite's multipliers: embeddings times embedding_multiplier, the queries scaled by attention_multiplier
+  (in place of head_dim ** -0.5), logits divided by logits_scaling.
+The MoE models (num_local_experts > 0: Granite 4.0-H Tiny / Small) are refused by that field.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+from .config_fields import read_bool, read_float, read_int
+from .decoder import Attention
+from .layers import FusedLinear, GatedActivation, RMSNorm
+from .mamba2 import Mamba2Config, Mamba2Mixer, check_mamba, read_time_step_limit
+from .model_config import FULL, LINEAR, Family, ModelConfig
+from .nemotron_h import NemotronHForCausalLM
+from .parallel import RowParallelLinear, TPGroup
+from .parallel import split as split_rows
+
+
+class SharedMLP(nn.Module):
+    """output_linear(silu(gate) * up), gate and up the two halves of input_linear's rows."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+        super().__init__()
+        rows = split_rows(intermediate_size, tp)
+        self.input_linear = FusedLinear(hidden_size, {"gate": rows, "up": rows}, bias=False)
+        self.output_linear = RowParallelLinear(intermediate_size, hidden_size, False, tp)
+        self.act = GatedActivation("silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(self.act(self.input_linear(x)))
+
+
+class GraniteHybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, spec: AttentionSpec, norm_offset: bool):
+        super().__init__()
+        self.kind = cfg.layer_types[layer_idx]
+        self.sparse = False
+        self.scale = cfg.residual_multiplier
+        if self.kind == LINEAR:
+            self.mamba = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, cfg.linear_layers.index(layer_idx),
+                                     tp)
+        else:
+            self.self_attn = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
+        self.shared_mlp = SharedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def state_mixer(self):
+        return self.mamba if self.kind == LINEAR else None
+
+    @property
+    def attention(self):
+        return self.self_attn if self.kind == FULL else None
+
+    def forward(self, positions, hidden, rotary, ctx):
+        normed = self.input_layernorm(hidden)
+        mixed = self.mamba(normed, ctx) if self.kind == LINEAR else self.self_attn(positions, normed, rotary, ctx)
+        hidden = hidden + mixed * self.scale
+        return hidden + self.shared_mlp(self.post_attention_layernorm(hidden)) * self.scale
+
+
+class GraniteHybridForCausalLM(NemotronHForCausalLM):
+    layer_class = GraniteHybridLayer
+    checkpoint_renames = {}
+    fused_checkpoint = {"input_linear": ("gate", "up")}  # shared_mlp.input_linear holds gate's rows, then up's
+
+
+class GraniteHybridFamily(Family):
+    model_type = "granitemoehybrid"
+    model_class = GraniteHybridForCausalLM
+    keep_layer_types = True
+    intermediate_key = "shared_intermediate_size"  # the shared MLP's (intermediate_size sizes no layer)
+
+    def sliding_window(self, where: str, raw: dict) -> None:
+        return None
+
+    def layer_types(self, where: str, raw: dict, num_layers: int) -> tuple[str, ...]:
+        given = raw.get("layer_types") or raw.get("layers_block_type")
+        aliases = {"mamba": LINEAR, "attention": FULL, LINEAR: LINEAR, FULL: FULL}
+        if not isinstance(given, list) or len(given) != num_layers or any(t not in aliases for t in given):
+            raise ValueError(f"{where}: layer_types must list {LINEAR!r} (mamba) or {FULL!r} (attention) for each "
+                             f"of the {num_layers} layers, got {given!r}")
+        return tuple(aliases[t] for t in given)
+
+    def linear_attention(self, where: str, raw: dict) -> Mamba2Config:
+        if read_int(where, raw, "num_local_experts", 0, minimum=0):
+            raise ValueError(f"{where}: num_local_experts: Granite 4.0-H's mixture-of-experts models are not "
+                             f"supported (the dense ones, num_local_experts 0, are)")
+        heads = read_int(where, raw, "mamba_n_heads", 128)
+        inner = read_int(where, raw, "mamba_expand", 2) * read_int(where, raw, "hidden_size")
+        head_dim = raw.get("mamba_d_head", "auto")
+        head_dim = inner // heads if head_dim in ("auto", None) else read_int(where, raw, "mamba_d_head")
+        if head_dim * heads != inner:
+            raise ValueError(f"{where}: mamba_d_head ({head_dim}) x mamba_n_heads ({heads}) must equal mamba_expand x "
+                             f"hidden_size ({inner})")
+        cfg = Mamba2Config(
+            num_heads=heads, head_dim=head_dim,
+            state_size=read_int(where, raw, "mamba_d_state", 256),
+            n_groups=read_int(where, raw, "mamba_n_groups", 1),
+            conv_kernel=read_int(where, raw, "mamba_d_conv", 4),
+            chunk_size=read_int(where, raw, "mamba_chunk_size", 256),
+            conv_bias=read_bool(where, raw, "mamba_conv_bias", True),
+            proj_bias=read_bool(where, raw, "mamba_proj_bias"),
+            time_step_limit=read_time_step_limit(where, raw),
+        )
+        return check_mamba(where, cfg, "mamba_n_heads", "mamba_n_groups", "mamba_d_conv")
+
+    def rope_enabled(self, where: str, raw: dict) -> bool:
+        kind = raw.get("position_embedding_type")
+        if kind not in (None, "rope", "nope"):
+            raise ValueError(f"{where}: position_embedding_type: {kind!r} is not supported (rope, or none)")
+        return kind == "rope"
+
+    def multipliers(self, where: str, raw: dict) -> tuple[float, float, float]:
+        return tuple(read_float(where, raw, key, 1.0)
+                     for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"))
+
+    def attention_scale(self, where: str, raw: dict) -> float:
+        return read_float(where, raw, "attention_multiplier", 1.0)
