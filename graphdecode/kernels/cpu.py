@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 15
+ABI_VERSION = 16
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -78,6 +78,9 @@ class CpuKernels:
         self._layers_scratch = self._lib.graphdecode_cpu_layers_scratch
         self._layers_scratch.restype = ctypes.c_int64
         self._layers_scratch.argtypes = [_I64] * 6
+        self._delta = self._lib.graphdecode_cpu_delta_step
+        self._delta.restype = ctypes.c_int
+        self._delta.argtypes = [_P] * 8 + [_I64] * 5 + [_I32]
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
@@ -182,6 +185,23 @@ class CpuKernels:
     # Fused decoder-layer passes (csrc/cpu_fused.cpp): torch's arithmetic in one pass each, rows over
     # `threads` (default torch's) threads once a call is large enough. Inputs are CPU tensors in a supported
     # dtype whose last dim is contiguous; outputs are new contiguous tensors.
+    def delta_step(self, state, slots, q, k, v, decay, beta, threads: int | None = None):
+        """One decode step of the gated delta rule in place on state [slots, H, Dk, Dv] float32 at the rows'
+        slots [B] int64: q, k [B, H, Dk], v [B, H, Dv], decay and beta [B, H] (float32) -> out [B, H, Dv] (csrc/
+        cpu_recurrent.cpp; rows on the scratch slot 0 are skipped and read zeros)."""
+        rows, heads, dk = q.shape
+        dv = v.shape[-1]
+        q, k, v, decay, beta = (_dense(t, torch.float32) for t in (q, k, v, decay, beta))
+        slots = _dense(slots, torch.int64)
+        out = torch.empty((rows, heads, dv), dtype=torch.float32)
+        err = self._delta(state.data_ptr(), slots.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                          decay.data_ptr(), beta.data_ptr(), out.data_ptr(), rows, heads, dk, dv, state.shape[0],
+                          _threads(threads))
+        if err:
+            raise ValueError(f"graphdecode_cpu_delta_step rejected q {tuple(q.shape)}, state {tuple(state.shape)} "
+                             f"(error {err})")
+        return out
+
     def add_rms_norm(self, x, residual, weight, eps: float, threads: int | None = None):
         """(x + residual, LlamaRMSNorm of it), or (x, its norm) when residual is None; x [T, H]."""
         x, residual = _ready(x), _ready(residual)

@@ -135,6 +135,11 @@ class GatedDeltaNet(nn.Module):
         # speculative verify: each row's Q positions' inputs, kept until `commit` knows how many were accepted
         self.verified: dict[str, torch.Tensor] | None = None
 
+    kernels = None  # the CPU kernel library (kernels/cpu.py), for the decode step in place
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+
     def post_load(self) -> None:
         """Once, at load: a grouped checkpoint's in_proj rows put in the split order the forward reads; then, with
         tensor parallelism, this rank's rows of the projections, channels of the convolution and heads."""
@@ -185,6 +190,8 @@ class GatedDeltaNet(nn.Module):
                 slots: torch.Tensor) -> torch.Tensor:
         """One token per row: [B, C] -> [B, Hv, Dv]; reads and writes the rows' slots."""
         q, k, v = self._qkv(self.conv1d.decode(self.conv_state, slots, mixed))
+        if self.kernels is not None and not torch.compiler.is_compiling():  # in place, two passes a state
+            return self.kernels.delta_step(self.recurrent_state, slots, q, k, v, decay, beta)
         state = _delta_step(self.recurrent_state.index_select(0, slots), k, v, decay, beta)  # [B, Hv, Dk, Dv]
         self.recurrent_state.index_copy_(0, slots, state)
         return _delta_read(state, q)

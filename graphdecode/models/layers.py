@@ -110,3 +110,6 @@ def attach_cpu_kernels(model: nn.Module, kernels) -> None:
     for rotary in model.rotary_tables():
         if rotary.rotary_dim == rotary.head_dim:
             rotary.kernels = kernels
+    for module in model.modules():  # layers with their own CPU kernels (gated_deltanet.GatedDeltaNet's step)
+        if hasattr(module, "use_cpu_kernels"):
+            module.use_cpu_kernels(kernels)
