@@ -5,7 +5,8 @@ attention layers, each followed by a shared SwiGLU MLP (models/hybrid.py's stack
   "auto" is mamba_expand * hidden_size / mamba_n_heads) or `full_attention` (`self_attn`, rope only with
   position_embedding_type "rope");
 * every layer: input_layernorm, the mixer, `residual + out * residual_multiplier`, post_attention_layernorm, the
-  shared MLP (`shared_mlp.input_linear`: gate then up rows in one tensor; `output_linear`), the same residual;
+  shared MLP (`shared_mlp.input_linear`: gate then up rows in one tensor; `output_linear`: moe.SharedExpert's
+  layout under other names), the same residual;
 * Granite's multipliers: embeddings times embedding_multiplier, the queries scaled by attention_multiplier
   (in place of head_dim ** -0.5), logits divided by logits_scaling.
 The MoE models (num_local_experts > 0: Granite 4.0-H Tiny / Small) are refused by that field.
@@ -13,32 +14,17 @@ The MoE models (num_local_experts > 0: Granite 4.0-H Tiny / Small) are refused b
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
 from .config_fields import read_bool, read_float, read_int
 from .decoder import Attention
-from .layers import FusedLinear, GatedActivation, RMSNorm
+from .layers import RMSNorm
 from .mamba2 import Mamba2Config, Mamba2Mixer, check_mamba, read_time_step_limit
 from .model_config import FULL, LINEAR, Family, ModelConfig
+from .moe import SharedExpert
 from .nemotron_h import NemotronHForCausalLM
-from .parallel import RowParallelLinear, TPGroup
-from .parallel import split as split_rows
-
-
-class SharedMLP(nn.Module):
-    """output_linear(silu(gate) * up), gate and up the two halves of input_linear's rows."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
-        super().__init__()
-        rows = split_rows(intermediate_size, tp)
-        self.input_linear = FusedLinear(hidden_size, {"gate": rows, "up": rows}, bias=False)
-        self.output_linear = RowParallelLinear(intermediate_size, hidden_size, False, tp)
-        self.act = GatedActivation("silu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(self.act(self.input_linear(x)))
+from .parallel import TPGroup
 
 
 class GraniteHybridLayer(nn.Module):
@@ -52,7 +38,7 @@ class GraniteHybridLayer(nn.Module):
                                      tp)
         else:
             self.self_attn = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
-        self.shared_mlp = SharedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.shared_mlp = SharedExpert(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -73,8 +59,10 @@ class GraniteHybridLayer(nn.Module):
 
 class GraniteHybridForCausalLM(NemotronHForCausalLM):
     layer_class = GraniteHybridLayer
-    checkpoint_renames = {}
-    fused_checkpoint = {"input_linear": ("gate", "up")}  # shared_mlp.input_linear holds gate's rows, then up's
+    # shared_mlp.input_linear holds gate's rows, then up's: moe.SharedExpert's fused gate_up_proj
+    checkpoint_renames = {".shared_mlp.input_linear.": ".shared_mlp.gate_up_proj.",
+                          ".shared_mlp.output_linear.": ".shared_mlp.down_proj."}
+    fused_checkpoint = {"gate_up_proj": ("gate", "up")}
 
 
 class GraniteHybridFamily(Family):
