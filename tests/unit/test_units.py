@@ -178,7 +178,9 @@ def test_freeze_startup_heap_keeps_the_heap_out_of_collections_but_collects_new_
         frozen = freeze_startup_heap()
         assert before_freeze() is None
         assert frozen >= len(long_lived)
-        assert gc.get_freeze_count() == frozen
+        # frozen objects stay out of collections; another thread of this process (a test's engine worker) may still
+        # free some of them by reference count, so the count can only shrink
+        assert len(long_lived) <= gc.get_freeze_count() <= frozen
         after_freeze = cycle()  # what is made later is collected as before
         gc.collect()
         assert after_freeze() is None
