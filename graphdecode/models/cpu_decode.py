@@ -103,7 +103,8 @@ class CpuDecodeLayers:
         from .decoder import DecoderForCausalLM, GatedMLP
 
         own_loop = getattr(type(model), "forward_aux", None) is not DecoderForCausalLM.forward_aux
-        if (kernels is None or own_loop or model.tp.size != 1
+        hybrid = model.config.linear is not None  # recurrent layers beside attention: not the plain layer
+        if (kernels is None or own_loop or hybrid or model.tp.size != 1
                 or model.norm_offset or model.sandwich_norms or model.embed_scale or not model.rotaries
                 or len({id(r) for r in model.rotaries}) != 1):
             return None

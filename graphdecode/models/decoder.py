@@ -163,14 +163,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool,
-                 sandwich_norms: bool):
+    """The embedding, the decoder layers (the model class's `make_layer`) and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layers: list[nn.Module], norm_offset: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, spec=specs[i], norm_offset=norm_offset, sandwich_norms=sandwich_norms)
-            for i in range(cfg.decoder_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
 
 
@@ -195,8 +193,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = DecoderModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)],
-                                  self.norm_offset, self.sandwich_norms)
+        self.model = DecoderModel(cfg, tp, [self.make_layer(i, tp) for i in range(cfg.decoder_layers)],
+                                  self.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotaries: list[RotaryEmbedding] = []  # each decoder layer's (shared tables)
@@ -204,6 +202,11 @@ class DecoderForCausalLM(nn.Module):
         self._embed_scale = None
         self.expert_tokens: torch.Tensor | None = None  # [MoE layers, E] int64: live tokens routed per expert
         self.cpu_decode = None  # a cpu_decode.CpuDecodeLayers: plain layers' decode steps in one C++ call (CPU)
+
+    def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
+        """Decoder layer `layer` (a family with other layers, models/hybrid.py, builds its own)."""
+        return DecoderLayer(self.config, layer, tp, spec=self.layer_spec(layer), norm_offset=self.norm_offset,
+                            sandwich_norms=self.sandwich_norms)
 
     def layer_spec(self, layer: int) -> AttentionSpec:
         """Decoder layer `layer`'s attention variant, from the config."""

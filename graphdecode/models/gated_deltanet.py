@@ -108,13 +108,11 @@ class GatedDeltaNet(nn.Module):
     input projections and convolution and keeps its rows at load (`post_load`), its state holds its heads, and
     out_proj (split by columns) all-reduces."""
 
-    def __init__(self, lin: LinearAttentionConfig, hidden_size: int, eps: float, state_index: int,
-                 tp: TPGroup = TPGroup()):
+    def __init__(self, lin: LinearAttentionConfig, hidden_size: int, eps: float, tp: TPGroup = TPGroup()):
         super().__init__()
         self.full_lin = lin
         self.lin = lin.local(tp.size)
         self.tp = tp
-        self.state_index = state_index  # this layer's place among the model's linear layers
         full = TPGroup()  # the whole projections are read; post_load keeps this rank's rows
         if lin.layout == "grouped":
             shards = {"qkvz": split_rows(lin.conv_dim + lin.value_dim, full),

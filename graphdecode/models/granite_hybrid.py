@@ -34,8 +34,7 @@ class GraniteHybridLayer(nn.Module):
         self.sparse = False
         self.scale = cfg.residual_multiplier
         if self.kind == LINEAR:
-            self.mamba = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, cfg.linear_layers.index(layer_idx),
-                                     tp)
+            self.mamba = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, tp)
         else:
             self.self_attn = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
         self.shared_mlp = SharedExpert(cfg.hidden_size, cfg.intermediate_size, tp)

@@ -8,8 +8,9 @@ as parameters (here: q/k norms, a gated output, partial rotary), numbered among 
 (`ModelConfig.kv_layer`); the linear layers own their state tensors, which the runner binds (`bind_states`)
 once it has sized the slots.
 
-A family is a small file that says how config.json reads (qwen3_5.py) and sets the class flags here; the
-forward below is the one loop every hybrid runs (no fused CPU decode driver: cpu_decode.py takes plain layers).
+A family is a small file that says how config.json reads (qwen3_5.py) and sets the class flags here, or gives
+its own block class (nemotron_h.py, granite_hybrid.py); the stack's forward is decoder.py's (no fused CPU decode
+driver: cpu_decode.py takes plain layers only).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .gated_deltanet import GatedDeltaNet
 from .layers import RMSNorm
 from .model_config import LINEAR, ModelConfig
 from .moe import SparseMoE
-from .parallel import TPGroup, VocabParallelEmbedding
+from .parallel import TPGroup
 
 
 class HybridLayer(nn.Module):
@@ -33,8 +34,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_idx] == LINEAR
         if self.is_linear:
-            state_index = cfg.linear_layers.index(layer_idx)
-            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, state_index, tp)
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, tp)
         else:
             self.self_attn = Attention(cfg, cfg.kv_layer(layer_idx), tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset,
                                        spec=spec, output_gate=cfg.attn_output_gate)
@@ -64,15 +64,6 @@ class HybridLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
-class HybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, specs: list[AttentionSpec], norm_offset: bool, layer_class,
-                 norm_weight_fp32: bool = False):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(layer_class(cfg, i, tp, specs[i], norm_offset) for i in range(cfg.decoder_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, norm_weight_fp32)
-
-
 class HybridForCausalLM(DecoderForCausalLM):
     layer_class = HybridLayer  # a family's decoder layer: `state_mixer` and `attention` name its parts
     packed_modules = {  # the linear layers' four input projections fill one fused in_proj
@@ -85,21 +76,8 @@ class HybridForCausalLM(DecoderForCausalLM):
         "in_proj_ba": ("in_proj", "ba"),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.tp = tp
-        self.model = HybridModel(cfg, tp, [self.layer_spec(i) for i in range(cfg.decoder_layers)], self.norm_offset,
-                                 self.layer_class, cfg.norm_weight_fp32)
-        if not cfg.tie_word_embeddings:
-            from .parallel import ParallelLMHead
-
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotaries = []
-        self.packed_head = None
-        self._embed_scale = None
-        self.expert_tokens = None
-        self.cpu_decode = None
+    def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
+        return self.layer_class(self.config, layer, tp, self.layer_spec(layer), self.norm_offset)
 
     @property
     def attention_specs(self) -> list[AttentionSpec]:
@@ -139,13 +117,3 @@ class HybridForCausalLM(DecoderForCausalLM):
             for name, tensor in (layer.verified or {}).items():
                 out[f"verified.{i}.{name}"] = tensor
         return out
-
-    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
-                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden = self.embed(input_ids)
-        saved = []
-        for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
-            if i in aux_layers:
-                saved.append(hidden)
-            hidden = layer(positions, hidden, rotary, ctx)
-        return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None

@@ -109,12 +109,11 @@ class Mamba2Mixer(nn.Module):
     """Tensor parallelism splits the heads (and their groups of B and C) across ranks: each rank loads the whole
     in_proj and convolution and keeps its rows at load (`post_load`); out_proj (split by columns) all-reduces."""
 
-    def __init__(self, cfg: Mamba2Config, hidden_size: int, eps: float, state_index: int, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: Mamba2Config, hidden_size: int, eps: float, tp: TPGroup = TPGroup()):
         super().__init__()
         self.full_cfg = cfg
         self.cfg = cfg.local(tp.size)
         self.tp = tp
-        self.state_index = state_index
         one = TPGroup()  # the whole in_proj is read; post_load keeps this rank's rows
         self.in_proj = FusedLinear(hidden_size, {"all": split_rows(cfg.intermediate_size + cfg.conv_dim
                                                                    + cfg.num_heads, one)}, bias=cfg.proj_bias)

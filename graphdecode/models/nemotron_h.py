@@ -45,8 +45,7 @@ class NemotronHBlock(nn.Module):
         self.sparse = False
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_fp32=True)
         if self.kind == LINEAR:
-            self.mixer = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, cfg.linear_layers.index(layer_idx),
-                                     tp)
+            self.mixer = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, tp)
         elif self.kind == FULL:
             self.mixer = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
         else:
