@@ -38,7 +38,8 @@ class CausalConv(nn.Module):
     def verify(self, conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Q positions per row, x [B, Q, C] -> [B, Q, C], the windows unchanged."""
         full = torch.cat([conv_state.index_select(0, slots), x.to(conv_state.dtype).transpose(1, 2)], dim=-1)
-        return F.silu(F.conv1d(full.to(self.weight.dtype), self.weight, self.bias, groups=full.shape[1])).transpose(1, 2)
+        out = F.conv1d(full.to(self.weight.dtype), self.weight, self.bias, groups=full.shape[1])
+        return F.silu(out).transpose(1, 2)
 
     def commit(self, conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, accepted: torch.Tensor) -> None:
         """Each row's window moves over its first accepted[b] of the positions x [B, Q, C] (0..Q)."""

@@ -17,11 +17,11 @@ written back with index ops on static buffers, so it runs inside a captured wind
 point at the scratch slot 0. A speculative verify (`ctx.verify`: Q positions per row) runs it Q times from the
 row's state without writing it, keeping the positions' inputs in static buffers; once the window knows how
 many positions each row accepted, `commit` moves the state over exactly those (recomputing them from the kept
-inputs), so rejected drafts never reach a state. Prefill (`ctx.prefill`) runs each sequence's chunk in the chunked form: within
-blocks of CHUNK tokens the updates are solved together (the WY / UT transform: one triangular solve per block),
-across blocks the state carries. A chunk starts from the slot's state, so a prompt split anywhere continues
-exactly; the runner zeroes the slot before a sequence's first chunk. The output passes an RMSNorm gated by
-silu(z) (per value head) and the out projection.
+inputs; recurrent.RecurrentMixer), so rejected drafts never reach a state. Prefill (`ctx.prefill`) runs each
+sequence's chunk in the chunked form: within blocks of CHUNK tokens the updates are solved together (the WY / UT
+transform: one triangular solve per block), across blocks the state carries. A chunk starts from the slot's
+state, so a prompt split anywhere continues exactly; the runner zeroes the slot before a sequence's first chunk.
+The output passes an RMSNorm gated by silu(z) (per value head) and the out projection.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .causal_conv import CausalConv
 from .layers import FusedLinear
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
+from .recurrent import RecurrentMixer, keep_rows
 
 CHUNK = 64  # tokens per block of the chunked form
 
@@ -70,8 +71,9 @@ class LinearAttentionConfig:
         """One tensor-parallel rank's share: its key heads and their value heads."""
         return replace(self, num_key_heads=self.num_key_heads // ranks, num_value_heads=self.num_value_heads // ranks)
 
-    def rank_rows(self, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rank's rows of in_proj in the split order [q | k | v | z | b | a], its convolution channels [q | k | v])."""
+    def rank_rows(self, rank: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rank's rows of in_proj in the split order [q | k | v | z | b | a], its convolution channels [q | k | v],
+        its value heads)."""
         hk, dk, hv, dv = self.num_key_heads, self.key_head_dim, self.num_value_heads, self.value_head_dim
         mine_k = torch.arange(rank * hk // ranks * dk, (rank + 1) * hk // ranks * dk)
         mine_v = torch.arange(rank * hv // ranks * dv, (rank + 1) * hv // ranks * dv)
@@ -80,7 +82,7 @@ class LinearAttentionConfig:
         channels = torch.cat([mine_k, key + mine_k, 2 * key + mine_v])
         rows = torch.cat([channels, self.conv_dim + mine_v, self.conv_dim + value + mine_h,
                           self.conv_dim + value + hv + mine_h])
-        return rows, channels
+        return rows, channels, mine_h
 
     @property
     def recurrent_shape(self) -> tuple[int, ...]:
@@ -103,7 +105,7 @@ class GatedRMSNorm(nn.Module):
         return (h * F.silu(gate.float())).to(dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Tensor parallelism splits the key heads (and their value heads) across ranks: each rank loads the whole
     input projections and convolution and keeps its rows at load (`post_load`), its state holds its heads, and
     out_proj (split by columns) all-reduces."""
@@ -128,10 +130,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
         self.norm = GatedRMSNorm(lin.value_head_dim, eps)
         self.out_proj = RowParallelLinear(lin.value_dim, hidden_size, False, tp)
-        self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by states.StateCache
-        self.recurrent_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
-        # speculative verify: each row's Q positions' inputs, kept until `commit` knows how many were accepted
-        self.verified: dict[str, torch.Tensor] | None = None
 
     kernels = None  # the CPU kernel library (kernels/cpu.py), for the decode step in place
 
@@ -145,13 +143,10 @@ class GatedDeltaNet(nn.Module):
         if self.lin.layout == "grouped":
             weight.data.copy_(weight.data[grouped_order(self.full_lin).to(weight.device)])
         if self.tp.size > 1:
-            rows, channels = self.full_lin.rank_rows(self.tp.rank, self.tp.size)
-            n = self.lin.num_value_heads
-            heads = torch.arange(self.tp.rank * n, (self.tp.rank + 1) * n)
+            rows, channels, heads = self.full_lin.rank_rows(self.tp.rank, self.tp.size)
             keep_rows(self.in_proj, rows)
             keep_rows(self.conv1d, channels)
-            self.dt_bias = nn.Parameter(self.dt_bias.data[heads.to(weight.device)], requires_grad=False)
-            self.A_log = nn.Parameter(self.A_log.data[heads.to(weight.device)], requires_grad=False)
+            self.keep_heads(heads, "dt_bias", "A_log")
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         lin = self.lin
@@ -206,43 +201,20 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._qkv(conv_out.reshape(rows * queries, -1))
         q, k, v = (t.view(rows, queries, *t.shape[1:]) for t in (q, k, v))
         decay, beta = decay.view(rows, queries, -1), beta.view(rows, queries, -1)
-        kept = self.verified
-        kept["inputs"][:rows].copy_(x)
-        kept["k"][:rows].copy_(k)
-        kept["v"][:rows].copy_(v)
-        kept["decay"][:rows].copy_(decay)
-        kept["beta"][:rows].copy_(beta)
+        self.keep_verified(inputs=x, k=k, v=v, decay=decay, beta=beta)
         state, outputs = self.recurrent_state.index_select(0, slots), []
         for t in range(queries):
             state = _delta_step(state, k[:, t], v[:, t], decay[:, t], beta[:, t])
             outputs.append(_delta_read(state, q[:, t]))
         return torch.stack(outputs, dim=1).view(rows * queries, *outputs[0].shape[1:])
 
-    def commit(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
-        """After a verify: each row's state moves over its first accepted[b] positions ([B] int64, 0..Q;
-        0 for inert rows: their state stays)."""
-        rows = slots.shape[0]
-        kept = self.verified
-        x = kept["inputs"][:rows]  # [B, Q, C]
-        queries = x.shape[1]
-        self.conv1d.commit(self.conv_state, slots, x, accepted)
-        state = self.recurrent_state.index_select(0, slots)
-        for t in range(queries):
-            moved = _delta_step(state, kept["k"][:rows, t], kept["v"][:rows, t], kept["decay"][:rows, t],
-                                kept["beta"][:rows, t])
-            state = torch.where((t < accepted)[:, None, None, None], moved, state)
-        self.recurrent_state.index_copy_(0, slots, state)
+    def state_step(self, state, k, v, decay, beta) -> torch.Tensor:
+        return _delta_step(state, k, v, decay, beta)
 
-    def hold_verified(self, rows: int, queries: int) -> None:
-        """Buffers for `rows` rows of `queries` verify positions (speculative decoding)."""
-        lin, device = self.lin, self.conv_state.device
-        self.verified = {
-            "inputs": torch.zeros(rows, queries, lin.conv_dim, dtype=self.conv_state.dtype, device=device),
-            "k": torch.zeros(rows, queries, lin.num_value_heads, lin.key_head_dim, device=device),
-            "v": torch.zeros(rows, queries, lin.num_value_heads, lin.value_head_dim, device=device),
-            "decay": torch.zeros(rows, queries, lin.num_value_heads, device=device),
-            "beta": torch.zeros(rows, queries, lin.num_value_heads, device=device),
-        }
+    def verified_shapes(self) -> dict[str, tuple[int, ...]]:
+        lin = self.lin
+        return {"k": (lin.num_value_heads, lin.key_head_dim), "v": (lin.num_value_heads, lin.value_head_dim),
+                "decay": (lin.num_value_heads,), "beta": (lin.num_value_heads,)}
 
     def _prefill(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, meta) -> torch.Tensor:
         """Each sequence's chunk from its slot's state: [T, C] -> [T, Hv, Dv]."""
@@ -255,16 +227,6 @@ class GatedDeltaNet(nn.Module):
             self.recurrent_state[slot].copy_(final)
             outputs.append(out)
         return torch.cat(outputs)
-
-
-def keep_rows(module: nn.Module, rows: torch.Tensor) -> None:
-    """Keep only `rows` of a module's weight (and bias): a rank's share of a projection loaded whole."""
-    index = rows.to(module.weight.device)
-    module.weight = nn.Parameter(module.weight.data[index].contiguous(), requires_grad=False)
-    if getattr(module, "bias", None) is not None:
-        module.bias = nn.Parameter(module.bias.data[index].contiguous(), requires_grad=False)
-    if hasattr(module, "out_features"):
-        module.out_features = len(rows)
 
 
 def grouped_order(lin: LinearAttentionConfig) -> torch.Tensor:

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .causal_conv import CausalConv
-from .gated_deltanet import keep_rows
 from .layers import FusedLinear
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
+from .recurrent import RecurrentMixer, keep_rows
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Tensor parallelism splits the heads (and their groups of B and C) across ranks: each rank loads the whole
     in_proj and convolution and keeps its rows at load (`post_load`); out_proj (split by columns) all-reduces."""
 
@@ -125,9 +125,6 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(cfg.num_heads))
         self.norm = GroupedGatedRMSNorm(cfg.intermediate_size, cfg.n_groups, eps)
         self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, cfg.proj_bias, tp)
-        self.conv_state: torch.Tensor | None = None  # [slots, C, K - 1], bound by the state cache
-        self.recurrent_state: torch.Tensor | None = None  # [slots, H, P, N] float32
-        self.verified: dict[str, torch.Tensor] | None = None  # a verify's positions, until `commit`
 
     def post_load(self) -> None:
         """With tensor parallelism: this rank's rows of in_proj, channels of the convolution, heads and norm groups."""
@@ -138,8 +135,7 @@ class Mamba2Mixer(nn.Module):
         keep_rows(self.conv1d, channels)
         keep_rows(self.norm, rows[: self.cfg.intermediate_size])
         self.norm.groups = self.cfg.n_groups
-        for name in ("dt_bias", "A_log", "D"):
-            setattr(self, name, nn.Parameter(getattr(self, name).data[heads.to(self.D.device)], requires_grad=False))
+        self.keep_heads(heads, "dt_bias", "A_log", "D")
 
     def forward(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
         z, xbc, dt = self.in_proj(hidden).split(self.split_sizes, dim=-1)
@@ -167,7 +163,7 @@ class Mamba2Mixer(nn.Module):
         c = c.view(tokens, cfg.n_groups, cfg.state_size).repeat_interleave(repeat, dim=1)
         return x.view(tokens, cfg.num_heads, cfg.head_dim), b, c
 
-    def _step(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    def state_step(self, state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
         """One token per row: state [B, H, P, N], x [B, H, P], b [B, H, N], dt [B, H] -> the new state (a new
         tensor); the outer product (dt x) b^T added in place by a batched matmul."""
         rows, heads, p, n = state.shape
@@ -184,7 +180,7 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         x, b, c = self._split(self.conv1d.decode(self.conv_state, slots, xbc))
-        state = self._step(self.recurrent_state.index_select(0, slots), x, b, dt)
+        state = self.state_step(self.recurrent_state.index_select(0, slots), x, b, dt)
         self.recurrent_state.index_copy_(0, slots, state)
         return self._read(state, x, c)
 
@@ -195,35 +191,16 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split(self.conv1d.verify(self.conv_state, slots, inputs).reshape(rows * queries, -1))
         x, b, c = (t.view(rows, queries, *t.shape[1:]) for t in (x, b, c))
         dt = dt.view(rows, queries, -1)
-        kept = self.verified
-        kept["inputs"][:rows].copy_(inputs)
-        kept["x"][:rows].copy_(x)
-        kept["b"][:rows].copy_(b)
-        kept["dt"][:rows].copy_(dt)
+        self.keep_verified(inputs=inputs, x=x, b=b, dt=dt)
         state, outputs = self.recurrent_state.index_select(0, slots), []
         for t in range(queries):
-            state = self._step(state, x[:, t], b[:, t], dt[:, t])
+            state = self.state_step(state, x[:, t], b[:, t], dt[:, t])
             outputs.append(self._read(state, x[:, t], c[:, t]))
         return torch.stack(outputs, dim=1).view(rows * queries, -1)
 
-    def commit(self, accepted: torch.Tensor, slots: torch.Tensor) -> None:
-        rows = slots.shape[0]
-        kept = self.verified
-        self.conv1d.commit(self.conv_state, slots, kept["inputs"][:rows], accepted)
-        state = self.recurrent_state.index_select(0, slots)
-        for t in range(kept["x"].shape[1]):
-            moved = self._step(state, kept["x"][:rows, t], kept["b"][:rows, t], kept["dt"][:rows, t])
-            state = torch.where((t < accepted)[:, None, None, None], moved, state)
-        self.recurrent_state.index_copy_(0, slots, state)
-
-    def hold_verified(self, rows: int, queries: int) -> None:
-        cfg, device = self.cfg, self.conv_state.device
-        self.verified = {
-            "inputs": torch.zeros(rows, queries, cfg.conv_dim, dtype=self.conv_state.dtype, device=device),
-            "x": torch.zeros(rows, queries, cfg.num_heads, cfg.head_dim, device=device),
-            "b": torch.zeros(rows, queries, cfg.num_heads, cfg.state_size, device=device),
-            "dt": torch.zeros(rows, queries, cfg.num_heads, device=device),
-        }
+    def verified_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg = self.cfg
+        return {"x": (cfg.num_heads, cfg.head_dim), "b": (cfg.num_heads, cfg.state_size), "dt": (cfg.num_heads,)}
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, meta) -> torch.Tensor:
         outputs = []
@@ -267,5 +244,6 @@ def chunked_scan(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, log_decay: t
     state = state.float()
     for i in range(blocks):
         out[:, i] = within[:, i] + cum[:, i].exp()[..., None] * (c[:, i] @ state.transpose(-1, -2))
-        state = state * cum[:, i, -1].exp()[:, None, None] + (xs[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ b[:, i]
+        update = (xs[:, i] * to_end[:, i, :, None]).transpose(-1, -2) @ b[:, i]
+        state = state * cum[:, i, -1].exp()[:, None, None] + update
     return out.reshape(heads, blocks * chunk, -1)[:, :length].transpose(0, 1), state
