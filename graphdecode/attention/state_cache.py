@@ -6,7 +6,8 @@ hold). Slot 0 is the scratch slot: padded and finished rows of a window read and
 to the scratch page. The scheduler hands out slots 1..num_slots-1 from a free list with the life cycle of a
 sequence's pages (host/scheduler.py): taken at admission, given back when the sequence finishes, is aborted
 or is preempted (its recomputation starts from a zeroed slot); n > 1 children take their own at admission
-and receive a copy of the prompt's final state when its last chunk has run (`fork`).
+and receive a copy of the prompt's final state when its last chunk has run (`copy`, which also takes and
+restores the prefix cache's snapshots).
 
 Every sequence that holds a slot holds a row or a reserved row, so slots 1..max_batch_size never run out. The
 slots after them hold the prefix cache's snapshots: a sequence's state at the end of a cached page, copied in
@@ -47,7 +48,7 @@ class StateCache:
             conv.index_fill_(0, slots, 0)
             recurrent.index_fill_(0, slots, 0)
 
-    def fork(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src[i] -> dst[i] ([n] int64 each) in every layer."""
         for conv, recurrent in self.layers:
             conv.index_copy_(0, dst, conv.index_select(0, src))

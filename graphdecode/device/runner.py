@@ -324,7 +324,7 @@ class ModelRunner:
         """Copy recurrent-state slots (source, destination) in every linear layer."""
         if pairs:
             src, dst = zip(*pairs)
-            self.states.fork(self._send(np.asarray(src, dtype=np.int64)), self._send(np.asarray(dst, dtype=np.int64)))
+            self.states.copy(self._send(np.asarray(src, dtype=np.int64)), self._send(np.asarray(dst, dtype=np.int64)))
 
     def _prompt_logprobs(self, chunk: PrefillChunk, hidden, offset: int):
         """Raw logprobs of the prompt tokens the chunk's positions predict, their ranks and the top N."""

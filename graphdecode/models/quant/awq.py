@@ -98,9 +98,6 @@ def awq_calibrate(src: str, calibration: list[list[int]], fmt: str, bits: int, g
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     found = Calibration({})
 
-    def per_head(s: torch.Tensor) -> torch.Tensor:  # one scale per KV channel -> o_proj's input columns
-        return s.view(kv_heads, 1, head_dim).expand(kv_heads, heads // kv_heads, head_dim).reshape(-1)
-
     def search(x: torch.Tensor, names: list[str], linears: list, kv: bool = False) -> torch.Tensor:
         """x [tokens, K]: the linears' inputs (first tokens left out). The error of a candidate is the squared
         error of the linears' outputs on x, through x's second moments. Leaves each linear holding
@@ -116,7 +113,7 @@ def awq_calibrate(src: str, calibration: list[list[int]], fmt: str, bits: int, g
         for alpha in alphas:
             s = s_x.pow(alpha).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
-            cols = per_head(s) if kv else s
+            cols = _per_query_head(s, heads, kv_heads, head_dim) if kv else s
             scaled = None
             if moments is not None:  # the moments of x / s, the scaled weight's input
                 inv = (1 / cols).view(-1, moments.shape[1])
@@ -163,6 +160,12 @@ def awq_calibrate(src: str, calibration: list[list[int]], fmt: str, bits: int, g
     return found
 
 
+def _per_query_head(s: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """One scale per KV channel [kv_heads * head_dim] -> o_proj's input columns: each query head of a group reads
+    its KV head's v_proj rows."""
+    return s.view(kv_heads, 1, head_dim).expand(kv_heads, heads // kv_heads, head_dim).reshape(-1)
+
+
 def fold_scales(state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
                 config: dict) -> dict[str, torch.Tensor]:
     """A copy of `state` (a llama checkpoint's tensors) with `scales` (awq_scales' names) folded in: each linear's
@@ -192,8 +195,7 @@ def fold_scales(state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
         elif which == "o_proj":
             scale(f"{layer}.v_proj.weight", s, 0, True)
             scale(f"{layer}.v_proj.bias", s, 0, True)
-            full = s.view(kv_heads, 1, head_dim).expand(kv_heads, heads // kv_heads, head_dim).reshape(-1)
-            scale(f"{layer}.o_proj.weight", full, 1, False)
+            scale(f"{layer}.o_proj.weight", _per_query_head(s, heads, kv_heads, head_dim), 1, False)
         elif which == "gate_up":
             prefix = layer.rpartition(".")[0]
             scale(f"{prefix}.post_attention_layernorm.weight", s, 0, True)
