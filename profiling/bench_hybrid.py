@@ -26,11 +26,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
 
-from graphdecode.bench.common import machine_info, random_prompt_ids, write_json
+from graphdecode.bench.common import machine_info, random_prompt_ids, script_module, write_json
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+moe = script_module(os.path.join(HERE, "bench_moe.py"))
 
 PRESETS = {
     "small": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -68,9 +72,8 @@ def ensure_model(preset: str, dense: bool) -> str:
 
 
 def hf_generate(model, ids, new_tokens: int):
-    with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, disable_compile=True)
+    """bench_moe.py's batched greedy generate (exactly new_tokens tokens), with transformers' default cache."""
+    return moe.hf_generate(model, ids, new_tokens, None)
 
 
 def _timed(fn) -> tuple[float, object]:
