@@ -301,9 +301,14 @@ class EngineConfig:
         snapshots = 0
         if cfg.linear is not None and self.enable_prefix_caching:
             snapshots = self.num_state_snapshots if self.num_state_snapshots is not None else max_batch_size
+        states = state_cache_bytes(cfg, dtype, max_batch_size + snapshots, self.tensor_parallel_size)
+        if states:
+            memory = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else _host_memory()[1]
+            if states > memory:
+                raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
+                                 f"{states} bytes of recurrent states per rank exceed the device's {memory} bytes")
         num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg,
-                                                state_cache_bytes(cfg, dtype, max_batch_size + snapshots,
-                                                                  self.tensor_parallel_size))
+                                                states)
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "

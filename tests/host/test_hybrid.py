@@ -260,8 +260,12 @@ def test_the_budget_holds_the_live_states_and_the_snapshots_first(qwen35):
         states = state_cache_bytes(config.model_config, torch.float32, 8 + snapshots)
         assert states == (9 + snapshots) * per_state
         assert config.num_pages == ((1 << 22) - states) // per_page
-    with pytest.raises(ValueError, match="num_state_snapshots"):
-        EngineConfig(qwen35, num_state_snapshots=-1)
+    for bad in (-1, float("nan"), True, "3"):
+        with pytest.raises(ValueError, match="num_state_snapshots must be an integer >= 0"):
+            EngineConfig(qwen35, num_state_snapshots=bad)
+    for absurd in (2**32 + 1, 2**63):  # refused by size before anything is allocated, naming the field
+        with pytest.raises(ValueError, match=r"num_state_snapshots \(\d+\).*exceed the device"):
+            LLM(qwen35, num_state_snapshots=absurd)
 
 
 SYSTEM = random_prompts(1, [40], seed=81)[0]  # 2 full pages of 16 and 8 tokens
