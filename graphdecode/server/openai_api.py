@@ -208,7 +208,6 @@ class DrainingServer(uvicorn.Server):
         self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
-        self._silent = False  # the core is past its heartbeat timeout (said once, and once when it is back)
 
     def check_core(self) -> None:
         """A dead core: one ERROR line with its cause (and the traceback it sent), exit status 1."""
@@ -223,11 +222,8 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         self.check_core()
-        silent = None if self.exit_status else self.api.unresponsive()
-        if (silent is not None) != self._silent:
-            self._silent = silent is not None
-            print(f"WARNING: graphdecode: {silent}; /health answers 503" if silent else
-                  "graphdecode: the engine core is heard from again", file=sys.stderr, flush=True)
+        if not self.exit_status:
+            self.api.unresponsive()  # logs a core that stops beating even while no request asks
         return await super().on_tick(counter)
 
     async def startup(self, sockets=None):

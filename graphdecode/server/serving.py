@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -112,6 +113,7 @@ class OpenAIServer:
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
         self.engine = engine
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
+        self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
         self.model_name = served_model_name
         self.model_json = json.dumps(served_model_name)  # as it goes into each streamed chunk
         self.metrics = ServerMetrics(engine, served_model_name, metrics_prefix)
@@ -136,12 +138,17 @@ class OpenAIServer:
         return 200, {"status": "ok"}
 
     def unresponsive(self) -> str | None:
-        """Why the core counts as unresponsive (no beat for longer than the heartbeat timeout), or None."""
+        """Why the core counts as unresponsive (no beat for longer than the heartbeat timeout), or None.
+        A change either way gets one line on stderr, so the log says it before any answer that depends on it."""
         age = self.engine.heartbeat_age
-        if age <= self.heartbeat_timeout:
-            return None
-        return (f"the engine core has not answered for {age:.1f} s (--heartbeat-timeout "
-                f"{self.heartbeat_timeout:g} s): it is stopped, frozen or starved")
+        silent = None if age <= self.heartbeat_timeout else (
+            f"the engine core has not answered for {age:.1f} s (--heartbeat-timeout "
+            f"{self.heartbeat_timeout:g} s): it is stopped, frozen or starved")
+        if (silent is not None) != self._silent:  # whoever sees the change first logs it, before answering
+            self._silent = silent is not None
+            print(f"WARNING: graphdecode: {silent}; /health answers 503" if silent else
+                  "graphdecode: the engine core is heard from again", file=sys.stderr, flush=True)
+        return silent
 
     def check_ready(self) -> None:
         if self.draining:
