@@ -18,6 +18,7 @@ from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
+from .models.mtp import MTPConfig, read_mtp_config
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -177,7 +178,8 @@ class EngineConfig:
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
     # vLLM's names: {"method": "ngram", "num_speculative_tokens": d, "prompt_lookup_max": .., "prompt_lookup_min": ..}
-    # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}; None: off
+    # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
+    # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
     speculative_config: dict | None = None
     # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). None: the
     # environment's GRAPHDECODE_CPU_THREADS, else the cores this process may use (os.sched_getaffinity),
@@ -197,10 +199,11 @@ class EngineConfig:
     max_pages_per_seq: int = field(init=False)
     logprobs_width: int = field(init=False)  # logprob entries per row and step on the device
     num_speculative_tokens: int = field(init=False)  # d; 0 when speculative decoding is off
-    speculative_method: str | None = field(init=False)  # "ngram", "draft_model" or "eagle3"; None when off
-    draft_model: str | None = field(init=False)  # the draft model's or EAGLE-3 head's directory
+    speculative_method: str | None = field(init=False)  # "ngram", "draft_model", "eagle3" or "mtp"; None when off
+    draft_model: str | None = field(init=False)  # the draft model's, EAGLE-3 head's or MTP layer's directory
     draft_model_config: ModelConfig | None = field(init=False, repr=False)  # its config.json
     eagle3_config: Eagle3Config | None = field(init=False, repr=False)  # the head's fields (method "eagle3")
+    mtp_config: MTPConfig | None = field(init=False, repr=False)  # the target's MTP layer (method "mtp")
     prompt_lookup_max: int = field(init=False)
     prompt_lookup_min: int = field(init=False)
 
@@ -286,10 +289,16 @@ class EngineConfig:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                 f"({cfg.max_position_embeddings})"
             )
-        eagle3 = None
+        eagle3 = mtp = None
         if speculative["speculative_method"] == "eagle3":
             eagle3 = read_eagle3_config(speculative["draft_model"], cfg)
             draft_cfg = eagle3.model
+        elif speculative["speculative_method"] == "mtp":
+            from .models.registry import model_class
+
+            speculative["draft_model"] = speculative["draft_model"] or str(self.model)
+            mtp = read_mtp_config(speculative["draft_model"], cfg, model_class(cfg))
+            draft_cfg = mtp.model
         else:
             draft_cfg = _check_draft(speculative["draft_model"], cfg, max_len)
         # sliding windows (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 3) are per-layer
@@ -320,6 +329,7 @@ class EngineConfig:
             "model_config": cfg,
             "draft_model_config": draft_cfg,
             "eagle3_config": eagle3,
+            "mtp_config": mtp,
             "torch_device": device,
             "torch_dtype": dtype,
             "kv_torch_dtype": kv_dtype,
@@ -454,9 +464,6 @@ def state_cache_bytes(cfg: ModelConfig, dtype: torch.dtype, slots: int, ranks: i
 
 def _check_hybrid(cfg: ModelConfig, speculative: dict, tensor_parallel_size: int) -> None:
     """A hybrid model's limits (recurrent layers), refused by the field's name."""
-    if speculative["speculative_method"] == "eagle3":
-        raise ValueError("speculative_config: method 'eagle3' with a hybrid model (linear-attention layers) is not "
-                         "supported yet (ngram and draft_model are)")
     tp, lin = tensor_parallel_size, cfg.linear
     if tp > 1:
         heads = {"linear_num_key_heads": getattr(lin, "num_key_heads", None), "mamba_num_heads":
@@ -469,8 +476,8 @@ def _check_hybrid(cfg: ModelConfig, speculative: dict, tensor_parallel_size: int
             raise ValueError(f"tensor_parallel_size ({tp}): a quantized hybrid model runs on one rank")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
-NOT_YET = ("eagle", "mtp")  # vLLM's names for methods graphdecode does not run yet
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+NOT_YET = ("eagle",)  # vLLM's names for methods graphdecode does not run yet
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
@@ -484,9 +491,9 @@ def _check_speculative(spec, page_size: int) -> dict:
         raise ValueError(f"speculative_config must be a dict (or None), got {spec!r}")
     method = spec.get("method", "ngram")
     if method not in SPECULATIVE_METHODS:
-        later = " (EAGLE-1 heads and MTP layers are not supported yet)" if method in NOT_YET else ""
-        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), 'draft_model' or 'eagle3', "
-                         f"got {method!r}{later}")
+        later = " (EAGLE-1 heads are not supported yet)" if method in NOT_YET else ""
+        raise ValueError(f"speculative_config: method must be 'ngram' (prompt lookup), 'draft_model', 'eagle3' or "
+                         f"'mtp' (the target's own MTP layers), got {method!r}{later}")
     ngram = method == "ngram"
     known = {"method", "num_speculative_tokens"} | ({"prompt_lookup_max", "prompt_lookup_min"} if ngram else {"model"})
     unknown = sorted(set(spec) - known)
@@ -504,12 +511,14 @@ def _check_speculative(spec, page_size: int) -> dict:
     if resolved["prompt_lookup_min"] > resolved["prompt_lookup_max"]:
         raise ValueError("speculative_config: prompt_lookup_min must not exceed prompt_lookup_max")
     draft = spec.get("model")
-    if not ngram and (not isinstance(draft, (str, os.PathLike)) or not os.path.isdir(draft)):
-        raise ValueError(f"speculative_config.model must be the {'EAGLE-3 head' if method == 'eagle3' else 'draft model'}"
-                         f"'s HuggingFace directory, got {draft!r}")
+    optional = method == "mtp" and draft is None  # the MTP layers are the target's own
+    if not ngram and not optional and (not isinstance(draft, (str, os.PathLike)) or not os.path.isdir(draft)):
+        what = {"eagle3": "EAGLE-3 head", "mtp": "target (whose checkpoint holds the MTP layers)"}.get(method,
+                                                                                                    "draft model")
+        raise ValueError(f"speculative_config.model must be the {what}'s HuggingFace directory, got {draft!r}")
     if not ngram:
         resolved["prompt_lookup_max"] = resolved["prompt_lookup_min"] = 0
-    return {**resolved, "speculative_method": method, "draft_model": None if ngram else str(draft)}
+    return {**resolved, "speculative_method": method, "draft_model": None if ngram or optional else str(draft)}
 
 
 def _check_draft(path: str | None, target: ModelConfig, max_len: int) -> ModelConfig | None:

@@ -7,7 +7,7 @@ token at i + 1, and is trained on the target's next-token distribution at i + 1 
 32 probabilities inside the draft vocabulary). Training unrolls the drafting the
 engine does (EAGLE-3's training-time test): at depth s > 1 the hidden state a query reads is the head's own
 output one position back at depth s - 1, and it attends the exact (depth-1) K/V up to s - 1 positions back
-and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/eagle3.py).
+and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/draft_head.py).
 
 Data: distil_draft.py's synthetic chat prompts, each answered three times by the target through the engine
 (greedy, T=0.7, T=1.0); the target's hidden states and top-32 probabilities from transformers. The draft

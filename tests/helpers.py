@@ -237,3 +237,26 @@ def assert_same_outputs(got, want, tolerance: float = 1e-4) -> None:
     for a, b in zip(got, want):
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
             assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < tolerance for t in x)
+
+
+def add_mtp_layer(model_dir: str, source_layer: int, seed: int = 0, std: float = 0.05) -> str:
+    """Give a Qwen3.5 / Qwen3-Next checkpoint MTP tensors as those checkpoints ship them: mtp.layers.0.* a copy
+    of its full-attention decoder layer `source_layer` (so transformers' own layer is the oracle for it), random
+    mtp.fc [hidden, 2 x hidden] and (1 + w) norms near 1 (pre_fc_norm_embedding / pre_fc_norm_hidden / norm)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    prefix = next(p for p in ("model.language_model.layers.", "model.layers.") if any(k.startswith(p) for k in tensors))
+    source = f"{prefix}{source_layer}."
+    for key in [k for k in tensors if k.startswith(source)]:
+        tensors["mtp.layers.0." + key[len(source):]] = tensors[key].clone()
+    hidden = tensors[prefix.replace("layers.", "norm.weight")].shape[0]
+    dtype = tensors[prefix.replace("layers.", "norm.weight")].dtype
+    tensors["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden, generator=g) * std).to(dtype)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = (torch.randn(hidden, generator=g) * 0.1).to(dtype)  # (1 + w) norms
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir

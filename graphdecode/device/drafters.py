@@ -6,9 +6,10 @@ that are not live), proposal [B, d, V] float32 or None: the distribution each dr
 rejection sampling (rejection.py); model drafters give it in sampled windows). It runs
 on the device with static shapes and no host sync, so it is captured with the window.
 
-Drafters that read the target's hidden states (EAGLE-3, eagle3.py) set `reads_hidden`: the window's
-forward then returns them beside the logits, and the window hands them to `accepted` after each verify
-and to `follow` after each plain decode step, so the drafter's own state stays current.
+Drafters that read the target's hidden states (EAGLE-3 heads and MTP layers, draft_head.py) set
+`reads_hidden`: the window's forward then returns them beside the logits, and the window hands them to
+`accepted` after each verify and to `follow` after each plain decode step, so the drafter's own state stays
+current.
 
 * NgramDrafter: the row's own history (prompt lookup, `ngram_drafts`).
 * ModelDrafter: a draft model (draft_model.py) running d small forwards per round. The first
@@ -24,7 +25,7 @@ and to `follow` after each plain decode step, so the drafter's own state stays c
   to: where the draft's distribution is close to the target's it draws the target's own token,
   and whatever it draws, the window emits the tokens plain decoding samples
   (speculative.py accepts a draft only where it equals the target's sample).
-* Eagle3Drafter (eagle3.py): an EAGLE-3 head over the target's hidden states.
+* HeadDrafter (draft_head.py): an EAGLE-3 head or the target's MTP layer over the target's hidden states.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from ..ranges import annotate
 from .advance_step import use_cuda_kernel
 from .bounds import BoundsCheck
 from .decode_state import DecodeState
+from .draft_head import DraftHead
 from .draft_model import DraftModel
 from .drafters import NgramDrafter
-from .eagle3 import Eagle3
 from .graphs import WindowGraphs
 from .host_memory import keep_freed_host_memory
 from .pythonizer import PendingCopy, Pythonizer
@@ -108,19 +108,19 @@ class ModelRunner:
         self.window_writes = WindowWrites()  # everything a window may write (KV cache aside)
         self.window_writes.register("state", self.state.window_tensors())
         self.window_writes.register("model", self.model.window_tensors())
-        # speculative windows' drafts: a draft model or an EAGLE-3 head (their own K/V in the rows' pages), or
-        # the rows' history
+        # speculative windows' drafts: a draft model, an EAGLE-3 head or the target's MTP layer (their own K/V in
+        # the rows' pages), or the rows' history
         method = config.speculative_method
         self.draft = (DraftModel(config, self.device) if method == "draft_model"
-                      else Eagle3(config, self.model, self.device) if method == "eagle3" else None)
-        self.eagle = self.draft if method == "eagle3" else None
+                      else DraftHead(config, self.model, self.device) if method in ("eagle3", "mtp") else None)
+        self.head = self.draft if isinstance(self.draft, DraftHead) else None
         if self.draft is not None:
             self.window_writes.register("draft", self.draft.window_tensors())
         self._draft_behind = np.zeros(config.max_batch_size, dtype=np.int64)  # steps each row ran without it
         drafter = (self.draft.drafter(self.sampler) if self.draft is not None
                    else NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min))
-        # an EAGLE-3 head reads the target's hidden states from every window forward
-        logits_fn = self.model.decode_logits if self.eagle is None else self.model.logits_and_aux(self.eagle.aux_layers)
+        # a draft head reads the target's hidden states from every window forward
+        logits_fn = self.model.decode_logits if self.head is None else self.head.logits_fn(self.model)
         if config.compile:
             logits_fn = CompiledForward(logits_fn)
         self.windows = WindowGraphs(
@@ -287,12 +287,12 @@ class ModelRunner:
         self.backend.plan_prefill(meta)
         ctx = ForwardContext(self.backend, prefill=meta)
         token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
-        if self.eagle is not None:  # the head's K/V over the same positions, reading the target's hidden states
-            hidden, aux = self.model.forward_aux(token_ids, position_ids, ctx, self.eagle.aux_layers)
+        if self.head is not None:  # the head's K/V over the same positions, reading the target's hidden states
+            hidden, aux = self.head.target_forward(self.model, token_ids, position_ids, ctx)
             following = [c.next_token if c.next_token is not None else c.token_ids[-1] for c in chunks]
             ahead = np.fromiter((t for c, last in zip(chunks, following) for t in (*c.token_ids[1:], last)),
                                 dtype=np.int64, count=len(tokens))
-            self.eagle.prefill(self._send(ahead), aux, position_ids, meta)
+            self.head.prefill(self._send(ahead), aux, position_ids, meta)
         else:
             hidden = self.model(token_ids, position_ids, ctx)
         if isinstance(self.draft, DraftModel):  # the draft's K/V for the same tokens, in the same pages
@@ -313,12 +313,12 @@ class ModelRunner:
             copy_page(self.kv_caches, src, dst)
             if self.draft is not None:
                 self.draft.copy_pages(src, dst)
-        if self.eagle is not None and sampled:  # the head at each new row's last prompt position, in its own pages
+        if self.head is not None and sampled:  # the head at each new row's last prompt position, in its own pages
             counts = [len(chunks[i].sample_rows) for i in sampled]
             rows = self._send(np.asarray([r for i in sampled for r in chunks[i].sample_rows], dtype=np.int64))
             last = self._send(np.repeat(cu[1:][sampled] - 1, counts).astype(np.int64))
             ends = self._send(np.repeat([chunks[i].end - 1 for i in sampled], counts).astype(np.int64))
-            self.eagle.start_rows(self.state, rows, ends, aux[last])
+            self.head.start_rows(self.state, rows, ends, aux[last])
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (source, destination) in every linear layer."""

@@ -150,10 +150,11 @@ def prepack_cpu_linears(model: nn.Module) -> None:
     kernels = cpu_kernels()
     linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
     tied = model.config.tie_word_embeddings
-    head = model.model.embed_tokens if tied else model.lm_head
+    head = model.model.embed_tokens if tied else model.lm_head  # None: the head reads another model's (MTP)
     # a module run beside a larger model (an EAGLE-3 head) finds its weights evicted by that model's: it streams
-    streams = getattr(model, "streams_weights", False) or \
-        sum(w.numel() * w.element_size() for w in [m.weight for m in linears] + [head.weight]) >= STREAM_BYTES
+    streams = getattr(model, "streams_weights", False) or sum(
+        w.numel() * w.element_size() for w in [m.weight for m in linears] + ([head.weight] if head else [])
+    ) >= STREAM_BYTES
 
     def release(module: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -167,7 +168,7 @@ def prepack_cpu_linears(model: nn.Module) -> None:
             release(module)
         else:
             column_major_(module.weight)
-    if model.packed_head is not None:  # a quantized head
+    if head is None or model.packed_head is not None:  # none of its own, or a quantized one
         return
     if head.weight.dtype != torch.float32 or streams:
         panels = streams and kernels is not None and head.weight.dtype in kernels.supported_dtypes

@@ -103,8 +103,8 @@ class Attention(nn.Module):
         sinks = self.sinks.detach().float() if hasattr(self, "sinks") else None
         return replace(self.spec, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx, kv_layer: int | None = None) -> torch.Tensor:
-        """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""
+    def project(self, positions, hidden, rotary: RotaryEmbedding):
+        """(q [T, H, D], k and v [T, KV, D], the output gate [T, H, D] or None): normed and rotated."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         gate = None
@@ -117,6 +117,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = rotary(positions, q, k)
+        return q, k, v, gate
+
+    def forward(self, positions, hidden, rotary: RotaryEmbedding, ctx, kv_layer: int | None = None) -> torch.Tensor:
+        """kv_layer: the KV-cache layer to attend with (default: this layer's own)."""
+        tokens = hidden.shape[0]
+        q, k, v, gate = self.project(positions, hidden, rotary)
         out = ctx.attend(self.layer_idx if kv_layer is None else kv_layer, q, k, v)  # [T, H, D]
         if gate is not None:
             return self.o_proj((out * torch.sigmoid(gate)).reshape(tokens, -1))
@@ -292,12 +298,13 @@ class DecoderForCausalLM(nn.Module):
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
         return self.compute_logits(self.forward(input_ids, positions, ctx))
 
-    def logits_and_aux(self, aux_layers: tuple[int, ...]):
-        """A window's forward that also returns the hidden states an EAGLE-3 head reads:
-        (input_ids, positions, ctx) -> (logits [T, vocab] float32, aux [T, 3 x hidden])."""
+    def logits_and_aux(self, aux_layers: tuple[int, ...] | None):
+        """A window's forward that also returns the hidden states a draft head reads: (input_ids, positions,
+        ctx) -> (logits [T, vocab] float32, aux): the inputs of `aux_layers` [T, 3 x hidden] (an EAGLE-3
+        head), or with None the final hidden states [T, hidden] (an MTP layer)."""
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers)
-            return self.compute_logits(hidden), aux
+            hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers or ())
+            return self.compute_logits(hidden), hidden if aux_layers is None else aux
         return forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ default (2, L // 2, L - 3) for a target of L layers, vLLM's) and `norm_before_re
 
 At position i the head reads the target's hidden states at i and the token at i + 1 and predicts the token
 at i + 2; its output before the final norm (`prenorm`) stands in for the target's hidden state at i + 1
-when it drafts further (device/eagle3.py).
+when it drafts further (device/draft_head.py).
 """
 
 from __future__ import annotations
@@ -190,6 +190,10 @@ class Eagle3Head(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The three target hidden states [T, 3 x target_hidden] fused into one [T, hidden]."""
+        return self.fc(aux)
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """embeds [T, H] (the tokens at i + 1), hidden [T, H] (fc of the target's hidden states at i, or the
         head's own prenorm output before it), positions [T] (i) -> prenorm [T, H]."""
@@ -208,13 +212,9 @@ class Eagle3Head(nn.Module):
                  slots: torch.Tensor) -> None:
         """Only the K/V forward() would write at `positions` (no attention, no MLP)."""
         layer = self.layers[0]
-        attn = layer.self_attn
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        q, k, v = attn.qkv_proj(x).split(attn.split_sizes, dim=-1)
-        tokens = x.shape[0]
-        q, k = self.rotary(positions, q.view(tokens, attn.num_heads, attn.head_dim),
-                           k.view(tokens, attn.num_kv_heads, attn.head_dim))
-        backend.write(0, k, v.view(tokens, attn.num_kv_heads, attn.head_dim), slots)
+        _, k, v, _ = layer.self_attn.project(positions, x, self.rotary)
+        backend.write(0, k, v, slots)
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, vocab] float32 over the target's vocabulary: -inf outside the draft vocabulary."""

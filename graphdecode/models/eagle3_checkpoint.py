@@ -22,6 +22,9 @@ def head_config(target_dir: str, *, draft_vocab_size: int, aux_layers: tuple[int
             "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "hidden_act",
             "bos_token_id", "eos_token_id")
     out = {k: target[k] for k in keep if k in target}
+    if isinstance(out.get("rope_parameters"), dict):  # a Llama layer rotates whole heads (Qwen3.5's are partial)
+        out["rope_parameters"] = {k: v for k, v in out["rope_parameters"].items()
+                                  if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")}
     out.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
                intermediate_size=intermediate_size or cfg.intermediate_size, tie_word_embeddings=False,
                draft_vocab_size=draft_vocab_size, target_hidden_size=cfg.hidden_size, torch_dtype="float32")

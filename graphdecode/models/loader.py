@@ -354,7 +354,7 @@ def _renamed(key: str, cls) -> str:
 
 def _original(name: str, cls) -> str:
     for theirs, ours in cls.checkpoint_renames.items():
-        name = name.replace(ours, theirs)
+        name = name.replace(ours, theirs) if ours else theirs + name  # "": a prefix the module drops (mtp.)
     return name
 
 

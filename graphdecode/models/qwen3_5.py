@@ -14,8 +14,9 @@ their MoE models `qwen3_5_moe_text` / `qwen3_5_moe`): a hybrid of Gated DeltaNet
   renormalised) plus a shared expert scaled by sigmoid(shared_expert_gate(x)) (moe.SharedExpert).
 
 The multimodal checkpoint (`qwen3_5`) keeps the text config under `text_config` and its weights under
-`model.language_model.*` beside `model.visual.*` and `mtp.*`: only the text part is read (the vision tower
-and the multi-token-prediction layers are skipped by name).
+`model.language_model.*` beside `model.visual.*` and `mtp.*`: only the text part is read (the vision tower is
+skipped by name). Every Qwen3.5 / Qwen3-Next checkpoint's `mtp.*` layer is left to speculative decoding's
+method "mtp" (models/mtp.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .rope_config import RopeRules
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     norm_offset = True
+    checkpoint_skipped = ("mtp.",)  # the multi-token-prediction layer: read by models/mtp.py (method "mtp")
 
 
 class Qwen3_5ConditionalForCausalLM(Qwen3_5ForCausalLM):

@@ -4,7 +4,8 @@ Tiny random Qwen3.5 (Gated DeltaNet + gated attention) and Nemotron-H (Mamba2 + 
 checkpoints are built here from a seed (transformers' config classes, where the machine's transformers has them)
 and run in float32 with CUDA graphs, k = 4 steps per launch, beside the same engine's eager float32 reference
 (no graphs, no compile): the greedy tokens are equal, with chunked prefill crossing the recurrent layers' blocks,
-with n-gram speculation (drafts accepted and rejected), and after a prefix hit that restores a state snapshot.
+with n-gram speculation (drafts accepted and rejected), with Qwen3.5's own MTP layer drafting (method "mtp"),
+and after a prefix hit that restores a state snapshot.
 A bf16 graph engine then runs the same prompts: its tokens agree with the float32 ones on most rows (random
 tiny models have small logit margins; bf16 rounding moves some argmaxes).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import add_mtp_layer
 from tests.hf_parity_models import free_memory, random_prompts
 
 BLOCKS = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
@@ -41,6 +43,8 @@ def hybrid(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(name))
     save_random_model(path, config_cls(vocab_size=2048, hidden_size=256, max_position_embeddings=2048,
                                        initializer_range=0.05, bos_token_id=1, eos_token_id=2, **fields), seed=7)
+    if name == "qwen3_5":  # an MTP layer beside the decoder, as Qwen3.5 checkpoints ship one (plain runs skip it)
+        add_mtp_layer(path, 3)
     return path
 
 
@@ -75,6 +79,9 @@ def test_gpu_hybrid_graphs_give_the_eager_float32_tokens(hybrid, record_testsuit
     spec_tokens, _, spec = run(cuda_graphs=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert spec_tokens == want
     assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"]
+    if "qwen3_5" in hybrid:  # the target's own MTP layer drafting inside the graphs
+        mtp_tokens, _, mtp = run(cuda_graphs=True, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+        assert mtp_tokens == want and mtp["spec_draft_tokens"] > 0
     common["dtype"] = "bfloat16"
     bf16, _, _ = run(cuda_graphs=True)
     agree = sum(a[:8] == b[:8] for a, b in zip(bf16, want))

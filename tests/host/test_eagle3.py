@@ -154,9 +154,9 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     kinds = set()
     for _ in range(11):
         engine.step()
-        kinds.add(bool(engine.runner.eagle.stale.any()))
+        kinds.add(bool(engine.runner.head.stale.any()))
     runner = engine.runner
-    state, eagle = runner.state, runner.eagle
+    state, eagle = runner.state, runner.head
     stats = spec.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # rounds accepting part of their drafts
     assert 0 < stats["spec_window_share"] < 1

@@ -4,6 +4,7 @@ only its share, a dead worker is reported within seconds, and no process is left
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from graphdecode import LLM, SamplingParams
 from graphdecode.device.tensor_parallel import TPWorkerError
 from graphdecode.models.eagle3_checkpoint import random_eagle3_head
-from tests.helpers import SMALL_ENGINE, random_prompts, token_prompts
+from tests.helpers import SMALL_ENGINE, add_mtp_layer, random_prompts, token_prompts
 
 
 def alive(pid: int) -> bool:
@@ -86,22 +87,28 @@ def test_each_rank_holds_its_share(tiny_models):
 
 
 @pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next", "nemotron_h"])
-def test_tp2_hybrids_split_their_recurrent_heads(tiny_models, model):
+def test_tp2_hybrids_split_their_recurrent_heads(tiny_models, tmp_path, model):
     """Gated DeltaNet key heads (Qwen3.5; Qwen3-Next's grouped projections and shared experts) and Mamba2 heads
     and groups (Nemotron-H) split across two ranks: TP=1's tokens (greedy, seeded n > 1, a prefix hit restoring
-    a state snapshot, n-gram speculation), each rank holding half of every state."""
+    a state snapshot, speculation: Qwen3.5 by its MTP layer, replicated on each rank, the others by n-grams),
+    each rank holding half of every state."""
     path = tiny_models[model]
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    if model == "qwen3_5":
+        path = add_mtp_layer(shutil.copytree(path, str(tmp_path / "mtp")), 3)
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
     system = random_prompts(1, [40], seed=3)[0]
     prompts = token_prompts([system + p for p in random_prompts(4, [3, 17, 30, 60], seed=4)])
     cases = [SamplingParams(temperature=0, max_tokens=20),
              SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=12)]
-    engine = dict(SMALL_ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    engine = dict(SMALL_ENGINE, speculative_config=spec)
     single = LLM(path, **engine)
     want = [outputs(single, prompts[:1], cases[0])] + [outputs(single, prompts, params) for params in cases]
     states = single.engine.runner.memory_sizes()["state_cache_bytes"]
     with LLM(path, tensor_parallel_size=2, **engine) as tp2:
+        tp2.engine.spec_policy.speculate = lambda bucket: True  # the driver's choice travels in the plan
         got = [outputs(tp2, prompts[:1], cases[0])] + [outputs(tp2, prompts, params) for params in cases]
-        assert tp2.engine.stats()["prefix_cache_hits"] > 0
+        assert tp2.engine.stats()["prefix_cache_hits"] > 0 and tp2.engine.stats()["spec_draft_tokens"] > 0
         driver = tp2.engine.runner.memory_sizes()
         _, worker = tp2.engine.executor.gather_from_workers("sizes")
     assert got == want

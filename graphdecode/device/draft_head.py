@@ -1,15 +1,19 @@
-"""EAGLE-3 drafting (`speculative_config={"method": "eagle3", "model": DIR}`): a one-layer head over the
-target's own hidden states (models/eagle3.py), inside the window.
+"""Drafting by a head over the target's own hidden states, inside the window: an EAGLE-3 head
+(`speculative_config={"method": "eagle3", "model": DIR}`, models/eagle3.py) or the target's own
+multi-token-prediction layer (`{"method": "mtp"}`, models/mtp.py). Both read, at position i, a hidden state of
+the target at i and the token at i + 1, and give an output that predicts the token at i + 2 and stands in for
+the target's hidden state at i + 1 when they draft further; they differ only in what they read (`fuse`: the
+EAGLE-3 head's fc over three layers' inputs; the MTP layer: the final hidden states as they are).
 
 State, per row, kept true at every window boundary (row p: the position of the row's next input):
 
 * the head's K/V (its own one-layer cache, the target pool's geometry: a row's block table indexes it, its
   pages are freed, shared, copied and rebuilt with the row's) holds, at every position i < p, what the head
   computes from the target's hidden states at i and the token at i + 1;
-* `prenorm` [B_max, H]: the head's output at position p - 1 (before its final norm), from which the first
-  draft of the row's next round is read; or, where `stale` (the row's last window ran plain), `pending`
-  [B_max, H]: the fused target hidden state at p - 1, from which the next speculative window's first
-  step computes it (`begin_window`).
+* `prenorm` [B_max, H]: the head's output at position p - 1 (an EAGLE-3 head's before its final norm), from
+  which the first draft of the row's next round is read; or, where `stale` (the row's last window ran plain),
+  `pending` [B_max, H]: the fused target hidden state at p - 1, from which the next speculative window's
+  first step computes it (`begin_window`).
 
 How each part keeps it:
 
@@ -18,9 +22,9 @@ How each part keeps it:
   position reads the first token of the next chunk). The prompt's last position needs the sampled first token,
   which differs per row when n > 1: after sampling (and the page copies of n > 1 forks) each row runs it
   alone, in its own pages, and sets its `prenorm`.
-* a speculative round (`Eagle3Drafter.__call__`, `accepted`): draft 1 from `prenorm`; drafts 2..d from d - 1
-  one-query steps at p .. p + d - 2 that read the head's own prenorm output in place of the target's hidden
-  state (EAGLE's drafting; their K/V is rewritten below). After the verify, one forward of d + 1 queries at
+* a speculative round (`HeadDrafter.__call__`, `accepted`): draft 1 from `prenorm`; drafts 2..d from d - 1
+  one-query steps at p .. p + d - 2 that read the head's own output in place of the target's hidden
+  state (EAGLE's and MTP's drafting; their K/V is rewritten below). After the verify, one forward of d + 1 queries at
   p .. p + d over the verify's hidden states and the tokens the verify sampled rewrites the head's K/V there
   (exact up to the accepted p + n; later positions are rewritten before any query reads them: attention
   never reads past a query's own position) and takes `prenorm` from the query at p + n.
@@ -44,19 +48,32 @@ from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page, copy_slots
 from ..attention.metadata import DecodeMetadata
 from ..models.eagle3 import load_eagle3_head
+from ..models.mtp import load_mtp_head
 from .drafters import Drafter, DraftSampling, one_query
 from .sampler import SamplerVariant
 from .speculative import verify_metadata
 
 
-class Eagle3:
+class DraftHead:
+    """A draft head over the target's hidden states: an EAGLE-3 head (models/eagle3.py; it reads the hidden states
+    entering three target layers) or the target's own MTP layer (models/mtp.py; it reads the target's final
+    hidden states). `reads`: the target layers whose input hidden states the head reads, or None for the final
+    hidden states (what the target's forward returns beside its logits)."""
+
     def __init__(self, config, target, device: torch.device):
-        eagle = config.eagle3_config
-        cfg = eagle.model
         dtype = config.torch_dtype
-        self.aux_layers = eagle.aux_layers
-        self.head = load_eagle3_head(config.draft_model, eagle, dtype, device, config.max_model_len)
-        self.embed = self.head.embed if eagle.own_embedding else target.embed
+        if config.speculative_method == "mtp":
+            mtp = config.mtp_config
+            cfg = mtp.model
+            self.reads = None
+            self.head = load_mtp_head(mtp, target, dtype, device, config.max_model_len)
+            self.embed = target.embed
+        else:
+            eagle = config.eagle3_config
+            cfg = eagle.model
+            self.reads = eagle.aux_layers
+            self.head = load_eagle3_head(config.draft_model, eagle, dtype, device, config.max_model_len)
+            self.embed = self.head.embed if eagle.own_embedding else target.embed
         self.kv_caches = allocate_kv_caches(1, config.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
                                             dtype, device)
         self.backend = TorchAttentionBackend(self.kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -71,24 +88,33 @@ class Eagle3:
     def model(self):
         return self.head
 
+    def logits_fn(self, target):
+        """The window's target forward: (input_ids, positions, ctx) -> (logits, the hidden states the head reads)."""
+        return target.logits_and_aux(self.reads)
+
+    def target_forward(self, target, input_ids: torch.Tensor, positions: torch.Tensor, ctx):
+        """A prefill's target forward: (final hidden states, the hidden states the head reads)."""
+        hidden, aux = target.forward_aux(input_ids, positions, ctx, self.reads or ())
+        return hidden, hidden if self.reads is None else aux
+
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The head at `positions` [T] reading `tokens` [T] (each position's next token) and `hidden` [T, H]."""
         return self.head(self.embed(tokens), hidden, positions, ctx)
 
-    def drafter(self, sampler) -> Eagle3Drafter:
-        return Eagle3Drafter(self, sampler)
+    def drafter(self, sampler) -> HeadDrafter:
+        return HeadDrafter(self, sampler)
 
     def prefill(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata) -> None:
         """The head's K/V over a prefill's chunks (only the K/V: no query reads a prefill's output; a prompt's
         last position runs in full in `start_rows`): `tokens` [T] the token after each position. A partial
         prefix hit's copied slots are copied in the head's cache too."""
-        self.head.write_kv(self.embed(tokens), self.head.fc(aux), positions, self.backend, meta.slot_mapping)
+        self.head.write_kv(self.embed(tokens), self.head.fuse(aux), positions, self.backend, meta.slot_mapping)
         if meta.copy_src is not None:
             copy_slots(self.kv_caches[0], meta.copy_src, meta.copy_dst)
 
     def start_rows(self, state, rows: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor) -> None:
         """Rows whose prefill sampled their first token (state.input_ids, at positions + 1): the head at each
-        row's last prompt position, in its own pages, from the target's hidden states there (aux [R, 3H])."""
+        row's last prompt position, in its own pages, from the target's hidden states there (aux [R, ...])."""
         page_size = self.page_size
         table = state.block_table[rows]
         page = table.gather(1, torch.div(positions, page_size, rounding_mode="floor")[:, None])[:, 0]
@@ -98,7 +124,8 @@ class Eagle3:
             slot_mapping=page.to(torch.int64) * page_size + positions % page_size,
             kv_indptr=state.kv_indptr[: count + 1], kv_indices=state.kv_indices[: count * state.max_pages],
             kv_last_page_len=state.kv_last_page_len[:count])
-        out = self.step(state.input_ids[rows], self.head.fc(aux), positions, ForwardContext(self.backend, decode=meta))
+        out = self.step(state.input_ids[rows], self.head.fuse(aux), positions,
+                        ForwardContext(self.backend, decode=meta))
         self.prenorm[rows] = out
         self.stale[rows] = False
 
@@ -109,10 +136,10 @@ class Eagle3:
         return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale}
 
 
-class Eagle3Drafter(Drafter):
+class HeadDrafter(Drafter):
     reads_hidden = True
 
-    def __init__(self, eagle: Eagle3, sampler):
+    def __init__(self, eagle: DraftHead, sampler):
         self.eagle = eagle
         self.sampler = sampler
 
@@ -156,7 +183,7 @@ class Eagle3Drafter(Drafter):
                  emit: torch.Tensor) -> None:
         eagle = self.eagle
         queries = sampled.shape[1]
-        out = eagle.step(sampled.reshape(-1), eagle.head.fc(hidden), meta.query_positions.reshape(-1),
+        out = eagle.step(sampled.reshape(-1), eagle.head.fuse(hidden), meta.query_positions.reshape(-1),
                          ForwardContext(eagle.backend, verify=meta))
         out = out.view(bucket, queries, -1)
         last = out.gather(1, (emit - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[2]))[:, 0]
@@ -166,7 +193,7 @@ class Eagle3Drafter(Drafter):
     def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
                live: torch.Tensor) -> None:
         eagle = self.eagle
-        fused = eagle.head.fc(hidden)
+        fused = eagle.head.fuse(hidden)
         eagle.head.write_kv(eagle.embed(tokens), fused, state.positions[:bucket], eagle.backend, meta.slot_mapping)
         pending = eagle.pending[:bucket]
         pending.copy_(torch.where(live[:, None], fused, pending))

@@ -1,0 +1,176 @@
+"""A target's own multi-token-prediction layer as a draft head (`speculative_config={"method": "mtp"}`): the
+`mtp.*` tensors Qwen3.5 (dense and MoE, text-only and multimodal checkpoints) and Qwen3-Next ship beside their
+decoder, read from the target's own directory.
+
+The layer, as those checkpoints and vLLM / SGLang define it (the target's embedding and LM head are shared):
+
+* `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`: the target's kind of RMSNorm on the embedding of the
+  token at i + 1 and on the target's final hidden state at i (after its final norm);
+* `mtp.fc` [hidden, 2 x hidden]: the two, concatenated, fused into one hidden state;
+* `mtp.layers.0.*`: one of the target's full-attention decoder layers (gated attention, q/k norms, partial
+  rotary; a dense MLP or the MoE of the target's layers, as the checkpoint holds it);
+* `mtp.norm`: its output, which the target's LM head reads to predict the token at i + 2, and which stands in
+  for the target's hidden state at i + 1 when it drafts further.
+
+So it reads what an EAGLE-3 head reads at each position (a hidden state at i, the token at i + 1) and drafts
+through the same window code (device/draft_head.py); its K/V lives in its own one-layer cache over the rows'
+pages. Replicated on every tensor-parallel rank, as an EAGLE-3 head is.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+from .layers import RMSNorm
+from .loader import checkpoint_files, load_model, plan_checkpoint
+from .model_config import FULL, ModelConfig
+from .moe import default_implementation
+from .parallel import RowParallelLinear, TPGroup
+from .rope import RotaryEmbedding
+
+FIELD = "speculative_config"
+PREFIX = "mtp."
+_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    model: ModelConfig  # the head's: the target's, as one full-attention layer
+    path: str  # the checkpoint holding the mtp.* tensors (the target's own directory)
+    target_class: type  # the target's model class: its layer class, norms and checkpoint layout
+
+
+def read_mtp_config(path: str, target: ModelConfig, target_class: type) -> MTPConfig:
+    """The MTP layer's tensors in the target's checkpoint, checked against its config before any weight is
+    read; a ValueError naming speculative_config otherwise."""
+    where = f"{FIELD}: method 'mtp'"
+    if target.linear is None or getattr(target_class, "layer_class", None) is None or \
+            target.model_type not in MTP_MODEL_TYPES:
+        raise ValueError(f"{where} reads the target's own multi-token-prediction layers, which graphdecode runs for "
+                         f"{', '.join(MTP_MODEL_TYPES)}; model_type {target.model_type!r} has none it reads "
+                         f"(use 'eagle3', 'draft_model' or 'ngram')")
+    try:
+        files = checkpoint_files(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    layers, experts = set(), False
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                match = _LAYER.match(key)
+                if match:
+                    layers.add(int(match.group(1)))
+                    experts |= ".mlp.experts." in key or key.endswith(".mlp.experts.gate_up_proj")
+    if not layers:
+        raise ValueError(f"{where}: the checkpoint in {path!r} has no mtp.layers.* tensors (its multi-token-"
+                         f"prediction layers; some exports drop them)")
+    if layers != {0}:
+        raise ValueError(f"{where}: the checkpoint holds {len(layers)} MTP layers ({sorted(layers)}); graphdecode "
+                         f"runs exactly one (mtp.layers.0, as Qwen3.5 and Qwen3-Next ship)")
+    if experts and target.moe is None:
+        raise ValueError(f"{where}: mtp.layers.0 holds experts but the target's config.json has no num_experts")
+    moe = replace(target.moe, sparse_layers=()) if experts else None
+    cfg = replace(target, num_layers=1, num_hidden_layers=1, layer_types=(FULL,), linear=None, moe=moe,
+                  tie_word_embeddings=False)  # the target's LM head, not one of its own
+    mtp = MTPConfig(model=cfg, path=path, target_class=target_class)
+    try:
+        with torch.device("meta"):
+            plan_checkpoint(path, mtp_head_class(target_class)(mtp))  # every mtp.* header: names, shapes, dtypes
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return mtp
+
+
+MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+
+
+class MTPHead(nn.Module):
+    """The MTP layer with the checkpoint's names below `mtp.` (mtp_head_class gives the loader the target's
+    layout: fused projections, experts)."""
+
+    checkpoint_renames = {PREFIX: ""}
+    checkpoint_skipped = ("model.", "lm_head.")  # the target's own tensors (multimodal: model.language_model.)
+    streams_weights = True  # runs between the target's layers, which evict its weights (cpu_linear.py: panels)
+
+    def __init__(self, mtp: MTPConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        cfg = mtp.model
+        cls = mtp.target_class
+        self.config = cfg
+        self.tp = tp
+        offset = cls.norm_offset
+        self.fc = RowParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, False, tp)
+        self.pre_fc_norm_embedding = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.pre_fc_norm_hidden = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        spec = AttentionSpec(soft_cap=cfg.attn_soft_cap, scale=cfg.attn_scale)
+        self.layers = nn.ModuleList([cls.layer_class(cfg, 0, tp, spec, offset)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.lm_head = None  # the target's (target_logits)
+        self.rotary: RotaryEmbedding | None = None
+        self.packed_head = None  # the loader's slot for a quantized LM head (the target's is shared)
+        self.target_logits = None  # the target's compute_logits (its LM head), set by load_mtp_head
+
+    @property
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [self.layers[0].attention.attention_spec]
+
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        return [self.rotary]
+
+    def window_tensors(self) -> dict[str, torch.Tensor | None]:
+        return {}
+
+    def post_load(self, max_positions: int) -> None:
+        weight = self.norm.weight
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions, weight.dtype,
+                                      weight.device)
+        mlp = self.layers[0].mlp
+        if hasattr(mlp, "experts"):
+            mlp.experts.implementation = default_implementation(weight.device, weight.dtype)
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states as the head reads them (its final ones, as they are)."""
+        return hidden
+
+    def _fused(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """embeds [T, H] (the tokens at i + 1), hidden [T, H] (the target's final hidden states at i, or the
+        head's own output before it), positions [T] (i) -> the head's output [T, H] (after mtp.norm)."""
+        return self.norm(self.layers[0](positions, self._fused(embeds, hidden), self.rotary, ctx))
+
+    def write_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, backend,
+                 slots: torch.Tensor) -> None:
+        """Only the K/V forward() would write at `positions` (no attention, no MLP)."""
+        layer = self.layers[0]
+        _, k, v, _ = layer.attention.project(positions, layer.input_layernorm(self._fused(embeds, hidden)),
+                                             self.rotary)
+        backend.write(0, k, v, slots)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R, vocab] float32, through the target's LM head."""
+        return self.target_logits(out)
+
+
+def mtp_head_class(target_class: type) -> type:
+    """MTPHead with the target's checkpoint layout (fused projections, the experts' format)."""
+    return type(f"MTPHead[{target_class.__name__}]", (MTPHead,), {
+        "packed_modules": target_class.packed_modules,
+        "fused_checkpoint": getattr(target_class, "fused_checkpoint", {}),
+        "expert_format": target_class.expert_format,
+    })
+
+
+def load_mtp_head(mtp: MTPConfig, target, dtype: torch.dtype, device: torch.device, max_positions: int) -> MTPHead:
+    """The MTP layer's weights (the loader's checks), sharing the target's LM head."""
+    cls = mtp_head_class(mtp.target_class)
+    head = load_model(mtp.path, mtp.model, dtype, device, max_positions, build=lambda cfg, tp: cls(mtp, tp))
+    head.target_logits = target.compute_logits
+    return head
