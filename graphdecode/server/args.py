@@ -10,7 +10,10 @@ import os
 import re
 
 from ..engine_args import add_engine_args
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
 
+DEFAULT_TOOL_CALL_PARSER = "hermes"  # the format tool_choice "auto" reads calls in (tool_parsers.py)
 HEARTBEAT_INTERVAL_S = 1.0  # how often the engine core says it is alive
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0  # seconds without a beat from the core before /health is 503
 # Bodies over this many bytes are refused (413) before they are read. 32 MiB holds any single prompt a
@@ -63,6 +66,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_METRICS_PREFIX,
                    help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
                         "gateways built for vLLM (docs/metrics.md)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="separate a thinking model's <think> block from its answer: Chat Completions' "
+                        "reasoning_content, the Responses API's reasoning items, the Messages API's thinking "
+                        "blocks (qwen3: an output without a block is all answer; deepseek_r1: all reasoning "
+                        "until </think>)")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=sorted(TOOL_PARSERS),
+                   help="the format tool_choice 'auto' reads the model's calls in (vLLM's names); 'required' and "
+                        "named calls are constrained JSON in every format")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                    help="a request body over this many bytes gets HTTP 413 before it is read; 0: no limit "
                         "(default: 32 MiB, far above any prompt a context window holds)")

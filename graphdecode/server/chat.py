@@ -23,6 +23,7 @@ from .choices import Choice, Choices
 from .errors import APIError
 from .logprobs import prompt_logprobs_json
 from .protocol import ChatCompletionRequest
+from .reasoning import opened_in_prompt
 from .responses import DONE, dumps, error_event, event_stream, json_response
 from .serving import INLINE_CHARS, Job, OpenAIServer, off_loop, outputs_error
 
@@ -31,19 +32,31 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     arrival = time.perf_counter()
     server.check_ready()
     req: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+    job = await start_chat(server, request, req, arrival, f"chatcmpl-{uuid.uuid4().hex}")
+    if req.stream:
+        return event_stream(_stream(server, job))
+    return await server.unless_client_leaves(request, _whole(server, job))
+
+
+async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletionRequest, arrival: float,
+                     rid: str) -> Job:
+    """A chat request's conversation rendered, checked, constrained and sent to the engine: its Job (every
+    endpoint that runs as a chat: Chat Completions, Messages, Responses)."""
     server.check_model(req.model)
     conversation = req.conversation()
     truncate = req.truncation(server.max_model_len)
     size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
     text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, req, conversation)
+    rendered = text
     if truncate is not None and len(ids) > truncate:
         text, ids = None, ids[-truncate:]
     max_tokens = req.requested_max_tokens()
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size)
+    if req.tool_mode == "auto" and req.skip_special_tokens is None and server.tool_markers_special:
+        params.skip_special_tokens = False  # the format's call marker is a special token ([TOOL_CALLS], ...)
     renames = req.renames()
     await server.constrain(request, req, params, renames)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
     streams = [(rid, server.start(prompt, params, rid, renames, req.priority))]
     role = req.response_role
@@ -53,9 +66,13 @@ async def create_chat_completion(server: OpenAIServer, request: Request) -> Resp
     job.role = role
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     job.tool_mode, job.tool_name = req.tool_mode, req.named_function
-    if req.stream:
-        return event_stream(_stream(server, job))
-    return await server.unless_client_leaves(request, _whole(server, job))
+    job.tool_parser, job.functions = server.tool_call_parser, req.checked_tools
+    if server.reasoning_parser is not None:
+        if params.structured_outputs is None:
+            job.reasoning, job.reasoning_opened = server.reasoning_parser, opened_in_prompt(rendered)
+        else:  # constrained from its first token: reasoning only where the constraint itself opens a block
+            job.reasoning = "qwen3"
+    return job
 
 
 def _render(tokenizer, req: ChatCompletionRequest, conversation: list[dict]) -> tuple[str, list[int]]:
@@ -109,12 +126,13 @@ async def _stream(server: OpenAIServer, job: Job):
             for choice, delta in choices.fold(p, out):
                 if not delta.text and not delta.token_ids and delta.finish_reason is None:
                     continue
-                finish_reason = delta.finish_reason
-                if choice.tools is None:
-                    message = {"content": delta.text}
-                else:  # tools: content and tool calls parsed out of the text as it comes
-                    content, calls, finish_reason = choice.stream_calls(delta)
+                thought, content, calls, finish_reason = choice.parts(delta)
+                if choice.tools is None and choice.reasoning is None:
+                    message = {"content": content}
+                else:  # reasoning, content and tool calls parsed out of the text as it comes
                     message = {}
+                    if thought:
+                        message["reasoning_content"] = thought
                     if content:
                         message["content"] = content
                     if calls:
@@ -147,10 +165,11 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
         raise outputs_error(exc, {"prompt": "messages"}) from None
     out_choices = []
     for choice in choices:
-        message = {"role": job.role, "content": job.echo + choice.whole_text()}
-        finish_reason = choice.finish_reason
+        thought, content, calls, finish_reason = choice.whole_parts()
+        message = {"role": job.role, "content": job.echo + content}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = thought or None
         if choice.tools is not None:
-            content, calls, finish_reason = choice.whole_calls()
             message["content"] = (job.echo + content) or None
             if calls:
                 message["tool_calls"] = calls

@@ -8,9 +8,11 @@ and, for a whole response (`keep`), its text, token ids and logprob entries. The
 the delta as the response shows it (`Delta`): a stream sends it at once, a whole response is
 built from what its choices kept once all of them are done.
 
-With tools, each choice has its own tool-call parser (tools.py): a stream feeds it each delta
-(`stream_calls`), a whole response its whole text once (`whole_calls`); the content and calls
-are the same. Their finish_reason is OpenAI's ("tool_calls" for a reply of complete calls).
+With a reasoning parser (reasoning.py), each choice splits its text into reasoning and answer as it
+arrives; with tools, the answer goes through the choice's own tool-call parser (tools.py,
+tool_parsers.py): a stream feeds it each delta (`parts`), a whole response the whole answer once
+(`whole_parts`); the content and calls are the same. Their finish_reason is OpenAI's ("tool_calls" for a
+reply of complete calls).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from . import tools as tool_calls
+from .reasoning import ReasoningParser
+from .tool_parsers import tool_parser
 
 if TYPE_CHECKING:
     from ..outputs import CompletionOutput, RequestOutput
@@ -40,13 +44,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _tool_parser(tool_mode: str, tool_name: str | None):
-    """A fresh parser of one choice's output into content and tool calls (tools.py)."""
-    if tool_mode == "auto":
-        return tool_calls.HermesCalls()
-    if tool_mode == "required":
+def _tool_parser(job: Job):
+    """A fresh parser of one choice's answer into content and tool calls (tools.py, tool_parsers.py)."""
+    if job.tool_mode == "auto":
+        return tool_parser(job.tool_parser, job.functions)
+    if job.tool_mode == "required":
         return tool_calls.RequiredCalls()
-    return tool_calls.NamedCall(tool_name)
+    return tool_calls.NamedCall(job.tool_name)
 
 
 class Choice:
@@ -54,13 +58,13 @@ class Choice:
     went out; the text_offset of its next completions token)."""
 
     __slots__ = ("index", "prompt", "text", "token_ids", "logprobs", "num_tokens", "finish_reason", "stop_reason",
-                 "started", "offset", "tool_mode", "tools", "_keep", "_blank")
+                 "started", "offset", "tool_mode", "tools", "reasoning", "reasoning_tokens", "split", "answer",
+                 "thought", "_keep", "_blank")
 
-    def __init__(self, index: int, prompt: int, keep: bool, blank: bool = False, tool_mode: str | None = None,
-                 tool_name: str | None = None):
+    def __init__(self, index: int, prompt: int, keep: bool, job: Job | None = None):
         self.index, self.prompt = index, prompt
         self._keep = keep  # a whole response's: the text, token ids and logprob entries are kept
-        self._blank = blank  # completions' echo with max_tokens 0: the one token generated is not returned
+        self._blank = job is not None and job.echo_only  # completions' echo, max_tokens 0: its token not returned
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list = []  # the engine's entries, one per token
@@ -69,8 +73,14 @@ class Choice:
         self.stop_reason = None
         self.started = False
         self.offset = 0
-        self.tool_mode = tool_mode  # None, "auto", "required" or "named" (ChatCompletionRequest.tool_mode)
-        self.tools = _tool_parser(tool_mode, tool_name) if tool_mode else None
+        self.tool_mode = job.tool_mode if job is not None else None  # None, "auto", "required" or "named"
+        self.tools = _tool_parser(job) if self.tool_mode else None
+        self.reasoning = (ReasoningParser(job.reasoning, job.reasoning_opened)
+                          if job is not None and job.reasoning else None)
+        self.reasoning_tokens = 0  # tokens generated inside the reasoning (usage)
+        self.split = ("", "")  # the last delta's (reasoning, answer)
+        self.thought: list[str] = []  # a whole response's reasoning and answer
+        self.answer: list[str] = []
 
     def fold(self, out: CompletionOutput) -> Delta:
         """Take in one engine delta; returns it as the response shows it."""
@@ -79,6 +89,17 @@ class Choice:
         else:
             delta = Delta(out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason)
         self.num_tokens += len(delta.token_ids)
+        if self.reasoning is not None:  # split as it arrives (its tokens counted while inside the reasoning)
+            if self.reasoning.in_reasoning:
+                self.reasoning_tokens += len(delta.token_ids)
+            thought, answer = self.reasoning.feed(delta.text)
+            if delta.finish_reason is not None:
+                more_thought, more_answer = self.reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+            self.split = (thought, answer)
+            if self._keep:
+                self.thought.append(thought)
+                self.answer.append(answer)
         if self._keep:
             if delta.text:
                 self.text.append(delta.text)
@@ -92,22 +113,29 @@ class Choice:
     def whole_text(self) -> str:
         return "".join(self.text)
 
-    # ------------------------------------------------------------- tool calls
-    def stream_calls(self, delta: Delta) -> tuple[str, list[dict], str | None]:
-        """Streamed, with tools: the delta's content and tool-call deltas, and its finish_reason
-        (the last delta brings what the parser held back)."""
-        content, calls = self.tools.feed(delta.text)
+    # ------------------------------------------------------------- reasoning and tool calls
+    def parts(self, delta: Delta) -> tuple[str, str, list[dict], str | None]:
+        """Streamed (after fold): the delta's reasoning, content and tool-call deltas, and its finish_reason
+        (the last delta brings what the parsers held back)."""
+        thought, text = self.split if self.reasoning is not None else ("", delta.text)
+        if self.tools is None:
+            return thought, text, [], delta.finish_reason
+        content, calls = self.tools.feed(text)
         finish_reason = delta.finish_reason
         if finish_reason is not None:
             more, last = self.tools.finish()
             content, calls = content + more, calls + last
             finish_reason = self._finish_reason(finish_reason)
-        return content, calls, finish_reason
+        return thought, content, calls, finish_reason
 
-    def whole_calls(self) -> tuple[str, list[dict], str | None]:
-        """Whole, with tools: the reply's content and tool_calls, and its finish_reason."""
-        content, calls = tool_calls.parse_all(self.tools, self.whole_text())
-        return content, calls, self._finish_reason(self.finish_reason)
+    def whole_parts(self) -> tuple[str, str, list[dict], str | None]:
+        """Whole: the reply's reasoning, content and tool_calls, and its finish_reason."""
+        thought, text = ("".join(self.thought), "".join(self.answer)) if self.reasoning is not None \
+            else ("", self.whole_text())
+        if self.tools is None:
+            return thought, text, [], self.finish_reason
+        content, calls = tool_calls.parse_all(self.tools, text)
+        return thought, content, calls, self._finish_reason(self.finish_reason)
 
     def _finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the reply's calls are complete ("auto" that made some, or
@@ -124,8 +152,8 @@ class Choices:
         n = self.n = job.n
         self.prompt_lens = job.prompt_lens
         self.prefix_caching = prefix_caching  # usage reports prompt_tokens_details
-        self.by_index = {p * n + i: Choice(p * n + i, p, keep, job.echo_only, job.tool_mode, job.tool_name)
-                         for p in range(len(job.prompt_lens)) for i in range(n)}
+        self.by_index = {p * n + i: Choice(p * n + i, p, keep, job) for p in range(len(job.prompt_lens))
+                         for i in range(n)}
         self.prompt_logprobs: dict[int, list] = {}  # per prompt, with its request's first delta
         self.cached: dict[int, int] = {}  # per prompt: its tokens found in the prefix cache
 

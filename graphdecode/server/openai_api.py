@@ -4,7 +4,9 @@
     python -m graphdecode.server.openai_api [same options]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events or not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
+events or not), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
+/v1/messages (Anthropic's Messages API), GET /v1/models, GET /health, GET /metrics
+(Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request flows through these modules, top down:
@@ -61,6 +63,7 @@ from ..host.gc_heap import freeze_startup_heap
 from .args import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_TOOL_CALL_PARSER,
     DESCRIPTION,
     add_serve_args,
     check_serve_args,
@@ -69,11 +72,15 @@ from .async_llm import AsyncLLM
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError
+from .messages import anthropic_error, create_message
+from .responses_api import create_response, get_response
+from .responses_protocol import ResponseStore
 from .serving import ClientGone, OpenAIServer
 
 __all__ = ["DEFAULT_MODEL_NAME", "DrainingServer", "OpenAIServer", "build_app", "main", "serve", "serve_checked"]
 
 DEFAULT_MODEL_NAME = "graphdecode-default"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's API: its own error shape
 
 
 # ------------------------------------------------------------------ the app
@@ -99,7 +106,8 @@ class _BodyLimit:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > limit:
-                    await _error_response(_too_large(limit, int(value)), self.server)(scope, receive, send)
+                    await _error_response(_too_large(limit, int(value)), self.server, scope.get("path", ""))(
+                        scope, receive, send)
                     return
                 break
         seen = 0
@@ -116,19 +124,24 @@ class _BodyLimit:
         await self.app(scope, counted, send)
 
 
-def _error_response(err: APIError, server: OpenAIServer | None = None) -> JSONResponse:
+def _error_response(err: APIError, server: OpenAIServer | None = None, path: str = "") -> JSONResponse:
+    """The error in the shape of the API its path belongs to (Anthropic's for /v1/messages, else OpenAI's)."""
     if server is not None:
         server.metrics.rejected.labels(str(err.status)).inc()
-    return JSONResponse(err.body(), status_code=err.status)
+    body = anthropic_error(err) if path.startswith(MESSAGES_PATH) else err.body()
+    return JSONResponse(body, status_code=err.status)
 
 
 def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S) -> FastAPI:
+              heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
-    been heard for `heartbeat_timeout` seconds."""
-    server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout)
+    been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
+    and `tool_call_parser` (tool_parsers.py)."""
+    server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
+                          tool_call_parser)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
     if max_request_body_bytes:
@@ -136,7 +149,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return _error_response(exc, server)
+        return _error_response(exc, server, request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(request: Request, exc: ClientGone):
@@ -146,7 +159,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     async def _http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method
         err = APIError(str(exc.detail), status=exc.status_code,
                        type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return _error_response(err, server)
+        return _error_response(err, server, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -154,7 +167,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
         loc = [x for x in (errors[0]["loc"] if errors else ()) if x != "body"]
         param = str(loc[0]) if loc else None
         message = f"{param}: {errors[0]['msg']}" if errors and param else "invalid request"
-        return _error_response(APIError(message, param=param), server)
+        return _error_response(APIError(message, param=param), server, request.url.path)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -163,6 +176,20 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await create_chat_completion(server, request)
+
+    responses = ResponseStore()  # stored Responses (store: true), for previous_response_id
+
+    @app.post("/v1/responses")
+    async def create_responses(request: Request):
+        return await create_response(server, responses, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return get_response(responses, response_id)
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request):
+        return await create_message(server, request)
 
     @app.get("/v1/models")
     async def models():
@@ -258,7 +285,8 @@ def serve(args) -> int:
     engine = AsyncLLM(model, **options)
     try:
         app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
-                        heartbeat_timeout=args.heartbeat_timeout)
+                        heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
+                        tool_call_parser=args.tool_call_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)

@@ -314,6 +314,11 @@ class ChatCompletionRequest(_SamplingRequest):
         return None if choice == "none" else choice
 
     @property
+    def checked_tools(self) -> list[dict] | None:
+        """The checked tool definitions ({"name", "description", "parameters"}), after check_tools."""
+        return self._functions
+
+    @property
     def named_function(self) -> str | None:
         return self._tool_choice["name"] if isinstance(self._tool_choice, dict) else None
 

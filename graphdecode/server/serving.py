@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
-from .args import DEFAULT_HEARTBEAT_TIMEOUT_S
+from .args import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TOOL_CALL_PARSER
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from .constraints import ConstraintSource, build_constraint, constraint_error
 from .errors import (
@@ -43,6 +43,8 @@ from .errors import (
 )
 from .logprobs import LogprobFormat
 from .metrics import ServerMetrics
+from .reasoning import check_reasoning_parser
+from .tool_parsers import tool_parser
 
 # Work done on the event loop only up to these sizes, a few ms at most on a slow core (a worker thread
 # above them; its hop costs ~0.1 ms): JSON token-id lists parse at ~15 MB/s, text tokenizes at ~3 KB/ms,
@@ -82,7 +84,7 @@ class Job:
 
     __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "logprobs", "token_ids",
                  "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role", "tool_mode",
-                 "tool_name")
+                 "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened")
 
     def __init__(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
                  req, echo, tokenizer):
@@ -102,6 +104,10 @@ class Job:
         self.role = "assistant"  # chat: the reply's role
         self.tool_mode = None  # chat: None, "auto", "required" or "named" (ChatCompletionRequest.tool_mode)
         self.tool_name = None  # chat, "named": the function called
+        self.tool_parser = "hermes"  # chat, "auto": the format the answer's calls are read in (--tool-call-parser)
+        self.functions = None  # chat: the request's checked tool definitions
+        self.reasoning = None  # the reasoning parser's name (--reasoning-parser), or None
+        self.reasoning_opened = False  # the prompt ends inside a reasoning block the template opened
 
 
 class OpenAIServer:
@@ -110,8 +116,12 @@ class OpenAIServer:
     (openai_api.build_app); the endpoints are completions.py and chat.py."""
 
     def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S):
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
         self.engine = engine
+        self.reasoning_parser = check_reasoning_parser(reasoning_parser)  # None: no reasoning separated
+        self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads calls out of the answer
+        self.tool_markers_special = tool_parser(tool_call_parser, None).special_markers  # (checks the name)
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
         self.model_name = served_model_name
