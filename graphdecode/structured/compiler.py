@@ -17,6 +17,17 @@
    tokens leading to them), EOS allowed exactly in accepting states, each state's most
    common next state as its default and the other tokens as sorted exceptions.
 
+The end marker: outlines-core (0.2.14) keeps a token only if the text before its last byte is
+not already a whole match, or the text with it is one (its DFA reports matches a byte late),
+so from a state where the output could end, it drops every token that goes on into text that
+is not yet complete: with `cat|category`, "category" could not be written, nor `(ab)+` past
+one "ab", nor an integer past its first digit, nor text free until a marker opens something
+that must close (a tool call). So the index is built for the regex followed by an end marker,
+a NUL byte (`END`) the vocabulary gives a token of its own (vocabulary.end_token): no prefix
+of an output is ever a whole match, every continuation is kept, and a state accepts where the
+end marker's token leads to a final state. The marker's token, and any transition into a
+state after a NUL, is then dropped (a NUL never appears in an output).
+
 Measured (SmolLM2-135M's 49,152-token vocabulary, V = 49,152; 2 shared CPU cores): an
 8-field schema (3 free strings, an integer, a number, a boolean, a 3-value enum, an
 array of 1-4 strings, a nested object with 2 required + 1 optional string fields;
@@ -53,9 +64,10 @@ import numpy as np
 from .automaton import TokenAutomaton
 from .budget import MAX_ESTIMATED_STATES, CompileBudget, check_states
 from .params import StructuredOutputsParams
-from .vocabulary import TokenizerVocab, outlines_vocabulary
+from .vocabulary import TokenizerVocab, end_token, outlines_vocabulary
 
-COMPILER_VERSION = 2  # bump when the tables for the same constraint would change
+COMPILER_VERSION = 3  # bump when the tables for the same constraint would change
+END = r"\x00"  # the end marker after every constraint's regex (see the module docstring)
 WHITESPACE = r"[ ]?"
 JSON_OBJECT_DEPTH = 2
 MAX_ENUMERATED_INTEGERS = 1024  # integer ranges up to this many values are enforced exactly (as an enum)
@@ -195,15 +207,16 @@ def _pack_rows(state_of: np.ndarray, token_of: np.ndarray, num_states: int, voca
 
 def automaton_from_index(index, vocab: TokenizerVocab, key: str, started: float | None = None) -> TokenAutomaton:
     started = time.perf_counter() if started is None else started
-    eos_outlines = vocab.eos_token_ids[0]
+    eos_outlines, end = vocab.eos_token_ids[0], end_token(vocab)
     transitions = index.get_transitions()  # {state: {token: next state}}
     initial = index.get_initial_state()
-    finals = set(index.get_final_states())
+    ended = set(index.get_final_states())  # after the end marker
+    finals = {s for s, row in transitions.items() if row.get(end) in ended}  # where the output may end
     edges: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for s, row in transitions.items():
         toks = np.fromiter(row.keys(), dtype=np.int64, count=len(row))
         nxt = np.fromiter(row.values(), dtype=np.int64, count=len(row))
-        keep = toks != eos_outlines
+        keep = (toks != eos_outlines) & (toks != end) & ~np.isin(nxt, list(ended))
         edges[s] = (toks[keep], nxt[keep])
     edges.setdefault(initial, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
     for s in finals:
@@ -375,5 +388,5 @@ def compile_automaton(params: StructuredOutputsParams, vocab: TokenizerVocab,
     if budget is not None:
         check_budget(dfa, vocab, field, budget)
     del dfa
-    index = build_index(regex, vocab, field)
+    index = build_index(f"(?:{regex}){END}", vocab, field)
     return automaton_from_index(index, vocab, params.key(), started)

@@ -193,13 +193,23 @@ def tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> TokenizerVocab
     return built
 
 
+END_BYTE = b"\x00"  # the end marker compiler.py puts after every constraint's regex
+
+
+def end_token(vocab: TokenizerVocab) -> int:
+    """The id of the end marker's own token in outlines-core's Vocabulary: just past the real ids."""
+    return vocab.vocab_size
+
+
 def outlines_vocabulary(vocab: TokenizerVocab):
-    """outlines-core's Vocabulary of these tokens (bytes -> ids); EOS is the first EOS id."""
+    """outlines-core's Vocabulary of these tokens (bytes -> ids) and of the end marker's token (compiler.py);
+    EOS is the first EOS id."""
     from outlines_core import Vocabulary
 
     mapping: dict[bytes, list[int]] = {}
     for tid, data in zip(vocab.token_ids, vocab.token_bytes):
         mapping.setdefault(data, []).append(tid)
+    mapping.setdefault(END_BYTE, []).append(end_token(vocab))
     return Vocabulary(vocab.eos_token_ids[0], mapping)
 
 
