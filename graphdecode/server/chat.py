@@ -53,6 +53,9 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     max_tokens = req.requested_max_tokens()
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size)
+    opened = opened_in_prompt(rendered)
+    thinks = server.reasoning_parser is not None and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+    req.reply_format(server.tool_calls_constrained, thinks, opened)
     if req.tool_mode == "auto" and req.skip_special_tokens is None and server.tool_markers_special:
         params.skip_special_tokens = False  # the format's call marker is a special token ([TOOL_CALLS], ...)
     renames = req.renames()
@@ -67,11 +70,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     job.tool_mode, job.tool_name = req.tool_mode, req.named_function
     job.tool_parser, job.functions = server.tool_call_parser, req.checked_tools
-    if server.reasoning_parser is not None:
-        if params.structured_outputs is None:
-            job.reasoning, job.reasoning_opened = server.reasoning_parser, opened_in_prompt(rendered)
-        else:  # constrained from its first token: reasoning only where the constraint itself opens a block
-            job.reasoning = "qwen3"
+    job.reasoning, job.reasoning_opened = server.reasoning_parser, opened
     return job
 
 

@@ -27,6 +27,7 @@ from ..sampling_params import SamplingParams
 from . import tools as tool_calls
 from .constraints import ConstraintSource, response_format_source, structured_outputs_source
 from .errors import APIError, param_of
+from .reply_constraint import reply_source
 
 
 # ------------------------------------------------------------------ requests
@@ -289,6 +290,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # the checked tools (their function definitions) and tool_choice: "none" / "auto" / "required" / a function
     _functions: list[dict] | None = PrivateAttr(default=None)
     _tool_choice: str | dict = PrivateAttr(default="none")
+    _reply: tuple[bool, bool, bool] = PrivateAttr(default=(False, False, False))  # see reply_format
 
     def check_tools(self) -> None:
         """tools and tool_choice checked (400s naming the field); see tool_mode."""
@@ -338,6 +340,22 @@ class ChatCompletionRequest(_SamplingRequest):
             sources.append(ConstraintSource("tool_choice", "tools (the calls' schema for tool_choice 'required')",
                                             {"json": schema}, "tools"))
         return sources
+
+    def reply_format(self, auto_calls: bool, reasoning: bool, opened: bool) -> None:
+        """How the reply is constrained beyond its own fields (reply_constraint.py): "auto" calls in a format
+        the constraint can write, room for reasoning before a JSON answer or calls (the prompt opened it)."""
+        self._reply = (auto_calls, reasoning, opened)
+
+    @property
+    def builds_regex(self) -> bool:
+        """Whether constraint_source() turns schemas into a regex itself (then it runs off the event loop)."""
+        auto_calls, reasoning, _ = self._reply
+        return bool(auto_calls and self._functions and self.tool_mode == "auto") or reasoning
+
+    def constraint_source(self) -> ConstraintSource | None:
+        auto_calls, reasoning, opened = self._reply
+        return reply_source(super().constraint_source(), self._functions, auto_calls and self.tool_mode == "auto",
+                            reasoning, opened)
 
     def tool_parameter_sources(self) -> list[ConstraintSource]:
         """Each tool's parameters as a constraint of its own (to find the bad one when the joined

@@ -121,7 +121,9 @@ class OpenAIServer:
         self.engine = engine
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)  # None: no reasoning separated
         self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads calls out of the answer
-        self.tool_markers_special = tool_parser(tool_call_parser, None).special_markers  # (checks the name)
+        calls = tool_parser(tool_call_parser, None)  # (checks the name)
+        self.tool_markers_special = calls.special_markers
+        self.tool_calls_constrained = getattr(calls, "constrained", False)  # "auto" calls built by the constraint
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
         self.model_name = served_model_name
@@ -207,7 +209,10 @@ class OpenAIServer:
         tool_choice) checked and compiled for this model in a worker thread (0.1-3 s the first time;
         the event loop keeps serving), then set on `params`; AsyncLLM.generate finds it compiled in the
         engine's cache. A bad one is a 400 naming the field the client sent."""
-        source = req.constraint_source()
+        if getattr(req, "builds_regex", False):  # schemas turned into a regex here: a worker thread's work
+            source = await asyncio.to_thread(req.constraint_source)
+        else:
+            source = req.constraint_source()
         if source is None:
             return
         cancelled = threading.Event()  # the compile worker is stopped when the client leaves

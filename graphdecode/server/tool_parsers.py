@@ -15,6 +15,7 @@ from .tools import HermesCalls
 class Hermes(HermesCalls):
     markers = ("<tool_call>",)
     special_markers = False
+    constrained = True  # "auto" calls are constrained from their marker on (reply_constraint.py)
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__()

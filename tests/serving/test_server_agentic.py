@@ -125,7 +125,8 @@ def test_messages_stop_sequences(claude):
 @pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
 def test_messages_tool_use_whole_and_streamed(claude, choice):
     kwargs = dict(model=MODEL, max_tokens=300, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                  tools=ANTHROPIC_TOOLS, tool_choice=choice)  # the default temperature: 1
+                  tools=ANTHROPIC_TOOLS, tool_choice=choice,  # the default temperature: 1
+                  thinking={"type": "disabled"})  # (else the calls may come after a think block)
     message = claude.messages.create(**kwargs)
     uses = [b for b in message.content if b.type == "tool_use"]  # (a cut call would be a text block)
     assert uses and message.stop_reason in ("tool_use", "max_tokens")
@@ -154,6 +155,7 @@ def test_messages_thinking_block_and_a_tool_round_trip(claude, openai_client):
     assert [(b.type, b.thinking) for b in omitted.content] == [("thinking", "")]
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
     structured = claude.messages.create(model=MODEL, max_tokens=60, messages=HI, extra_body=GREEDY,
+                                        thinking={"type": "disabled"},
                                         output_config={"format": {"type": "json_schema", "schema": schema}})
     jsonschema.validate(json.loads(structured.content[0].text), schema)
     history = [
@@ -217,7 +219,7 @@ def test_responses_whole_and_streamed_give_the_chat_reply(openai_client):
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
 def test_responses_function_calls_whole_and_streamed(openai_client, tool_choice):
     kwargs = dict(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS, tool_choice=tool_choice,
-                  max_output_tokens=300, temperature=1.0)
+                  max_output_tokens=300, temperature=1.0, reasoning={"effort": "none"})
     response = openai_client.responses.create(**kwargs)
     calls = [item for item in response.output if item.type == "function_call"]
     assert calls and all(c.name == "get_weather" for c in calls)
@@ -244,6 +246,7 @@ def test_responses_continue_a_stored_conversation_and_give_json(openai_client):
         openai_client.responses.create(model=MODEL, input="x", previous_response_id="resp_nonesuch")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
     structured = openai_client.responses.create(model=MODEL, input="A name?", max_output_tokens=60, temperature=0,
+                                                reasoning={"effort": "none"},
                                                 text={"format": {"type": "json_schema", "name": "n",
                                                                  "schema": schema}})
     jsonschema.validate(json.loads(structured.output_text), schema)

@@ -1,0 +1,121 @@
+"""The reply's constraint (server/reply_constraint.py): text that avoids a marker, tool calls constrained from
+their marker on, room for reasoning before a JSON answer.
+
+The automaton test walks the compiled token automaton as a model at any temperature could: every step a
+random allowed token, pushed toward writing the call marker (nine times in ten the token that continues it,
+when it is allowed) and, inside a call, toward its end, so calls start often. Every walk that ends (EOS) parses into content and calls whose
+arguments validate against their tool's schema; the same biased walks without the constraint, for contrast,
+write a marker followed by text that is no call (the failure rate the constraint removes)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from graphdecode.server.constraints import ConstraintSource, build_constraint
+from graphdecode.server.reasoning import split_reasoning
+from graphdecode.server.reply_constraint import avoiding, reasoning_prefix, reply_source
+from graphdecode.server.tools import START_TAG, HermesCalls, parse_all
+from graphdecode.structured.cache import AutomatonCache, compile_constraint
+from tests.unit.test_structured_compile import distances
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+FUNCTIONS = [{"name": "get_weather", "description": None, "parameters": WEATHER},
+             {"name": "add", "description": None, "parameters": ADD}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+@pytest.mark.parametrize("marker", ["<tool_call>", "</think>", "[TOOL_CALLS]", "<|python_tag|>", "ab"])
+def test_avoiding_matches_exactly_the_strings_without_the_marker(marker):
+    pattern = re.compile(avoiding(marker), re.S)
+    rng = random.Random(7)
+    alphabet = sorted(set(marker)) + ["x", "\n"]
+    for length in range(12):
+        for _ in range(400):
+            text = "".join(rng.choice(alphabet) for _ in range(length))
+            if rng.random() < 0.5:  # a partial or whole marker somewhere
+                at = rng.randrange(len(text) + 1)
+                text = text[:at] + marker[:rng.randrange(len(marker) + 1)] + text[at:]
+            assert (pattern.fullmatch(text) is not None) == (marker not in text), text
+    with pytest.raises(ValueError, match="first character"):
+        avoiding("abca")
+
+
+def test_reasoning_prefix_and_sources():
+    opened, optional = re.compile(reasoning_prefix(True), re.S), re.compile(reasoning_prefix(False), re.S)
+    assert opened.fullmatch("some thought</think>\n\n") and not opened.fullmatch("")
+    assert optional.fullmatch("") and optional.fullmatch("<think>a</think>") and not optional.fullmatch("a</think>")
+    user = ConstraintSource("response_format", "response_format.json_schema.schema", {"json": WEATHER})
+    assert reply_source(user, None, False, False, False) is user  # nothing added: the request's own, as is
+    assert reply_source(None, FUNCTIONS, False, True, False) is None  # reasoning alone: unconstrained
+    regex = ConstraintSource("guided_regex", "guided_regex", {"regex": "[a-z]+"})
+    assert reply_source(regex, None, False, True, True) is regex  # a regex is the whole output as written
+    source = reply_source(user, None, False, True, False)
+    assert source.param == "response_format" and re.fullmatch(
+        source.kwargs["regex"], '<think>hmm</think>\n{"city":"Paris","unit":"c"}')
+
+
+def _walk(automaton, tokenizer, rng: random.Random, eos: int, max_tokens: int = 300) -> str | None:
+    """Random allowed tokens, pushed toward the marker and, inside a call, toward its end; the text, or None
+    when max_tokens came first."""
+    marker_ids = tokenizer(START_TAG, add_special_tokens=False)["input_ids"]
+    dist = distances(automaton)
+    state, ids, at = 0, [], 0
+    for _ in range(max_tokens):
+        allowed = [int(t) for t in automaton.allowed_tokens(state)]
+        if eos in allowed and rng.random() < 0.08:
+            return tokenizer.decode(ids)
+        choices = [t for t in allowed if t != eos] or [eos]
+        if choices == [eos]:
+            return tokenizer.decode(ids)
+        want = marker_ids[at] if at < len(marker_ids) else None
+        closer = [t for t in choices if dist[automaton.next_state(state, t)] < dist[state]]
+        if want in choices and rng.random() < 0.9:
+            token = want
+        else:
+            token = rng.choice(closer if closer and rng.random() < 0.7 else choices)
+        at = at + 1 if token == want else 0
+        ids.append(token)
+        state = automaton.next_state(state, token)
+    return None
+
+
+def test_auto_calls_are_well_formed_whatever_is_sampled(text_model, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(text_model)
+    eos = tokenizer.eos_token_id
+    source = reply_source(None, FUNCTIONS, True, False, False)
+    cache = AutomatonCache(str(tmp_path), disk=False)
+    automaton = compile_constraint(build_constraint(source), tokenizer, len(tokenizer), (eos,), cache=cache)
+    free = compile_constraint(build_constraint(ConstraintSource("x", None, {"regex": r"(?s:.*)"})), tokenizer,
+                              len(tokenizer), (eos,), cache=cache)
+    rng = random.Random(3)
+    constrained_calls, free_marked, free_bad = 0, 0, 0
+    for _ in range(60):
+        text = _walk(automaton, tokenizer, rng, eos)
+        if text is not None:
+            content, calls = parse_all(HermesCalls(), text)
+            assert START_TAG not in content, text  # a marker always opens a call
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+            constrained_calls += len(calls)
+        text = _walk(free, tokenizer, rng, eos)
+        if text is not None and START_TAG in text:
+            free_marked += 1
+            content, calls = parse_all(HermesCalls(), text)
+            free_bad += START_TAG in content or not calls
+    assert constrained_calls >= 5  # the walks did write calls
+    assert free_marked >= 5 and free_bad == free_marked  # unconstrained, a marker is followed by no call
+
+
+def test_a_reasoning_parser_reads_what_the_prefix_allows():
+    prefix = reasoning_prefix(False)
+    text = "<think>plan: call it</think>\n" + '{"city":"Paris","unit":"c"}'
+    assert re.fullmatch(prefix + r"\{.*\}", text, re.S)
+    assert split_reasoning("qwen3", text) == ("plan: call it", '{"city":"Paris","unit":"c"}')
