@@ -45,7 +45,7 @@ GREEDY = {"temperature": 0}  # Anthropic's current SDK has no sampling fields; t
 
 
 @pytest.fixture(scope="module")
-def server(text_model, tmp_path_factory):
+def agent_model(text_model, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("agentic") / "model"
     shutil.copytree(text_model, path)
     (path / "chat_template.jinja").write_text(TEMPLATE)
@@ -53,7 +53,12 @@ def server(text_model, tmp_path_factory):
     raw = json.loads(config.read_text())
     raw.pop("chat_template", None)
     config.write_text(json.dumps(raw))
-    with live_server(str(path), tmp_path_factory.mktemp("server_agentic"), MODEL, "-k", "4", "--max-model-len",
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(agent_model, tmp_path_factory):
+    with live_server(agent_model, tmp_path_factory.mktemp("server_agentic"), MODEL, "-k", "4", "--max-model-len",
                      "1024", "--max-batch-size", "8", "--reasoning-parser", "qwen3") as url:
         yield url
 
@@ -266,3 +271,24 @@ def test_responses_reasoning_items_and_errors(openai_client, server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_output_tokens")
     r = httpx.post(f"{server}/v1/responses", json={"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools[0].type")
+
+
+def test_another_call_format_by_its_parser_name(agent_model, tmp_path_factory):
+    """`--tool-call-parser mistral` on a second server: a reply written (by a guided_regex) in Mistral's format
+    comes back as OpenAI tool calls, streamed and whole, with Mistral's 9-character ids."""
+    model = agent_model
+    forced = r'Checking\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris", "unit": "c"\}'
+    with live_server(model, tmp_path_factory.mktemp("server_mistral"), MODEL, "--max-model-len", "512",
+                     "--tool-call-parser", "mistral") as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        kwargs = dict(model=MODEL, messages=HI, tools=CHAT_TOOLS, temperature=0, max_tokens=200,
+                      extra_body={"guided_regex": forced})
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+        [call] = whole.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris",
+                                                                                              "unit": "c"}
+        assert re.fullmatch("[A-Za-z0-9]{9}", call.id)
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+        assert len(streamed) == 1 and streamed[0].function.arguments == call.function.arguments
