@@ -260,3 +260,16 @@ def add_mtp_layer(model_dir: str, source_layer: int, seed: int = 0, std: float =
         tensors[f"mtp.{name}.weight"] = (torch.randn(hidden, generator=g) * 0.1).to(dtype)  # (1 + w) norms
     save_file(tensors, path, metadata={"format": "pt"})
     return model_dir
+
+
+def with_chat_template(model_dir: str, path, template: str) -> str:
+    """A copy of `model_dir` at `path` whose chat template is `template` (chat_template.jinja; the tokenizer
+    config's own template removed, so the file is the one read)."""
+    path = pathlib.Path(path)
+    shutil.copytree(model_dir, path)
+    (path / "chat_template.jinja").write_text(template)
+    config = path / "tokenizer_config.json"
+    raw = json.loads(config.read_text())
+    raw.pop("chat_template", None)
+    config.write_text(json.dumps(raw))
+    return str(path)

@@ -28,11 +28,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..attention.spec import AttentionSpec
 from .decoder import Attention, DecoderForCausalLM, GatedMLP
 from .layers import FusedLinear, RMSNorm
 from .loader import checkpoint_files, load_model, plan_checkpoint
 from .model_config import ModelConfig, load_model_config
+from .one_layer_head import OneLayerHead
 from .parallel import ParallelLMHead, RowParallelLinear, TPGroup, VocabParallelEmbedding, split
 from .rope import RotaryEmbedding
 
@@ -146,7 +146,7 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(OneLayerHead):
     """The head as one small module with the checkpoint's names (the loader fuses q/k/v and gate/up)."""
 
     packed_modules = DecoderForCausalLM.packed_modules
@@ -154,7 +154,6 @@ class Eagle3Head(nn.Module):
     checkpoint_renames = {"midlayer.": "layers.0."}
     checkpoint_extras = ("d2t", "t2d")  # integer maps, read by load_eagle3_head (t2d unused)
     expert_format = None
-    streams_weights = True  # run between the target's layers, which evict its weights (cpu_linear.py: panels)
 
     def __init__(self, eagle: Eagle3Config, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -171,21 +170,6 @@ class Eagle3Head(nn.Module):
         self.rotary: RotaryEmbedding | None = None
         self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
         self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] int64: each draft id's target id
-
-    @property
-    def attention_specs(self) -> list[AttentionSpec]:
-        return [self.layers[0].self_attn.attention_spec]
-
-    def rotary_tables(self) -> list[RotaryEmbedding]:
-        return [self.rotary]
-
-    def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {}
-
-    def post_load(self, max_positions: int) -> None:
-        weight = self.norm.weight
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions, weight.dtype,
-                                      weight.device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -31,6 +31,7 @@ from .layers import RMSNorm
 from .loader import checkpoint_files, load_model, plan_checkpoint
 from .model_config import FULL, ModelConfig
 from .moe import default_implementation
+from .one_layer_head import OneLayerHead
 from .parallel import RowParallelLinear, TPGroup
 from .rope import RotaryEmbedding
 
@@ -90,13 +91,12 @@ def read_mtp_config(path: str, target: ModelConfig, target_class: type) -> MTPCo
 MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 
 
-class MTPHead(nn.Module):
+class MTPHead(OneLayerHead):
     """The MTP layer with the checkpoint's names below `mtp.` (mtp_head_class gives the loader the target's
     layout: fused projections, experts)."""
 
     checkpoint_renames = {PREFIX: ""}
     checkpoint_skipped = ("model.", "lm_head.")  # the target's own tensors (multimodal: model.language_model.)
-    streams_weights = True  # runs between the target's layers, which evict its weights (cpu_linear.py: panels)
 
     def __init__(self, mtp: MTPConfig, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -116,22 +116,11 @@ class MTPHead(nn.Module):
         self.packed_head = None  # the loader's slot for a quantized LM head (the target's is shared)
         self.target_logits = None  # the target's compute_logits (its LM head), set by load_mtp_head
 
-    @property
-    def attention_specs(self) -> list[AttentionSpec]:
-        return [self.layers[0].attention.attention_spec]
-
-    def rotary_tables(self) -> list[RotaryEmbedding]:
-        return [self.rotary]
-
-    def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {}
-
     def post_load(self, max_positions: int) -> None:
-        weight = self.norm.weight
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions, weight.dtype,
-                                      weight.device)
+        super().post_load(max_positions)
         mlp = self.layers[0].mlp
         if hasattr(mlp, "experts"):
+            weight = self.norm.weight
             mlp.experts.implementation = default_implementation(weight.device, weight.dtype)
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:

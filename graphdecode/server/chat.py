@@ -18,14 +18,13 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from .async_llm import EngineDeadError, RequestFailedError
 from .choices import Choice, Choices
 from .errors import APIError
 from .logprobs import prompt_logprobs_json
 from .protocol import ChatCompletionRequest
 from .reasoning import opened_in_prompt
 from .responses import DONE, dumps, error_event, event_stream, json_response
-from .serving import INLINE_CHARS, Job, OpenAIServer, off_loop, outputs_error
+from .serving import INLINE_CHARS, Job, OpenAIServer, off_loop
 
 
 async def create_chat_completion(server: OpenAIServer, request: Request) -> Response:
@@ -156,12 +155,7 @@ async def _stream(server: OpenAIServer, job: Job):
 
 async def _whole(server: OpenAIServer, job: Job) -> Response:
     """One body once every choice is done; with tools, each choice's whole text parsed once."""
-    choices = Choices(job, server.prefix_caching, keep=True)
-    try:
-        async for p, out in server.outputs(job):
-            choices.fold(p, out)
-    except (EngineDeadError, RequestFailedError, ValueError) as exc:
-        raise outputs_error(exc, {"prompt": "messages"}) from None
+    choices = await server.collect(job, {"prompt": "messages"})
     out_choices = []
     for choice in choices:
         thought, content, calls, finish_reason = choice.whole_parts()

@@ -17,13 +17,12 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from .async_llm import EngineDeadError, RequestFailedError
 from .choices import Choices
 from .errors import APIError
 from .logprobs import joined, prompt_logprobs_json, token_offsets
 from .protocol import CompletionRequest
 from .responses import DONE, dumps, error_event, event_stream, json_response
-from .serving import INLINE_CHARS, INLINE_TOKENS, Job, OpenAIServer, off_loop, outputs_error
+from .serving import INLINE_CHARS, INLINE_TOKENS, Job, OpenAIServer, off_loop
 
 
 async def create_completion(server: OpenAIServer, request: Request) -> Response:
@@ -135,12 +134,7 @@ async def _stream(server: OpenAIServer, job: Job):
 
 async def _whole(server: OpenAIServer, job: Job) -> Response:
     """One body once every choice is done."""
-    choices = Choices(job, server.prefix_caching, keep=True)
-    try:
-        async for p, out in server.outputs(job):
-            choices.fold(p, out)
-    except (EngineDeadError, RequestFailedError, ValueError) as exc:
-        raise outputs_error(exc) from None
+    choices = await server.collect(job)
     out_choices = []
     for choice in choices:
         p = choice.prompt

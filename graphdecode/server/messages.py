@@ -20,7 +20,6 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from .async_llm import EngineDeadError, RequestFailedError
 from .chat import start_chat
 from .choices import Choice, Choices
 from .errors import APIError
@@ -76,12 +75,10 @@ def _tool_id() -> str:
 
 
 async def _whole(server: OpenAIServer, job, omit: bool) -> Response:
-    choices = Choices(job, server.prefix_caching, keep=True)
     try:
-        async for p, out in server.outputs(job):
-            choices.fold(p, out)
-    except (EngineDeadError, RequestFailedError, ValueError) as exc:
-        raise renamed(outputs_error(exc, {"prompt": "messages"})) from None
+        choices = await server.collect(job, {"prompt": "messages"})
+    except APIError as err:
+        raise renamed(err) from None
     choice = next(iter(choices))
     thought, content, calls, finish_reason = choice.whole_parts()
     blocks: list[dict] = []

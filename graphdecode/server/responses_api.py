@@ -21,7 +21,6 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
-from .async_llm import EngineDeadError, RequestFailedError
 from .chat import start_chat
 from .choices import Choices
 from .errors import APIError
@@ -98,12 +97,10 @@ def _items(thought: str, content: str, calls: list[dict]) -> list[dict]:
 
 async def _whole(server: OpenAIServer, store: ResponseStore, job, response: _Response,
                  conversation: list[dict]) -> Response:
-    choices = Choices(job, server.prefix_caching, keep=True)
     try:
-        async for p, out in server.outputs(job):
-            choices.fold(p, out)
-    except (EngineDeadError, RequestFailedError, ValueError) as exc:
-        raise renamed(outputs_error(exc, {"prompt": "input"})) from None
+        choices = await server.collect(job, {"prompt": "input"})
+    except APIError as err:
+        raise renamed(err) from None
     choice = next(iter(choices))
     thought, content, calls, _ = choice.whole_parts()
     response.output = _items(thought, content, calls)

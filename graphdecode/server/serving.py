@@ -31,6 +31,7 @@ from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
 from .args import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TOOL_CALL_PARSER
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from .choices import Choices
 from .constraints import ConstraintSource, build_constraint, constraint_error
 from .errors import (
     APIError,
@@ -296,6 +297,17 @@ class OpenAIServer:
         finally:
             for tracker in trackers:
                 tracker.close()
+
+    async def collect(self, job: Job, renames: dict[str, str] | None = None) -> Choices:
+        """Every output of `job` folded into its choices, kept whole (a non-streamed response); what the
+        outputs raise becomes the API's error (outputs_error)."""
+        choices = Choices(job, self.prefix_caching, keep=True)
+        try:
+            async for p, out in self.outputs(job):
+                choices.fold(p, out)
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            raise outputs_error(exc, renames) from None
+        return choices
 
     # ------------------------------------------------------------- the client
     @staticmethod

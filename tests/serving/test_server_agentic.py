@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import anthropic
 import httpx
@@ -20,7 +19,7 @@ import jsonschema
 import pytest
 from openai import NotFoundError, OpenAI
 
-from tests.helpers import live_server
+from tests.helpers import live_server, with_chat_template
 
 MODEL = "agent-model"
 TEMPLATE = (
@@ -46,14 +45,7 @@ GREEDY = {"temperature": 0}  # Anthropic's current SDK has no sampling fields; t
 
 @pytest.fixture(scope="module")
 def agent_model(text_model, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("agentic") / "model"
-    shutil.copytree(text_model, path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    config = path / "tokenizer_config.json"
-    raw = json.loads(config.read_text())
-    raw.pop("chat_template", None)
-    config.write_text(json.dumps(raw))
-    return str(path)
+    return with_chat_template(text_model, tmp_path_factory.mktemp("agentic") / "model", TEMPLATE)
 
 
 @pytest.fixture(scope="module")

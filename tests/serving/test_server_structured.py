@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import threading
 
 import jsonschema
@@ -23,7 +22,7 @@ from openai import BadRequestError
 from transformers import AutoTokenizer
 
 from graphdecode.server import tools as tool_calls
-from tests.helpers import live_server
+from tests.helpers import live_server, with_chat_template
 
 MODEL = "structured-model"
 TEMPLATE = (
@@ -56,14 +55,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def model_dir(text_model, tmp_path_factory):
-    path = tmp_path_factory.mktemp("structured") / "model"
-    shutil.copytree(text_model, path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    config = path / "tokenizer_config.json"
-    raw = json.loads(config.read_text())
-    raw.pop("chat_template", None)
-    config.write_text(json.dumps(raw))
-    return str(path)
+    return with_chat_template(text_model, tmp_path_factory.mktemp("structured") / "model", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
