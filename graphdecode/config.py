@@ -150,8 +150,9 @@ class EngineConfig:
     # a hybrid model's prefix cache keeps the recurrent state at up to this many cached page boundaries (each one
     # slot of the state cache, host/state_slots.py); None: max_batch_size of them (0 without prefix caching)
     num_state_snapshots: int | None = None
-    # logprobs / prompt_logprobs per token a request may ask for; -1: no cap, logprobs=-1 gives the
-    # whole vocabulary (the device's logprob buffers then hold vocab_size entries per row and step)
+    # logprobs / prompt_logprobs per token a request may ask for (0: the sampled or prompt token's own only, as
+    # vLLM's); -1: no cap, logprobs=-1 gives the whole vocabulary (the device's logprob buffers then hold
+    # vocab_size entries per row and step)
     max_logprobs: int = 20
     # what logprobs report (vLLM's names): the model's log-softmax ("raw_logprobs") or logits
     # ("raw_logits"), or either after logit_bias, bad words, allowed_token_ids, penalties, min_tokens,
@@ -242,8 +243,10 @@ class EngineConfig:
                 self.num_state_snapshots, int) or self.num_state_snapshots < 0):
             raise ValueError(f"num_state_snapshots must be an integer >= 0, got {self.num_state_snapshots!r}")
         _pos_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_logprobs != -1:
-            _pos_int("max_logprobs", self.max_logprobs)
+        if self.max_logprobs != -1 and (isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int)
+                                        or self.max_logprobs < 0):
+            raise ValueError(f"max_logprobs must be an integer >= 0 (0: the sampled token's logprob only), or -1 "
+                             f"for no cap, got {self.max_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -345,7 +348,9 @@ class EngineConfig:
             "cpu_threads": cpu_threads,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
-            "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, cfg.vocab_size),
+            # at least one entry: logprobs=0 still reports the sampled token's own
+            "logprobs_width": cfg.vocab_size if self.max_logprobs == -1 else max(1, min(self.max_logprobs,
+                                                                                        cfg.vocab_size)),
             **speculative,
         }
         for name, value in resolved.items():

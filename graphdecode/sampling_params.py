@@ -105,8 +105,12 @@ def _float32(name: str, value: float, positive: bool = False) -> None:
 
 
 def _int_list(name: str, value) -> None:
-    if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
+    if not isinstance(value, (list, tuple)):
         raise _type_error(name, "a list of integer token ids", value)
+    bad = next((t for t in value if not _is_int(t)), None)
+    if bad is not None:  # a list holding something else: a bad value (vLLM's ValueError), not a bad type
+        raise ValueError(f"{name} must hold only integer token ids, got {bad!r} ({type(bad).__name__}) in "
+                         f"{list(value)!r}")
     if any(t < 0 for t in value):
         raise ValueError(f"{name} must hold token ids >= 0, got {list(value)!r}")
 

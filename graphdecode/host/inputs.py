@@ -202,7 +202,9 @@ class InputProcessor:
                              f"(scheduling_policy={cfg.scheduling_policy!r}; use scheduling_policy='priority')")
         if not prompt_ids:
             raise ValueError("prompt: the prompt is empty (no tokens)")
-        self.check_length(len(prompt_ids), params.max_tokens)  # before any O(prompt) scan
+        # before any O(prompt) scan; max_tokens past the context is vLLM's engine rule: generation stops at
+        # max_model_len with "length" (the server refuses it first, as vLLM's server does: serving.check_length)
+        self.check_length(len(prompt_ids), None)
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -357,8 +359,9 @@ class InputProcessor:
             self.automata.close()
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """The one context-length rule (the API's and the server's, vLLM's): the prompt leaves
-        room to generate, and the prompt plus max_tokens, when given, fits in max_model_len."""
+        """The context-length rule: the prompt leaves room to generate (the engine's, offline and async, as
+        vLLM's engine), and with max_tokens given (the server's, as vLLM's server) the prompt plus
+        max_tokens fits in max_model_len."""
         limit = self.config.max_model_len
         if num_prompt_tokens >= limit:
             raise ValueError(

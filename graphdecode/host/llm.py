@@ -74,12 +74,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
         use_tqdm: a progress bar of finished requests (default: on for more than 8 prompts
-        when stderr is a terminal). priority: one integer per prompt (lower runs first) for
-        an engine with scheduling_policy="priority".
+        when stderr is a terminal). priority: one integer per prompt, or one for all of
+        them (lower runs first), for an engine with scheduling_policy="priority".
         """
         with _cyclic_gc_paused():
             requests = self._add(prompts, sampling_params, priority)
@@ -103,7 +103,7 @@ class LLM:
             return [final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template.
 
         messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
@@ -126,7 +126,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
-    def stream(self, prompts, sampling_params=None, priority: list[int] | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
         """Yield RequestOutput deltas of these prompts' requests as windows are pythonized.
 
         OpenAI semantics: a delta carries one request's new tokens per sequence (with its
@@ -225,12 +225,15 @@ class LLM:
             )
         if priority is None:
             priorities = [0] * len(prompt_list)
+        elif isinstance(priority, int) and not isinstance(priority, bool):  # vLLM's: one for every prompt
+            priorities = [priority] * len(prompt_list)
         elif isinstance(priority, (list, tuple)) and len(priority) == len(prompt_list):
             priorities = list(priority)
         else:
             given = (f"{len(priority)} given" if isinstance(priority, (list, tuple))
                      else f"got {type(priority).__name__}")
-            raise TypeError(f"priority must be a list of integers, one per prompt ({len(prompt_list)}); {given}")
+            raise TypeError(f"priority must be an integer or a list of integers, one per prompt "
+                            f"({len(prompt_list)}); {given}")
         parsed = self.engine.inputs.tokenize_all(prompt_list)
         copies: dict[int, SamplingParams] = {}  # id(params) -> this call's checked copy
         requests = []

@@ -77,6 +77,23 @@ def test_logprobs_zero_returns_only_the_sampled_token(llm):
         assert list(entry) == [token] and entry[token].rank >= 1
 
 
+def test_max_logprobs_zero_reports_the_sampled_and_prompt_tokens_only(path, llm):
+    """vLLM's max_logprobs=0: logprobs=0 / prompt_logprobs=0 give each token's own logprob, the values the
+    default engine reports; more is refused by name."""
+    zero = LLM(path, **ENGINE, max_logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, prompt_logprobs=0)
+    got, want = (e.generate(token_prompts([[4, 5, 6]]), params)[0] for e in (zero, llm))
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for mine, theirs in zip(got.outputs[0].logprobs + got.prompt_logprobs[1:],
+                            want.outputs[0].logprobs + want.prompt_logprobs[1:]):
+        assert list(mine) == list(theirs) and len(mine) == 1
+        assert math.isclose(next(iter(mine.values())).logprob, next(iter(theirs.values())).logprob, abs_tol=1e-5)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs: 1 exceeds max_logprobs \(0"):
+        zero.generate(token_prompts([[4, 5]]), SamplingParams(logprobs=1))
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0"):
+        LLM(path, **ENGINE, max_logprobs=-2)
+
+
 def test_whole_vocabulary_logprobs_with_max_logprobs_unlimited(path, llm):
     with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs: the whole vocabulary \(-1\) exceeds max_logprobs"):
         llm.generate(token_prompts([[4, 5]]), SamplingParams(logprobs=-1))
@@ -127,7 +144,9 @@ def test_logprobs_mode(path, mode):
 def test_priority_needs_the_priority_policy(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: priority: got 3, but priority scheduling is not enabled"):
         llm.generate(token_prompts([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[0, 3])
-    with pytest.raises(TypeError, match="priority must be a list of integers, one per prompt"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: priority: got 2, but priority scheduling"):
+        llm.generate(token_prompts([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=2)  # one for all
+    with pytest.raises(TypeError, match="priority must be an integer or a list of integers, one per prompt"):
         llm.generate(token_prompts([[4, 5], [6, 7]]), SamplingParams(max_tokens=2), priority=[1])
 
 

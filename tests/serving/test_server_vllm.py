@@ -266,10 +266,16 @@ def test_logit_bias_error_names_every_bad_key(http):
 
 
 def test_one_rule_for_the_api_and_the_server(http, llm):
-    """stop=[""], max_tokens past the context and a priority without the priority policy are
-    refused by the server exactly as by the Python API, naming the same field."""
+    """stop=[""] and a priority without the priority policy are refused by the server exactly as by the
+    Python API, naming the same field; max_tokens past the context is refused by the server only (vLLM's
+    split: its engine stops the request at max_model_len with "length")."""
+    r = http.post("/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.json()["error"]["message"].startswith("max_tokens is too large: 5000.")
+    res = llm.generate("Hello", SamplingParams(max_tokens=5000, ignore_eos=True))[0]
+    out = res.outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == MAX_MODEL_LEN - len(res.prompt_token_ids)
     cases = [({"stop": [""]}, "stop", dict(stop=[""])),
-             ({"max_tokens": 5000}, "max_tokens", dict(max_tokens=5000)),
              ({"priority": 3}, "priority", None)]
     for extra, field, api_kwargs in cases:
         r = http.post("/completions", json={"model": MODEL, "prompt": "Hello", **extra})

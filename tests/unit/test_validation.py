@@ -46,6 +46,8 @@ BAD_PARAMS = [
     (dict(top_p=1e-46), "top_p"),
     (dict(repetition_penalty=1e-46), "repetition_penalty"),
     (dict(repetition_penalty=1e300), "repetition_penalty"),
+    (dict(stop_token_ids=[1, 2.0]), "stop_token_ids"),  # a list holding a non-integer: vLLM's ValueError
+    (dict(allowed_token_ids=[3, "4"]), "allowed_token_ids"),
 ]
 
 WRONG_TYPES = [
@@ -54,7 +56,6 @@ WRONG_TYPES = [
     (dict(stop=123), "stop"),
     (dict(stop=["a", 1]), "stop"),
     (dict(stop_token_ids="x"), "stop_token_ids"),
-    (dict(stop_token_ids=[1, 2.0]), "stop_token_ids"),
     (dict(bad_words={"a", "b"}), "bad_words"),
     (dict(bad_words="word"), "bad_words"),
     (dict(logit_bias=[(1, 2.0)]), "logit_bias"),
@@ -130,13 +131,15 @@ def test_params_changed_after_submission_do_not_reach_the_request(llm):
     assert request.seqs[0].num_output_tokens == 5
 
 
-def test_max_tokens_beyond_the_context_is_rejected_like_the_server(llm):
-    with pytest.raises(ValueError, match=r"prompts\[0\]: max_tokens is too large: 200\. This model's maximum "
-                                         r"context length is 128 tokens and the prompt has 3 tokens"):
-        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200))
-    # exactly filling the context is fine, and ends with "length" at max_model_len
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=125, ignore_eos=True))[0]
-    assert len(out.outputs[0].token_ids) == 125 and out.outputs[0].finish_reason == "length"
+def test_max_tokens_beyond_the_context_stops_at_max_model_len_like_vllms_engine(llm):
+    """vLLM's offline API (its test_max_model_len): max_tokens past the context is accepted and the request
+    ends with "length" at max_model_len; a prompt that leaves no room is still refused (the server refuses
+    the former too: tests/serving)."""
+    for max_tokens in (200, 125):
+        out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 125 and out[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt: 128 tokens leave no room to generate"):
+        llm.generate({"prompt_token_ids": [5] * 128}, SamplingParams(max_tokens=1))
 
 
 @pytest.fixture(scope="module")
