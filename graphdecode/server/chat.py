@@ -169,13 +169,12 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
         body = {"index": choice.index, "message": message,
                 "logprobs": ({"content": job.logprobs.chat(choice.token_ids, choice.logprobs)}
                              if job.logprobs is not None else None),
-                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
-        if job.token_ids:
-            body["token_ids"] = choice.token_ids
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids if job.token_ids else None}  # vLLM's optional fields: null
         out_choices.append(body)
     body = {
         "id": job.rid, "object": "chat.completion", "created": job.created, "model": server.model_name,
-        "choices": out_choices, "usage": choices.usage(),
+        "choices": out_choices, "usage": choices.usage(), "prompt_logprobs": None, "prompt_token_ids": None,
     }
     if job.prompt_logprobs:
         body["prompt_logprobs"] = prompt_logprobs_json(choices.prompt_logprobs.get(0))

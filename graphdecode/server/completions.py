@@ -147,8 +147,10 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
             logprobs = joined(logprobs, job.logprobs.completion(choice.token_ids, choice.logprobs, offset)[0])
         if job.echo is not None:
             text = job.echo[p][0] + text
+        # vLLM's optional fields are there, null, when not asked for (its clients read them)
         body = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+                "stop_reason": choice.stop_reason, "prompt_logprobs": None, "prompt_token_ids": None,
+                "token_ids": None}
         if job.prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs_json(choices.prompt_logprobs.get(p))
         if job.token_ids:

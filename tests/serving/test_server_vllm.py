@@ -360,3 +360,16 @@ def test_a_negative_body_limit_is_a_cli_error(text_model, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", text_model, "--max-request-body-bytes", "-1"])
     assert exc.value.code == 2 and "--max-request-body-bytes" in capsys.readouterr().err
+
+
+def test_optional_vllm_fields_are_null_when_not_asked_for(client):
+    """vLLM's whole responses carry prompt_logprobs / prompt_token_ids / token_ids as null when not asked for;
+    clients written for vLLM read them as attributes."""
+    completion = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    choice = completion.choices[0]
+    assert (choice.prompt_logprobs, choice.prompt_token_ids, choice.token_ids) == (None, None, None)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert (chat.prompt_logprobs, chat.prompt_token_ids, chat.choices[0].token_ids) == (None, None, None)
+    asked = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                           extra_body={"return_token_ids": True})
+    assert asked.prompt_token_ids and len(asked.choices[0].token_ids) == 2
