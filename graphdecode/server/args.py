@@ -74,6 +74,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=sorted(TOOL_PARSERS),
                    help="the format tool_choice 'auto' reads the model's calls in (vLLM's names); 'required' and "
                         "named calls are constrained JSON in every format")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' strings in every response (vLLM's; a request can ask for "
+                        "it itself with return_tokens_as_token_ids)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, as if stream_options.include_usage were set (vLLM's)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",

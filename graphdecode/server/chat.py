@@ -64,7 +64,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     role = req.response_role
     last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
     echo = last["content"] if req.echo and last["role"] == role else ""
-    job = Job(rid, streams, arrival, [ids], params, req, echo, server.tokenizer)
+    job = server.job(rid, streams, arrival, [ids], params, req, echo)
     job.role = role
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     job.tool_mode, job.tool_name = req.tool_mode, req.named_function

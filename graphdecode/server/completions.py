@@ -58,7 +58,7 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
         for _, stream in streams:  # the prompts before the bad one were sent to the core already
             stream.cancel()
         raise
-    job = Job(rid, streams, arrival, [ids for _, ids in parsed], params, req, echo, server.tokenizer)
+    job = server.job(rid, streams, arrival, [ids for _, ids in parsed], params, req, echo)
     job.echo_only = req.echo_only
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     if req.stream:

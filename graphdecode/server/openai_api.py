@@ -135,13 +135,14 @@ def _error_response(err: APIError, server: OpenAIServer | None = None, path: str
 def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
-              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
+              force_include_usage: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
     and `tool_call_parser` (tool_parsers.py)."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
-                          tool_call_parser)
+                          tool_call_parser, return_tokens_as_token_ids, force_include_usage)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
     if max_request_body_bytes:
@@ -286,7 +287,9 @@ def serve(args) -> int:
     try:
         app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        force_include_usage=args.enable_force_include_usage)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)

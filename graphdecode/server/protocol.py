@@ -19,7 +19,7 @@ since the per-chunk cost of model validation would sit on the streaming path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -130,6 +130,8 @@ class _SamplingRequest(_Base):
         return n
 
     def _check_unsupported(self) -> None:
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:  # vLLM's bound (a C long)
+            raise APIError(f"seed: must be a 64-bit signed integer, got {self.seed}", param="seed")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError("best_of is not supported (only best_of = n)", param="best_of")
         if self.stream_options is not None and not self.stream:
@@ -276,7 +278,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI, still accepted
     max_completion_tokens: int | None = None
-    logprobs: bool | None = False
+    logprobs: Annotated[bool | None, Field(strict=False)] = False  # "true" as vLLM's (lax) models read it
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

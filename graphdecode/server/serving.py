@@ -88,16 +88,17 @@ class Job:
                  "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened")
 
     def __init__(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
-                 req, echo, tokenizer):
+                 req, echo, tokenizer, as_ids: bool = False, force_usage: bool = False):
+        """as_ids, force_usage: the server's --return-tokens-as-token-ids and --enable-force-include-usage."""
         self.rid, self.created, self.streams, self.arrival = rid, int(time.time()), streams, arrival
         self.prompt_ids = prompt_ids
         self.prompt_lens = [len(ids) for ids in prompt_ids]
         self.n = params.n
         # None: no logprobs asked for; tokens as "token_id:123" with return_tokens_as_token_ids (vLLM's)
-        self.logprobs = (LogprobFormat(params.logprobs, bool(req.return_tokens_as_token_ids), tokenizer)
+        self.logprobs = (LogprobFormat(params.logprobs, bool(req.return_tokens_as_token_ids or as_ids), tokenizer)
                          if params.logprobs is not None else None)
         self.token_ids = bool(req.return_token_ids)
-        self.include_usage = req.include_usage
+        self.include_usage = req.include_usage or (force_usage and bool(req.stream))
         self.continuous = req.continuous_usage
         self.echo = echo  # completions: per prompt (text, token offsets) or None; chat: the echoed content
         self.echo_only = False  # completions: echo with max_tokens 0
@@ -118,8 +119,11 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
-                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER):
+                 tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
+                 force_include_usage: bool = False):
         self.engine = engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # every logprob token as "token_id:N"
+        self.force_include_usage = force_include_usage  # every stream ends with its usage
         self.reasoning_parser = check_reasoning_parser(reasoning_parser)  # None: no reasoning separated
         self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads calls out of the answer
         calls = tool_parser(tool_call_parser, None)  # (checks the name)
@@ -249,6 +253,12 @@ class OpenAIServer:
             raise unavailable("the engine is not running") from None
         except (ValueError, TypeError) as exc:
             raise APIError(str(exc), param=param_of(str(exc), renames)) from None
+
+    def job(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
+            req, echo) -> Job:
+        """The Job of a request this server started (its own defaults applied)."""
+        return Job(rid, streams, arrival, prompt_ids, params, req, echo, self.tokenizer,
+                   self.return_tokens_as_token_ids, self.force_include_usage)
 
     # ------------------------------------------------------------- its outputs
     async def outputs(self, job: Job) -> AsyncIterator:

@@ -38,7 +38,7 @@ SHARED = [
     ("temperature", "value", HUGE_FLOATS | {"1.5", "null"}),
     ("top_p", "value", {"null"}),
     ("min_p", "value", {"null"}),
-    ("seed", "value", {"2**31", "2**32+1", "2**63", "10**30", "-1", "-2**63", "null"}),  # any integer: it is hashed
+    ("seed", "value", {"2**31", "2**32+1", "-1", "-2**63", "null"}),  # a 64-bit integer (vLLM's server bound)
     ("presence_penalty", "value", {"-1", "1.5", "null"}),
     ("frequency_penalty", "value", {"-1", "1.5", "null"}),
     ("repetition_penalty", "value", HUGE_FLOATS | {"1.5", "null"}),

@@ -373,3 +373,20 @@ def test_optional_vllm_fields_are_null_when_not_asked_for(client):
     asked = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                                            extra_body={"return_token_ids": True})
     assert asked.prompt_token_ids and len(asked.choices[0].token_ids) == 2
+
+
+def test_server_wide_token_ids_and_usage_flags(text_model, tmp_path_factory):
+    """--return-tokens-as-token-ids: every logprob token as "token_id:N"; --enable-force-include-usage: every
+    stream ends with its usage; "logprobs": "true" read as true (vLLM's lax models); a seed past int64 a 400."""
+    with live_server(text_model, tmp_path_factory.mktemp("server_flags"), MODEL, "--max-model-len", "256",
+                     "--return-tokens-as-token-ids", "--enable-force-include-usage") as url, \
+            httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        r = http.post("/chat/completions", json={**chat, "logprobs": "true", "top_logprobs": 1})
+        assert r.status_code == 200, r.text
+        entries = r.json()["choices"][0]["logprobs"]["content"]
+        assert len(entries) == 3 and all(e["token"].startswith("token_id:") for e in entries)
+        events = _sse(http.post("/chat/completions", json={**chat, "stream": True}))
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+        r = http.post("/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "seed": 2**63})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
