@@ -48,7 +48,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, req, conversation)
     rendered = text
     if truncate is not None and len(ids) > truncate:
-        text, ids = None, ids[-truncate:]
+        text, ids = None, req.truncate(ids, truncate)
     max_tokens = req.requested_max_tokens()
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size)

@@ -38,8 +38,8 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
         parsed = await off_loop(size, INLINE_CHARS, server.engine.inputs.tokenize_all, prompts)
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param="prompt") from None
-    if truncate is not None:  # vLLM's: the last N tokens; a cut text no longer matches them, the ids stand alone
-        parsed = [(text, ids) if len(ids) <= truncate else (None, ids[-truncate:]) for text, ids in parsed]
+    if truncate is not None:  # vLLM's: N tokens kept; a cut text no longer matches them, the ids stand alone
+        parsed = [(text, ids) if len(ids) <= truncate else (None, req.truncate(ids, truncate)) for text, ids in parsed]
     for _, ids in parsed:
         server.check_length(len(ids), params.max_tokens, "prompt", "max_tokens")
     renames = req.renames()

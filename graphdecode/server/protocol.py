@@ -72,6 +72,7 @@ class _SamplingRequest(_Base):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens cuts
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -113,6 +114,11 @@ class _SamplingRequest(_Base):
     def continuous_usage(self) -> bool:
         """Usage in every chunk: vLLM's rule, only together with include_usage."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def truncate(self, ids: list[int], n: int) -> list[int]:
+        """The n prompt tokens truncate_prompt_tokens keeps: the last (truncation_side "left", the default)
+        or the first ("right")."""
+        return ids[:n] if self.truncation_side == "right" else ids[-n:]
 
     def truncation(self, max_model_len: int) -> int | None:
         """truncate_prompt_tokens resolved: keep the last N prompt tokens (-1: max_model_len; None: no truncation)."""

@@ -193,6 +193,12 @@ def test_token_ids_truncation_and_token_id_strings(http, llm, tokenizer):
     assert r["choices"][0]["text"] == cut.text
     r = http.post("/completions", json={**body, "truncate_prompt_tokens": -1}).json()
     assert r["choices"][0]["prompt_token_ids"] == ids and r["choices"][0]["text"] == want.text
+    # truncation_side "right": the first N instead
+    first = llm.generate({"prompt_token_ids": ids[:3]}, params)[0].outputs[0]
+    r = http.post("/completions", json={**body, "truncate_prompt_tokens": 3, "truncation_side": "right"}).json()
+    assert r["choices"][0]["prompt_token_ids"] == ids[:3] and r["choices"][0]["text"] == first.text
+    r = http.post("/completions", json={**body, "truncate_prompt_tokens": 3, "truncation_side": "middle"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"
     chat_cut = http.post("/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
                                                     "truncate_prompt_tokens": 4}).json()
     assert chat_cut["usage"]["prompt_tokens"] == 4
