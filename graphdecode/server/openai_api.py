@@ -5,8 +5,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
 events or not), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
-/v1/messages (Anthropic's Messages API), GET /v1/models, GET /health, GET /metrics
-(Prometheus), GET /version.
+/v1/messages (Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or
+a completion, by its body), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request flows through these modules, top down:
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 
@@ -187,6 +188,20 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         return get_response(responses, response_id)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """vLLM's SageMaker entry point: a chat request (it has `messages`) or a completion (`prompt`)."""
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if isinstance(body, dict) and "messages" in body:
+            return await create_chat_completion(server, request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await create_completion(server, request)
+        raise APIError("the request body must be a chat request (with messages) or a completion request (with "
+                       "prompt)")
 
     @app.post(MESSAGES_PATH)
     async def messages(request: Request):

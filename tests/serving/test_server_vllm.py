@@ -396,3 +396,18 @@ def test_server_wide_token_ids_and_usage_flags(text_model, tmp_path_factory):
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
         r = http.post("/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "seed": 2**63})
         assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_invocations_dispatches_by_the_body(http):
+    """vLLM's /invocations: a body with messages is a chat completion, one with prompt a completion."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    completion = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    root = str(http.base_url).removesuffix("/v1/").removesuffix("/v1")
+    for body, kind in ((chat, "chat.completion"), (completion, "text_completion")):
+        r = httpx.post(f"{root}/invocations", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["object"] == kind, r.text
+        direct = http.post("/chat/completions" if "messages" in body else "/completions", json=body).json()
+        assert r.json()["choices"][0].get("text") == direct["choices"][0].get("text")
+        assert r.json()["choices"][0].get("message") == direct["choices"][0].get("message")
+    r = httpx.post(f"{root}/invocations", json={"model": MODEL}, timeout=60)
+    assert r.status_code == 400
