@@ -79,6 +79,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "it itself with return_tokens_as_token_ids)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, as if stream_options.include_usage were set (vLLM's)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load reports the requests running now (vLLM's; without it, 0)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",

@@ -6,7 +6,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
 events or not), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
 /v1/messages (Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or
-a completion, by its body), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
+a completion, by its body), GET /load (vLLM's running-request count), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request flows through these modules, top down:
@@ -137,7 +137,7 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
-              force_include_usage: bool = False) -> FastAPI:
+              force_include_usage: bool = False, load_tracking: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
@@ -214,6 +214,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
             "id": served_model_name, "object": "model", "created": server.created, "owned_by": "graphdecode",
             "root": str(config.model), "max_model_len": config.max_model_len,
         }]}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's: the requests running now, with --enable-server-load-tracking (else 0)."""
+        return {"server_load": len(server.metrics.active) if load_tracking else 0}
 
     @app.get("/version")
     async def version():
@@ -304,7 +309,8 @@ def serve(args) -> int:
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
                         tool_call_parser=args.tool_call_parser,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        force_include_usage=args.enable_force_include_usage)
+                        force_include_usage=args.enable_force_include_usage,
+                        load_tracking=args.enable_server_load_tracking)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)

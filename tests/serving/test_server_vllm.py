@@ -383,10 +383,22 @@ def test_optional_vllm_fields_are_null_when_not_asked_for(client):
 
 def test_server_wide_token_ids_and_usage_flags(text_model, tmp_path_factory):
     """--return-tokens-as-token-ids: every logprob token as "token_id:N"; --enable-force-include-usage: every
-    stream ends with its usage; "logprobs": "true" read as true (vLLM's lax models); a seed past int64 a 400."""
-    with live_server(text_model, tmp_path_factory.mktemp("server_flags"), MODEL, "--max-model-len", "256",
-                     "--return-tokens-as-token-ids", "--enable-force-include-usage") as url, \
+    stream ends with its usage; --enable-server-load-tracking: GET /load counts the running requests;
+    "logprobs": "true" read as true (vLLM's lax models); a seed past int64 a 400."""
+    with live_server(text_model, tmp_path_factory.mktemp("server_flags"), MODEL, "--max-model-len", "1024",
+                     "--return-tokens-as-token-ids", "--enable-force-include-usage",
+                     "--enable-server-load-tracking") as url, \
             httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+        assert httpx.get(f"{url}/load").json() == {"server_load": 0}
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}
+        running = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body,
+                                                                                             "timeout": 60})
+        running.start()
+        seen, deadline = set(), time.monotonic() + 30
+        while running.is_alive() and time.monotonic() < deadline:  # polled while its 1,000 tokens run
+            seen.add(httpx.get(f"{url}/load").json()["server_load"])
+        running.join()
+        assert 1 in seen and httpx.get(f"{url}/load").json() == {"server_load": 0}
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         r = http.post("/chat/completions", json={**chat, "logprobs": "true", "top_logprobs": 1})
         assert r.status_code == 200, r.text
