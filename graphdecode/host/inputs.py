@@ -221,7 +221,8 @@ class InputProcessor:
             asked = getattr(params, name)
             if asked is None:
                 continue
-            if cfg.max_logprobs != -1 and (asked == -1 or asked > cfg.max_logprobs):
+            uncapped = cfg.max_logprobs == -1 or cfg.max_logprobs >= self.vocab_size  # the whole vocabulary fits
+            if not uncapped and (asked == -1 or asked > cfg.max_logprobs):
                 shown = "the whole vocabulary (-1)" if asked == -1 else asked
                 raise ValueError(f"{name}: {shown} exceeds max_logprobs ({cfg.max_logprobs}; -1 lifts the cap)")
             if asked == -1 or asked > self.vocab_size:

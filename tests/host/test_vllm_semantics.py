@@ -94,6 +94,16 @@ def test_max_logprobs_zero_reports_the_sampled_and_prompt_tokens_only(path, llm)
         LLM(path, **ENGINE, max_logprobs=-2)
 
 
+def test_whole_vocabulary_logprobs_when_the_cap_covers_it(path, llm):
+    """vLLM's rule: logprobs=-1 / prompt_logprobs=-1 are allowed whenever max_logprobs is at least the
+    vocabulary, not only with -1."""
+    vocab = llm.config.model_config.vocab_size
+    covered = LLM(path, **ENGINE, max_logprobs=vocab)
+    out = covered.generate(token_prompts([[4, 5, 6]]), SamplingParams(temperature=0, max_tokens=2, logprobs=-1,
+                                                                      prompt_logprobs=-1))[0]
+    assert all(len(entry) == vocab for entry in out.outputs[0].logprobs + out.prompt_logprobs[1:])
+
+
 def test_whole_vocabulary_logprobs_with_max_logprobs_unlimited(path, llm):
     with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs: the whole vocabulary \(-1\) exceeds max_logprobs"):
         llm.generate(token_prompts([[4, 5]]), SamplingParams(logprobs=-1))
