@@ -100,7 +100,7 @@ class Engine:
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None, priority: int = 0,
-                verified: bool = False, checked: bool = False) -> Request:
+                verified: bool = False, checked: bool = False, cache_salt: str | None = None) -> Request:
         """Validate and build a request without adding it (raises ValueError or TypeError).
         verified: params is already a private copy (SamplingParams.submitted()); checked: the
         engine's checks already ran on it (host/inputs.py: Inputs.check), so they do not again."""
@@ -108,11 +108,13 @@ class Engine:
         request_id = str(arrival) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified, checked)
+        return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified, checked,
+                                   cache_salt)
 
     def add_request(self, prompt, params=None, request_id=None, priority: int = 0) -> Request:
         (text, ids), = self.inputs.tokenize_all([prompt])
-        (request,) = self.add_requests([self.prepare(text, ids, params, request_id, priority)])
+        salt = self.inputs.cache_salt(prompt)
+        (request,) = self.add_requests([self.prepare(text, ids, params, request_id, priority, cache_salt=salt)])
         return request
 
     def add_requests(self, requests: list[Request]) -> list[Request]:

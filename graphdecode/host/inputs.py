@@ -16,6 +16,7 @@ from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from ..structured.automaton import allowed_ids_automaton, restrict
 from .detokenizer import Detokenizer
+from .page_pool import cache_root
 from .sequence import Request, Sequence
 from .structured_store import check_capacity
 
@@ -53,7 +54,7 @@ def mix64(*values: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x  # fits an int64 tensor
 
 
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 
 def _wrong_prompt_type(i: int, prompt) -> str:
@@ -108,7 +109,7 @@ class InputProcessor:
             if unknown:
                 raise ValueError(
                     f"prompts[{i}]: unknown key {unknown[0]!r}; a prompt dict has 'prompt' (text) "
-                    f"and/or 'prompt_token_ids' (a list of token ids)"
+                    f"and/or 'prompt_token_ids' (a list of token ids), and optionally 'cache_salt'"
                 )
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
@@ -175,15 +176,27 @@ class InputProcessor:
             return [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts)]
         return self.tokenizer(texts)["input_ids"]
 
+    @staticmethod
+    def cache_salt(prompt, i: int = 0) -> str | None:
+        """A prompt dict's `cache_salt` (vLLM's: requests share prefix-cache pages only with the same salt):
+        a non-empty string, or None."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"prompts[{i}]: cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
     def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int,
-                priority: int = 0, verified: bool = False, checked: bool = False) -> Request:
+                priority: int = 0, verified: bool = False, checked: bool = False,
+                cache_salt: str | None = None) -> Request:
         """Check a submission (`check`) and build its request. verified: `params` is already this
         submission's private copy (SamplingParams.submitted()); checked: `check` already ran on it
         (the engine core's requests: AsyncLLM checked them before sending), so it is not run again."""
         automaton = None
         if not checked:
             params, automaton = self.check(prompt_ids, params, priority, verified)
-        return self._build(request_id, prompt_text, prompt_ids, params, arrival, priority, automaton)
+        request = self._build(request_id, prompt_text, prompt_ids, params, arrival, priority, automaton)
+        request.cache_root = cache_root(cache_salt)
+        return request
 
     def check(self, prompt_ids: list[int], params, priority: int = 0, verified: bool = False):
         """Every check of a submission, before any work: ValueError / TypeError naming the field.

@@ -242,7 +242,8 @@ class LLM:
                 copy = copies.get(id(params))
                 if copy is None:
                     copy = copies[id(params)] = params.submitted()
-                requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True))
+                salt = self.engine.inputs.cache_salt(prompt_list[i], i)
+                requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True, cache_salt=salt))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
         try:

@@ -46,6 +46,14 @@ def page_key(parent: bytes, token_ids) -> bytes:
     return digest.digest()
 
 
+def cache_root(salt: str | None) -> bytes:
+    """The key the first page of a prompt is hashed under: ROOT_KEY, or one of its own for a request with a
+    `cache_salt` (vLLM's), so only requests with the same salt share its prefix-cache pages."""
+    if salt is None:
+        return ROOT_KEY
+    return hashlib.blake2b(ROOT_KEY + b"salt:" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 class PagePool:
     def __init__(self, num_pages: int, enable_caching: bool = True):
         self.num_pages = num_pages

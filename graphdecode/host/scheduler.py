@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
-from .page_pool import ROOT_KEY, PagePool, page_key
+from .page_pool import PagePool, page_key
 from .sequence import Sequence
 from .state_slots import StateSlots
 from .waiting_queue import make_waiting_queue
@@ -227,7 +227,7 @@ class Scheduler:
         if not leader.request.needs_prompt_logprobs and self.pool.enable_caching:
             hits = self.pool.lookup(self._keys(leader, (num_tokens - 1) // size))
             start = len(hits) * size  # then the tokens of the next page, short of the last token
-            parent = leader.page_keys[len(hits) - 1] if hits else ROOT_KEY
+            parent = leader.page_keys[len(hits) - 1] if hits else leader.request.cache_root
             source, partial = self.pool.partial_lookup(parent, leader.token_ids[start : min(start + size, num_tokens) - 1])
         state_from, cached = 0, len(hits) * size
         if self.states is not None:  # a hybrid: pages ending in a state snapshot, and no partial page (mid-page state)
@@ -357,7 +357,8 @@ class Scheduler:
         keys, size = seq.page_keys, self.page_size
         while len(keys) < count:
             i = len(keys)
-            keys.append(page_key(keys[-1] if keys else ROOT_KEY, seq.token_ids[i * size : (i + 1) * size]))
+            parent = keys[-1] if keys else seq.request.cache_root
+            keys.append(page_key(parent, seq.token_ids[i * size : (i + 1) * size]))
         return keys[:count]
 
     def _cache_pages(self, seq: Sequence) -> None:
@@ -367,7 +368,7 @@ class Scheduler:
             return
         keys, size = self._keys(seq, full), self.page_size
         for i in range(seq.num_cached_pages, full):
-            parent = keys[i - 1] if i else ROOT_KEY
+            parent = keys[i - 1] if i else seq.request.cache_root
             self.pool.cache_page(seq.pages[i], keys[i], parent, seq.token_ids[i * size : (i + 1) * size])
         seq.num_cached_pages = full
 
@@ -377,7 +378,7 @@ class Scheduler:
         is held) copy those tokens instead of computing them."""
         full, size = seq.num_tokens // self.page_size, self.page_size
         if seq.num_tokens % size and self.pool.enable_caching:
-            parent = self._keys(seq, full)[full - 1] if full else ROOT_KEY
+            parent = self._keys(seq, full)[full - 1] if full else seq.request.cache_root
             self.pool.list_child(seq.pages[full], parent, seq.token_ids[full * size : seq.num_tokens])
 
     def cache_decoded(self, seqs) -> None:

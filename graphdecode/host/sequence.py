@@ -39,6 +39,7 @@ class Request:
     params: SamplingParams
     arrival: int
     priority: int = 0  # scheduling_policy "priority": lower first
+    cache_root: bytes = b""  # the key its first page hashes under (page_pool.cache_root: a cache_salt's own)
     seqs: list["Sequence"] = field(default_factory=list)
     num_finished: int = 0
     metrics: RequestMetrics | None = None

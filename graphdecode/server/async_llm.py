@@ -245,13 +245,14 @@ class AsyncLLM:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         (text, ids), = self.inputs.tokenize_all([prompt])
+        salt = self.inputs.cache_salt(prompt)
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # the engine's own checks, on its own copy of the params: that copy is what the core gets, so a
         # change the caller makes to theirs afterwards never reaches the request
         params, _ = self.inputs.check(ids, sampling_params, priority)
-        stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority))
+        stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority, salt))
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -53,14 +53,15 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size)
     opened = opened_in_prompt(rendered)
-    thinks = server.reasoning_parser is not None and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+    thinking_off = (req.chat_template_kwargs or {}).get("enable_thinking") is False
+    thinks = server.reasoning_parser is not None and not thinking_off
     req.reply_format(server.tool_calls_constrained, thinks, opened)
     if req.tool_mode == "auto" and req.skip_special_tokens is None and server.tool_markers_special:
         params.skip_special_tokens = False  # the format's call marker is a special token ([TOOL_CALLS], ...)
     renames = req.renames()
     await server.constrain(request, req, params, renames)
     prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-    streams = [(rid, server.start(prompt, params, rid, renames, req.priority))]
+    streams = [(rid, server.start(req.salted(prompt), params, rid, renames, req.priority))]
     role = req.response_role
     last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
     echo = last["content"] if req.echo and last["role"] == role else ""

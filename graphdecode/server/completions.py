@@ -53,7 +53,8 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
     try:
         for i, (text, ids) in enumerate(parsed):
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-            streams.append((f"{rid}-{i}", server.start(prompt, params, f"{rid}-{i}", renames, req.priority)))
+            streams.append((f"{rid}-{i}", server.start(req.salted(prompt), params, f"{rid}-{i}", renames,
+                                                         req.priority)))
     except BaseException:
         for _, stream in streams:  # the prompts before the bad one were sent to the core already
             stream.cancel()

@@ -73,6 +73,7 @@ class _SamplingRequest(_Base):
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens cuts
+    cache_salt: str | None = None  # vLLM's: prefix-cache pages are shared only among requests with the same salt
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -134,6 +135,14 @@ class _SamplingRequest(_Base):
             raise APIError(f"truncate_prompt_tokens ({n}) is greater than max_model_len ({max_model_len}); "
                            f"select a smaller truncation size", param="truncate_prompt_tokens")
         return n
+
+    def salted(self, prompt: dict) -> dict:
+        """The engine prompt with the request's cache_salt (checked: a non-empty string)."""
+        if self.cache_salt is None:
+            return prompt
+        if not self.cache_salt:
+            raise APIError("cache_salt: must be a non-empty string if given", param="cache_salt")
+        return {**prompt, "cache_salt": self.cache_salt}
 
     def _check_unsupported(self) -> None:
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:  # vLLM's bound (a C long)

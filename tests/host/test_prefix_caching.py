@@ -244,3 +244,25 @@ def test_scheduler_never_touches_staging_or_the_device():
     from graphdecode.host.scheduler import Scheduler
 
     assert "staging" not in Scheduler.__init__.__code__.co_varnames
+
+
+def test_cache_salt_separates_prefix_cache_entries(tiny_models):
+    """vLLM's cache_salt: a request reuses prefix-cache pages only from requests with the same salt (none is
+    a salt of its own); the tokens are the same either way; an empty or non-string salt is refused by name."""
+    llm = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, max_model_len=256, max_batch_size=4, page_size=8)
+    prompt = list(range(5, 45))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def cached(**salt) -> tuple[int, list[int]]:
+        out = llm.generate([{"prompt_token_ids": prompt, **salt}], greedy)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first, tokens = cached(cache_salt="alice")
+    hit, again = cached(cache_salt="alice")
+    assert first == 0 and hit == len(prompt) - 1 and again == tokens  # all but the last token, which is computed
+    assert cached(cache_salt="bob") == (0, tokens)
+    assert cached() == (0, tokens)  # unsalted: its own entries
+    assert cached() == (hit, tokens)
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match=r"prompts\[0\]: cache_salt must be a non-empty string"):
+            llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], greedy)

@@ -423,3 +423,20 @@ def test_invocations_dispatches_by_the_body(http):
         assert r.json()["choices"][0].get("message") == direct["choices"][0].get("message")
     r = httpx.post(f"{root}/invocations", json={"model": MODEL}, timeout=60)
     assert r.status_code == 400
+
+
+def test_cache_salt_field(http):
+    """vLLM's cache_salt on the server: the usage's cached tokens come only from requests with the same salt;
+    an empty salt is a 400 naming it."""
+    body = {"model": MODEL, "prompt": "The salted prompt " * 12, "max_tokens": 1}
+
+    def cached(**salt) -> int:
+        r = http.post("/completions", json={**body, **salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="s1") == 0 and cached(cache_salt="s1") > 0
+    assert cached(cache_salt="s2") == 0
+    r = http.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                             "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
