@@ -183,6 +183,19 @@ class _Parser:
     def _run(self, final: bool) -> None:
         raise NotImplementedError
 
+    def _opening(self, buf: str, tag: str, opener: str, final: bool) -> int | None:
+        """For formats whose calls are the whole output: where `opener` stands after leading whitespace and an
+        optional `tag`; -1 when the output starts otherwise (it is content; so is an empty one at the end);
+        None while it cannot be told yet."""
+        i = _skip_ws(buf, 0)
+        if buf.startswith(tag, i):
+            i = _skip_ws(buf, i + len(tag))
+        elif i < len(buf) and tag.startswith(buf[i:]) and not final:
+            return None
+        if i == len(buf):
+            return -1 if final else None
+        return i if buf[i] == opener else -1
+
     def _take(self) -> tuple[str, list[dict]]:
         text, calls = "".join(self._text), self._calls
         self._text, self._calls = [], []
@@ -237,17 +250,10 @@ class Llama3Json(_Parser):
                 self.buf = ""
                 return
             if self.state == "start":
-                i = _skip_ws(buf, 0)
-                if buf.startswith(PYTHON_TAG, i):
-                    i = _skip_ws(buf, i + len(PYTHON_TAG))
-                elif i < len(buf) and PYTHON_TAG.startswith(buf[i:]) and not final:
+                i = self._opening(buf, PYTHON_TAG, "{", final)
+                if i is None:
                     return
-                if i == len(buf):
-                    if final:
-                        self.state = "content"
-                        continue
-                    return
-                if buf[i] != "{":
+                if i < 0:
                     self.state = "content"
                     continue
                 self.state, self.start = "open", i
@@ -627,17 +633,10 @@ class Pythonic(_Parser):
                 self.buf = ""
                 return
             if self.state == "start":
-                i = _skip_ws(buf, 0)
-                if buf.startswith(PYTHON_START, i):
-                    i = _skip_ws(buf, i + len(PYTHON_START))
-                elif i < len(buf) and PYTHON_START.startswith(buf[i:]) and not final:
+                i = self._opening(buf, PYTHON_START, "[", final)
+                if i is None:
                     return
-                if i == len(buf):
-                    if final:
-                        self.state = "content"
-                        continue
-                    return
-                if buf[i] != "[":
+                if i < 0:
                     self.state = "content"
                     continue
                 self.state, self.start, self.i, self.stack = "list", i, i + 1, ["["]
