@@ -92,11 +92,6 @@ class DraftHead:
         """The window's target forward: (input_ids, positions, ctx) -> (logits, the hidden states the head reads)."""
         return target.logits_and_aux(self.reads)
 
-    def target_forward(self, target, input_ids: torch.Tensor, positions: torch.Tensor, ctx):
-        """A prefill's target forward: (final hidden states, the hidden states the head reads)."""
-        hidden, aux = target.forward_aux(input_ids, positions, ctx, self.reads or ())
-        return hidden, hidden if self.reads is None else aux
-
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The head at `positions` [T] reading `tokens` [T] (each position's next token) and `hidden` [T, H]."""
         return self.head(self.embed(tokens), hidden, positions, ctx)

@@ -288,7 +288,7 @@ class ModelRunner:
         ctx = ForwardContext(self.backend, prefill=meta)
         token_ids, position_ids = self._send(tokens), self._send(np.concatenate(positions))
         if self.head is not None:  # the head's K/V over the same positions, reading the target's hidden states
-            hidden, aux = self.head.target_forward(self.model, token_ids, position_ids, ctx)
+            hidden, aux = self.model.forward_for_head(token_ids, position_ids, ctx, self.head.reads)
             following = [c.next_token if c.next_token is not None else c.token_ids[-1] for c in chunks]
             ahead = np.fromiter((t for c, last in zip(chunks, following) for t in (*c.token_ids[1:], last)),
                                 dtype=np.int64, count=len(tokens))

@@ -298,13 +298,19 @@ class DecoderForCausalLM(nn.Module):
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
         return self.compute_logits(self.forward(input_ids, positions, ctx))
 
+    def forward_for_head(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
+                         aux_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states, the hidden states a draft head reads): the inputs of `aux_layers`
+        [T, 3 x hidden] (an EAGLE-3 head), or with None the final hidden states [T, hidden] (an MTP layer)."""
+        hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers or ())
+        return hidden, hidden if aux_layers is None else aux
+
     def logits_and_aux(self, aux_layers: tuple[int, ...] | None):
-        """A window's forward that also returns the hidden states a draft head reads: (input_ids, positions,
-        ctx) -> (logits [T, vocab] float32, aux): the inputs of `aux_layers` [T, 3 x hidden] (an EAGLE-3
-        head), or with None the final hidden states [T, hidden] (an MTP layer)."""
+        """A window's forward that also returns the hidden states a draft head reads (forward_for_head):
+        (input_ids, positions, ctx) -> (logits [T, vocab] float32, those hidden states)."""
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers or ())
-            return self.compute_logits(hidden), hidden if aux_layers is None else aux
+            hidden, aux = self.forward_for_head(input_ids, positions, ctx, aux_layers)
+            return self.compute_logits(hidden), aux
         return forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     max_tokens = req.requested_max_tokens()
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size)
-    opened = opened_in_prompt(rendered)
+    opened = server.reasoning_parser is not None and opened_in_prompt(rendered)
     thinking_off = (req.chat_template_kwargs or {}).get("enable_thinking") is False
     thinks = server.reasoning_parser is not None and not thinking_off
     req.reply_format(server.tool_calls_constrained, thinks, opened)

@@ -367,7 +367,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def builds_regex(self) -> bool:
         """Whether constraint_source() turns schemas into a regex itself (then it runs off the event loop)."""
         auto_calls, reasoning, _ = self._reply
-        return bool(auto_calls and self._functions and self.tool_mode == "auto") or reasoning
+        return bool(auto_calls and self._functions and self.tool_mode == "auto") or (
+            reasoning and bool(super().constraint_sources() or self.tool_mode in ("required", "named")))
 
     def constraint_source(self) -> ConstraintSource | None:
         auto_calls, reasoning, opened = self._reply
