@@ -273,3 +273,29 @@ def with_chat_template(model_dir: str, path, template: str) -> str:
     raw.pop("chat_template", None)
     config.write_text(json.dumps(raw))
     return str(path)
+
+
+def hot_mid_generation(llm, steps: int = 11) -> set[bool]:
+    """Three rows (prompts of 5, 40 and 70 tokens) sampled at temperature 20 (coupled noise dominates both
+    distributions, so speculative rounds accept part of their drafts) for `steps` engine steps of a draft-head
+    engine; the kinds of windows seen: whether any row ended one plain (its head state stale)."""
+    from graphdecode import SamplingParams
+
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts(3, [5, 40, 70], seed=12)):
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=20.0, seed=i, max_tokens=170, ignore_eos=True))
+    kinds = set()
+    for _ in range(steps):
+        engine.step()
+        kinds.add(bool(engine.runner.head.stale.any()))
+    return kinds
+
+
+def with_tokenizer(model_dir: str, tokenizer_dir: str, path) -> str:
+    """A copy of `model_dir` at `path` with `tokenizer_dir`'s tokenizer files (for text prompts and constraints)."""
+    shutil.copytree(model_dir, path)
+    for name in os.listdir(tokenizer_dir):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return str(path)

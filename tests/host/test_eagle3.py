@@ -20,7 +20,13 @@ from safetensors.torch import load_file, save_file
 from graphdecode import LLM, SamplingParams
 from graphdecode.models.eagle3_checkpoint import random_eagle3_head
 from graphdecode.structured.params import StructuredOutputsParams
-from tests.helpers import assert_same_outputs, completions, random_prompts, token_prompts
+from tests.helpers import (
+    assert_same_outputs,
+    completions,
+    hot_mid_generation,
+    random_prompts,
+    token_prompts,
+)
 
 AUX = (0, 2, 3)  # the 4-layer target's layers the head reads (the default needs 6+ layers)
 D = 3
@@ -147,15 +153,8 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     head = heads["reduced"]
     spec = LLM(text_model, speculative_config=spec_config(head), max_num_batched_tokens=24, **ENGINE)
     alternate(spec)
-    engine = spec.engine
-    for i, prompt in enumerate(random_prompts(3, [5, 40, 70], seed=12)):
-        engine.add_request({"prompt_token_ids": prompt},
-                           SamplingParams(temperature=20.0, seed=i, max_tokens=170, ignore_eos=True))
-    kinds = set()
-    for _ in range(11):
-        engine.step()
-        kinds.add(bool(engine.runner.head.stale.any()))
-    runner = engine.runner
+    kinds = hot_mid_generation(spec)
+    runner = spec.engine.runner
     state, eagle = runner.state, runner.head
     stats = spec.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # rounds accepting part of their drafts

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 
 import pytest
 import torch
@@ -20,7 +19,14 @@ from safetensors.torch import load_file, save_file
 
 from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.models.gated_deltanet import chunked_delta_rule
-from tests.helpers import copy_model, hf_greedy, random_prompts, rewrite_config, token_prompts
+from tests.helpers import (
+    copy_model,
+    hf_greedy,
+    random_prompts,
+    rewrite_config,
+    token_prompts,
+    with_tokenizer,
+)
 
 LAYERS = 6  # tests/conftest.py's qwen3_5: linear x 3, attention, linear x 2
 
@@ -159,11 +165,7 @@ def test_state_slots_come_back_after_aborts(qwen35):
 
 def test_structured_outputs_constrain_a_hybrid_in_the_window(qwen35, text_model, tmp_path):
     """The constraint lives in the sampler; the recurrent layers under it run as always (twin windows here)."""
-    path = str(tmp_path / "with_tokenizer")
-    shutil.copytree(qwen35, path)
-    for name in os.listdir(text_model):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(text_model, name), path)
+    path = with_tokenizer(qwen35, text_model, tmp_path / "with_tokenizer")
     pattern = r"[0-9]{3}-[a-z]{2,4}"
     params = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, structured_outputs=StructuredOutputsParams(
         regex=pattern)) for s in range(3)]

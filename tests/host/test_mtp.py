@@ -23,7 +23,15 @@ from safetensors.torch import load_file, save_file
 
 from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.models.eagle3_checkpoint import random_eagle3_head
-from tests.helpers import add_mtp_layer, assert_same_outputs, completions, random_prompts, token_prompts
+from tests.helpers import (
+    add_mtp_layer,
+    assert_same_outputs,
+    completions,
+    hot_mid_generation,
+    random_prompts,
+    token_prompts,
+    with_tokenizer,
+)
 
 FULL_LAYER = 3  # the tiny Qwen3.5's and Qwen3-Next's full-attention layer (tests/conftest.py)
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -132,15 +140,8 @@ def test_the_mtp_output_follows_every_path(mtp_models):
     speculative rounds that accept part of their drafts and plain windows (the layer's K/V only)."""
     path = mtp_models["qwen3_5"]
     spec = alternate(LLM(path, speculative_config=MTP, max_num_batched_tokens=24, **ENGINE))
-    engine = spec.engine
-    for i, prompt in enumerate(random_prompts(3, [5, 40, 70], seed=12)):
-        engine.add_request({"prompt_token_ids": prompt},
-                           SamplingParams(temperature=20.0, seed=i, max_tokens=170, ignore_eos=True))
-    kinds = set()
-    for _ in range(11):
-        engine.step()
-        kinds.add(bool(engine.runner.head.stale.any()))
-    runner = engine.runner
+    kinds = hot_mid_generation(spec)
+    runner = spec.engine.runner
     state, head = runner.state, runner.head
     stats = spec.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # rounds accepting part of their drafts
@@ -198,11 +199,7 @@ def test_an_eagle3_head_drafts_for_a_hybrid(mtp_models, tmp_path):
 
 def test_structured_outputs_with_mtp_drafts(mtp_models, text_model, tmp_path):
     """A constrained row's drafts walk its automaton: the plain tokens, each matching the pattern."""
-    path = str(tmp_path / "with_tokenizer")
-    shutil.copytree(mtp_models["qwen3_5"], path)
-    for name in os.listdir(text_model):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(text_model, name), path)
+    path = with_tokenizer(mtp_models["qwen3_5"], text_model, tmp_path / "with_tokenizer")
     pattern = r"[0-9]{3}-[a-z]{2,4}"
     params = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, structured_outputs=StructuredOutputsParams(
         regex=pattern)) for s in range(3)]
