@@ -240,7 +240,9 @@ class ResponseStore:
         try:
             response, conversation = self._items[response_id]
         except KeyError:
-            raise APIError(f"{param}: no stored response with id {response_id!r} (responses are kept in memory, the "
+            shown = (repr(response_id) if len(response_id) <= 80
+                     else f"{response_id[:64]!r}... ({len(response_id)} chars)")
+            raise APIError(f"{param}: no stored response with id {shown} (responses are kept in memory, the "
                            f"last {self.capacity}, and only with store true)", param=param, status=404,
                            type="not_found_error") from None
         self._items.move_to_end(response_id)

@@ -241,6 +241,9 @@ def test_responses_continue_a_stored_conversation_and_give_json(openai_client):
     assert openai_client.responses.retrieve(first.id).output_text == first.output_text
     with pytest.raises(NotFoundError, match="previous_response_id"):
         openai_client.responses.create(model=MODEL, input="x", previous_response_id="resp_nonesuch")
+    with pytest.raises(NotFoundError, match=r"previous_response_id: .*\(100000 chars\)") as huge:
+        openai_client.responses.create(model=MODEL, input="x", previous_response_id="r" * 100_000)
+    assert len(huge.value.message) < 400  # an absurd id is not echoed whole
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
     structured = openai_client.responses.create(model=MODEL, input="A name?", max_output_tokens=60, temperature=0,
                                                 reasoning={"effort": "none"},
