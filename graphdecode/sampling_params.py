@@ -21,6 +21,13 @@ log_softmax, before all of this), which is vLLM's default ("raw_logprobs").
 `logprobs=0` gives the sampled token's logprob alone; -1 the whole vocabulary (on an
 engine with max_logprobs=-1).
 
+Stops: `stop` strings (matched on the host as text grows), `stop_token_ids` (ids that
+end a row on the device, masked before `min_tokens`) and, inside `stop_token_ids`,
+groups (`[[a, b, c], d]`, vLLM's): a multi-token sequence that ends the output when it
+ends with it, matched on the host after `min_tokens`; stop_reason is then `"[a, b, c]"`,
+and, when one token completes both, a group wins over a single id. The stop tokens stay
+in `token_ids`; their text is left out unless `include_stop_str_in_output`.
+
 Outputs: `prompt_logprobs` (N: each prompt token's logprob given the ones before it,
 plus the top N; None for the first token; computed in prefill, so such a request
 does not read the prefix cache), `detokenize=False` (no text, token ids only; stop
@@ -115,6 +122,19 @@ def _int_list(name: str, value) -> None:
         raise ValueError(f"{name} must hold token ids >= 0, got {list(value)!r}")
 
 
+def _stop_token_ids(value) -> None:
+    """Token ids and groups of them (a non-empty list: a multi-token stop sequence)."""
+    if not isinstance(value, (list, tuple)):
+        raise _type_error("stop_token_ids", "a list of token ids or of lists of token ids", value)
+    for item in value:
+        if isinstance(item, (list, tuple)):
+            if not item:
+                raise ValueError(f"stop_token_ids: a grouped stop sequence must not be empty, got {list(value)!r}")
+            _int_list("stop_token_ids", item)
+        else:
+            _int_list("stop_token_ids", [item])
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Mutable like vLLM's (`params.max_tokens = 10` takes effect for requests submitted
@@ -132,7 +152,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int | list[int]] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
@@ -196,7 +216,7 @@ class SamplingParams:
             if not all(stops):  # vLLM's rule, for the API and the server alike
                 raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}")
         if self.stop_token_ids is not None:
-            _int_list("stop_token_ids", self.stop_token_ids)
+            _stop_token_ids(self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -261,8 +281,10 @@ class SamplingParams:
         new = object.__new__(SamplingParams)
         for name in _FIELDS:
             value = getattr(self, name)
-            if isinstance(value, (list, dict)):
+            if isinstance(value, dict):
                 value = value.copy()
+            elif isinstance(value, list):  # grouped stop_token_ids are lists inside the list
+                value = [v.copy() if isinstance(v, list) else v for v in value]
             object.__setattr__(new, name, value)
         return new
 
@@ -278,6 +300,16 @@ class SamplingParams:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def single_stop_token_ids(self) -> tuple[int, ...]:
+        """The stop_token_ids that stop alone (on the device)."""
+        return tuple(t for t in self.stop_token_ids or () if not isinstance(t, (list, tuple)))
+
+    @property
+    def multi_stop_token_ids(self) -> tuple[tuple[int, ...], ...]:
+        """The grouped stop_token_ids: sequences that stop when the output ends with them (on the host)."""
+        return tuple(tuple(t) for t in self.stop_token_ids or () if isinstance(t, (list, tuple)))
 
     @property
     def is_greedy(self) -> bool:

@@ -11,17 +11,22 @@ tokens and a few ids of context, never to the sequence's history.
 Stop strings are matched on the host as text grows, across token boundaries. The
 last `max(len(stop)) - 1` characters are held back from streaming (`stable_len`)
 until it is certain they do not start a stop string, so text handed out never has
-to be taken back.
+to be taken back. Grouped stop token ids (host/stop_sequences.py) hold back the text of
+the last `hold_tokens` tokens the same way, and `drop_tokens` takes a matched group's
+text out.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 PROMPT_CONTEXT_TOKENS = 6  # prompt tail kept as context so the first word decodes with its space
 REPLACEMENT = "\ufffd"
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids, skip_special_tokens: bool, stop: tuple[str, ...], include_stop: bool):
+    def __init__(self, tokenizer, prompt_ids, skip_special_tokens: bool, stop: tuple[str, ...], include_stop: bool,
+                 hold_tokens: int = 0):
         self._tokenizer = tokenizer  # a tokenizers.Tokenizer
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])  # context + ids not yet turned into text
@@ -31,11 +36,25 @@ class Detokenizer:
         self.include_stop = include_stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
+        # len(text) before each of the last hold_tokens + 1 tokens, while a group's text could be dropped
+        self._marks = deque(maxlen=hold_tokens + 1) if hold_tokens and not include_stop else None
 
     def add(self, token_ids: list[int]) -> None:
         """Append tokens without stop-string matching."""
-        self._ids.extend(token_ids)
-        self._emit(final=False)
+        if self._marks is None:
+            self._ids.extend(token_ids)
+            self._emit(final=False)
+            return
+        for token_id in token_ids:  # one at a time: each token's text is where a group's can start
+            self._marks.append(len(self.text))
+            self._ids.append(token_id)
+            self._emit(final=False)
+
+    def drop_tokens(self, n: int) -> None:
+        """Take the text of the last n tokens out (a matched stop group, n <= hold_tokens + 1)."""
+        if self._marks is not None:
+            self.finish()  # the group's ids leave nothing held behind them
+            self.text = self.text[: self._marks[-n]]
 
     def add_and_match(self, token_id: int) -> str | None:
         """Append one token; return the stop string it completed (text is then truncated)."""
@@ -74,4 +93,9 @@ class Detokenizer:
 
     def stable_len(self, finished: bool) -> int:
         """How much of `text` can be streamed now without risking a take-back."""
-        return len(self.text) if finished else max(0, len(self.text) - self.holdback)
+        if finished:
+            return len(self.text)
+        stable = max(0, len(self.text) - self.holdback)
+        if self._marks:  # the text of the last hold_tokens tokens may yet be a group's
+            stable = min(stable, self._marks[-min(len(self._marks), self._marks.maxlen - 1)])
+        return stable

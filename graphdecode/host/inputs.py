@@ -18,6 +18,7 @@ from ..structured.automaton import allowed_ids_automaton, restrict
 from .detokenizer import Detokenizer
 from .page_pool import cache_root
 from .sequence import Request, Sequence
+from .stop_sequences import StopSequences
 from .structured_store import check_capacity
 
 _M64 = (1 << 64) - 1
@@ -221,7 +222,7 @@ class InputProcessor:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        stop_token_ids = tuple(params.stop_token_ids or ())
+        stop_token_ids = params.single_stop_token_ids + sum(params.multi_stop_token_ids, ())
         bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
@@ -298,6 +299,8 @@ class InputProcessor:
         if automaton is None and params.constrained:
             automaton = self._constraint(params)
         stop_ids, max_len = self._stop_ids(params), self._max_len(len(prompt_ids), params)
+        groups = params.multi_stop_token_ids
+        stop_sequences = StopSequences(groups) if groups else None
         request = Request(request_id, prompt_text, list(prompt_ids), params, arrival, priority=priority,
                           metrics=RequestMetrics(arrival_time=time.time()))
         request.automaton = automaton
@@ -314,6 +317,7 @@ class InputProcessor:
                     num_prompt_tokens=len(prompt_ids),
                     seed=mix64(base_seed, index),
                     stop_ids=stop_ids,
+                    stop_sequences=stop_sequences,
                     max_len=max_len,
                     detokenizer=self._detokenizer(prompt_ids, params),
                     logprobs=[] if params.logprobs is not None else None,
@@ -324,7 +328,7 @@ class InputProcessor:
 
     def _stop_ids(self, params) -> tuple[int, ...]:
         """The request's stop ids: its own, then EOS unless ignore_eos (duplicates once)."""
-        return tuple(dict.fromkeys(tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else self.eos_ids)))
+        return tuple(dict.fromkeys(params.single_stop_token_ids + (() if params.ignore_eos else self.eos_ids)))
 
     def _max_len(self, num_prompt_tokens: int, params) -> int:
         """Total tokens at which its sequences end."""
@@ -394,4 +398,5 @@ class InputProcessor:
         return Detokenizer(
             self.tokenizer.backend_tokenizer, prompt_ids, params.skip_special_tokens,
             params.stop_strings, params.include_stop_str_in_output,
+            hold_tokens=max(map(len, params.multi_stop_token_ids), default=1) - 1,
         )

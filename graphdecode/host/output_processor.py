@@ -2,7 +2,7 @@
 
 For each row the window held, it takes the row's new tokens and applies, on the
 host, exactly the stop rules the device applied (stop ids, max_len), plus the
-host-only stop strings. Tokens after the first stop are discarded, so tokens a row
+host-only stop strings and grouped stop ids. Tokens after the first stop are discarded, so tokens a row
 produced past its stop inside a window never reach the user. Work is proportional to
 the rows in the window and the tokens they produced.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..outputs import Logprob
 from .sequence import Sequence
+from .stop_sequences import stop_reason as stop_sequence_reason
 
 if TYPE_CHECKING:  # what the executor's pending copy returns
     from ..device.pythonizer import WindowResult
@@ -55,13 +56,19 @@ class OutputProcessor:
         """Append tokens up to the first stop; returns how many were taken."""
         params = seq.request.params
         taken = []
-        reason = stop_reason = None
+        reason = stop_reason = group = None
+        groups = seq.stop_sequences
         for tok in tokens:
             taken.append(tok)
             seq.token_ids.append(tok)
+            if groups is not None and seq.num_output_tokens > params.min_tokens:
+                group = groups.match(seq.token_ids, seq.num_output_tokens)
+                if group is not None:  # before the single ids: a group wins a tie (vLLM)
+                    reason, stop_reason = "stop", stop_sequence_reason(group)
+                    break
             if tok in seq.stop_ids:
                 reason = "stop"
-                stop_reason = tok if tok in (params.stop_token_ids or ()) else None
+                stop_reason = tok if tok in params.single_stop_token_ids else None
                 break
             if seq.num_tokens >= seq.max_len:
                 reason = "length"
@@ -69,7 +76,7 @@ class OutputProcessor:
         detok = seq.detokenizer
         if detok is not None:
             text_tokens = taken
-            if reason == "stop" and not params.include_stop_str_in_output:
+            if reason == "stop" and not params.include_stop_str_in_output and group is None:
                 text_tokens = taken[:-1]  # the stop token's own text is not output
             if detok.stop:
                 # token by token, so the sequence ends at the token that completed the stop string
@@ -79,10 +86,12 @@ class OutputProcessor:
                     if hit is not None:
                         del seq.token_ids[seq.num_tokens - len(taken) + i + 1 :]
                         taken = taken[: i + 1]
-                        reason, stop_reason = "stop", hit
+                        reason, stop_reason, group = "stop", hit, None
                         break
             elif text_tokens:
                 detok.add(text_tokens)
+            if group is not None and not params.include_stop_str_in_output:
+                detok.drop_tokens(len(group))  # the group's text, some of it from earlier windows
         if reason is not None:
             seq.finish_reason = reason
             seq.stop_reason = stop_reason

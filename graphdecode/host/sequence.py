@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from .detokenizer import Detokenizer
+from .stop_sequences import StopSequences
 
 
 @dataclass(eq=False, slots=True)
@@ -68,6 +69,7 @@ class Sequence:
     num_prompt_tokens: int
     seed: int  # this child's effective seed
     stop_ids: tuple[int, ...]  # ids that end it on the device (eos unless ignored, stop_token_ids)
+    stop_sequences: StopSequences | None  # grouped stop_token_ids, matched on the host
     max_len: int  # total tokens at which it ends with "length"
     detokenizer: Detokenizer | None
     num_computed_tokens: int = 0

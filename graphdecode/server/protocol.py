@@ -61,7 +61,7 @@ class _SamplingRequest(_Base):
     min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int | list[int]] | None = None  # vLLM: a list inside is a multi-token stop sequence
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None

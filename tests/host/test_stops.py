@@ -111,3 +111,65 @@ def test_abort_ends_every_child(llm):
     while engine.has_unfinished():
         engine.step()
     assert engine.pool.num_free == engine.config.num_pages - 1  # every page came back
+
+
+def _first_fresh_run(tokens, end, length):
+    """An end >= `end` whose `length` tokens ending there occur nowhere before it."""
+    for j in range(end, len(tokens)):
+        run = tokens[j - length + 1 : j + 1]
+        if all(tokens[i - length + 1 : i + 1] != run for i in range(length - 1, j)):
+            return j
+    raise AssertionError("no fresh run to stop on")
+
+
+def test_grouped_stop_token_ids_across_a_window_boundary(llm, greedy, tokenizer):
+    """vLLM's stop_token_ids=[[a, b, c], d]: a group spanning two windows (columns 8 | 9, 10)
+    ends the output; its text is left out, even the part an earlier window produced, and the
+    stream never hands out text it takes back."""
+    j = _first_fresh_run(greedy, 10, 3)
+    group = greedy[j - 2 : j + 1]
+    unused = next(t for t in range(3, len(tokenizer)) if t not in greedy)
+    params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[group, unused])
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.token_ids == greedy[: j + 1]  # the group's tokens stay in token_ids (vLLM)
+    assert (out.finish_reason, out.stop_reason) == ("stop", str(group))
+    assert out.text == tokenizer.decode(greedy[: j - 2], skip_special_tokens=True)
+    deltas = [o.outputs[0].text for o in llm.stream(PROMPT, params)]
+    assert "".join(deltas) == out.text  # nothing streamed and then taken back
+    kept = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[group], include_stop_str_in_output=True)
+    out = llm.generate(PROMPT, kept)[0].outputs[0]
+    assert out.text == tokenizer.decode(greedy[: j + 1], skip_special_tokens=True)
+    raw = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[group], detokenize=False)
+    out = llm.generate(PROMPT, raw)[0].outputs[0]
+    assert (out.token_ids, out.stop_reason, out.text) == (greedy[: j + 1], str(group), "")
+
+
+def test_grouped_and_single_stop_ids_tie_and_min_tokens(llm, greedy):
+    j = _first_fresh_run(greedy, 12, 2)
+    while greedy[j - 1] in greedy[: j - 1] or greedy[j] in greedy[:j]:
+        j = _first_fresh_run(greedy, j + 1, 2)
+    group = greedy[j - 1 : j + 1]
+    # the single id of the group's first token ends the output first
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[group[0], group]))
+    assert (out[0].outputs[0].token_ids, out[0].outputs[0].stop_reason) == (greedy[:j], group[0])
+    # the same token completes a group and is a single id: the group names the stop
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[group[1], group]))
+    assert (out[0].outputs[0].token_ids, out[0].outputs[0].stop_reason) == (greedy[: j + 1], str(group))
+    # a group completed before min_tokens does not stop
+    late = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[group], min_tokens=j + 1, ignore_eos=True)
+    out = llm.generate(PROMPT, late)[0].outputs[0]
+    assert out.token_ids == greedy[:30] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([[1, "a"]], "only integer token ids"), ([[]], "must not be empty"), ([[1, -2]], "token ids >= 0"),
+    ([1.5], "only integer token ids"),
+])
+def test_grouped_stop_token_ids_are_checked(ids, message):
+    with pytest.raises(ValueError, match=f"stop_token_ids.*{message}"):
+        SamplingParams(stop_token_ids=ids)
+
+
+def test_grouped_stop_token_ids_outside_the_vocabulary_are_refused(llm, tokenizer):
+    with pytest.raises(ValueError, match="stop_token_ids: .* outside the vocabulary"):
+        llm.generate(PROMPT, SamplingParams(stop_token_ids=[[1, len(tokenizer) + 5]]))

@@ -440,3 +440,23 @@ def test_cache_salt_field(http):
     r = http.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                              "max_tokens": 1, "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_grouped_stop_token_ids_on_the_server(http, llm):
+    """stop_token_ids=[[a, b], c] in a request body: the group ends the output, stop_reason "[a, b]"."""
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    ids = greedy.token_ids
+    j = next(j for j in range(4, len(ids)) if all(ids[i - 1 : i + 1] != ids[j - 1 : j + 1] for i in range(1, j)))
+    group = ids[j - 1 : j + 1]
+    want = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[group]))[0].outputs[0]
+    assert want.stop_reason == str(group)
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": stream,
+                "stop_token_ids": [group, next(t for t in range(3, 500) if t not in ids)]}
+        r = http.post("/completions", json=body)
+        chunks = _sse(r) if stream else [r.json()]
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        assert "".join(c["text"] for c in choices) == want.text
+        assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("stop", str(group))
+    r = http.post("/completions", json={"model": MODEL, "prompt": PROMPT, "stop_token_ids": [[1, "x"]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
