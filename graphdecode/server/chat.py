@@ -157,6 +157,20 @@ async def _stream(server: OpenAIServer, job: Job):
 async def _whole(server: OpenAIServer, job: Job) -> Response:
     """One body once every choice is done; with tools, each choice's whole text parsed once."""
     choices = await server.collect(job, {"prompt": "messages"})
+    body = {
+        "id": job.rid, "object": "chat.completion", "created": job.created, "model": server.model_name,
+        "choices": whole_choices(job, choices), "usage": choices.usage(), "prompt_logprobs": None,
+        "prompt_token_ids": None,
+    }
+    if job.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_json(choices.prompt_logprobs.get(0))
+    if job.token_ids:
+        body["prompt_token_ids"] = job.prompt_ids[0]
+    return json_response(body)
+
+
+def whole_choices(job: Job, choices: Choices, first_index: int = 0) -> list[dict]:
+    """A whole response's choices (message, logprobs, finish and stop reasons), indexed from first_index."""
     out_choices = []
     for choice in choices:
         thought, content, calls, finish_reason = choice.whole_parts()
@@ -167,18 +181,10 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
             message["content"] = (job.echo + content) or None
             if calls:
                 message["tool_calls"] = calls
-        body = {"index": choice.index, "message": message,
+        body = {"index": first_index + choice.index, "message": message,
                 "logprobs": ({"content": job.logprobs.chat(choice.token_ids, choice.logprobs)}
                              if job.logprobs is not None else None),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason,
                 "token_ids": choice.token_ids if job.token_ids else None}  # vLLM's optional fields: null
         out_choices.append(body)
-    body = {
-        "id": job.rid, "object": "chat.completion", "created": job.created, "model": server.model_name,
-        "choices": out_choices, "usage": choices.usage(), "prompt_logprobs": None, "prompt_token_ids": None,
-    }
-    if job.prompt_logprobs:
-        body["prompt_logprobs"] = prompt_logprobs_json(choices.prompt_logprobs.get(0))
-    if job.token_ids:
-        body["prompt_token_ids"] = job.prompt_ids[0]
-    return json_response(body)
+    return out_choices

@@ -4,7 +4,7 @@
     python -m graphdecode.server.openai_api [same options]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events or not), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
+events or not), POST /v1/chat/completions/batch (vLLM's: N conversations, one choice each), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
 /v1/messages (Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or
 a completion, by its body), GET /load (vLLM's running-request count), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
 
@@ -71,6 +71,7 @@ from .args import (
 )
 from .async_llm import AsyncLLM
 from .chat import create_chat_completion
+from .chat_batch import create_batch_chat_completion
 from .completions import create_completion
 from .errors import APIError
 from .messages import anthropic_error, create_message
@@ -178,6 +179,10 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await create_chat_completion(server, request)
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(request: Request):
+        return await create_batch_chat_completion(server, request)
 
     responses = ResponseStore()  # stored Responses (store: true), for previous_response_id
 

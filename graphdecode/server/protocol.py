@@ -441,3 +441,28 @@ def build_sampling_params(given: dict, renames: dict[str, str]) -> SamplingParam
         return SamplingParams(**given)
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=param_of(str(exc), renames)) from None
+
+
+class BatchChatCompletionRequest(_Base):
+    """vLLM's /v1/chat/completions/batch body: a chat request whose `messages` is a list of
+    conversations; every other field is shared by all of them. Not streamed, no tools, n = 1
+    (vLLM's limits: they are 400s naming the field here, not ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    messages: list[Annotated[list[dict[str, Any]], Field(min_length=1)]] = Field(min_length=1)
+
+    def shared(self) -> dict[str, Any]:
+        """The fields every conversation's chat request gets, checked against the batch's limits."""
+        shared = dict(self.model_extra or {})
+        if shared.get("stream"):
+            raise APIError("stream: batch chat completions are not streamed (omit it or set it false)",
+                           param="stream")
+        if shared.get("tools") or shared.get("tool_choice") not in (None, "none"):
+            param = "tools" if shared.get("tools") else "tool_choice"
+            raise APIError(f"{param}: batch chat completions do not take tools", param=param)
+        if shared.get("n") not in (None, 1):
+            raise APIError(f"n: batch chat completions give one choice per conversation (n must be 1), got "
+                           f"{shared['n']!r}", param="n")
+        if shared.get("use_beam_search"):
+            raise APIError("use_beam_search: beam search is not supported", param="use_beam_search")
+        return shared

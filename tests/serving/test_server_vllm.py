@@ -460,3 +460,51 @@ def test_grouped_stop_token_ids_on_the_server(http, llm):
         assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("stop", str(group))
     r = http.post("/completions", json={"model": MODEL, "prompt": PROMPT, "stop_token_ids": [[1, "x"]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
+def _metric(http, name: str) -> float:
+    root = str(http.base_url).removesuffix("/v1/").removesuffix("/v1")
+    text = httpx.get(f"{root}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"graphdecode:{name}"))
+
+
+def test_chat_completions_batch(http):
+    """vLLM's /v1/chat/completions/batch: choice i answers conversation i exactly as /v1/chat/completions would,
+    usage summed; its limits and a conversation's bad field are 400s naming the field."""
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Name a colour."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]]
+    shared = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stop_token_ids": [[1, 2]]}
+    r = http.post("/chat/completions/batch", json={**shared, "messages": conversations})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    singles = [http.post("/chat/completions", json={**shared, "messages": m}).json() for m in conversations]
+    for choice, single in zip(body["choices"], singles):
+        assert choice["message"] == single["choices"][0]["message"]
+        assert choice["finish_reason"] == single["choices"][0]["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert body["usage"][key] == sum(s["usage"][key] for s in singles)
+    bad = [({"stream": True}, "stream"), ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {}}}]}, "tools"), ({"temperature": -1}, "temperature")]
+    for extra, param in bad:
+        r = http.post("/chat/completions/batch", json={**shared, **extra, "messages": conversations})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    for messages, param in (([], "messages"), ([[]], "messages[0]"), ([conversations[0], [{"content": "x"}]],
+                                                                    "messages[1][0].role")):
+        r = http.post("/chat/completions/batch", json={**shared, "messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (messages, r.text)
+
+
+def test_chat_completions_batch_aborts_what_it_started_when_a_later_conversation_is_refused(http):
+    finished, generated = _metric(http, "engine_requests_finished"), _metric(http, "engine_generated_tokens")
+    long = [{"role": "user", "content": "word " * (2 * MAX_MODEL_LEN)}]
+    body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True,
+            "messages": [[{"role": "user", "content": "Hi"}], long]}
+    r = http.post("/chat/completions/batch", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1]", r.text
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _metric(http, "engine_requests_finished") == finished:
+        time.sleep(0.05)
+    assert _metric(http, "engine_requests_finished") == finished + 1  # conversation 0, aborted
+    assert _metric(http, "num_requests_running") == 0
+    assert _metric(http, "engine_generated_tokens") - generated < 400
