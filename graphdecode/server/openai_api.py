@@ -4,9 +4,11 @@
     python -m graphdecode.server.openai_api [same options]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent
-events or not), POST /v1/chat/completions/batch (vLLM's: N conversations, one choice each), POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST
-/v1/messages (Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or
-a completion, by its body), GET /load (vLLM's running-request count), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version.
+events or not), POST /v1/chat/completions/batch (vLLM's: N conversations, one choice each),
+POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST /v1/messages
+(Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or a completion,
+by its body), GET /load (vLLM's running-request count), GET /v1/models, GET /health, GET
+/metrics (Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request flows through these modules, top down:
