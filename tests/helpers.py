@@ -140,6 +140,15 @@ def one_line_cli_error(capsys, argv: list[str], clean: bool = False) -> str:
     return lines[0]
 
 
+def engine_config_stub(max_model_len: int = 64):
+    """What the server's metrics read of an engine's config, for a stand-in engine."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(max_model_len=max_model_len, page_size=16, kv_cache_dtype="auto",
+                           enable_prefix_caching=True, num_pages=8, kv_cache_memory_bytes=None,
+                           torch_device=torch.device("cpu"))
+
+
 @contextlib.contextmanager
 def live_server(model: str, log_dir, served_name: str, *extra: str, env: dict | None = None):
     """`graphdecode serve` on a free loopback port with the tests' common flags (one thread, quiet);

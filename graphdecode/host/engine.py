@@ -52,6 +52,7 @@ class EngineStats:
     prefill_batches: int = 0  # steps that ran prefill chunks
     decode_tokens: int = 0  # tokens produced by decode windows that reached a user
     generated_tokens: int = 0  # all tokens that reached a user (prefill's first tokens included)
+    first_token_prompt_tokens: int = 0  # each sequence's whole prompt, counted when its first token came out
     steps: int = 0  # engine steps (each launches at most one window)
     windows: int = 0  # decode windows launched
     window_rows: int = 0  # bucket rows over all windows (padding included)
@@ -278,6 +279,7 @@ class Engine:
             "windows": s.windows,
             "prefill_tokens": s.prefill_tokens,
             "generated_tokens": s.generated_tokens,
+            "first_token_prompt_tokens": s.first_token_prompt_tokens,
             "requests_finished": s.requests_finished,
             # vLLM's meanings: sequences in the batch (decoding, or admitted and prefilling), sequences not admitted
             "num_running_seqs": len(sched.running) + sum(len(g.seqs) for g in sched.prefilling.values()),

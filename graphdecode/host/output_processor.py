@@ -48,6 +48,8 @@ class OutputProcessor:
                 self._logprobs(seq, result, r.row, r.first_column, accepted)
             first_token = r.first_column == 0 and accepted > 0
             stats.decode_tokens += accepted - first_token
+            if first_token:
+                stats.first_token_prompt_tokens += seq.num_prompt_tokens
             stats.generated_tokens += accepted
             changed.append(seq)
         return changed

@@ -80,9 +80,10 @@ class _Heartbeat(threading.Thread):
 
 
 class StepTokens:
-    """Histogram of the tokens each engine step handled: prompt tokens it prefilled (prefix-cache
-    hits excluded) plus tokens it generated (that reached the host in it). Steps that handled
-    none are not counted. Cumulative, so a step whose load is never sent is not lost."""
+    """Histogram of the tokens of each engine step, vLLM's iteration_tokens_total: the whole prompt
+    (prefix-cache hits included) of every sequence whose first token came out in the step, plus the
+    tokens the step generated (that reached the host in it). Steps with neither are not counted.
+    Cumulative, so a step whose load is never sent is not lost."""
 
     __slots__ = ("counts", "sum", "_seen")
 
@@ -93,7 +94,7 @@ class StepTokens:
 
     def after_step(self, engine) -> None:
         load = engine.load()
-        total = load["prefill_tokens"] + load["generated_tokens"]
+        total = load["first_token_prompt_tokens"] + load["generated_tokens"]
         tokens, self._seen = total - self._seen, total
         if tokens > 0:
             self.counts[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1

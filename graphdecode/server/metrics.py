@@ -17,9 +17,10 @@ Two sources:
 * the engine core's gauges and counters (`AsyncLLM.load`, refreshed after every step
   that produced outputs), read at scrape time by a custom collector: sequences running
   and waiting, KV pages in use, prefix-cache lookups, preemptions, windows, prefill and
-  generated tokens, the histogram of tokens per engine step. Once the core has died its gauges
-  read 0 (the counters keep their last values); while it is alive, `engine_heartbeat_age_seconds`
-  says how old they may be (the core beats every second, idle or busy).
+  generated tokens, the histogram of tokens per engine step, the KV cache's configuration.
+  Once the core has died its gauges read 0 (the counters keep their last values); while it is
+  alive, `engine_heartbeat_age_seconds` says how old they may be (the core beats every
+  second, idle or busy).
 
 Inter-token latency is per token, as vLLM's: one output of a request carries up to k
 tokens per choice (a decode window), so the gap since that choice's previous output is
@@ -49,6 +50,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0,
                            10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
 
 
 def token_buckets(max_value: int) -> tuple[int, ...]:
@@ -115,6 +117,16 @@ class _EngineCollector:
 
         for key, name, kind, doc in _ENGINE_METRICS:
             yield family(kind, name, doc, 0 if dead and kind == "gauge" else load.get(key, 0))
+        config = getattr(engine, "config", None)
+        if config is not None:  # vLLM's cache_config_info: the KV cache's settings as labels, value 1
+            info = {"block_size": config.page_size, "cache_dtype": config.kv_cache_dtype,
+                    "enable_prefix_caching": config.enable_prefix_caching, "num_gpu_blocks": config.num_pages,
+                    "num_cpu_blocks": None, "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+                    "device": config.torch_device.type}
+            metric = GaugeMetricFamily(prefix + "cache_config_info", "the KV cache's configuration (as labels)",
+                                       labels=[*labels, *info])
+            metric.add_metric([*values, *map(str, info.values())], 1)
+            yield metric
         per_position = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "draft tokens "
                                            "accepted at each draft position (0: the first draft of a round)",
                                            labels=[*labels, "position"])
@@ -129,9 +141,9 @@ class _EngineCollector:
         for bound, count in zip((*ITERATION_TOKEN_BUCKETS, float("inf")), counts):
             cumulative += count
             buckets.append((floatToGoString(bound), cumulative))
-        histogram = HistogramMetricFamily(prefix + "iteration_tokens_total", "tokens per engine step: prompt tokens "
-                                          "prefilled plus tokens generated in it (a step runs one window of k)",
-                                          labels=labels)
+        histogram = HistogramMetricFamily(prefix + "iteration_tokens_total", "tokens per engine step (vLLM's): the "
+                                          "whole prompt of each sequence whose first token came out in it, plus the "
+                                          "tokens generated in it (a step runs one window of k)", labels=labels)
         histogram.add_metric(values, buckets, sum_value=total)
         yield histogram
         yield family("gauge", "num_requests_unfinished", "engine requests the server is streaming or collecting now",
@@ -182,6 +194,9 @@ class ServerMetrics:
                                      REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "first scheduled to last token",
                                         REQUEST_LATENCY_BUCKETS)
+        self.params_n = histogram("request_params_n", "the n (choices) of each finished engine request", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "the max_tokens of each finished engine "
+                                           "request (unset: the room left in the context)", tokens)
         self.finished = Counter(p + "request_success", "completions (choices) finished, by finished_reason",
                                 [*labels, "finished_reason"], registry=registry)
         self.aborted = counter("requests_aborted",
@@ -195,8 +210,9 @@ class ServerMetrics:
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def track(self, request_id: str, num_prompt_tokens: int, arrival: float) -> RequestTracker:
-        tracker = RequestTracker(self, request_id, num_prompt_tokens, arrival)
+    def track(self, request_id: str, num_prompt_tokens: int, arrival: float, n: int = 1,
+              max_tokens: int | None = None) -> RequestTracker:
+        tracker = RequestTracker(self, request_id, num_prompt_tokens, arrival, n, max_tokens)
         self.active[request_id] = tracker
         return tracker
 
@@ -226,14 +242,16 @@ def _observe_span(histogram, start: float | None, end: float | None) -> None:
 class RequestTracker:
     """Per engine request: TTFT / ITL / tokens as its outputs arrive; `close()` once at the end."""
 
-    __slots__ = ("metrics", "request_id", "num_prompt_tokens", "arrival", "first", "last", "num_tokens",
-                 "engine_metrics", "finished", "aborted", "closed")
+    __slots__ = ("metrics", "request_id", "num_prompt_tokens", "arrival", "n", "max_tokens", "first", "last",
+                 "num_tokens", "engine_metrics", "finished", "aborted", "closed")
 
-    def __init__(self, metrics: ServerMetrics, request_id: str, num_prompt_tokens: int, arrival: float):
+    def __init__(self, metrics: ServerMetrics, request_id: str, num_prompt_tokens: int, arrival: float, n: int = 1,
+                 max_tokens: int | None = None):
         self.metrics = metrics
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = arrival
+        self.n, self.max_tokens = n, max_tokens  # its params (request_params_n / _max_tokens)
         self.first: float | None = None  # when its first token arrived
         self.last: dict[int, float] = {}  # choice index -> when its latest tokens arrived
         self.num_tokens = 0
@@ -283,6 +301,9 @@ class RequestTracker:
             m.e2e.observe(time.perf_counter() - self.arrival)
             m.request_prompt_tokens.observe(self.num_prompt_tokens)
             m.request_generation_tokens.observe(self.num_tokens)
+            m.params_n.observe(self.n)
+            if self.max_tokens is not None:
+                m.params_max_tokens.observe(self.max_tokens)
             t = self.engine_metrics
             if t is not None:
                 _observe_span(m.queue_time, t.arrival_time, t.first_scheduled_time)

@@ -83,9 +83,9 @@ class Job:
     """One HTTP request's engine requests (one per prompt), and what its response needs besides
     their outputs. The endpoint sets the fields that only it has (echo_only, role, tools)."""
 
-    __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "logprobs", "token_ids",
-                 "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role", "tool_mode",
-                 "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened")
+    __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "max_tokens", "logprobs",
+                 "token_ids", "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role",
+                 "tool_mode", "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened")
 
     def __init__(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
                  req, echo, tokenizer, as_ids: bool = False, force_usage: bool = False):
@@ -94,6 +94,7 @@ class Job:
         self.prompt_ids = prompt_ids
         self.prompt_lens = [len(ids) for ids in prompt_ids]
         self.n = params.n
+        self.max_tokens = params.max_tokens  # None: up to the context's end
         # None: no logprobs asked for; tokens as "token_id:123" with return_tokens_as_token_ids (vLLM's)
         self.logprobs = (LogprobFormat(params.logprobs, bool(req.return_tokens_as_token_ids or as_ids), tokenizer)
                          if params.logprobs is not None else None)
@@ -268,7 +269,8 @@ class OpenAIServer:
         which aborts their unfinished requests.
         """
         streams = job.streams
-        trackers = [self.metrics.track(rid, n, job.arrival) for (rid, _), n in zip(streams, job.prompt_lens)]
+        trackers = [self.metrics.track(rid, n, job.arrival, job.n, (self.max_model_len - n) if job.max_tokens is None
+                                       else job.max_tokens) for (rid, _), n in zip(streams, job.prompt_lens)]
         try:
             if len(streams) == 1:
                 tracker, (_, stream) = trackers[0], streams[0]

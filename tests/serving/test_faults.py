@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from graphdecode.server.args import HEARTBEAT_INTERVAL_S
 from graphdecode.server.launch import start_server, stop_server
 from graphdecode.server.metrics import ServerMetrics
-from tests.helpers import stream_events
+from tests.helpers import engine_config_stub, stream_events
 
 pytestmark = pytest.mark.faults
 
@@ -138,7 +138,7 @@ def test_the_engine_gauges_read_0_once_the_core_died():
     counters keep their values, and the heartbeat age goes on."""
     load = {"num_running_seqs": 3, "num_waiting_seqs": 2, "kv_pages_in_use": 5, "kv_pages": 10, "windows": 7,
             "state_slots_in_use": 2, "state_slots": 8, "state_snapshots_cached": 4}
-    engine = SimpleNamespace(config=SimpleNamespace(max_model_len=64), load=load, dead=None, is_dead=False,
+    engine = SimpleNamespace(config=engine_config_stub(), load=load, dead=None, is_dead=False,
                              heartbeat_age=0.4, step_seconds=0.25)
 
     def gauges():

@@ -14,13 +14,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from graphdecode.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from graphdecode.server import metrics as server_metrics
 from graphdecode.server.metrics import ServerMetrics
-from tests.helpers import live_server
+from tests.helpers import engine_config_stub, live_server
 
 MODEL = "test-model"
 P = "vllm:"
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens")
-HISTOGRAMS = ("iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
+HISTOGRAMS = ("iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+              "request_params_max_tokens",
               "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
               "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
 # long enough to fill whole 16-token pages: the second time it is sent, they are prefix-cache hits
@@ -109,12 +110,22 @@ def test_vllm_families_add_up_to_what_clients_saw(server, client):
     assert after[f"{P}prefix_cache_hits_total"] <= after[f"{P}prefix_cache_queries_total"]
     assert moved[f"{P}prefill_tokens_total"] == queries - hits  # the hits were not computed again
 
-    # tokens per engine step: every token prefilled or generated, in steps of at least one
+    # the requests' params, once per finished request
+    assert moved[f"{P}request_params_n_count"] == requests and moved[f"{P}request_params_n_sum"] == requests
+    assert moved[f"{P}request_params_max_tokens_count"] == requests
+    assert moved[f"{P}request_params_max_tokens_sum"] == 2 * 6 + 11 + 5
+
+    # tokens per engine step (vLLM's): each request's whole prompt, prefix-cache hits included, in the step of
+    # its first token, plus every token generated
     assert moved[f"{P}iteration_tokens_total_count"] >= 1
-    assert after[f"{P}iteration_tokens_total_sum"] == (after[f"{P}prefill_tokens_total"]
-                                                        + after[f"{P}engine_generated_tokens_total"])
+    assert moved[f"{P}iteration_tokens_total_sum"] == prompt_tokens + moved[f"{P}engine_generated_tokens_total"]
     assert after[f"{P}iteration_tokens_total_bucket{{le=+Inf}}"] == after[f"{P}iteration_tokens_total_count"]
     assert after[f"{P}iteration_tokens_total_bucket{{le=1.0}}"] <= after[f"{P}iteration_tokens_total_count"]
+
+    # the KV cache's configuration, as vLLM's cache_config_info labels
+    (info,) = families[f"{P}cache_config_info"][1]
+    assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["enable_prefix_caching"] == "True"
+    assert int(info.labels["num_gpu_blocks"]) > 0 and info.labels["cache_dtype"] == "auto"
 
     # idle now: nothing in the batch, no KV page held
     assert after[f"{P}num_requests_running"] == 0 and after[f"{P}num_requests_waiting"] == 0
@@ -142,7 +153,7 @@ def test_gauges_while_a_request_runs(server):
 def test_inter_token_latency_is_per_token():
     """An output of k tokens after a gap g is k observations of g / k; the first output's tokens
     (time to first token) are none."""
-    engine = SimpleNamespace(config=SimpleNamespace(max_model_len=64), load={}, dead=None)
+    engine = SimpleNamespace(config=engine_config_stub(), load={}, dead=None)
     m = ServerMetrics(engine, MODEL, P)
     clock = iter([1.0, 1.4, 1.5])  # the first output, one 4 tokens later, one of 1 token
 
