@@ -83,6 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GET /load reports the requests running now (vLLM's; without it, 0)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API server processes in front of the one engine core (vLLM's): they share the port, "
+                        "each parses, tokenizes and streams its own connections, /metrics adds them up")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                    help="a request body over this many bytes gets HTTP 413 before it is read; 0: no limit "
                         "(default: 32 MiB, far above any prompt a context window holds)")
@@ -102,5 +105,7 @@ def check_serve_args(args) -> None:
     if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:
         raise ValueError(f"--heartbeat-timeout must be more than the engine core's heartbeat interval "
                          f"({HEARTBEAT_INTERVAL_S:g} s), got {args.heartbeat_timeout}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")

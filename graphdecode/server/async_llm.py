@@ -175,6 +175,24 @@ class RequestStream:
             self._end(abort=True)
 
 
+def start_engine_core(model: str, engine_args: dict, clients: int):
+    """Start the engine core process for `clients` API servers and send it "init": (its Popen, [per
+    client (requests, outputs): the client's ends of its two pipes]). Each client waits for "ready"."""
+    ends, fds = [], []
+    for _ in range(clients):
+        core_requests, requests = multiprocessing.Pipe(duplex=False)
+        outputs, core_outputs = multiprocessing.Pipe(duplex=False)
+        ends.append((requests, outputs, core_requests, core_outputs))
+        fds += [core_requests.fileno(), core_outputs.fileno()]
+    process = subprocess.Popen([sys.executable, "-m", "graphdecode.server.engine_core", *map(str, fds)],
+                               pass_fds=fds)
+    for _, _, core_requests, core_outputs in ends:
+        core_requests.close()
+        core_outputs.close()
+    ends[0][0].send(("init", model, engine_args))
+    return process, [(requests, outputs) for requests, outputs, _, _ in ends]
+
+
 class AsyncLLM:
     def __init__(self, model: str | None = None, **engine_args):
         check_engine_kwargs("AsyncLLM", engine_args)
@@ -182,20 +200,27 @@ class AsyncLLM:
             from ..default_model import default_model_dir
 
             model = default_model_dir()
-        core_requests, self._requests = multiprocessing.Pipe(duplex=False)
-        self._outputs, core_outputs = multiprocessing.Pipe(duplex=False)
-        fds = (core_requests.fileno(), core_outputs.fileno())
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "graphdecode.server.engine_core", *map(str, fds)], pass_fds=fds,
-        )
-        core_requests.close()
-        core_outputs.close()
-        self._requests.send(("init", str(model), engine_args))
+        process, [(self._requests, self._outputs)] = start_engine_core(str(model), engine_args, 1)
+        self._attach(process)
+
+    @classmethod
+    def attached(cls, requests, outputs) -> AsyncLLM:
+        """An AsyncLLM over a core that another process started with several clients (one API server
+        of --api-server-count): `requests` / `outputs`, its ends of this client's two pipes."""
+        self = cls.__new__(cls)
+        self._requests, self._outputs = requests, outputs
+        self._attach(None)
+        return self
+
+    def _attach(self, process: subprocess.Popen | None) -> None:
+        """Wait for the core's "ready" (its EngineConfig), then start this client's threads."""
+        self._process = process
         ready = self._outputs.poll(START_TIMEOUT_S)
         try:
             kind, payload = self._outputs.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S:.0f} s")
         except EOFError:
-            kind, payload = "failed", f"the engine core process exited with status {self._process.wait(5)}"
+            status = f" with status {process.wait(5)}" if process is not None else ""
+            kind, payload = "failed", f"the engine core process exited{status}"
         if kind != "ready":
             self._kill()
             raise ValueError(f"the engine could not be built: {payload}")
@@ -278,7 +303,8 @@ class AsyncLLM:
     @property
     def is_dead(self) -> bool:
         """The core is gone (it reported a failure, or its process exited), and not by shutdown()."""
-        return not self._closed and (self.dead is not None or self._process.poll() is not None)
+        exited = self._process is not None and self._process.poll() is not None
+        return not self._closed and (self.dead is not None or exited)
 
     @property
     def heartbeat_age(self) -> float:
@@ -289,11 +315,16 @@ class AsyncLLM:
         """How the core died, in a few words: the signal that killed it (SIGKILL, ...) or its exit
         status, after the exception line of the traceback it sent, if it sent one (the whole
         traceback is `reported`). Waits up to `wait_s` for the process to be reaped."""
-        try:
-            code = self._process.wait(wait_s)
-        except subprocess.TimeoutExpired:
+        if self._process is None:  # another process started it (--api-server-count): only its pipe closed
             code = None
-        if code is None:
+        else:
+            try:
+                code = self._process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                code = None
+        if self._process is None:
+            how = "its pipe to this API server closed"
+        elif code is None:
             how = "its process has not exited yet"
         elif code < 0:
             try:
@@ -381,15 +412,17 @@ class AsyncLLM:
         self._outbox.put(("shutdown",))  # after whatever is still queued
         self._outbox.put(None)
         self._sender.join(timeout)
-        try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._kill()
+        if self._process is not None:  # one started by another process ends when all its clients did
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill()
         self._requests.close()
 
     def _kill(self) -> None:
-        self._process.kill()
-        self._process.wait(5)
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(5)
 
     def __enter__(self):
         return self

@@ -1,7 +1,7 @@
-"""The engine core process: the step loop, fed and drained over two pipes.
+"""The engine core process: the step loop, fed and drained over pipes, one pair per API server.
 
-AsyncLLM starts it (`python -m graphdecode.server.engine_core IN_FD OUT_FD`, a fresh
-interpreter: nothing of the parent's __main__ is re-imported) so that nothing of the serving process
+AsyncLLM starts it (`python -m graphdecode.server.engine_core IN_FD OUT_FD [IN_FD OUT_FD ...]`, a
+fresh interpreter: nothing of the parent's __main__ is re-imported) so that nothing of the serving process
 (HTTP parsing, JSON and SSE encoding, tokenisation of new prompts, asyncio) sits
 between two window launches: this process does nothing but read requests, step, and
 send each step's deltas (vLLM V1's EngineCore pattern, over multiprocessing pipes).
@@ -20,8 +20,13 @@ is then unknown, so the core reports it and exits (the server exits too, see ope
 ("beat", step_seconds) every HEARTBEAT_INTERVAL_S from a thread of its own, idle or busy, with
 how long the step in progress has run (0.0 between steps): the proof of life the server's
 /health and metrics read (a stopped or frozen process stops beating; a step that does not
-return does not, it shows in step_seconds). Both threads write under one lock.
-A closed input pipe (the parent died) ends the loop too.
+return does not, it shows in step_seconds). Both threads write under one lock per pipe.
+
+Several clients (`--api-server-count`: one pipe pair per API server process): "init" comes from
+the first; "ready", beats, loads and "failed" go to every client; a request's deltas, its
+rejection or error go to the client that added it (the core keeps who owns each running request);
+"stats" answers its asker. A client's "shutdown" or closed pipe (its process died) aborts its
+requests; the loop ends once no client is left.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import threading
 import time
 import traceback
 from bisect import bisect_left
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from ..host.gc_heap import freeze_startup_heap
 from ..host.output_builder import DeltaQueue
@@ -46,7 +51,8 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 class _Outputs:
-    """The output pipe, written by the step loop and the heartbeat thread: one message at a time."""
+    """A client's output pipe, written by the step loop and the heartbeat thread: one message at a
+    time. A client that went away loses what is sent to it (its closed request pipe ends it)."""
 
     __slots__ = ("_pipe", "_lock")
 
@@ -56,14 +62,22 @@ class _Outputs:
 
     def send(self, message) -> None:
         with self._lock:
-            self._pipe.send(message)
+            try:
+                self._pipe.send(message)
+            except (OSError, ValueError):
+                pass
+
+
+def _broadcast(clients: list[_Outputs], message) -> None:
+    for outputs in clients:
+        outputs.send(message)
 
 
 class _Heartbeat(threading.Thread):
-    """Sends ("beat", step_seconds) every `interval` s until stopped or the pipe breaks. The step loop
+    """Sends ("beat", step_seconds) to every client every `interval` s until stopped. The step loop
     sets `step_started` (time.monotonic()) while a step runs, None between steps."""
 
-    def __init__(self, outputs: _Outputs, interval: float = HEARTBEAT_INTERVAL_S):
+    def __init__(self, outputs: list[_Outputs], interval: float = HEARTBEAT_INTERVAL_S):
         super().__init__(name="graphdecode-heartbeat", daemon=True)
         self.outputs = outputs
         self.interval = interval
@@ -73,10 +87,7 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             started = self.step_started
-            try:
-                self.outputs.send(("beat", 0.0 if started is None else time.monotonic() - started))
-            except (OSError, ValueError):  # the parent went away: the step loop ends on its closed pipe
-                return
+            _broadcast(self.outputs, ("beat", 0.0 if started is None else time.monotonic() - started))
 
 
 class StepTokens:
@@ -109,6 +120,42 @@ def _load(engine, step_tokens: StepTokens | None = None) -> dict:
     return load
 
 
+class _Clients:
+    """The API servers the core serves: each one's pipes, and which of them owns each running request."""
+
+    def __init__(self, pipes: list[tuple[Connection, Connection]]):
+        self.requests = [requests for requests, _ in pipes]
+        self.outputs = [_Outputs(outputs) for _, outputs in pipes]
+        self.live = set(range(len(pipes)))  # clients not shut down or gone
+        self.owner: dict[str, int] = {}  # running request id -> its client
+
+    def waiting(self, timeout: float | None) -> list[int]:
+        """The live clients with messages (or a closed pipe) waiting, after up to `timeout` s."""
+        ready = wait([self.requests[i] for i in self.live], timeout)
+        return [i for i in sorted(self.live) if self.requests[i] in ready]
+
+    def leave(self, engine, client: int) -> None:
+        """A client shut down or went away: its requests are aborted."""
+        self.live.discard(client)
+        for request_id in [r for r, c in self.owner.items() if c == client]:
+            del self.owner[request_id]
+            engine.abort_request(request_id)
+
+    def send_outputs(self, outputs: list, load: dict) -> None:
+        """Each client's deltas, with the load (every client gets the load, deltas or not)."""
+        per_client: dict[int, list] = {i: [] for i in self.live}
+        for out in outputs:
+            client = self.owner.get(out.request_id)
+            if client is None:
+                continue  # its client left
+            if out.finished:
+                del self.owner[out.request_id]
+            if client in per_client:
+                per_client[client].append(out)
+        for client, mine in per_client.items():
+            self.outputs[client].send(("outputs", mine, load))
+
+
 def _add(engine, message: tuple, outputs) -> None:
     """Admit one request: the boundary where a failure is that request's alone. A ValueError or
     TypeError (the engine's checks) rejects it; any other exception fails it, logged with its
@@ -125,47 +172,64 @@ def _add(engine, message: tuple, outputs) -> None:
         outputs.send(("error", request_id, f"{type(exc).__name__}: {exc}"))
 
 
-def _handle(engine, message: tuple, outputs) -> bool:
-    """Apply one message from the serving side; False for shutdown."""
+def _handle(engine, message: tuple, clients: _Clients, client: int) -> bool:
+    """Apply one message from a client; False for its shutdown."""
     kind = message[0]
+    outputs = clients.outputs[client]
     if kind == "shutdown":
         return False
     if kind == "add":
+        request_id = message[1]
+        if request_id in clients.owner:  # another API server's request of the same id is running
+            outputs.send(("rejected", request_id, f"request_id: {request_id!r} is already in use"))
+            return True
+        clients.owner[request_id] = client
         _add(engine, message, outputs)
-    elif kind == "abort":
-        engine.abort_request(message[1])
+        if request_id not in engine.requests:
+            clients.owner.pop(request_id, None)  # refused or failed at admission
+    elif kind == "abort":  # its final delta (finish_reason "abort") comes out of the next step
+        if clients.owner.get(message[1]) == client:
+            engine.abort_request(message[1])
     elif kind == "stats":
         outputs.send(("stats", engine.stats()))
     return True
 
 
-def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
-    """Process entry point. `requests`/`outputs`: the two ends of multiprocessing pipes. The engine
-    sets its own torch threads (EngineConfig.cpu_threads)."""
+def _read(engine, clients: _Clients, timeout: float | None) -> None:
+    """Take everything the clients have sent by now (after up to `timeout` s), in order per client."""
+    for client in clients.waiting(timeout):
+        requests = clients.requests[client]
+        try:
+            while client in clients.live and requests.poll(0):
+                for message in requests.recv():
+                    if not _handle(engine, message, clients, client):
+                        clients.leave(engine, client)
+                        break
+        except (EOFError, OSError):  # that API server's process is gone
+            clients.leave(engine, client)
+
+
+def run_engine_core(pipes: list[tuple[Connection, Connection]], model: str, engine_args: dict) -> None:
+    """Process entry point. `pipes`: per client, the (requests, outputs) ends of two multiprocessing
+    pipes. The engine sets its own torch threads (EngineConfig.cpu_threads)."""
+    clients = _Clients(pipes)
     try:
         from ..config import EngineConfig
         from ..host.engine import Engine
 
         engine = Engine(EngineConfig(model=model, **engine_args))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        outputs.send(("failed", f"{type(exc).__name__}: {exc}"))
+        _broadcast(clients.outputs, ("failed", f"{type(exc).__name__}: {exc}"))
         return
     freeze_startup_heap()  # the model and engine stay out of full collections (a 160 ms stall each)
-    outputs = _Outputs(outputs)
-    outputs.send(("ready", engine.config))
-    heartbeat = _Heartbeat(outputs)
+    _broadcast(clients.outputs, ("ready", engine.config))
+    heartbeat = _Heartbeat(clients.outputs)
     heartbeat.start()
     queue = DeltaQueue()
     step_tokens = StepTokens()
     try:
-        while True:
-            idle = not engine.has_unfinished()
-            if requests.poll(None if idle else 0):
-                while True:  # take everything that is waiting, then step
-                    if not all(_handle(engine, message, outputs) for message in requests.recv()):
-                        return  # shutdown
-                    if not requests.poll(0):
-                        break
+        while clients.live:
+            _read(engine, clients, None if not engine.has_unfinished() else 0)
             if engine.has_unfinished():
                 heartbeat.step_started = time.monotonic()
                 for seq in engine.step():
@@ -173,11 +237,11 @@ def run_engine_core(requests, outputs, model: str, engine_args: dict) -> None:
                 heartbeat.step_started = None
                 step_tokens.after_step(engine)
                 if queue:
-                    outputs.send(("outputs", queue.take(), _load(engine, step_tokens)))
-    except (EOFError, OSError, KeyboardInterrupt):
-        return  # the parent went away
+                    clients.send_outputs(queue.take(), _load(engine, step_tokens))
+    except KeyboardInterrupt:
+        return
     except Exception:  # noqa: BLE001 - the parent must learn why its engine died
-        outputs.send(("failed", traceback.format_exc()))
+        _broadcast(clients.outputs, ("failed", traceback.format_exc()))
     finally:
         heartbeat.stopped.set()
         engine.close()  # tensor-parallel workers stop with the core
@@ -189,14 +253,15 @@ def main(argv=None) -> None:
     # the parent is still draining its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    in_fd, out_fd = (int(x) for x in (argv or sys.argv[1:]))
-    requests, outputs = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
+    fds = [int(x) for x in (argv or sys.argv[1:])]
+    pipes = [(Connection(fds[i], writable=False), Connection(fds[i + 1], readable=False))
+             for i in range(0, len(fds), 2)]
     try:
-        kind, model, engine_args = requests.recv()
+        kind, model, engine_args = pipes[0][0].recv()
     except (EOFError, OSError):
         return
     assert kind == "init"
-    run_engine_core(requests, outputs, model, engine_args)
+    run_engine_core(pipes, model, engine_args)
 
 
 if __name__ == "__main__":

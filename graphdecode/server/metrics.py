@@ -33,9 +33,10 @@ Counters end in `_total` in the exposition.
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -51,6 +52,7 @@ REQUEST_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5,
                            10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's: set, values live in files one per process
 
 
 def token_buckets(max_value: int) -> tuple[int, ...]:
@@ -203,11 +205,20 @@ class ServerMetrics:
                                "engine requests aborted before they finished (client gone, server draining)")
         self.rejected = _ModelBound(Counter(p + "requests_rejected", "HTTP requests refused, by status code",
                                             [*labels, "status"], registry=registry), model_name)
-        registry.register(_EngineCollector(engine, self))
+        self._engine_collector = _EngineCollector(engine, self)
+        registry.register(self._engine_collector)
         # present (at 0) from the start
         self._finished_children = {reason: self.finished.labels(model_name, reason) for reason in FINISH_REASONS}
 
     def exposition(self) -> tuple[bytes, str]:
+        """The text exposition. Under several API servers (PROMETHEUS_MULTIPROC_DIR set by their parent),
+        the counters and histograms are every server's, added up from their shared files; the engine's
+        families come from the core, which tells every server the same."""
+        if os.environ.get(MULTIPROC_DIR):
+            registry = CollectorRegistry(auto_describe=False)
+            multiprocess.MultiProcessCollector(registry)
+            registry.register(self._engine_collector)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def track(self, request_id: str, num_prompt_tokens: int, arrival: float, n: int = 1,

@@ -14,8 +14,9 @@ All HTTP, JSON and SSE work happens in this process; the engine core process onl
 steps (AsyncLLM). A request flows through these modules, top down:
 
 * this one: the app (`build_app`: routes, error handlers, the body limit) and running it
-  (`serve`, `DrainingServer`). A body over --max-request-body-bytes is refused with 413
-  before it is read (by its Content-Length, or as soon as a chunked body passes the limit).
+  (`serve`, `run_server`, `DrainingServer`). A body over --max-request-body-bytes is refused with
+  413 before it is read (by its Content-Length, or as soon as a chunked body passes the limit).
+  With --api-server-count N > 1, api_servers.py runs N such processes over one core.
 * serving.py: `OpenAIServer`, the steps both endpoints share. A request is parsed (a large
   body in a worker thread), validated, tokenized (long prompts and chat templates in a
   worker thread, so /health and other streams never wait) and handed to
@@ -306,11 +307,21 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args) -> int:
-    """Run the server for parsed, checked `serve` arguments (server/args.py); returns the exit status."""
+    """Run the server for parsed, checked `serve` arguments (server/args.py); returns the exit status.
+    With --api-server-count N > 1, N API server processes share the port (api_servers.py)."""
+    if args.api_server_count > 1:
+        from .api_servers import serve_many
+
+        return serve_many(args)
     model, options = engine_options(args)
+    return run_server(args, AsyncLLM(model, **options))
+
+
+def run_server(args, engine: AsyncLLM, sockets=None, label: str = "") -> int:
+    """Serve `engine` (this process's client of the core) until SIGTERM or the core's death; shuts the
+    client down and returns the exit status. `sockets`: already bound (one of several API servers)."""
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else DEFAULT_MODEL_NAME)
-    engine = AsyncLLM(model, **options)
     try:
         app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
@@ -323,9 +334,9 @@ def serve(args) -> int:
                                 timeout_keep_alive=30)
         server = DrainingServer(config, app.state.server, args.shutdown_timeout)
         freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
-        print(f"graphdecode: serving {name!r} (max_model_len {engine.config.max_model_len}) on "
+        print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
               f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        server.run()
+        server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:
         engine.shutdown()

@@ -199,7 +199,7 @@ def test_engine_core_freezes_its_heap_before_it_reports_ready(tiny_models, monke
     core_in, requests = multiprocessing.Pipe(duplex=False)
     outputs, core_out = multiprocessing.Pipe(duplex=False)
     thread = threading.Thread(target=engine_core.run_engine_core,
-                              args=(core_in, core_out, tiny_models["llama_gqa_llama3"], {"max_model_len": 64}))
+                              args=([(core_in, core_out)], tiny_models["llama_gqa_llama3"], {"max_model_len": 64}))
     thread.start()
     try:
         kind, _ = outputs.recv()
