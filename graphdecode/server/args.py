@@ -83,6 +83,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GET /load reports the requests running now (vLLM's; without it, 0)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
+                        "reported while prefix caching is on")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API server processes in front of the one engine core (vLLM's): they share the port, "
                         "each parses, tokenizes and streams its own connections, /metrics adds them up")

@@ -119,3 +119,4 @@ def test_sigterm_drains_every_api_server_then_exits_0(text_model, tmp_path):
 def test_api_server_count_is_checked(capsys):
     line = one_line_cli_error(capsys, ["serve", "--api-server-count", "0"])
     assert "--api-server-count must be >= 1, got 0" in line
+

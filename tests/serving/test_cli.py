@@ -223,3 +223,15 @@ def test_compile_and_thread_options_reach_the_engine(llm_options, text_model):
             main(["generate", "--model", text_model, *flag, "Hi"])
     assert [options.get("compile", "default") for options in seen] == [True, False, "default", "default", "default"]
     assert [options.get("cpu_threads", "default") for options in seen] == ["default"] * 3 + [3, 2]
+
+
+def test_vllm_flags_that_are_always_on_here_are_accepted():
+    """vLLM command lines keep working: flags for what graphdecode always does parse, and change nothing."""
+    import argparse
+
+    from graphdecode.server.args import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--enable-auto-tool-choice", "--enable-prompt-tokens-details"])
+    assert args.enable_auto_tool_choice and args.enable_prompt_tokens_details
