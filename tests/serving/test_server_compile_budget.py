@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from graphdecode.server.launch import start_server, stop_server
+from tests.cache_roots import fresh_cache
 
 pytestmark = pytest.mark.faults  # the fault-injection suite (pytest -m faults)
 
@@ -28,7 +29,8 @@ def rss_bytes(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    env = {**os.environ, "GRAPHDECODE_CACHE": str(tmp_path_factory.mktemp("cache"))}  # compiles for real
+    # compiles for real (an empty structured/ cache); the CPU kernels are the session's, not rebuilt
+    env = {**os.environ, "GRAPHDECODE_CACHE": fresh_cache(tmp_path_factory.mktemp("cache"))}
     log = str(tmp_path_factory.mktemp("server_budget") / "server.log")
     proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
                               "--no-access-log", "--log-level", "warning", "--max-model-len", "256",
@@ -96,7 +98,7 @@ def test_a_runaway_compile_is_stopped_while_others_are_served(server):
 
 
 def test_sigterm_during_a_compile_exits_promptly(text_model, tmp_path):
-    env = {**os.environ, "GRAPHDECODE_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "GRAPHDECODE_CACHE": fresh_cache(tmp_path / "cache")}
     log = str(tmp_path / "server.log")
     proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
                               "--no-access-log", "--log-level", "warning", "--max-model-len", "256",

@@ -22,6 +22,7 @@ from openai import BadRequestError
 from transformers import AutoTokenizer
 
 from graphdecode.server import tools as tool_calls
+from tests.cache_roots import fresh_cache
 from tests.helpers import live_server, with_chat_template
 
 MODEL = "structured-model"
@@ -60,7 +61,8 @@ def model_dir(text_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    env = {**os.environ, "GRAPHDECODE_CACHE": str(tmp_path_factory.mktemp("cache"))}  # compiles for real
+    # compiles for real (an empty structured/ cache); the CPU kernels are the session's, not rebuilt
+    env = {**os.environ, "GRAPHDECODE_CACHE": fresh_cache(tmp_path_factory.mktemp("cache"))}
     with live_server(model_dir, tmp_path_factory.mktemp("server_structured"), MODEL, "-k", "4", "--max-model-len",
                      "1024", "--max-batch-size", "16", env=env) as url:
         yield url
