@@ -200,15 +200,16 @@ def test_must_pass_reads_each_core_stage(monkeypatch):
 
 def test_budget_skips_what_it_cannot_hold_and_cuts_without_failing(tmp_path):
     """A stage whose need exceeds the budget left is not started; one started with less budget
-    than its own limit and stopped by the budget is `cut`: not a failure, but in the rerun."""
+    than its own limit and stopped by the budget is `cut`: not a failure, but in the rerun. (env is
+    hooked too: the budget is then all bench's, and a few seconds show the cut.)"""
     proc, summary = _check(
-        tmp_path, "--dry-run", "--only", "build,bench,bench_spec", "--budget", "25",
-        GPU_CHECK_SLEEP="build:0,bench:120,bench_spec:0", GPU_CHECK_NEED_BUILD=1, GPU_CHECK_NEED_BENCH=1,
+        tmp_path, "--dry-run", "--only", "build,bench,bench_spec", "--budget", "6",
+        GPU_CHECK_SLEEP="env:0,build:0,bench:120,bench_spec:0", GPU_CHECK_NEED_BUILD=1, GPU_CHECK_NEED_BENCH=1,
         GPU_CHECK_NEED_BENCH_SPEC=500,
     )
     stages = summary["stages"]
-    assert summary["budget_s"] == 25 and stages["build"]["status"] == "ok", proc.stdout[-3000:]
-    assert stages["bench"]["status"] == "cut" and stages["bench"]["seconds"] < 30
+    assert summary["budget_s"] == 6 and stages["build"]["status"] == "ok", proc.stdout[-3000:]
+    assert stages["bench"]["status"] == "cut" and stages["bench"]["seconds"] < 10
     assert "budget ran out" in stages["bench"]["reason"] and "--only bench" in stages["bench"]["reason"]
     spec = stages["bench_spec"]
     assert spec["status"] == "skipped" and spec["rerun"] and spec["need_s"] == 500 and "needs ~500s" in spec["reason"]
@@ -235,7 +236,7 @@ def _fake_wheel(folder, module: str) -> None:
 def test_missing_stage_packages_come_from_carried_wheels_or_skip_by_name(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    common = dict(GPU_CHECK_SLEEP="bench_serve:0", GPU_CHECK_WHEELS_DIR=wheels,
+    common = dict(GPU_CHECK_SLEEP="env:0,bench_serve:0", GPU_CHECK_WHEELS_DIR=wheels,
                   GPU_CHECK_REQUIRE="bench_serve:gdcheck_carried_mod")
     proc, summary = _check(tmp_path / "none", "--dry-run", "--only", "bench_serve", **common)
     serve = summary["stages"]["bench_serve"]
@@ -255,7 +256,7 @@ def test_a_missing_optional_module_does_not_gate_the_stage(tmp_path):
     shadow.mkdir()
     (shadow / "outlines_core.py").write_text("raise ImportError('no outlines_core on this machine')\n")
     proc, summary = _check(tmp_path / "without", "--dry-run", "--only", "pytest_graphs", PYTHONPATH=shadow,
-                           GPU_CHECK_WHEELS_DIR=tmp_path / "no-wheels")
+                           GPU_CHECK_WHEELS_DIR=tmp_path / "no-wheels", GPU_CHECK_SLEEP="env:0")
     graphs = summary["stages"]["pytest_graphs"]
     assert graphs["status"] == "ok" and graphs["optional_missing"] == ["outlines_core"], proc.stdout[-3000:]
     assert graphs["tests"]["skipped"] > 0 and graphs["tests"]["failed"] == graphs["tests"]["errors"] == 0
@@ -264,7 +265,7 @@ def test_a_missing_optional_module_does_not_gate_the_stage(tmp_path):
     wheels.mkdir()
     _fake_wheel(wheels, "gdcheck_optional_mod")
     proc, summary = _check(tmp_path / "carried", "--dry-run", "--only", "pytest_graphs", GPU_CHECK_WHEELS_DIR=wheels,
-                           GPU_CHECK_OPTIONAL="pytest_graphs:gdcheck_optional_mod")
+                           GPU_CHECK_OPTIONAL="pytest_graphs:gdcheck_optional_mod", GPU_CHECK_SLEEP="env:0")
     graphs = summary["stages"]["pytest_graphs"]
     assert graphs["status"] == "ok" and graphs["wheels_installed"] == 1, proc.stdout[-3000:]
     assert "optional_missing" not in graphs
