@@ -49,90 +49,49 @@ def _check(out, *args, timeout=120, **extra) -> tuple[subprocess.CompletedProces
     return proc, summary
 
 
+DRY_RUN_TEST = "test_dry_run_rehearses_every_stage"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dry_run_started(request, tmp_path_factory):
+    """The full dry run takes over a minute, one stage's process at a time, so it starts with the
+    module, in the background: the other tests here (mostly waiting on hooked stages) run beside it,
+    and test_dry_run_rehearses_every_stage, last in the file, waits for it. Not started when that
+    test is not selected."""
+    if not any(item.name == DRY_RUN_TEST for item in request.session.items):
+        yield None
+        return
+    out, logs = tmp_path_factory.mktemp("gpu_check_dry"), tmp_path_factory.mktemp("gpu_check_dry_output")
+    with open(logs / "stdout", "w") as stdout, open(logs / "stderr", "w") as stderr:  # files: no pipe to fill
+        proc = subprocess.Popen(["bash", SCRIPT, "--dry-run"], env=_env(out), stdout=stdout, stderr=stderr,
+                                text=True)
+    started = {"out": out, "logs": logs, "proc": proc, "deadline": time.monotonic() + 240}
+    try:
+        yield started
+    finally:
+        if proc.poll() is None:  # the test did not wait for it (deselected, interrupted): stop it
+            proc.send_signal(signal.SIGTERM)  # the driver stops its stage's process group and writes the summary
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check_dry")
-    proc, summary = _check(out, "--dry-run", timeout=240)
-    return out, proc, summary
-
-
-def test_dry_run_rehearses_every_stage(dry_run):
-    out, proc, summary = dry_run
-    assert summary is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stages = summary["stages"]
-    assert list(stages) == STAGES
-    assert all(st["status"] in ("ok", "skipped") for st in stages.values()), proc.stdout[-6000:]
-    assert proc.returncode == 0 and summary["ok"] and summary["finished"] and summary["dry_run"]
-    assert all(st["need_s"] > 0 for st in stages.values())
-    assert stages["env"]["status"] == "ok" and stages["env"]["env"]["torch"]
-    kit = stages["kit"]  # a dry run never applies the kit: skipped, saying why (here: none prepared)
-    assert kit["status"] == "skipped" and "a dry run does not apply the kit" in kit["reason"]
-    assert "no-kit" in kit["reason"] and "--prepare" in kit["reason"]
-    assert stages["build"]["status"] == ("ok" if shutil.which("nvcc") else "skipped")
-    for name in PYTEST_STAGES:
-        assert stages[name]["status"] == "ok", name
-        tests = stages[name]["tests"]
-        assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == 0  # no CUDA: every gpu test skips
-        assert set(tests["skip_reasons"].values()) == {"needs CUDA"} and tests["durations"] == []
-    selected = {name: set(stages[name]["tests"]["skip_reasons"]) for name in PYTEST_STAGES}
-    graphs, compiled, extended = selected["pytest_graphs"], selected["pytest_compile"], selected["pytest_extended"]
-    assert compiled and not graphs & compiled  # the compile cases run in their own stage only
-    assert all(name.endswith("-True]") for name in compiled)
-    # the extended cases of the three files run after the core, and in no core stage
-    assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs", "test_gpu_quantized"}
-    assert not extended & (graphs | selected["pytest_hf_parity"] | compiled)
-    assert any("speculative" in name for name in extended) and any("moe" in name for name in extended)
-    assert any("teacher_forced" in name for name in selected["pytest_hf_parity"])
-    # the must-pass core runs first: every core stage started before any other
-    started = [stages[name]["started_s"] for name in STAGES if "started_s" in stages[name]]
-    assert started == sorted(started) and stages["pytest_graphs"]["started_s"] < stages["pytest_extended"]["started_s"]
-    core = summary["must_pass"]  # a dry run proves no core stage on a GPU: its gpu tests all skip
-    assert core["stages"] == CORE and core["need_s"] == sum(stages[name]["need_s"] for name in CORE)
-    assert core["ok"] is False and core["passed"] == ["env"] + (["build"] if shutil.which("nvcc") else [])
-    assert core["not_passed"]["kit"].startswith("skipped: a dry run does not apply the kit")
-    assert core["not_passed"]["pytest_graphs"] == f"no test ran ({stages['pytest_graphs']['tests']['skipped']} skipped)"
-    assert f"must-pass core (*, need ~{core['need_s']}s): {len(core['passed'])}/7 passed (env" in proc.stdout
-    assert "pytest_graphs*" in proc.stdout and "pytest_extended*" not in proc.stdout
-    if shutil.which("nvcc"):  # the build stage's ptxas report: a real nvcc compile for sm_90
-        kernels = {k["kernel"]: k for k in stages["build"]["kernels"]}
-        assert set(kernels) == {"advance_rows_kernel", "fill_indices_kernel"}
-        assert all(k["arch"] == "sm_90" and k["registers"] > 0 for k in kernels.values())
-        assert kernels["advance_rows_kernel"]["registers"] <= 64  # __launch_bounds__(1024)
-        assert f"advance_rows_kernel {kernels['advance_rows_kernel']['registers']} regs" in proc.stdout
-    bench = stages["bench"]
-    assert bench["status"] == "ok" and bench["json"] == "bench_buckets.json"
-    assert [(p["k"], p["batch"]) for p in bench["bench"]["points"]] == [(2, 1), (2, 2)]
-    assert all(p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 for p in bench["bench"]["points"])
-    spec = stages["bench_spec"]  # speculative vs plain, its numbers in summary.json only
-    assert spec["status"] == "ok" and [p["set"] for p in spec["bench"]["points"]] == ["input-grounded", "open-ended"]
-    assert all(p["same_tokens"] for p in spec["bench"]["points"])
-    tp = stages["bench_tp"]  # rehearsed on CPU (gloo); on a one-GPU machine it is skipped
-    assert tp["status"] == "ok" and [p["tp"] for p in tp["bench"]["points"]] == [1, 2] and tp["bench"]["same_tokens"]
-    serve = stages["bench_serve"]  # the server beside in-process generate, its numbers in summary.json only
-    assert serve["status"] == "ok" and [p["clients"] for p in serve["bench"]["points"]] == [1, 2]
-    assert all(p["served_tokens_per_s"] > 0 and p["in_process_tokens_per_s"] > 0 and p["ratio"] > 0
-               for p in serve["bench"]["points"])
-    assert "2 clients: served" in proc.stdout
-    structured = stages["bench_structured"]  # constrained vs unconstrained decode, numbers in summary.json only
-    assert structured["status"] == "ok" and [p["batch"] for p in structured["bench"]["points"]] == [1, 2]
-    assert all(p["constrained_tokens_per_s"] > 0 and p["ratio"] > 0 for p in structured["bench"]["points"])
-    moe = stages["bench_moe"]  # MoE decode beside transformers, grouped and dense experts
-    assert moe["status"] == "ok" and [p["batch"] for p in moe["bench"]["points"]] == [1, 2]
-    assert all(p["grouped_tokens_per_s"] > 0 and p["dense_tokens_per_s"] > 0 and 0 < p["grouped_moe_share"] < 1
-               and p["transformers_tokens_per_s"] > 0 for p in moe["bench"]["points"])
-    quant = stages["bench_quant"]  # int4 / FP8 weights and an FP8 KV cache beside bf16, numbers in summary.json
-    assert quant["status"] == "ok", quant
-    assert {p["format"] for p in quant["bench"]["points"]} == {"bf16", "int4", "fp8", "kv-fp8"}
-    assert all(p["tokens_per_s"] > 0 and p["vs_bf16"] > 0 for p in quant["bench"]["points"])
-    # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
-    compiled = stages["bench_compiled"]
-    assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]
-    assert sorted(os.listdir(out)) == ["bench_buckets.json", "gpu_check.log", "summary.json"]  # the device returns 8
-    assert "gpu_check summary (DRY RUN)" in proc.stdout and "result: OK" in proc.stdout
-    last = proc.stdout.rstrip().splitlines()
-    assert last[-1].startswith("====")  # the table is printed last, the rerun command at its end
-    assert last[-2].startswith("rerun (") and last[-2].endswith("--only bench_compiled --budget 436")
-    assert os.path.getsize(out / "gpu_check.log") > 0
+def dry_run(dry_run_started):
+    """(OUT, the finished process with its stdout and stderr, summary.json) of the full dry run."""
+    out, logs, proc = dry_run_started["out"], dry_run_started["logs"], dry_run_started["proc"]
+    try:
+        proc.wait(max(dry_run_started["deadline"] - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, (logs / "stdout").read_text(),
+                                       (logs / "stderr").read_text())
+    path = os.path.join(out, "summary.json")
+    return out, done, json.load(open(path)) if os.path.isfile(path) else None
 
 
 def test_only_bench_reruns_env_and_bench(tmp_path):
@@ -368,3 +327,82 @@ def test_junit_report_gives_durations_failure_lines_and_skip_reasons(tmp_path, m
     names = [name for name, _ in report["durations"]]  # the tests that ran, slowest first
     assert names[0] == "test_sample::test_slow" and len(names) == 3 and report["durations"][0][1] >= 0.3
     assert junit_report(str(tmp_path / "missing.xml")) is None
+
+
+def test_dry_run_rehearses_every_stage(dry_run):
+    out, proc, summary = dry_run
+    assert summary is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stages = summary["stages"]
+    assert list(stages) == STAGES
+    assert all(st["status"] in ("ok", "skipped") for st in stages.values()), proc.stdout[-6000:]
+    assert proc.returncode == 0 and summary["ok"] and summary["finished"] and summary["dry_run"]
+    assert all(st["need_s"] > 0 for st in stages.values())
+    assert stages["env"]["status"] == "ok" and stages["env"]["env"]["torch"]
+    kit = stages["kit"]  # a dry run never applies the kit: skipped, saying why (here: none prepared)
+    assert kit["status"] == "skipped" and "a dry run does not apply the kit" in kit["reason"]
+    assert "no-kit" in kit["reason"] and "--prepare" in kit["reason"]
+    assert stages["build"]["status"] == ("ok" if shutil.which("nvcc") else "skipped")
+    for name in PYTEST_STAGES:
+        assert stages[name]["status"] == "ok", name
+        tests = stages[name]["tests"]
+        assert tests["skipped"] > 0 and tests["failed"] == tests["errors"] == 0  # no CUDA: every gpu test skips
+        assert set(tests["skip_reasons"].values()) == {"needs CUDA"} and tests["durations"] == []
+    selected = {name: set(stages[name]["tests"]["skip_reasons"]) for name in PYTEST_STAGES}
+    graphs, compiled, extended = selected["pytest_graphs"], selected["pytest_compile"], selected["pytest_extended"]
+    assert compiled and not graphs & compiled  # the compile cases run in their own stage only
+    assert all(name.endswith("-True]") for name in compiled)
+    # the extended cases of the three files run after the core, and in no core stage
+    assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs", "test_gpu_quantized"}
+    assert not extended & (graphs | selected["pytest_hf_parity"] | compiled)
+    assert any("speculative" in name for name in extended) and any("moe" in name for name in extended)
+    assert any("teacher_forced" in name for name in selected["pytest_hf_parity"])
+    # the must-pass core runs first: every core stage started before any other
+    started = [stages[name]["started_s"] for name in STAGES if "started_s" in stages[name]]
+    assert started == sorted(started) and stages["pytest_graphs"]["started_s"] < stages["pytest_extended"]["started_s"]
+    core = summary["must_pass"]  # a dry run proves no core stage on a GPU: its gpu tests all skip
+    assert core["stages"] == CORE and core["need_s"] == sum(stages[name]["need_s"] for name in CORE)
+    assert core["ok"] is False and core["passed"] == ["env"] + (["build"] if shutil.which("nvcc") else [])
+    assert core["not_passed"]["kit"].startswith("skipped: a dry run does not apply the kit")
+    assert core["not_passed"]["pytest_graphs"] == f"no test ran ({stages['pytest_graphs']['tests']['skipped']} skipped)"
+    assert f"must-pass core (*, need ~{core['need_s']}s): {len(core['passed'])}/7 passed (env" in proc.stdout
+    assert "pytest_graphs*" in proc.stdout and "pytest_extended*" not in proc.stdout
+    if shutil.which("nvcc"):  # the build stage's ptxas report: a real nvcc compile for sm_90
+        kernels = {k["kernel"]: k for k in stages["build"]["kernels"]}
+        assert set(kernels) == {"advance_rows_kernel", "fill_indices_kernel"}
+        assert all(k["arch"] == "sm_90" and k["registers"] > 0 for k in kernels.values())
+        assert kernels["advance_rows_kernel"]["registers"] <= 64  # __launch_bounds__(1024)
+        assert f"advance_rows_kernel {kernels['advance_rows_kernel']['registers']} regs" in proc.stdout
+    bench = stages["bench"]
+    assert bench["status"] == "ok" and bench["json"] == "bench_buckets.json"
+    assert [(p["k"], p["batch"]) for p in bench["bench"]["points"]] == [(2, 1), (2, 2)]
+    assert all(p["tokens_per_s"] > 0 and p["ms_per_decode_step"] > 0 for p in bench["bench"]["points"])
+    spec = stages["bench_spec"]  # speculative vs plain, its numbers in summary.json only
+    assert spec["status"] == "ok" and [p["set"] for p in spec["bench"]["points"]] == ["input-grounded", "open-ended"]
+    assert all(p["same_tokens"] for p in spec["bench"]["points"])
+    tp = stages["bench_tp"]  # rehearsed on CPU (gloo); on a one-GPU machine it is skipped
+    assert tp["status"] == "ok" and [p["tp"] for p in tp["bench"]["points"]] == [1, 2] and tp["bench"]["same_tokens"]
+    serve = stages["bench_serve"]  # the server beside in-process generate, its numbers in summary.json only
+    assert serve["status"] == "ok" and [p["clients"] for p in serve["bench"]["points"]] == [1, 2]
+    assert all(p["served_tokens_per_s"] > 0 and p["in_process_tokens_per_s"] > 0 and p["ratio"] > 0
+               for p in serve["bench"]["points"])
+    assert "2 clients: served" in proc.stdout
+    structured = stages["bench_structured"]  # constrained vs unconstrained decode, numbers in summary.json only
+    assert structured["status"] == "ok" and [p["batch"] for p in structured["bench"]["points"]] == [1, 2]
+    assert all(p["constrained_tokens_per_s"] > 0 and p["ratio"] > 0 for p in structured["bench"]["points"])
+    moe = stages["bench_moe"]  # MoE decode beside transformers, grouped and dense experts
+    assert moe["status"] == "ok" and [p["batch"] for p in moe["bench"]["points"]] == [1, 2]
+    assert all(p["grouped_tokens_per_s"] > 0 and p["dense_tokens_per_s"] > 0 and 0 < p["grouped_moe_share"] < 1
+               and p["transformers_tokens_per_s"] > 0 for p in moe["bench"]["points"])
+    quant = stages["bench_quant"]  # int4 / FP8 weights and an FP8 KV cache beside bf16, numbers in summary.json
+    assert quant["status"] == "ok", quant
+    assert {p["format"] for p in quant["bench"]["points"]} == {"bf16", "int4", "fp8", "kv-fp8"}
+    assert all(p["tokens_per_s"] > 0 and p["vs_bf16"] > 0 for p in quant["bench"]["points"])
+    # the dry run takes the bench_compiled skip path: not started when the budget cannot hold it
+    compiled = stages["bench_compiled"]
+    assert compiled["status"] == "skipped" and compiled["rerun"] and "--only bench_compiled" in compiled["reason"]
+    assert sorted(os.listdir(out)) == ["bench_buckets.json", "gpu_check.log", "summary.json"]  # the device returns 8
+    assert "gpu_check summary (DRY RUN)" in proc.stdout and "result: OK" in proc.stdout
+    last = proc.stdout.rstrip().splitlines()
+    assert last[-1].startswith("====")  # the table is printed last, the rerun command at its end
+    assert last[-2].startswith("rerun (") and last[-2].endswith("--only bench_compiled --budget 436")
+    assert os.path.getsize(out / "gpu_check.log") > 0
