@@ -41,8 +41,9 @@ from .metrics import MULTIPROC_DIR
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def serve_many(args) -> int:
-    """Run args.api_server_count API servers over one engine core; returns the exit status."""
+def serve_many(args, run_server) -> int:
+    """Run args.api_server_count API servers over one engine core, each `run_server(args, engine, sockets,
+    label)` (openai_api.run_server) in its own process; returns the exit status."""
     count = args.api_server_count
     model, options = engine_options(args)
     sock = _bind(args.host, args.port)
@@ -53,8 +54,9 @@ def serve_many(args) -> int:
         core, clients = start_engine_core(str(model), options, count)
         os.environ[MULTIPROC_DIR] = metrics_dir  # the API servers inherit it (the core has started without)
         spawn = multiprocessing.get_context("spawn")
-        servers = [spawn.Process(target=run_api_server, args=(args, i, count, requests, outputs, sock, os.getpid()),
-                                 name=f"graphdecode-api-server-{i}") for i, (requests, outputs) in enumerate(clients)]
+        servers = [spawn.Process(target=run_api_server, name=f"graphdecode-api-server-{i}",
+                                 args=(args, run_server, i, count, requests, outputs, sock, os.getpid()))
+                   for i, (requests, outputs) in enumerate(clients)]
         for server in servers:
             server.start()
         for requests, outputs in clients:  # the servers hold their own copies now
@@ -130,15 +132,14 @@ def _how(code: int | None) -> str:
     return f"status {code}"
 
 
-def run_api_server(args, index: int, count: int, requests, outputs, sock: socket.socket, parent: int) -> None:
+def run_api_server(args, run_server, index: int, count: int, requests, outputs, sock: socket.socket,
+                   parent: int) -> None:
     """One API server process: the app over its pipes to the core, on the shared socket."""
     os.setpgrp()  # a terminal's Ctrl+C goes to the parent, which passes it on once
     if sys.platform.startswith("linux"):  # the parent's death is a SIGTERM: drain, do not linger
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:
             sys.exit(1)  # the parent died before the request took hold
-    from .openai_api import run_server
-
     try:
         engine = AsyncLLM.attached(requests, outputs)
     except ValueError as exc:

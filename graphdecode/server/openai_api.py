@@ -312,7 +312,7 @@ def serve(args) -> int:
     if args.api_server_count > 1:
         from .api_servers import serve_many
 
-        return serve_many(args)
+        return serve_many(args, run_server)
     model, options = engine_options(args)
     return run_server(args, AsyncLLM(model, **options))
 
