@@ -21,8 +21,9 @@
 // widened to float32 once, into scratch, for every query head).
 // Decode (Q = 1) goes over a row's keys once, in blocks, with an online softmax and the next block
 // prefetched under the arithmetic (attend_decode_row); Q > 1 computes its scores once, a softmax per
-// query, then one pass over V (attend_row). Either way K and V are read once per call, straight from
-// the pages, a key's KV heads together. Reductions (dots,
+// query, then one pass over V (attend_row), each query's arithmetic fixed by its own keys alone (lanes at
+// absolute key positions), so a prefill chunk's or a verify's other queries never change its bits.
+// Either way K and V are read once per call, straight from the pages, a key's KV heads together. Reductions (dots,
 // softmax's max and sum) run in 16 vector lanes summed by a fixed tree (cpu_common.h's f32x16,
 // the reductions below), and decode's output accumulates in registers (pv_group): 2-3x the
 // earlier scalar-reduction loops at batch 1-64 (BENCHMARKS.md section 12c).
@@ -37,7 +38,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 16  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers; 14: FP8 E4M3 KV caches; 15: the quantized panels' integer dot products; 16: the delta rule's decode step
+#define GRAPHDECODE_CPU_ABI_VERSION 17  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers; 14: FP8 E4M3 KV caches; 15: the quantized panels' integer dot products; 16: the delta rule's decode step; 17: bf16 pair panels
 
 namespace {
 
@@ -203,29 +204,16 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
       w.v_rows[t] = vf;
     }
   }
-  // raw dots [NQ, span]. With 8+ queries per KV head (verify, prefill): TILE keys at a time,
-  // transposed once into a tile, so each query's TILE dots are D broadcast multiply-adds across
-  // it (no horizontal sums); with fewer the transpose costs what it saves: one dot per key and query.
-  constexpr int64_t TILE = 16, TILE_QUERIES = 8;
-  w.scores.resize(NQ * span);
-  if (Q * G < TILE_QUERIES) {
-    const int64_t row_bytes = std::is_same<KV, float>::value ? token_stride * int64_t(sizeof(float)) : 0;
-    for (int64_t t = 0; t < span; ++t) {
-      if (t + AHEAD < span) {  // the K row AHEAD keys on: pages break the hardware prefetcher's streams
-        const char* next = reinterpret_cast<const char*>(w.k_rows[t + AHEAD]);
-        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line, 0, 3);
-      }
-      for (int64_t h = 0; h < HKV; ++h) {
-        const float* k = w.k_rows[t] + h * D;
-        for (int64_t j = 0; j < Q; ++j)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t n = j * H + h * G + g;
-            const float* qv = w.q.data() + n * D;
-            w.scores[n * span + t] = dot<DIM>(qv, k, D);
-          }
-      }
-    }
-  } else {
+  // Every query's arithmetic is fixed by its own keys, whatever the other queries of the call (a prefill
+  // chunk's, a verify's): its dots over d in order, its softmax's 16 lanes at absolute key positions mod 16
+  // (the scores sit at pre + t, pre = first % 16, the span padded with -inf to whole groups: a hidden key's
+  // exp is an exact 0, which no sum or max feels), and its output key by key in position order.
+  // raw dots [NQ, span_a]: TILE keys at a time, transposed once into a tile, each query's TILE dots D
+  // broadcast multiply-adds across it.
+  constexpr int64_t TILE = 16;
+  const int64_t pre = first % LANES, span_a = (pre + span + LANES - 1) / LANES * LANES;
+  w.scores.resize(NQ * span_a);
+  {
     float tile[(DIM > 0 ? DIM : 512) * TILE];
     for (int64_t h = 0; h < HKV; ++h)
       for (int64_t t0 = 0; t0 < span; t0 += TILE) {
@@ -245,7 +233,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
 #pragma omp simd
               for (int64_t i = 0; i < TILE; ++i) dots[i] += qd * row[i];
             }
-            float* s = w.scores.data() + n * span + t0;
+            float* s = w.scores.data() + n * span_a + pre + t0;
             for (int64_t i = 0; i < keys; ++i) s[i] = dots[i];
           }
       }
@@ -254,73 +242,41 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t n = 0; n < NQ; ++n) {
     const int64_t j = n / H, head = n % H;
-    float* s = w.scores.data() + n * span;
-    const int64_t lo = w.lo[j] - first, hi = w.hi[j] - first;  // this query's keys: [lo, hi] of the span
+    float* s = w.scores.data() + n * span_a;
+    const int64_t lo = pre + w.lo[j] - first, hi = pre + w.hi[j] - first;  // this query's keys: [lo, hi]
     std::fill(s, s + lo, neg_inf);
-    std::fill(s + hi + 1, s + span, neg_inf);
+    std::fill(s + hi + 1, s + span_a, neg_inf);
     if (a.soft_cap > 0.f)
       for (int64_t t = lo; t <= hi; ++t) s[t] = a.soft_cap * std::tanh(s[t] / a.soft_cap);
     const float sink = a.sinks ? a.sinks[head] : neg_inf;
-    const int64_t full = span - span % LANES;
     f32x16 part = sink - f32x16{};  // every lane the sink (-inf without); the hidden keys are -inf already
-    for (int64_t t0 = 0; t0 < full; t0 += LANES) part = max16(part, load16(s + t0));
-    float peak = tree_max(part);
-    for (int64_t t = full; t < span; ++t) peak = std::max(peak, s[t]);
-    for (int64_t t0 = 0; t0 < full; t0 += LANES) store16(s + t0, exp16(load16(s + t0) - peak));
-    for (int64_t t = full; t < span; ++t) s[t] = exp1(s[t] - peak);
+    for (int64_t t0 = 0; t0 < span_a; t0 += LANES) part = max16(part, load16(s + t0));
+    const float peak = tree_max(part);
+    for (int64_t t0 = 0; t0 < span_a; t0 += LANES) store16(s + t0, exp16(load16(s + t0) - peak));
     part = f32x16{};
-    for (int64_t t0 = 0; t0 < full; t0 += LANES) part += load16(s + t0);
+    for (int64_t t0 = 0; t0 < span_a; t0 += LANES) part += load16(s + t0);
     float total = tree_sum(part);
-    for (int64_t t = full; t < span; ++t) total += s[t];
     if (a.sinks) total += exp1(sink - peak);
     const float inv = 1.f / total;
 #pragma omp simd
-    for (int64_t t = 0; t < span; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < span_a; ++t) s[t] *= inv;
   }
-  // out = probs @ V. Few queries per KV head (decode, short verify): pv_group, each V row read
-  // once for all of them, the outputs in registers. Many (long verify, prefill): key by key in
-  // position order, each key's V rows read once for every query.
+  // out = probs @ V, key by key in position order, each key's V rows read once for every query
   w.acc.resize(NQ * D);
-  if (Q * G < TILE_QUERIES) {
-    const float* p[TILE_QUERIES];
-    float* o[TILE_QUERIES];
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  for (int64_t t = 0; t < span; ++t)
     for (int64_t h = 0; h < HKV; ++h) {
-      int64_t ng = 0, lo = span, hi = -1;
-      for (int64_t j = 0; j < Q; ++j) {
-        lo = std::min(lo, w.lo[j] - first);
-        hi = std::max(hi, w.hi[j] - first);
-        for (int64_t g = 0; g < G; ++g, ++ng) {
-          p[ng] = w.scores.data() + (j * H + h * G + g) * span;
-          o[ng] = w.acc.data() + (j * H + h * G + g) * D;
-        }
-      }
-      const float* const* v = w.v_rows.data();
-      switch (ng) {
-        case 1: pv_group<1>(p, v, h * D, lo, hi, o, D); break;
-        case 2: pv_group<2>(p, v, h * D, lo, hi, o, D); break;
-        case 3: pv_group<3>(p, v, h * D, lo, hi, o, D); break;
-        case 4: pv_group<4>(p, v, h * D, lo, hi, o, D); break;
-        case 5: pv_group<5>(p, v, h * D, lo, hi, o, D); break;
-        case 6: pv_group<6>(p, v, h * D, lo, hi, o, D); break;
-        default: pv_group<7>(p, v, h * D, lo, hi, o, D); break;
-      }
-    }
-  } else {
-    std::fill(w.acc.begin(), w.acc.end(), 0.f);
-    for (int64_t t = 0; t < span; ++t)
-      for (int64_t h = 0; h < HKV; ++h) {
-        const float* v = w.v_rows[t] + h * D;
-        for (int64_t j = 0; j < Q; ++j)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t n = j * H + h * G + g;
-            const float p = w.scores[n * span + t];
-            if (p == 0.f) continue;
-            float* o = w.acc.data() + n * D;
+      const float* v = w.v_rows[t] + h * D;
+      for (int64_t j = 0; j < Q; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t n = j * H + h * G + g;
+          const float p = w.scores[n * span_a + pre + t];
+          if (p == 0.f) continue;
+          float* o = w.acc.data() + n * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
-          }
-      }
-  }
+          for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+        }
+    }
   for (int64_t n = 0; n < NQ; ++n) {
     T* dst = out + (b * NQ + n) * D;
     const float* src = w.acc.data() + n * D;

@@ -42,9 +42,12 @@ using namespace graphdecode_cpu;
 
 constexpr int64_t PARALLEL_MIN = 1 << 15;  // elements: below this a call stays on its thread (a fork costs µs)
 
+// mode (NormMode): how the weight scales the normalised value (see graphdecode_cpu_rms_norm_variant)
+enum NormMode : int32_t { kLlama = 0, kOffsetFloat = 1, kWeightFloat = 2 };
+
 template <typename T>
 void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum, int64_t rows, int64_t hidden,
-                  int64_t x_stride, float eps, int32_t threads) {
+                  int64_t x_stride, float eps, int32_t threads, int32_t mode = kLlama) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * hidden >= PARALLEL_MIN)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * x_stride;
@@ -68,9 +71,13 @@ void add_rms_norm(const T* x, const T* residual, const T* weight, T* out, T* sum
     }
     const float inv = 1.f / std::sqrt(acc / float(hidden) + eps);
     const T* src = rr ? sr : xr;
+    if (mode == kLlama) {
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
-      store(orow + i, load(weight + i) * round_to(load(src + i) * inv, src));
+      for (int64_t i = 0; i < hidden; ++i) store(orow + i, load(weight + i) * round_to(load(src + i) * inv, src));
+    } else {  // Gemma's (1 + w) and gpt-oss's w, times the float32 normalised value, rounded once
+      const float offset = mode == kOffsetFloat ? 1.f : 0.f;
+#pragma omp simd
+      for (int64_t i = 0; i < hidden; ++i) store(orow + i, (load(src + i) * inv) * (offset + load(weight + i)));
     }
   }
 }
@@ -160,6 +167,27 @@ int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void
     add_rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
                  static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), static_cast<uint16_t*>(sum), rows,
                  hidden, x_stride, eps, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// add_rms_norm's other variants: mode 1, Gemma's y = round(s * rsqrt(mean(s^2) + eps) * (1 + weight)) and mode
+// 2, gpt-oss's y = round(s * rsqrt(...) * weight), the product in float32 (transformers' Gemma3RMSNorm and
+// GptOssRMSNorm); mode 0 is the Llama form above. Each row's sum runs in the same order whatever the rows.
+int graphdecode_cpu_rms_norm_variant(const void* x, const void* residual, const void* weight, void* out, void* sum,
+                                     int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t mode,
+                                     int32_t dtype, int32_t threads) {
+  if (rows < 0 || hidden <= 0 || x_stride < hidden || (residual && !sum) || threads < 1 || mode < 0 || mode > 2)
+    return 1;
+  if (dtype == kFloat32) {
+    add_rms_norm(static_cast<const float*>(x), static_cast<const float*>(residual), static_cast<const float*>(weight),
+                 static_cast<float*>(out), static_cast<float*>(sum), rows, hidden, x_stride, eps, threads, mode);
+  } else if (dtype == kBFloat16) {
+    add_rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
+                 static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), static_cast<uint16_t*>(sum), rows,
+                 hidden, x_stride, eps, threads, mode);
   } else {
     return 2;
   }

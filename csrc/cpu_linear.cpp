@@ -14,7 +14,13 @@
 // arithmetic overlap whatever the number of rows.
 //
 // The order of the sums over k is fixed (k ascending per output), so a result does not depend on
-// the number of rows in the call.
+// the number of rows in the call: a row's outputs are the same bits alone, in a decode batch of any
+// size or in a prefill of any chunking (EngineConfig.batch_invariant runs every row count here).
+//
+// bf16 on a CPU with avx512_bf16 (graphdecode_cpu_bf16_pairs() is 1): W is held in pair panels,
+// [ceil(N / 64)][ceil(K / 2)][64][2], each column's k and k + 1 side by side, and the products go
+// two k at a time through vdpbf16ps (twice the products per instruction of float32 FMAs over widened
+// values; each row's k, k + 1 one broadcast from memory). k pairs ascend: the order is fixed here too.
 
 #include <cstdint>
 #include <cstring>
@@ -65,9 +71,106 @@ void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels
   }
 }
 
+#if defined(__AVX512BF16__)
+// sums[R][PANEL] += x[R rows][2 j0 : 2 j1] @ W over pair panel rows j0..j1-1 ([PANEL][2] each: columns' k, k + 1)
+template <int R>
+inline void pair_tile(const uint16_t* __restrict x, int64_t ldx, int64_t K, const uint16_t* __restrict panel,
+                      int64_t j0, int64_t j1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_j) {
+  __m512 acc[R][4];
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_loadu_ps(sums + m * PANEL + 16 * v);
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint16_t* w = panel + j * 2 * PANEL;
+    for (int64_t l = 0; l < per_j && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    const int64_t k = 2 * j;
+    if (k + 1 < K) {
+#pragma GCC unroll 6
+      for (int m = 0; m < R; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + k, sizeof pair);  // the row's k, k + 1: one broadcast from memory
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, w0);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, w1);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, w2);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, w3);
+      }
+    } else {  // an odd K's last k pairs with a zero
+      for (int m = 0; m < R; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(x[m * ldx + k]));
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, w0);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, w1);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], a, w2);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, w3);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + m * PANEL + 16 * v, acc[m][v]);
+}
+
+inline void pair_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel,
+                           int64_t j0, int64_t j1, float* sums, const char* pf, int64_t lines, int64_t per_j) {
+  switch (rows) {
+    case 6: pair_tile<6>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+    case 5: pair_tile<5>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+    case 4: pair_tile<4>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+    case 3: pair_tile<3>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+    case 2: pair_tile<2>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+    default: pair_tile<1>(x, ldx, K, panel, j0, j1, sums, pf, lines, per_j); break;
+  }
+}
+
+// panel_linear's bf16 form over vdpbf16ps, W in pair panels [ceil(N / 64)][ceil(K / 2)][64][2] (an odd K's
+// last pair and the columns past N zero): the same tasks, blocks of KB k and prefetch, one k pair a step
+void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
+                        const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2, JB = KB / 2;
+  const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
+  const int64_t tasks = blocks * num_panels;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    alignas(64) float sums[ROWS_MAX * PANEL];
+    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
+    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    const uint16_t* panel = panels + p * pairs * 2 * PANEL;
+    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t c = 0; c < PANEL; ++c) sums[m * PANEL + c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
+    for (int64_t j0 = 0; j0 < pairs; j0 += JB) {
+      const int64_t j1 = j0 + JB < pairs ? j0 + JB : pairs;
+      const int64_t steps = ((rows + MR - 1) / MR) * (j1 - j0);
+      int64_t lines = JB * 2 * PANEL * int64_t(sizeof(uint16_t)) / LINE;
+      const int64_t per_j = (lines + steps - 1) / steps;
+      const char* pf = reinterpret_cast<const char*>(panel + j1 * 2 * PANEL);
+      for (int64_t m = 0; m < rows; m += MR) {
+        const int64_t r = rows - m < MR ? rows - m : MR;
+        const int64_t mine = lines < per_j * (j1 - j0) ? lines : per_j * (j1 - j0);
+        pair_tile_rows(r, x + (m0 + m) * ldx, ldx, K, panel, j0, j1, sums + m * PANEL, pf, mine, per_j);
+        pf += mine * LINE;
+        lines -= mine;
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t c = 0; c < cols; ++c) store(y + (m0 + m) * ldy + p * PANEL + c, sums[m * PANEL + c]);
+  }
+}
+#endif
+
 }  // namespace
 
-// x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (columns past N zero), bias [N] or null,
+// Whether bf16 panels are pair panels (this library was built for a CPU with avx512_bf16).
+extern "C" int graphdecode_cpu_bf16_pairs() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (bf16 pair panels: see above; columns past N zero),
+// bias [N] or null,
 // y [M, N] (row stride ldy), all float32 or all bf16 (dtype; bf16: float32 sums, each output rounded
 // once, as oneDNN's bf16 GEMM does); threads: OpenMP threads (torch's own pool: the library binds to
 // the libgomp torch loaded) over the (row block, panel) pairs, each pair's sums in its thread's
@@ -80,8 +183,13 @@ extern "C" int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K,
     panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N,
                  static_cast<const float*>(bias), static_cast<float*>(y), ldy, threads);
   } else if (dtype == kBFloat16) {
+#if defined(__AVX512BF16__)
+    panel_linear_pairs(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
+                       static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
+#else
     panel_linear(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
                  static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
+#endif
   } else {
     return 1;
   }

@@ -147,6 +147,9 @@ class EngineConfig:
     seed: int = 0
     max_num_batched_tokens: int = 8192  # prefill tokens per engine step (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # a request's tokens do not depend on the batch it runs in (CPU: every linear's rows through the fixed-order
+    # panel kernel); False allows faster, batch-dependent kernels (--allow-batch-variance)
+    batch_invariant: bool = True
     # a hybrid model's prefix cache keeps the recurrent state at up to this many cached page boundaries (each one
     # slot of the state cache, host/state_slots.py); None: max_batch_size of them (0 without prefix caching)
     num_state_snapshots: int | None = None
@@ -271,6 +274,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         for name in ("compile", "cuda_graphs", "check_bounds"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

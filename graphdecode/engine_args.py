@@ -153,6 +153,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 8}\' (default: off)')
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="turn automatic prefix caching off (default: EngineConfig's: on)")
+    p.add_argument("--allow-batch-variance", dest="batch_invariant", action="store_false", default=None,
+                   help="let a request's tokens depend on which requests share its batch, for oneDNN's faster "
+                        "GEMMs at many rows (default: EngineConfig's: batch-invariant)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help=f"prefill tokens per engine step; longer prompts are chunked "
                         f"({config('max_num_batched_tokens')})")

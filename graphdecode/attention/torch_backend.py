@@ -109,9 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             end = start + q_len
             if spec.soft_cap is not None and self.kernels is not None:  # SDPA has no soft-cap
-                positions = torch.arange(kv_len - q_len, kv_len, device=q.device)[None]
-                self._kernel(out[start:end][None], q[start:end][None], kv, meta.block_table[g : g + 1], spec,
-                             positions=positions)
+                self._prefill_in_kernel(out[start:end], q[start:end], kv, meta.block_table[g : g + 1], spec, kv_len)
             elif kv_len == q_len and meta.copy_src is None:  # a fresh sequence: its keys are this chunk's own
                 out[start:end] = self._attend_chunk(spec, q[start:end], k[start:end], v[start:end], 0)
             else:
@@ -239,6 +237,21 @@ class TorchAttentionBackend(AttentionBackend):
         if spec.sliding_window is None:
             return hidden
         return hidden | (key_positions < query_positions - spec.window_left)
+
+    def _prefill_in_kernel(self, out, q, kv, block_table, spec: AttentionSpec, kv_len: int) -> None:
+        """A chunk's queries (positions kv_len - len .. kv_len - 1) through the paged kernel's multi-query form.
+        A one-token chunk (the rest of a prompt after a prefix-cache hit or a chunk boundary) goes twice, as
+        two queries: the kernel's one-query form is decode's (another order of sums), and a prompt's tokens
+        must come out the same however it was prefilled."""
+        q_len = q.shape[0]
+        positions = torch.arange(kv_len - q_len, kv_len, device=q.device)[None]
+        if q_len == 1:
+            twice = torch.empty((1, 2, *q.shape[1:]), dtype=q.dtype, device=q.device)
+            self._kernel(twice, q.expand(2, *q.shape[1:])[None], kv, block_table, spec,
+                         positions=positions.expand(1, 2).contiguous())
+            out.copy_(twice[0, :1])
+            return
+        self._kernel(out[None], q[None], kv, block_table, spec, positions=positions)
 
     # ------------------------------------------------------------ decode, verify
     def _kernel(self, out, q, kv, block_table, spec: AttentionSpec, positions=None, seq_lens=None):

@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 16
+ABI_VERSION = 17
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -51,12 +51,17 @@ class CpuKernels:
         self._norm = self._lib.graphdecode_cpu_add_rms_norm
         self._norm.restype = ctypes.c_int
         self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32]
+        self._norm_variant = self._lib.graphdecode_cpu_rms_norm_variant
+        self._norm_variant.restype = ctypes.c_int
+        self._norm_variant.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32, _I32]
         self._rope = self._lib.graphdecode_cpu_rope
         self._rope.restype = ctypes.c_int
         self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32, _I32]
         self._mask = self._lib.graphdecode_cpu_mask_words
         self._mask.restype = ctypes.c_int
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
+        # bf16 panels in pairs ([P, ceil(K / 2), 64, 2], vdpbf16ps) when the library was built with avx512_bf16
+        self.bf16_pairs = bool(self._lib.graphdecode_cpu_bf16_pairs())
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
@@ -215,6 +220,23 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_add_rms_norm rejected x {tuple(x.shape)} {x.dtype}")
         return total, out
 
+    NORM_MODES = {"llama": 0, "offset": 1, "weight_fp32": 2}  # csrc/cpu_fused.cpp: NormMode
+
+    def add_rms_norm_variant(self, x, residual, weight, eps: float, mode: str, threads: int | None = None):
+        """add_rms_norm's Gemma ("offset": (1 + w) times the float32 normalised value) and gpt-oss ("weight_fp32")
+        forms, rounded once; x [T, H]."""
+        x, residual = _ready(x), _ready(residual)
+        rows, hidden = x.shape
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+        total = torch.empty_like(out) if residual is not None else x
+        err = self._norm_variant(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                 weight.data_ptr(), out.data_ptr(), total.data_ptr() if residual is not None else None,
+                                 rows, hidden, x.stride(0), eps, self.NORM_MODES[mode], DTYPE_CODES[x.dtype],
+                                 _threads(threads))
+        if err:
+            raise ValueError(f"graphdecode_cpu_rms_norm_variant rejected x {tuple(x.shape)} {x.dtype} ({mode})")
+        return total, out
+
     def rope(self, q, k, cos, sin, positions, threads: int | None = None):
         """q [T, Hq, D], k [T, Hk, D] (token stride free, heads contiguous) rotated by the table rows at
         positions [T] int64 -> new contiguous (q, k)."""
@@ -229,10 +251,13 @@ class CpuKernels:
 
     def panel_linear(self, x, panels, out_features: int, bias=None, threads: int | None = None):
         """x [..., K] @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64] (models/cpu_linear.py:
-        PanelWeight; csrc/cpu_linear.cpp), x, panels, bias and the result all float32 or all bf16 (float32 sums),
-        on `threads` (default torch's) threads; the result does not depend on their number."""
+        PanelWeight; csrc/cpu_linear.cpp; bf16 with `bf16_pairs`: [ceil(N / 64), ceil(K / 2), 64, 2]), x, panels,
+        bias and the result all float32 or all bf16 (float32 sums), on `threads` (default torch's) threads; the
+        result depends neither on their number nor on the number of rows."""
         x, x2, lead, k, y = _linear_io(x, out_features)
-        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.shape[1] != k or (
+        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
+        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
+                panels.shape[1] != (-(-k // 2) if pairs else k)) or (
                 bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,

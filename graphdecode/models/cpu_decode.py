@@ -10,7 +10,8 @@ It applies to plain Llama-style layers (the RMSNorm and full rotary the CPU kern
 without a bias, no o_proj bias, SwiGLU, no MoE, no qk-norm, no sandwich norms, one rank), with every
 projection a `PanelWeight` (fp32 or bf16 of a model that streams its weights) or a quantized linear on its CPU
 panels (quant/linear.py, int8 / int4 / FP8, in the input's order), for decode steps (one query per
-row) and speculative verify forwards, of at most PANEL_ROWS query rows (bf16: 8, MIN_ROWS), outside compiled
+row) and speculative verify forwards, of at most PANEL_ROWS query rows (bf16: 8, MIN_ROWS; any number on a
+batch-invariant engine, whose panels take every row count), outside compiled
 graphs, with the CPU attention kernel. A verify of Q queries per sequence runs as Q decode rows over the
 sequence's block table, each with its own position, slot and KV length (position + 1): each layer writes every
 row's K/V before any row attends, so query i sees the K/V of the queries before it, as the causal verify does,

@@ -1,4 +1,11 @@
-"""The CPU's linears: column panels for few rows, prepacked oneDNN weights for more.
+"""The CPU's linears: column panels at every row count (batch-invariant), or panels for few rows and
+prepacked oneDNN weights for more.
+
+Batch-invariant (EngineConfig.batch_invariant, the default, with the CPU kernels): every projection and
+the LM head a `PanelWeight(invariant=True)`, the panel kernel at every row count: each output one sum in
+a fixed order, so a row's bits do not depend on the other rows (docs/batch_invariance.md); bf16 on a CPU
+with avx512_bf16 in pair panels (vdpbf16ps). No oneDNN copy is kept. The rest of this docstring is the
+variant dispatch (`batch_invariant=False`), for speed at many rows.
 
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
 depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12d, 18):
@@ -38,6 +45,7 @@ the matmuls.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 
 import torch
@@ -82,43 +90,50 @@ class CpuWeight:
 class PackedWeight(CpuWeight):
     """W in oneDNN's blocked layout, for every row count."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, pack: bool = True):
         super().__init__(weight)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
 
     @property
     def extra_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size()
+        return self.packed.numel() * self.packed.element_size() if self.packed is not None else 0
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 class PanelWeight(PackedWeight):
-    """float32 or bf16: W in column panels [ceil(N / 64), K, 64] for up to PANEL_ROWS rows (the CPU kernel), and in
-    oneDNN's layout for more."""
+    """float32 or bf16: W in column panels [ceil(N / 64), K, 64] (bf16 with avx512_bf16: pairs, [ceil(N / 64),
+    ceil(K / 2), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout for more. Batch-
+    invariant (`invariant`): the panels for every row count, and no oneDNN copy."""
 
-    def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None):
-        super().__init__(weight)
+    def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None, invariant: bool = False):
+        super().__init__(weight, pack=not invariant)
         weight = weight.detach()
         panels = -(-self.out_features // PANEL)
-        padded = weight.new_zeros((panels * PANEL, self.in_features))
-        padded[: self.out_features] = weight
-        self.panels = padded.view(panels, PANEL, self.in_features).transpose(1, 2).contiguous()
+        self.pairs = weight.dtype == torch.bfloat16 and kernels.bf16_pairs  # [P, ceil(K / 2), 64, 2]: vdpbf16ps
+        k = self.in_features + (self.in_features % 2 if self.pairs else 0)
+        padded = weight.new_zeros((panels * PANEL, k))
+        padded[: self.out_features, : self.in_features] = weight
+        if self.pairs:
+            self.panels = padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+        else:
+            self.panels = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
         self.kernels = kernels
-        self.rows = PANEL_ROWS[weight.dtype] if rows is None else rows
+        self.rows = math.inf if invariant else PANEL_ROWS[weight.dtype] if rows is None else rows
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """W[index] ([..., K], a copy) read from the panels: an embedding lookup in a tied head's weight."""
         flat = index.reshape(-1)
-        return self.panels[flat // PANEL, :, flat % PANEL].view(*index.shape, self.in_features)
+        rows = self.panels[flat // PANEL, :, flat % PANEL]  # [n, K] (pairs: [n, ceil(K / 2), 2])
+        return rows.reshape(len(flat), -1)[:, : self.in_features].reshape(*index.shape, self.in_features)
 
     @property
     def extra_bytes(self) -> int:
         return super().extra_bytes + self.panels.numel() * self.panels.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() <= self.rows * self.in_features:
+        if self.packed is None or x.numel() <= self.rows * self.in_features:
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return super().run(x, bias)
 
@@ -136,13 +151,17 @@ def _(x, bias, handle, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def prepack_cpu_linears(model: nn.Module) -> None:
+def prepack_cpu_linears(model: nn.Module, batch_invariant: bool = True) -> None:
     """Give every linear (FusedLinear, RowParallelLinear) its CPU weight, and the LM head its own.
 
-    Projections of a model that streams them from memory: a PanelWeight (with the CPU kernels) or a
-    PackedWeight, the dense parameter released; of a model that fits in cache: fp32 column-major in place,
-    bf16 a PackedWeight. The LM head likewise (its panels for HEAD_PANEL_ROWS rows); a tied head's embedding
-    then looks its rows up in the head's panels and is released, else it stays for its lookups."""
+    Batch-invariant (EngineConfig.batch_invariant, with the CPU kernels): every projection and the head a
+    PanelWeight for every row count, whose sums run in a fixed order: a row's outputs are the same bits
+    whatever the other rows (aten's and oneDNN's GEMMs pick their blocking from the row count: fp32 rows
+    change from 8 rows on, bf16 ones at one row against two). Otherwise, projections of a model that streams
+    them from memory: a PanelWeight (with the CPU kernels) or a PackedWeight, the dense parameter released; of
+    a model that fits in cache: fp32 column-major in place, bf16 a PackedWeight. The LM head likewise (its
+    panels for HEAD_PANEL_ROWS rows). A tied head in panels serves its embedding's lookups (the dense
+    embedding is released), else the embedding stays for its lookups."""
     from ..kernels.cpu import cpu_kernels
     from .layers import FusedLinear
     from .parallel import RowParallelLinear
@@ -159,10 +178,15 @@ def prepack_cpu_linears(model: nn.Module) -> None:
     def release(module: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
+    invariant = batch_invariant and kernels is not None
+
     for module in linears:
         if module.packed is not None:  # a quantized weight (quant/linear.py), run as it is
             continue
-        if module.weight.dtype != torch.float32 or streams:
+        if invariant and module.weight.dtype in kernels.supported_dtypes:
+            module.packed = PanelWeight(module.weight, kernels, invariant=True)
+            release(module)
+        elif module.weight.dtype != torch.float32 or streams:
             panels = streams and kernels is not None and module.weight.dtype in kernels.supported_dtypes
             module.packed = PanelWeight(module.weight, kernels) if panels else PackedWeight(module.weight)
             release(module)
@@ -170,7 +194,12 @@ def prepack_cpu_linears(model: nn.Module) -> None:
             column_major_(module.weight)
     if head is None or model.packed_head is not None:  # none of its own, or a quantized one
         return
-    if head.weight.dtype != torch.float32 or streams:
+    if invariant and head.weight.dtype in kernels.supported_dtypes:
+        model.packed_head = PanelWeight(head.weight, kernels, invariant=True)
+        if tied:  # the embedding's lookups read the head's panels
+            model.model.embed_tokens.rows_from = model.packed_head
+        release(head)
+    elif head.weight.dtype != torch.float32 or streams:
         panels = streams and kernels is not None and head.weight.dtype in kernels.supported_dtypes
         model.packed_head = PanelWeight(head.weight, kernels, HEAD_PANEL_ROWS) if panels else PackedWeight(head.weight)
         if panels and tied:  # the embedding's lookups read the head's panels

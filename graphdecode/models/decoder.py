@@ -237,8 +237,10 @@ class DecoderForCausalLM(nn.Module):
         return [layer.mlp for layer in self.model.layers if layer.sparse]
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        """What a decode window's forward writes besides the KV cache: the experts' counters."""
-        return {"expert_tokens": self.expert_tokens}
+        """What a decode window's forward writes besides the KV cache: the experts' counters, and the CPU's
+        one-call layers' argument words (cache pointers and save slots, rewritten by each call)."""
+        words = {"cpu_decode.words": self.cpu_decode.words} if self.cpu_decode is not None else {}
+        return {"expert_tokens": self.expert_tokens, **words}
 
     def post_load(self, max_positions: int) -> None:
         """Device state made once the weights are in: rope tables, the experts' counters and kernels."""

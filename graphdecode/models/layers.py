@@ -26,11 +26,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight_fp32 = weight_fp32  # gpt-oss: weight * h in float32, then the cast
 
-    kernels = None  # the CPU's fused pass (attention.cpu_kernels.CpuKernels), attached at load for the plain variant
+    kernels = None  # the CPU's fused pass (kernels/cpu.py's CpuKernels), attached at load (every variant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and self._fused(x):
-            return self.kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
+        if self.kernels is not None and self._fused(x):  # one fixed-order pass a row, whatever the rows
+            rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+            return self._kernel(rows, None)[1].view(x.shape)
         # Same arithmetic as transformers' LlamaRMSNorm / Gemma3RMSNorm: normalise in float32.
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -43,13 +44,19 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, its norm): one pass on the CPU, two ops elsewhere."""
-        if self.kernels is not None and self._fused(x):
-            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if self.kernels is not None and x.dim() == 2 and self._fused(x):
+            return self._kernel(x, residual)
         total = x + residual
         return total, self(total)
 
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.offset or self.weight_fp32:
+            mode = "offset" if self.offset else "weight_fp32"
+            return self.kernels.add_rms_norm_variant(x, residual, self.weight, self.eps, mode)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
     def _fused(self, x: torch.Tensor) -> bool:
-        return not torch.compiler.is_compiling() and x.stride(-1) == 1
+        return not torch.compiler.is_compiling() and x.stride(-1) == 1 and x.dtype == self.weight.dtype
 
 
 class FusedLinear(nn.Linear):
@@ -101,11 +108,12 @@ SiluAndMul = GatedActivation  # the SwiGLU default
 
 
 def attach_cpu_kernels(model: nn.Module, kernels) -> None:
-    """Give the plain RMSNorms and the full-rotary tables the CPU's fused passes (csrc/cpu_fused.cpp); the
-    other variants (Gemma's offset norm, gpt-oss's, partial rotary) keep their torch ops. Compiled windows
-    always trace the torch ops (inductor fuses them itself)."""
+    """Give the RMSNorms (every variant: Llama's, Gemma's offset, gpt-oss's) and the full-rotary tables the CPU's
+    fused passes (csrc/cpu_fused.cpp): each row's mean of squares in a fixed order, where aten's reduction
+    changes with the number of rows. Partial rotary keeps its torch ops. Compiled windows always trace the
+    torch ops (inductor fuses them itself)."""
     for module in model.modules():
-        if isinstance(module, RMSNorm) and not module.offset and not module.weight_fp32:
+        if isinstance(module, RMSNorm):
             module.kernels = kernels
     for rotary in model.rotary_tables():
         if rotary.rotary_dim == rotary.head_dim:

@@ -87,8 +87,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               tp: TPGroup = TPGroup(), build=None):
-    """build: (cfg, tp) -> the module, for one that is not a registered family's (an EAGLE-3 head)."""
+               tp: TPGroup = TPGroup(), build=None, batch_invariant: bool = True):
+    """build: (cfg, tp) -> the module, for one that is not a registered family's (an EAGLE-3 head);
+    batch_invariant: its CPU linears' rows do not depend on the batch (EngineConfig.batch_invariant)."""
     build = build or model_class(cfg)
     with torch.device("meta"):
         model = build(cfg, tp)
@@ -143,7 +144,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model.post_load(max_positions)
     model.eval()
     if can_prepack(device, dtype):
-        prepack_cpu_linears(model)  # oneDNN's blocked weights: the CPU's faster matmuls
+        prepack_cpu_linears(model, batch_invariant)  # panels (fixed-order sums) or oneDNN's blocked weights
     from ..kernels.cpu import cpu_kernels_for
 
     kernels = cpu_kernels_for(device)

@@ -171,7 +171,8 @@ def test_each_live_token_is_counted_once_per_layer_and_slot(tiny_models):
 
 
 def test_cpu_defaults_and_weight_bytes(tiny_models):
-    llm = LLM(tiny_models["gpt_oss"], max_model_len=64, max_batch_size=2)
+    # batch_invariant=False: the dense fp32 parameters stay (the invariant path moves them into panels)
+    llm = LLM(tiny_models["gpt_oss"], max_model_len=64, max_batch_size=2, batch_invariant=False)
     model = llm.engine.runner.model
     expected = "grouped" if hasattr(torch, "_grouped_mm") else "reference"
     assert all(layer.experts.implementation == expected for layer in model.moe_layers)

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -92,8 +94,11 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
     path = tiny_models["qwen2_tied"]
     cfg = load_model_config(path)
     model = load_model(path, cfg, dtype, torch.device("cpu"), 256)
-    # bf16's panels take 4 rows in the eager forward, 8 inside the one call (cpu_decode.MIN_ROWS)
-    assert model.cpu_decode.rows == (8 if dtype == torch.bfloat16 else cpu_linear.PANEL_ROWS[torch.float32])
+    assert model.cpu_decode.rows == math.inf  # batch-invariant (the default): the panels take every row count
+    # batch_invariant=False: bf16's panels take 4 rows in the eager forward, 8 inside the one call (MIN_ROWS)
+    variant = load_model(path, cfg, dtype, torch.device("cpu"), 256, batch_invariant=False)
+    assert variant.cpu_decode.rows == (8 if dtype == torch.bfloat16 else cpu_linear.PANEL_ROWS[torch.float32])
+    del variant
     ids, seq_lens = torch.tensor([5, 9, 100]), torch.tensor([5, 17, 30], dtype=torch.int32)
     fast, fast_caches = _decode_step(model, cfg, dtype, ids, seq_lens)
     assert panels == [3]
@@ -192,8 +197,8 @@ def test_only_plain_layers_get_the_one_call(tiny_models, panels, name):
 
 
 def test_without_panels_there_is_no_one_call(tiny_models):
-    path = tiny_models["qwen2_tied"]  # a 64-wide model fits in cache: column-major weights, no panels
-    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), 256)
+    path = tiny_models["qwen2_tied"]  # batch_invariant=False, a 64-wide model fits in cache: column-major, no panels
+    model = load_model(path, load_model_config(path), torch.float32, torch.device("cpu"), 256, batch_invariant=False)
     assert model.cpu_decode is None
 
 

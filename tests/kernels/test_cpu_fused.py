@@ -61,6 +61,29 @@ def test_fused_passes_give_the_same_bits_on_any_number_of_threads(dtype):
                                                                   threads=threads), one_rope))
 
 
+@pytest.mark.parametrize("variant", ["offset", "weight_fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_variants_equal_torch_and_do_not_depend_on_the_rows(dtype, variant):
+    """Gemma's (1 + w) norm and gpt-oss's float32 product in the kernel's pass: torch's values (within a sum's
+    order), per-head [T, H, D] inputs too (q / k norms), and a row alone the same bits as among 64."""
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(256, 1e-6, **{variant: True})
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=g) * 0.5)
+    norm = norm.to(dtype)
+    x, residual = (torch.randn(64, 256, generator=g).to(dtype) * 3 for _ in range(2))
+    heads = torch.randn(5, 4, 256, generator=g).to(dtype)
+    want, want_heads, (want_sum, want_added) = norm(x), norm(heads), norm.add_and_norm(x, residual)
+    norm.kernels = KERNELS
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(norm(x), want, **tol)
+    torch.testing.assert_close(norm(heads), want_heads, **tol)
+    got_sum, got_added = norm.add_and_norm(x, residual)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got_added, want_added, **tol)
+    assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(64)]), norm(x))
+
+
 def _plain(norm):
     twin = RMSNorm(norm.weight.shape[0], norm.eps).to(norm.weight.dtype)
     twin.weight = norm.weight
@@ -85,14 +108,16 @@ def test_rotary_is_bit_for_bit_torch_on_split_views(dtype):
     assert got[0].is_contiguous() and got[1].is_contiguous()
 
 
-def test_the_engine_uses_them_on_the_cpu_and_not_for_other_variants(tiny_models):
+def test_the_engine_uses_them_for_every_norm_variant_and_full_rotary(tiny_models):
+    """Every RMSNorm variant takes the kernel's fixed-order pass (batch invariance: aten's reduction may split
+    by the row count); partial rotary keeps torch's ops."""
     llm = LLM(tiny_models["llama_gqa_llama3"], max_model_len=128, max_batch_size=4)
     model = llm.engine.runner.model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(isinstance(m.kernels, CpuKernels) for m in norms)
     assert isinstance(model.rotary.kernels, CpuKernels)
     gemma = LLM(tiny_models["gemma3_text"], max_model_len=64, max_batch_size=2).engine.runner.model
-    assert all(m.kernels is None for m in gemma.modules() if isinstance(m, RMSNorm))  # (1 + w) norms
+    assert all(isinstance(m.kernels, CpuKernels) for m in gemma.modules() if isinstance(m, RMSNorm))  # (1 + w)
     phi = LLM(tiny_models["phi3_partial_swa"], max_model_len=64, max_batch_size=2).engine.runner.model
     assert phi.rotary.kernels is None  # partial rotary keeps torch's ops
 

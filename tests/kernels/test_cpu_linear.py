@@ -55,7 +55,8 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype)
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     size = weight.element_size()
     packed_bytes = panel.packed.numel() * panel.packed.element_size()
-    assert packed_bytes >= n * k * size and panel.extra_bytes == -(-n // 64) * 64 * k * size + packed_bytes
+    k_panel = k + k % 2 if panel.pairs else k  # bf16 pair panels (avx512_bf16) pad K to pairs
+    assert packed_bytes >= n * k * size and panel.extra_bytes == -(-n // 64) * 64 * k_panel * size + packed_bytes
     x = torch.randn(70, k, generator=g).to(dtype)
     limit = cpu_linear.PANEL_ROWS[dtype]
     for rows in sorted({0, 1, 2, 5, 6, 7, 13, limit, limit + 1, 70}):
@@ -158,13 +159,13 @@ def test_compiled_calls_go_through_the_opaque_op(kind):
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "qwen3_untied"])
 def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
-    """A 64-wide model's fp32 weights fit in cache (under STREAM_BYTES): nothing is copied; the projections (and an
-    untied LM head) are stored column-major, the embedding (a tied head) row-major for its lookups."""
+    """batch_invariant=False: a 64-wide model's fp32 weights fit in cache (under STREAM_BYTES): nothing is copied;
+    the projections (and an untied LM head) are stored column-major, the embedding (a tied head) row-major."""
     from graphdecode import LLM
     from graphdecode.models.layers import FusedLinear
     from graphdecode.models.parallel import RowParallelLinear
 
-    model = LLM(tiny_models[name], max_model_len=64, max_batch_size=4).engine.runner.model
+    model = LLM(tiny_models[name], max_model_len=64, max_batch_size=4, batch_invariant=False).engine.runner.model
     assert model.packed_head is None and all(getattr(m, "packed", None) is None for m in model.modules())
     linears = [m for m in model.modules() if isinstance(m, (FusedLinear, RowParallelLinear))]
     assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
@@ -178,7 +179,8 @@ def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
     from graphdecode import LLM
 
     monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)  # the tiny model's fp32 weights count as streaming
-    llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4)
+    """batch_invariant=False: panels for few rows and oneDNN's packed weights for more."""
+    llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4, batch_invariant=False)
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
