@@ -109,7 +109,9 @@ def _supervise(servers: list, core: subprocess.Popen) -> int:
             for server in [s for s in alive if not s.is_alive()]:
                 alive.remove(server)
                 code = server.exitcode
-                if code != 0 or not stopping:
+                # asked to stop: 0 after its drain, or SIGTERM's own death where it came before the server
+                # had set up its handler (still starting, so nothing to drain)
+                if not stopping or code not in (0, -signal.SIGTERM):
                     status = 1
                     if alive and not stopping:
                         print(f"ERROR: graphdecode: {server.name} exited ({_how(code)}); stopping the other API "
