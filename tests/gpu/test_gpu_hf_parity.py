@@ -226,9 +226,11 @@ def test_cpu_fp32_greedy_equals_transformers(model_dirs, recorder):
 
 @pytest.mark.parametrize("linears", ["as_loaded", "panels"])
 def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder, linears, monkeypatch):
-    """"panels": the small model counted as one that streams its weights, so its bf16 projections take the
-    panel kernel (models/cpu_linear.py) for decode's rows (up to 64 here, 4 by default: the batch is wide),
-    inside the decode step's one-call layers (models/cpu_decode.py), and oneDNN's GEMM for prefill."""
+    """"as_loaded": batch-invariant (the default), every linear's rows on the fixed-order panels, prefill too.
+    "panels": batch_invariant=False with the small model counted as one that streams its weights, so its bf16
+    projections take the panel kernel (models/cpu_linear.py) for decode's rows (up to 64 here, 4 by default: the
+    batch is wide), inside the decode step's one-call layers (models/cpu_decode.py), and oneDNN's GEMM for
+    prefill."""
     if linears == "panels":
         from graphdecode.kernels import cpu as cpu_kernels_module
         from graphdecode.models import cpu_linear
@@ -245,7 +247,8 @@ def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder, linears, 
         monkeypatch.setattr(cpu_kernels_module.CpuKernels, "decoder_layers", lambda self, *a, **kw: (
             layer_calls.append(1), layers(self, *a, **kw))[1])
     report = check_teacher_forced(model_dirs("cpu"), CPU_SMALL, "cpu", recorder, TF_PROMPT_LENGTHS,
-                                  TF_CONTINUATION, attention_backend="torch", cuda_graphs=False, compile=False)
+                                  TF_CONTINUATION, attention_backend="torch", cuda_graphs=False, compile=False,
+                                  batch_invariant=linears == "as_loaded")
     # the recipe's point: the greedy token leads by a clear margin wherever we compare
     assert report["margin_gap_q01"] > 0.05, report
     if linears == "panels":
