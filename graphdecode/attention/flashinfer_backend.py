@@ -13,7 +13,9 @@ lengths grow); it is never planned again. advance_step rewrites the device
 metadata every step and the kernel reads it at run time.
 
 Prefill: BatchPrefillWithPagedKVCacheWrapper(backend="fa2"), causal, planned per
-prefill batch from the host copies in PrefillMetadata. Two wrappers alternate:
+prefill batch from the host copies in PrefillMetadata; batch-invariant (the default,
+EngineConfig.batch_invariant) with split-KV off, so a query's keys are never split
+by what else the batch holds (docs/batch_invariance.md says what is left). Two wrappers alternate:
 plan() fills a pinned buffer and enqueues its upload on the stream, so a wrapper is
 only planned again after the event recorded behind its previous upload (in the
 engine's steady state that event completed long ago).
@@ -90,8 +92,9 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, kv_caches, num_heads, num_kv_heads, head_dim, device, workspace_bytes=WORKSPACE_BYTES,
-                 specs=None, dtype=None):
+                 specs=None, dtype=None, batch_invariant: bool = True):
         super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs, dtype)
+        self.batch_invariant = batch_invariant  # prefill plans without split-KV
         # per layer: its sink logits [H] float32 on the device, or None (applied through the run's LSE)
         self.sinks = [None if spec.sinks is None else spec.sinks.float().to(device) for spec in self.specs]
         self.flashinfer = importlib.import_module("flashinfer")
@@ -170,6 +173,7 @@ class FlashInferBackend(AttentionBackend):
                 kv_data_type=self.kv_dtype,
                 non_blocking=True,
                 seq_lens=seq_lens,
+                disable_split_kv=self.batch_invariant,
                 **self._variant_args(variant),
             )
             self._prefill_planned.append(wrapper)

@@ -44,12 +44,14 @@ from .window_writes import WindowWrites
 
 
 def make_backend(name: str, kv_caches, num_heads: int, num_kv_heads: int, head_dim: int, device, specs=None,
-                 dtype=None):
-    """dtype: the model's (the queries'); None: the caches' (an FP8 cache needs it named)."""
+                 dtype=None, batch_invariant: bool = True):
+    """dtype: the model's (the queries'); None: the caches' (an FP8 cache needs it named). batch_invariant:
+    FlashInfer's prefill plans never split the KV (its decode and verify plans never do)."""
     if name == "flashinfer":
         from ..attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device, specs=specs, dtype=dtype)
+        return FlashInferBackend(kv_caches, num_heads, num_kv_heads, head_dim, device=device, specs=specs, dtype=dtype,
+                                 batch_invariant=batch_invariant)
     return TorchAttentionBackend(kv_caches, num_heads, num_kv_heads, head_dim, specs=specs, dtype=dtype)
 
 
@@ -86,7 +88,8 @@ class ModelRunner:
             if config.num_speculative_tokens:
                 self.model.hold_verified(config.max_batch_size, config.num_speculative_tokens + 1)
         self.backend = make_backend(config.attention_backend, self.kv_caches, num_heads, num_kv_heads, cfg.head_dim,
-                                    self.device, getattr(self.model, "attention_specs", None), config.torch_dtype)
+                                    self.device, getattr(self.model, "attention_specs", None), config.torch_dtype,
+                                    config.batch_invariant)
         self.state = DecodeState(
             config.max_batch_size, config.max_pages_per_seq, config.max_stop_ids,
             config.num_decode_steps, config.logprobs_width, self.device,

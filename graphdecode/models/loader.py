@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import expert_weights, mxfp4
+from .blocked_linear import block_linears
 from .config_fields import read_json_object
 from .cpu_decode import CpuDecodeLayers
 from .cpu_linear import can_prepack, prepack_cpu_linears
@@ -46,6 +47,7 @@ from .quant.tensor import QuantizedTensor
 from .registry import model_class
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+BLOCKED_DEVICES = ("cuda",)  # batch-invariant linears in fixed row blocks (blocked_linear.py); the CPU has panels
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors' names; anything else (ints, bool, fp8) is refused
 _INDEX = "model.safetensors.index.json"
 _LINEARS = (FusedLinear, RowParallelLinear, ParallelLMHead)  # the modules whose weights may be quantized
@@ -145,6 +147,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     model.eval()
     if can_prepack(device, dtype):
         prepack_cpu_linears(model, batch_invariant)  # panels (fixed-order sums) or oneDNN's blocked weights
+    elif batch_invariant and device.type in BLOCKED_DEVICES:
+        block_linears(model)  # every GEMM of one shape: cuBLAS's algorithm no longer follows the batch
     from ..kernels.cpu import cpu_kernels_for
 
     kernels = cpu_kernels_for(device)

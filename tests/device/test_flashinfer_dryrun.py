@@ -164,6 +164,7 @@ def test_prefill_plans_each_batch_and_alternates_wrappers(kernels):
         assert args[3].tolist() == [0, 5, 6, 15] and args[4].tolist() == [0, 2, 3, 6]
         assert args[5].tolist() == query_lens  # host lengths, from our pinned seq_lens
         assert args[11] is False and args[14] is True  # eager plan, causal
+        assert args[16] == -1 and args[17] is True  # batch-invariant (the default): split-KV off
         q = torch.randn(15, H, D).bfloat16()
         k, v = torch.randn(15, H_KV, D).bfloat16(), torch.randn(15, H_KV, D).bfloat16()
         got = backend.prefill(0, q, k, v, meta)
@@ -182,6 +183,9 @@ def test_prefill_plans_each_batch_and_alternates_wrappers(kernels):
     got, want = backend.prefill(0, q, k, v, meta), reference.prefill(0, q, k, v, meta)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(fi_caches[0], ref_caches[0]) and torch.equal(fi_caches[0][11, :, :2], fi_caches[0][3, :, :2])
+    variant = FlashInferBackend(_caches(2), H, H_KV, D, device="cpu", batch_invariant=False)
+    variant.plan_prefill(meta)
+    assert kernels.plans[-1][17] is False  # --allow-batch-variance: FlashInfer may split a long prefill's KV
 
 
 def test_window_graphs_plan_every_bucket_up_front(kernels):

@@ -506,3 +506,25 @@ def test_grouped_experts_match_an_fp32_loop_on_the_same_routing(activation, bias
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
     assert (got - want).norm() / want.norm() < 1e-2
+
+
+# ------------------------------------------------------------------ batch invariance (extended)
+@pytest.mark.extended
+def test_a_requests_bits_do_not_depend_on_its_batch_or_bucket_in_graphs(bf16_model, engines):
+    """batch_invariant (the default) in captured graphs, bf16 FlashInfer: 8 prompts alone (bucket 4), together
+    (bucket 16) and among 8 others give the same tokens and logprobs, greedy and seeded (docs/batch_invariance.md:
+    fixed 128-row GEMMs, no split-KV)."""
+    from graphdecode import SamplingParams
+
+    llm_ = engines(bf16_model, **FLASHINFER)
+    batch, others = prompts(400, 8), prompts(401, 8)
+    for params in (greedy(max_tokens=16, logprobs=0),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, logprobs=0)):
+        def runs(items, params=params):
+            return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                              o.outputs[0].logprobs)])
+                    for o in llm_.generate(items, params, use_tqdm=False)]
+
+        alone = [runs([p])[0] for p in batch]
+        assert runs(batch) == alone
+        assert runs([x for pair in zip(batch, others) for x in pair])[0::2] == alone

@@ -95,3 +95,47 @@ def test_speculation_changes_no_bit(tiny_models, dtype):
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert _runs(spec, repetitive, PARAMS["greedy"]) == plain
     assert spec.stats()["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_linear_gives_a_row_the_same_bits_at_any_row_count(dtype):
+    """The CUDA path's linears (models/blocked_linear.py): one GEMM shape whatever the rows, so a row's bits do
+    not depend on the others; on this CPU aten's fp32 GEMM itself does change them (the control)."""
+    from graphdecode.models.blocked_linear import blocked_linear
+
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(320, 576, generator=gen).to(dtype), torch.randn(320, generator=gen).to(dtype)
+    x = torch.randn(300, 576, generator=gen).to(dtype)
+    full = blocked_linear(x, weight, bias, rows=64)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    tol = dict(rtol=1e-5, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.3)
+    torch.testing.assert_close(full.double(), want, **tol)
+    for rows in (1, 5, 64, 65, 299):
+        assert torch.equal(blocked_linear(x[:rows], weight, bias, rows=64), full[:rows])
+    assert blocked_linear(x[:6].view(2, 3, 576), weight, None, rows=64).shape == (2, 3, 320)
+    assert blocked_linear(x[:0], weight, bias, rows=64).shape == (0, 320)
+
+
+def test_the_cuda_linears_keep_a_batch_invariant_engine_invariant_on_the_cpu(tiny_models, monkeypatch):
+    """The engine as CUDA loads it (every dense linear and the head a BlockedWeight, no CPU panels), run on the
+    CPU twin in fp32, where aten's GEMM alone changes a row's bits with the batch: alone, in a batch of 8 and of
+    16, the same tokens and logprobs, and transformers' greedy tokens."""
+    from graphdecode.models import loader
+    from graphdecode.models.blocked_linear import BlockedWeight
+    from graphdecode.models.layers import FusedLinear
+    from tests.helpers import hf_greedy
+
+    monkeypatch.setattr(loader, "can_prepack", lambda device, dtype: False)
+    monkeypatch.setattr(loader, "BLOCKED_DEVICES", ("cuda", "cpu"))
+    llm = LLM(tiny_models["llama_gqa_llama3"], dtype="float32", max_model_len=256, num_decode_steps=4,
+              max_batch_size=16, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    weights = [m.packed for m in model.modules() if isinstance(m, FusedLinear)] + [model.packed_head]
+    assert weights and all(type(w) is BlockedWeight and w.weight.numel() > 0 for w in weights)
+    for name, params in PARAMS.items():
+        alone = [_runs(llm, [p], params)[0] for p in PROMPTS]
+        assert _runs(llm, PROMPTS, params) == alone, (name, "batch of 8")
+        mixed = [x for pair in zip(PROMPTS, OTHERS) for x in pair]
+        assert _runs(llm, mixed, params)[0::2] == alone, (name, "batch of 16")
+    greedy = [list(tokens) for tokens, _ in _runs(llm, PROMPTS[:3], PARAMS["greedy"])]
+    assert greedy == hf_greedy(tiny_models["llama_gqa_llama3"], PROMPTS[:3], TOKENS)
