@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 17
+ABI_VERSION = 18
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -62,6 +62,8 @@ class CpuKernels:
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
         # bf16 panels in pairs ([P, ceil(K / 2), 64, 2], vdpbf16ps) when the library was built with avx512_bf16
         self.bf16_pairs = bool(self._lib.graphdecode_cpu_bf16_pairs())
+        # their k pairs padded to a multiple of this (16: the AMX kernel runs them, csrc/cpu_linear.cpp)
+        self.bf16_pair_rows = self._lib.graphdecode_cpu_bf16_pair_rows() if self.bf16_pairs else 1
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
@@ -249,15 +251,20 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out
 
+    def pair_rows_for(self, k: int) -> int:
+        """The k pairs of a bf16 pair panel over K = k inputs: ceil(k / 2), padded to `bf16_pair_rows`."""
+        pairs, align = (k + 1) // 2, self.bf16_pair_rows
+        return (pairs + align - 1) // align * align
+
     def panel_linear(self, x, panels, out_features: int, bias=None, threads: int | None = None):
         """x [..., K] @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64] (models/cpu_linear.py:
-        PanelWeight; csrc/cpu_linear.cpp; bf16 with `bf16_pairs`: [ceil(N / 64), ceil(K / 2), 64, 2]), x, panels,
+        PanelWeight; csrc/cpu_linear.cpp; bf16 with `bf16_pairs`: [ceil(N / 64), pair_rows_for(K), 64, 2]), x, panels,
         bias and the result all float32 or all bf16 (float32 sums), on `threads` (default torch's) threads; the
         result depends neither on their number nor on the number of rows."""
         x, x2, lead, k, y = _linear_io(x, out_features)
         pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
         if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
-                panels.shape[1] != (-(-k // 2) if pairs else k)) or (
+                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or (
                 bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,

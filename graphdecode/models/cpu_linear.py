@@ -104,15 +104,16 @@ class PackedWeight(CpuWeight):
 
 class PanelWeight(PackedWeight):
     """float32 or bf16: W in column panels [ceil(N / 64), K, 64] (bf16 with avx512_bf16: pairs, [ceil(N / 64),
-    ceil(K / 2), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout for more. Batch-
+    ceil(K / 2) (AMX: padded to 16), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout for more. Batch-
     invariant (`invariant`): the panels for every row count, and no oneDNN copy."""
 
     def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None, invariant: bool = False):
         super().__init__(weight, pack=not invariant)
         weight = weight.detach()
         panels = -(-self.out_features // PANEL)
-        self.pairs = weight.dtype == torch.bfloat16 and kernels.bf16_pairs  # [P, ceil(K / 2), 64, 2]: vdpbf16ps
-        k = self.in_features + (self.in_features % 2 if self.pairs else 0)
+        # bf16 with avx512_bf16: [P, ceil(K / 2) padded to the kernel's multiple, 64, 2] (vdpbf16ps or AMX)
+        self.pairs = weight.dtype == torch.bfloat16 and kernels.bf16_pairs
+        k = 2 * kernels.pair_rows_for(self.in_features) if self.pairs else self.in_features
         padded = weight.new_zeros((panels * PANEL, k))
         padded[: self.out_features, : self.in_features] = weight
         if self.pairs:

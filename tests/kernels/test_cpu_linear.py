@@ -55,7 +55,7 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype)
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     size = weight.element_size()
     packed_bytes = panel.packed.numel() * panel.packed.element_size()
-    k_panel = k + k % 2 if panel.pairs else k  # bf16 pair panels (avx512_bf16) pad K to pairs
+    k_panel = 2 * panel.kernels.pair_rows_for(k) if panel.pairs else k  # bf16 pair panels pad K (AMX: to 32)
     assert packed_bytes >= n * k * size and panel.extra_bytes == -(-n // 64) * 64 * k_panel * size + packed_bytes
     x = torch.randn(70, k, generator=g).to(dtype)
     limit = cpu_linear.PANEL_ROWS[dtype]
