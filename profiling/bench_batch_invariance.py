@@ -13,7 +13,6 @@ costs). Also whether the two engines' greedy tokens agree. Results go to BENCHMA
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def main(argv=None) -> dict:
@@ -30,7 +29,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     from graphdecode import LLM
-    from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy
+    from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy, write_json
     from graphdecode.gguf_import import smollm2_dir
 
     model = args.model or smollm2_dir()
@@ -62,8 +61,7 @@ def main(argv=None) -> dict:
     print(f"prefill {args.prefill_len}: invariant {tps['invariant']:7.1f} tok/s  variant {tps['variant']:7.1f} tok/s  "
           f"cost {tps['variant'] / tps['invariant']:.2f}x (median {ab['median_ratio']:.2f})", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
     return results
 
 
