@@ -161,6 +161,16 @@ def test_sampler_bench_smoke(tmp_path):
     assert json.loads(out.read_text()) == result and all(ms > 0 for ms in result["ms"].values())
 
 
+def test_batch_invariance_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "invariance.json"
+    result = _script("bench_batch_invariance").main(["--model", micro_dir, "--dtype", "float32", "--threads", "1",
+                                                     "--batches", "1", "3", "--gen", "4", "--prompt-len", "8",
+                                                     "--prefill-len", "16", "--rounds", "1", "--out", str(out)])
+    assert set(result["decode"]) == {1, 3} and json.loads(out.read_text())["prefill"]["tokens"] == 16
+    for point in [*result["decode"].values(), result["prefill"]]:
+        assert all(tps > 0 for tps in point["tokens_per_s"].values()) and point["ratio"] > 0
+
+
 def test_prefix_cache_bench_smoke(micro_dir, tmp_path):
     out = tmp_path / "prefix"
     result = _script("bench_prefix_cache").main(["--model", micro_dir, "--requests", "6", "--prefix-len", "40",
