@@ -271,13 +271,16 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def run_paged_verify(self, layer, q, k, v, slot_mapping, query_positions, block_table) -> torch.Tensor:
+        """A verify's Q queries per row as Q decode rows over the row's pages, each attending up to its own
+        position (the K/V of all Q written first): the decode form's sums, so accepted tokens are the bits plain
+        decoding gives (batch invariance; the Llama decode driver, models/cpu_decode.py, does the same)."""
         kv = self.kv_caches[layer]
         self._write(layer, k, v, slot_mapping)
         rows, queries = query_positions.shape
         out = torch.empty_like(q)
-        shape = (rows, queries, self.num_heads, self.head_dim)
-        self._kernel(out.view(shape), q.reshape(shape), kv, block_table, self.specs[layer],
-                     positions=query_positions.contiguous())
+        seq_lens = (query_positions.reshape(-1) + 1).to(torch.int32)
+        self._kernel(out[:, None], q[:, None], kv, block_table.repeat_interleave(queries, dim=0), self.specs[layer],
+                     seq_lens=seq_lens)
         return out
 
     def write(self, layer, k, v, slot_mapping) -> None:

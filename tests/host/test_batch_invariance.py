@@ -85,13 +85,15 @@ def test_bf16_panels_are_exact_products_in_a_fixed_order():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_speculation_changes_no_bit(tiny_models, dtype):
+@pytest.mark.parametrize("model", ["llama_gqa_llama3", "gemma3_text"])
+def test_speculation_changes_no_bit(tiny_models, dtype, model):
     """n-gram drafts verified in the window: the accepted tokens and their logprobs are plain decoding's,
-    in bf16 too (the verify's query rows run the decode rows' kernels)."""
+    in bf16 too (the verify's query rows run the decode rows' kernels: Llama's one-call layers, and Gemma 3's
+    verify attention as decode rows)."""
     engine = dict(dtype=dtype, max_model_len=256, num_decode_steps=4, max_batch_size=8)
     repetitive = [(p * 4)[:40] for p in PROMPTS[:4]]  # repeats the n-gram drafter finds
-    plain = _runs(LLM(tiny_models["llama_gqa_llama3"], **engine), repetitive, PARAMS["greedy"])
-    spec = LLM(tiny_models["llama_gqa_llama3"], **engine,
+    plain = _runs(LLM(tiny_models[model], **engine), repetitive, PARAMS["greedy"])
+    spec = LLM(tiny_models[model], **engine,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
     assert _runs(spec, repetitive, PARAMS["greedy"]) == plain
     assert spec.stats()["spec_accepted_tokens"] > 0
