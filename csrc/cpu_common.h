@@ -126,6 +126,30 @@ inline f32x16 load16(const e4m3* p) {
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
+// 16 float32 values rounded to bf16 lane by lane exactly as `store` rounds one (nearest even; NaN stays NaN)
+inline void store16(uint16_t* p, f32x16 v) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, nan = (bits >> 16) | 0x40u;
+  const u16x16 h = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// n float32 sums into y (float32, or bf16 rounded), each plus its value in `add` where given: 16 at a time
+template <typename T>
+inline void store_sums(T* y, const float* sums, int64_t n, const float* add = nullptr) {
+  int64_t j = 0;
+  if (add) {
+    for (; j + 16 <= n; j += 16) store16(y + j, load16(sums + j) + load16(add + j));
+    for (; j < n; ++j) store(y + j, sums[j] + add[j]);
+  } else {
+    for (; j + 16 <= n; j += 16) store16(y + j, load16(sums + j));
+    for (; j < n; ++j) store(y + j, sums[j]);
+  }
+}
+
 inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
 // The sum and the maximum of a vector's 16 lanes by a fixed tree (the same order on every call)

@@ -61,8 +61,9 @@ void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const T* panel = panels + p * K * PANEL;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < PANEL; ++j) sums[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
+    for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(sums + m * PANEL, start, sizeof start);
     for (int64_t k0 = 0; k0 < K; k0 += KB) {
       const int64_t k1 = k0 + KB < K ? k0 + KB : K;
       // the next KB rows of the stream come in while this block's tiles run (prefetching past the
@@ -79,8 +80,7 @@ void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels
         lines -= mine;
       }
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, sums[m * PANEL + j]);
+    for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols);
   }
 }
 
@@ -149,8 +149,9 @@ void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const uint16_t* panel = panels + p * pairs * 2 * PANEL;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t c = 0; c < PANEL; ++c) sums[m * PANEL + c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
+    alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
+    for (int64_t c = 0; c < PANEL; ++c) start[c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(sums + m * PANEL, start, sizeof start);
     for (int64_t j0 = 0; j0 < pairs; j0 += JB) {
       const int64_t j1 = j0 + JB < pairs ? j0 + JB : pairs;
       const int64_t steps = ((rows + MR - 1) / MR) * (j1 - j0);
@@ -165,8 +166,7 @@ void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
         lines -= mine;
       }
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t c = 0; c < cols; ++c) store(y + (m0 + m) * ldy + p * PANEL + c, sums[m * PANEL + c]);
+    for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols);
   }
 }
 #endif
@@ -211,6 +211,8 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
       const int64_t p = t / groups, g = t % groups;
       const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
       const uint16_t* panel = panels + p * pairs * 2 * PANEL;
+      alignas(64) float start[PANEL];  // added to each output's sum: its bias (zero past N)
+      for (int64_t c = 0; c < PANEL; ++c) start[c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
       for (int64_t tile = g * tiles / groups; tile < (g + 1) * tiles / groups; ++tile) {
         const int64_t m0 = tile * 16, rows = M - m0 < 16 ? M - m0 : 16;
         _tile_zero(0);
@@ -241,9 +243,7 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
         _tile_stored(1, sums + 16, PANEL * 4);
         _tile_stored(2, sums + 32, PANEL * 4);
         _tile_stored(3, sums + 48, PANEL * 4);
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t c = 0; c < cols; ++c)
-            store(y + (m0 + m) * ldy + p * PANEL + c, sums[m * PANEL + c] + (bias ? load(bias + p * PANEL + c) : 0.f));
+        for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, start);
       }
     }
     _tile_release();

@@ -165,11 +165,11 @@ void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int3
     const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < PANEL; ++j) out[m * PANEL + j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    alignas(64) float start[PANEL];
+    for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(out + m * PANEL, start, sizeof start);
     body(out, m0, rows, p);
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + p * PANEL + j, out[m * PANEL + j]);
+    for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, out + m * PANEL, cols);
   }
 }
 
