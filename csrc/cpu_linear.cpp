@@ -48,9 +48,14 @@ constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
 constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
-template <typename T>
-void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
-                  int64_t ldy, int32_t threads) {
+// The work of one linear over panels of `steps` k steps each (k, or k pairs), `step_elems` panel elements per step:
+// tasks of (up to ROWS_MAX rows, a panel) over `threads` threads; a task's sums start from the bias's columns,
+// take tile(rows, row offset, s0, s1, sums, prefetch, lines, per step) for blocks of `block` steps and register
+// tiles of MR rows (meanwhile the next block's panel bytes are prefetched, spread over the tiles' steps), and go
+// to y.
+template <typename T, typename Tile>
+void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t step_elems, const T* panels,
+                 const T* bias, T* y, int64_t ldy, int32_t threads, Tile&& tile) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
   const int64_t tasks = blocks * num_panels;
@@ -59,29 +64,39 @@ void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels
     alignas(64) float sums[ROWS_MAX * PANEL];
     const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-    const T* panel = panels + p * K * PANEL;
+    const T* panel = panels + p * steps * step_elems;
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
     for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
     for (int64_t m = 0; m < rows; ++m) std::memcpy(sums + m * PANEL, start, sizeof start);
-    for (int64_t k0 = 0; k0 < K; k0 += KB) {
-      const int64_t k1 = k0 + KB < K ? k0 + KB : K;
-      // the next KB rows of the stream come in while this block's tiles run (prefetching past the
-      // panels' end is harmless: a prefetch never faults)
-      const int64_t steps = ((rows + MR - 1) / MR) * (k1 - k0);
-      int64_t lines = KB * PANEL * int64_t(sizeof(T)) / LINE;
-      const int64_t per_k = (lines + steps - 1) / steps;
-      const char* pf = reinterpret_cast<const char*>(panel + k1 * PANEL);
+    for (int64_t s0 = 0; s0 < steps; s0 += block) {
+      const int64_t s1 = s0 + block < steps ? s0 + block : steps;
+      // the next block of the stream comes in while this block's tiles run (prefetching past the panels' end
+      // is harmless: a prefetch never faults)
+      const int64_t count = ((rows + MR - 1) / MR) * (s1 - s0);
+      int64_t lines = block * step_elems * int64_t(sizeof(T)) / LINE;
+      const int64_t per = (lines + count - 1) / count;
+      const char* pf = reinterpret_cast<const char*>(panel + s1 * step_elems);
       for (int64_t m = 0; m < rows; m += MR) {
         const int64_t r = rows - m < MR ? rows - m : MR;
-        const int64_t mine = lines < per_k * (k1 - k0) ? lines : per_k * (k1 - k0);
-        panel_tile_rows(r, x + (m0 + m) * ldx, ldx, panel, k0, k1, sums + m * PANEL, pf, mine, per_k);
+        const int64_t mine = lines < per * (s1 - s0) ? lines : per * (s1 - s0);
+        tile(r, m0 + m, panel, s0, s1, sums + m * PANEL, pf, mine, per);
         pf += mine * LINE;
         lines -= mine;
       }
     }
     for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols);
   }
+}
+
+template <typename T>
+void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
+                  int64_t ldy, int32_t threads) {
+  panel_tasks(M, N, K, KB, PANEL, panels, bias, y, ldy, threads,
+              [=](int64_t r, int64_t m, const T* panel, int64_t k0, int64_t k1, float* sums, const char* pf,
+                  int64_t lines, int64_t per_k) {
+                panel_tile_rows(r, x + m * ldx, ldx, panel, k0, k1, sums, pf, lines, per_k);
+              });
 }
 
 #if defined(__AVX512BF16__)
@@ -139,35 +154,11 @@ inline void pair_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t
 // last pair and the columns past N zero): the same tasks, blocks of KB k and prefetch, one k pair a step
 void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
                         const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
-  const int64_t num_panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2, JB = KB / 2;
-  const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
-  const int64_t tasks = blocks * num_panels;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
-    alignas(64) float sums[ROWS_MAX * PANEL];
-    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
-    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-    const uint16_t* panel = panels + p * pairs * 2 * PANEL;
-    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
-    for (int64_t c = 0; c < PANEL; ++c) start[c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
-    for (int64_t m = 0; m < rows; ++m) std::memcpy(sums + m * PANEL, start, sizeof start);
-    for (int64_t j0 = 0; j0 < pairs; j0 += JB) {
-      const int64_t j1 = j0 + JB < pairs ? j0 + JB : pairs;
-      const int64_t steps = ((rows + MR - 1) / MR) * (j1 - j0);
-      int64_t lines = JB * 2 * PANEL * int64_t(sizeof(uint16_t)) / LINE;
-      const int64_t per_j = (lines + steps - 1) / steps;
-      const char* pf = reinterpret_cast<const char*>(panel + j1 * 2 * PANEL);
-      for (int64_t m = 0; m < rows; m += MR) {
-        const int64_t r = rows - m < MR ? rows - m : MR;
-        const int64_t mine = lines < per_j * (j1 - j0) ? lines : per_j * (j1 - j0);
-        pair_tile_rows(r, x + (m0 + m) * ldx, ldx, K, panel, j0, j1, sums + m * PANEL, pf, mine, per_j);
-        pf += mine * LINE;
-        lines -= mine;
-      }
-    }
-    for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols);
-  }
+  panel_tasks(M, N, (K + 1) / 2, KB / 2, 2 * PANEL, panels, bias, y, ldy, threads,
+              [=](int64_t r, int64_t m, const uint16_t* panel, int64_t j0, int64_t j1, float* sums, const char* pf,
+                  int64_t lines, int64_t per_j) {
+                pair_tile_rows(r, x + m * ldx, ldx, K, panel, j0, j1, sums, pf, lines, per_j);
+              });
 }
 #endif
 
