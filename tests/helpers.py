@@ -180,6 +180,19 @@ def stream_events(url: str, body: dict, result: dict, timeout: float = 60) -> No
                 result["finish"].append(event["choices"][0]["finish_reason"])
 
 
+@contextlib.contextmanager
+def signalled_mid_stream(url: str, body: dict, proc, sig, timeout: float = 60):
+    """Stream a completion; once its first chunk has arrived, send `sig` to the server process `proc`; yield
+    the stream's remaining SSE lines (the caller reads them, and may do more before it does)."""
+    with httpx.Client(timeout=timeout) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        proc.send_signal(sig)
+        yield lines
+
+
 # ------------------------------------------------------------------------- FlashInfer on a GPU
 # What the GPU machine's kit (../shared/gpu-kit) prebuilds: bf16 at head_dim 64 and 128. Under
 # profiling/gpu_check (GRAPHDECODE_REQUIRE_FLASHINFER=1) these must run, so a broken kit fails.

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from graphdecode.server.launch import start_server
-from tests.helpers import one_line_cli_error
+from tests.helpers import one_line_cli_error, signalled_mid_stream
 
 MODEL = "multi"
 
@@ -100,12 +100,7 @@ def test_sigterm_drains_every_api_server_then_exits_0(text_model, tmp_path):
         body = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 300, "stream": True,
                 "ignore_eos": True}
         finish = []
-        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            proc.send_signal(signal.SIGTERM)
+        with signalled_mid_stream(url, body, proc, signal.SIGTERM) as lines:
             for line in lines:
                 if line.startswith("data: {"):
                     finish.append(json.loads(line[6:])["choices"][0]["finish_reason"])

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.server.launch import start_server, stop_server
-from tests.helpers import SMALL_ENGINE, stream_events
+from tests.helpers import SMALL_ENGINE, signalled_mid_stream, stream_events
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 1024
@@ -307,12 +307,7 @@ def test_sigterm_drains_running_requests_then_exits_0(text_model, tmp_path):
     try:
         body = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 600, "stream": True, "ignore_eos": True}
         texts, finish, refused, health = [], [], [], []
-        with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            lines = response.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            proc.send_signal(signal.SIGTERM)
+        with signalled_mid_stream(url, body, proc, signal.SIGTERM) as lines:
             start = time.monotonic()
             with httpx.Client(timeout=10) as other:  # a new client while draining
                 while not refused and time.monotonic() - start < 10:
