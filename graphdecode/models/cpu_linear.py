@@ -4,7 +4,8 @@ prepacked oneDNN weights for more.
 Batch-invariant (EngineConfig.batch_invariant, the default, with the CPU kernels): every projection and
 the LM head a `PanelWeight(invariant=True)`, the panel kernel at every row count: each output one sum in
 a fixed order, so a row's bits do not depend on the other rows (docs/batch_invariance.md); bf16 on a CPU
-with avx512_bf16 in pair panels (vdpbf16ps). No oneDNN copy is kept. The rest of this docstring is the
+with avx512_bf16 in pair panels (vdpbf16ps; with AMX, tdpbf16ps, the pairs padded to 16). No oneDNN copy is
+kept. The rest of this docstring is the
 variant dispatch (`batch_invariant=False`), for speed at many rows.
 
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
