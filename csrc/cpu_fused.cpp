@@ -156,26 +156,9 @@ int graphdecode_cpu_automaton_advance(const int32_t* states, const int64_t* toke
   return 0;
 }
 
-int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* sum,
-                                 int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype,
-                                 int32_t threads) {
-  if (rows < 0 || hidden <= 0 || x_stride < hidden || (residual && !sum) || threads < 1) return 1;
-  if (dtype == kFloat32) {
-    add_rms_norm(static_cast<const float*>(x), static_cast<const float*>(residual), static_cast<const float*>(weight),
-                 static_cast<float*>(out), static_cast<float*>(sum), rows, hidden, x_stride, eps, threads);
-  } else if (dtype == kBFloat16) {
-    add_rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
-                 static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), static_cast<uint16_t*>(sum), rows,
-                 hidden, x_stride, eps, threads);
-  } else {
-    return 2;
-  }
-  return 0;
-}
-
-// add_rms_norm's other variants: mode 1, Gemma's y = round(s * rsqrt(mean(s^2) + eps) * (1 + weight)) and mode
-// 2, gpt-oss's y = round(s * rsqrt(...) * weight), the product in float32 (transformers' Gemma3RMSNorm and
-// GptOssRMSNorm); mode 0 is the Llama form above. Each row's sum runs in the same order whatever the rows.
+// add_rms_norm by mode: 0 LlamaRMSNorm; 1 Gemma's y = round(s * rsqrt(mean(s^2) + eps) * (1 + weight)); 2
+// gpt-oss's y = round(s * rsqrt(...) * weight), the product in float32 (transformers' Gemma3RMSNorm and
+// GptOssRMSNorm). Each row's sum runs in the same order whatever the rows.
 int graphdecode_cpu_rms_norm_variant(const void* x, const void* residual, const void* weight, void* out, void* sum,
                                      int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t mode,
                                      int32_t dtype, int32_t threads) {
@@ -192,6 +175,14 @@ int graphdecode_cpu_rms_norm_variant(const void* x, const void* residual, const 
     return 2;
   }
   return 0;
+}
+
+// The Llama form (mode 0 of the variants above), which the decoder layers' one call (cpu_layers.cpp) runs.
+int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void* weight, void* out, void* sum,
+                                 int64_t rows, int64_t hidden, int64_t x_stride, float eps, int32_t dtype,
+                                 int32_t threads) {
+  return graphdecode_cpu_rms_norm_variant(x, residual, weight, out, sum, rows, hidden, x_stride, eps, kLlama, dtype,
+                                          threads);
 }
 
 int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out, const void* cos, const void* sin,

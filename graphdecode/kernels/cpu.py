@@ -48,12 +48,9 @@ class CpuKernels:
         fn.restype = ctypes.c_int
         fn.argtypes = [_P, _P, _P, _I64, _P, _P, _P] + [_I64] * 8 + [_F32, _I64, _F32, _P, _I32, _I32, _F32, _I32]
         self._fn = fn
-        self._norm = self._lib.graphdecode_cpu_add_rms_norm
+        self._norm = self._lib.graphdecode_cpu_rms_norm_variant
         self._norm.restype = ctypes.c_int
-        self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32]
-        self._norm_variant = self._lib.graphdecode_cpu_rms_norm_variant
-        self._norm_variant.restype = ctypes.c_int
-        self._norm_variant.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32, _I32]
+        self._norm.argtypes = [_P] * 5 + [_I64] * 3 + [_F32, _I32, _I32, _I32]
         self._rope = self._lib.graphdecode_cpu_rope
         self._rope.restype = ctypes.c_int
         self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32, _I32]
@@ -209,32 +206,19 @@ class CpuKernels:
                              f"(error {err})")
         return out
 
-    def add_rms_norm(self, x, residual, weight, eps: float, threads: int | None = None):
-        """(x + residual, LlamaRMSNorm of it), or (x, its norm) when residual is None; x [T, H]."""
+    NORM_MODES = {"llama": 0, "offset": 1, "weight_fp32": 2}  # csrc/cpu_fused.cpp: NormMode
+
+    def add_rms_norm(self, x, residual, weight, eps: float, threads: int | None = None, mode: str = "llama"):
+        """(x + residual, its RMSNorm), or (x, its norm) when residual is None; x [T, H]. mode: "llama"
+        (LlamaRMSNorm), "offset" (Gemma's: (1 + w) times the float32 normalised value) or "weight_fp32"
+        (gpt-oss's: w times it), the last two rounded once."""
         x, residual = _ready(x), _ready(residual)
         rows, hidden = x.shape
         out = torch.empty((rows, hidden), dtype=x.dtype)
         total = torch.empty_like(out) if residual is not None else x
         err = self._norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
                          out.data_ptr(), total.data_ptr() if residual is not None else None, rows, hidden,
-                         x.stride(0), eps, DTYPE_CODES[x.dtype], _threads(threads))
-        if err:
-            raise ValueError(f"graphdecode_cpu_add_rms_norm rejected x {tuple(x.shape)} {x.dtype}")
-        return total, out
-
-    NORM_MODES = {"llama": 0, "offset": 1, "weight_fp32": 2}  # csrc/cpu_fused.cpp: NormMode
-
-    def add_rms_norm_variant(self, x, residual, weight, eps: float, mode: str, threads: int | None = None):
-        """add_rms_norm's Gemma ("offset": (1 + w) times the float32 normalised value) and gpt-oss ("weight_fp32")
-        forms, rounded once; x [T, H]."""
-        x, residual = _ready(x), _ready(residual)
-        rows, hidden = x.shape
-        out = torch.empty((rows, hidden), dtype=x.dtype)
-        total = torch.empty_like(out) if residual is not None else x
-        err = self._norm_variant(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                                 weight.data_ptr(), out.data_ptr(), total.data_ptr() if residual is not None else None,
-                                 rows, hidden, x.stride(0), eps, self.NORM_MODES[mode], DTYPE_CODES[x.dtype],
-                                 _threads(threads))
+                         x.stride(0), eps, self.NORM_MODES[mode], DTYPE_CODES[x.dtype], _threads(threads))
         if err:
             raise ValueError(f"graphdecode_cpu_rms_norm_variant rejected x {tuple(x.shape)} {x.dtype} ({mode})")
         return total, out

@@ -5,8 +5,7 @@ Batch-invariant (EngineConfig.batch_invariant, the default, with the CPU kernels
 the LM head a `PanelWeight(invariant=True)`, the panel kernel at every row count: each output one sum in
 a fixed order, so a row's bits do not depend on the other rows (docs/batch_invariance.md); bf16 on a CPU
 with avx512_bf16 in pair panels (vdpbf16ps; with AMX, tdpbf16ps, the pairs padded to 16). No oneDNN copy is
-kept. The rest of this docstring is the
-variant dispatch (`batch_invariant=False`), for speed at many rows.
+kept. The rest of this docstring is the variant dispatch (`batch_invariant=False`), for speed at many rows.
 
 A CPU decode step is mostly matmuls of a few rows by each weight; which kernel is fastest
 depends on the rows and the dtype (profiling/bench_cpu.py's linear probe; BENCHMARKS.md 12d, 18):
@@ -105,8 +104,8 @@ class PackedWeight(CpuWeight):
 
 class PanelWeight(PackedWeight):
     """float32 or bf16: W in column panels [ceil(N / 64), K, 64] (bf16 with avx512_bf16: pairs, [ceil(N / 64),
-    ceil(K / 2) (AMX: padded to 16), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout for more. Batch-
-    invariant (`invariant`): the panels for every row count, and no oneDNN copy."""
+    ceil(K / 2) (AMX: padded to 16), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout
+    for more. Batch-invariant (`invariant`): the panels for every row count, and no oneDNN copy."""
 
     def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None, invariant: bool = False):
         super().__init__(weight, pack=not invariant)
@@ -135,7 +134,7 @@ class PanelWeight(PackedWeight):
         return super().extra_bytes + self.panels.numel() * self.panels.element_size()
 
     def run(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None or x.numel() <= self.rows * self.in_features:
+        if x.numel() <= self.rows * self.in_features:  # always, batch-invariant (rows: inf)
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return super().run(x, bias)
 
@@ -180,36 +179,36 @@ def prepack_cpu_linears(model: nn.Module, batch_invariant: bool = True) -> None:
     def release(module: nn.Module) -> None:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
-    invariant = batch_invariant and kernels is not None
+    def cpu_weight(weight: torch.Tensor, rows: int | None = None) -> CpuWeight | None:
+        """The linear's CPU weight (`rows`: its panels' row limit on a variant engine), or None where the fp32
+        parameter stays, column-major."""
+        panels = kernels is not None and weight.dtype in kernels.supported_dtypes
+        if batch_invariant and panels:
+            return PanelWeight(weight, kernels, invariant=True)
+        if weight.dtype == torch.float32 and not streams:
+            return None
+        return PanelWeight(weight, kernels, rows) if streams and panels else PackedWeight(weight)
 
     for module in linears:
         if module.packed is not None:  # a quantized weight (quant/linear.py), run as it is
             continue
-        if invariant and module.weight.dtype in kernels.supported_dtypes:
-            module.packed = PanelWeight(module.weight, kernels, invariant=True)
-            release(module)
-        elif module.weight.dtype != torch.float32 or streams:
-            panels = streams and kernels is not None and module.weight.dtype in kernels.supported_dtypes
-            module.packed = PanelWeight(module.weight, kernels) if panels else PackedWeight(module.weight)
-            release(module)
-        else:
+        module.packed = cpu_weight(module.weight)
+        if module.packed is None:
             column_major_(module.weight)
+        else:
+            release(module)
     if head is None or model.packed_head is not None:  # none of its own, or a quantized one
         return
-    if invariant and head.weight.dtype in kernels.supported_dtypes:
-        model.packed_head = PanelWeight(head.weight, kernels, invariant=True)
-        if tied:  # the embedding's lookups read the head's panels
-            model.model.embed_tokens.rows_from = model.packed_head
+    model.packed_head = cpu_weight(head.weight, HEAD_PANEL_ROWS)
+    if model.packed_head is None:
+        if not tied:
+            column_major_(head.weight)
+        return
+    panels = isinstance(model.packed_head, PanelWeight)
+    if panels and tied:  # the embedding's lookups read the head's panels
+        model.model.embed_tokens.rows_from = model.packed_head
+    if panels or not tied:  # else a tied head is the embedding, whose rows the lookup reads
         release(head)
-    elif head.weight.dtype != torch.float32 or streams:
-        panels = streams and kernels is not None and head.weight.dtype in kernels.supported_dtypes
-        model.packed_head = PanelWeight(head.weight, kernels, HEAD_PANEL_ROWS) if panels else PackedWeight(head.weight)
-        if panels and tied:  # the embedding's lookups read the head's panels
-            model.model.embed_tokens.rows_from = model.packed_head
-        if panels or not tied:  # else a tied head is the embedding, whose rows the lookup reads
-            release(head)
-    elif not tied:
-        column_major_(head.weight)
 
 
 def column_major_(weight: torch.Tensor) -> None:

@@ -50,10 +50,8 @@ class RMSNorm(nn.Module):
         return total, self(total)
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.offset or self.weight_fp32:
-            mode = "offset" if self.offset else "weight_fp32"
-            return self.kernels.add_rms_norm_variant(x, residual, self.weight, self.eps, mode)
-        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        mode = "offset" if self.offset else "weight_fp32" if self.weight_fp32 else "llama"
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, mode=mode)
 
     def _fused(self, x: torch.Tensor) -> bool:
         return not torch.compiler.is_compiling() and x.stride(-1) == 1 and x.dtype == self.weight.dtype
