@@ -14,6 +14,12 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GRAPHDECODE_AMX 1
+#endif
+
 namespace graphdecode_cpu {
 
 enum DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat8E4M3 = 2 };
@@ -126,8 +132,12 @@ inline f32x16 load16(const e4m3* p) {
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
-// 16 float32 values rounded to bf16 lane by lane exactly as `store` rounds one (nearest even; NaN stays NaN)
+// 16 float32 values rounded to bf16 lane by lane as `store` rounds one (nearest even; NaN stays NaN); with
+// avx512_bf16 in one vcvtneps2bf16, which also flushes float32 subnormals (below 1.2e-38) to zero
 inline void store16(uint16_t* p, f32x16 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
   typedef uint16_t u16x16 __attribute__((vector_size(32)));
   u32x16 bits;
@@ -135,6 +145,7 @@ inline void store16(uint16_t* p, f32x16 v) {
   const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, nan = (bits >> 16) | 0x40u;
   const u16x16 h = __builtin_convertvector((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x16);
   std::memcpy(p, &h, sizeof h);
+#endif
 }
 
 // n float32 sums into y (float32, or bf16 rounded), each plus its value in `add` where given: 16 at a time
@@ -240,5 +251,27 @@ inline void panel_tile_rows(int64_t rows, const TX* x, int64_t ldx, const TW* pa
     default: panel_tile<1>(x, ldx, panel, k0, k1, sums, pf, lines, per_k); break;
   }
 }
+
+#if defined(GRAPHDECODE_AMX)
+// Whether this process may use the tile registers: Linux grants the AMX state on request (ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA), once per process; refused (an old kernel), the bf16 kernels run vdpbf16ps instead.
+inline bool amx_ready() {
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ready;
+}
+
+// The one tile shape of the AMX kernels (cpu_linear.cpp, cpu_prefill.cpp), loaded by each thread before its
+// first tile instruction (and _tile_release() after its last): all 8 tiles 16 rows of 64 bytes, 16 float32
+// sums, 32 bf16 of a row, or 16 pairs of bf16 of a k-pair row.
+inline void amx_configure() {
+  struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+#endif
 
 }  // namespace graphdecode_cpu

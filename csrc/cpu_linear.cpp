@@ -24,21 +24,15 @@
 //
 // bf16 on a CPU with AMX (built with amx_bf16 and the kernel granting the tile state): the same pair panels with
 // their k pairs padded to a multiple of 16 (graphdecode_cpu_bf16_pair_rows() is 16), and every row count runs
-// tdpbf16ps: rows in tiles of 16 (the last one zero-padded), per 64-column panel four 16 x 16 float32 sums in
-// tile registers, K in steps of 32 ascending, each step one tile of x and four of the panel. A row's sums do not
-// depend on the other rows of its tile or on how many tiles there are: the same bits at any row count, at the
-// throughput of the matrix unit rather than of vdpbf16ps (several times more products per cycle from 16 rows).
+// tdpbf16ps: rows in tiles of 16 (the last one zero-padded) taken two at a time, 16 x 16 float32 sums in tile
+// registers, K in steps of 32 ascending (panel_linear_amx). A row's sums do not depend on the other rows of its
+// tile or on how many tiles there are: the same bits at any row count, at the throughput of the matrix unit
+// rather than of vdpbf16ps (several times more products per cycle from 16 rows).
 
 #include <cstdint>
 #include <cstring>
 
 #include "cpu_common.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define GRAPHDECODE_AMX 1
-#endif
 
 namespace {
 
@@ -163,79 +157,107 @@ void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
 #endif
 
 #if defined(GRAPHDECODE_AMX)
+constexpr int64_t AMX_BLOCK = 4;  // panels per block of the AMX kernel's work
 constexpr int64_t AMX_PAIRS = 16;  // k pairs per step (32 k): one tile of x [16][32], four of the panel [16][16][2]
 
-// Whether this process may use the tile registers: Linux grants the AMX state on request (ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA), once per process; refused (an old kernel), the pair panels run vdpbf16ps instead.
-bool amx_ready() {
-  static const bool ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // panel_linear's bf16 form on AMX, W in pair panels [ceil(N / 64)][P][64][2] with P = ceil(K / 2) rounded up to
-// 16 (zero past K and past N): tasks of (16-row tile, panel) over the threads; tmm0-3 the panel's four 16-column
-// sums, tmm4 the rows' 32 k, tmm5-7 the panel's 16 k pairs of 16 columns.
+// 16 (zero past K and past N). The work is units of (32 rows, panel), in blocks of about AMX_BLOCK panels (a
+// block's panels stay in L2 while every row pair runs over them), split evenly over the threads in that order. A
+// unit runs its panel in halves of 32 columns, so that each step of 32 k takes two tiles of x (tmm4, tmm5) and two
+// of the panel (tmm6, tmm7) into four 16 x 16 sums (tmm0-3): every tile loaded serves two products. A last lone
+// row tile runs all 64 columns at once (tmm0-3 its sums, tmm4 its x, tmm5-7 the panel's). Each output is one
+// tile's sum over the k steps in ascending order, so a row's bits do not depend on the other rows of its tile, on
+// its tile's partner, or on the split.
 void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
                       const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t pairs = ((K + 1) / 2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS, steps = pairs / AMX_PAIRS;
-  // tasks panel-major: a task runs a group of row tiles over one panel, which stays in L2 for all of them; the
-  // row tiles split into groups only as far as the threads need tasks
-  const int64_t tiles = (M + 15) / 16;
-  const int64_t wanted = (4 * int64_t(threads) + num_panels - 1) / num_panels;
-  const int64_t groups = wanted < tiles ? wanted : (tiles > 0 ? tiles : 1), tasks = num_panels * groups;
-#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+  const int64_t duos = (M + 31) / 32, blocks = (num_panels + AMX_BLOCK - 1) / AMX_BLOCK;
+  const int64_t units = duos * num_panels;  // (32 rows, panel) pairs, in blocks of panels, rows-major in a block
+  auto block_start = [&](int64_t block) { return block * num_panels / blocks; };
+  constexpr int64_t B_STRIDE = 2 * PANEL * 2;  // bytes between a panel's k pair rows
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
   {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-    alignas(64) float sums[16 * PANEL];
-    alignas(64) uint16_t part[16 * 32];  // a tile of x with rows past M or k past K: zeros there
+    amx_configure();
+    alignas(64) float sums[32 * PANEL];
+    alignas(64) uint16_t part[2][16 * 32];  // tiles of x with rows past M or k past K: zeros there
+    // x's tile of rows m0.. (up to 16) at step s, as a pointer and a row stride in bytes
+    auto x_tile = [&](int64_t m0, int64_t s, uint16_t* buffer, const uint16_t** ptr, int64_t* stride) {
+      const int64_t rows = M - m0 < 16 ? M - m0 : 16, k0 = s * 2 * AMX_PAIRS;
+      if (rows == 16 && k0 + 32 <= K) {
+        *ptr = x + m0 * ldx + k0, *stride = ldx * 2;
+        return;
+      }
+      std::memset(buffer, 0, 16 * 32 * 2);
+      const int64_t width = K - k0 < 32 ? K - k0 : 32;
+      for (int64_t m = 0; m < rows; ++m) std::memcpy(buffer + m * 32, x + (m0 + m) * ldx + k0, width * 2);
+      *ptr = buffer, *stride = 64;
+    };
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t p = t / groups, g = t % groups;
+    for (int64_t i = 0; i < units; ++i) {
+      int64_t block = i / duos * blocks / num_panels;  // the block holding unit i: an estimate, corrected
+      while (duos * block_start(block + 1) <= i) ++block;
+      while (duos * block_start(block) > i) --block;
+      const int64_t p0 = block_start(block), width = block_start(block + 1) - p0, j = i - duos * p0;
+      const int64_t duo = j / width, p = p0 + j % width;
       const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
       const uint16_t* panel = panels + p * pairs * 2 * PANEL;
       alignas(64) float start[PANEL];  // added to each output's sum: its bias (zero past N)
-      for (int64_t c = 0; c < PANEL; ++c) start[c] = bias && c < cols ? load(bias + p * PANEL + c) : 0.f;
-      for (int64_t tile = g * tiles / groups; tile < (g + 1) * tiles / groups; ++tile) {
-        const int64_t m0 = tile * 16, rows = M - m0 < 16 ? M - m0 : 16;
+      if (bias)
+        for (int64_t c = 0; c < PANEL; ++c) start[c] = c < cols ? load(bias + p * PANEL + c) : 0.f;
+      const int64_t m0 = duo * 32, rows = M - m0 < 32 ? M - m0 : 32;
+      const uint16_t* a;
+      const uint16_t* a2;
+      int64_t sa, sa2;
+      if (rows > 16) {
+        for (int64_t half = 0; half < 2; ++half) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t s = 0; s < steps; ++s) {
+            x_tile(m0, s, part[0], &a, &sa);
+            x_tile(m0 + 16, s, part[1], &a2, &sa2);
+            const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL + half * 64;  // [16 pairs][32 columns][2]
+            _tile_loadd(4, a, sa);
+            _tile_loadd(6, b, B_STRIDE);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 32, B_STRIDE);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a2, sa2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, sums + half * 32, PANEL * 4);
+          _tile_stored(1, sums + half * 32 + 16, PANEL * 4);
+          _tile_stored(2, sums + 16 * PANEL + half * 32, PANEL * 4);
+          _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
+        }
+      } else {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t s = 0; s < steps; ++s) {
-          const int64_t k0 = s * 2 * AMX_PAIRS;
-          if (rows == 16 && k0 + 32 <= K) {
-            _tile_loadd(4, x + m0 * ldx + k0, ldx * 2);
-          } else {
-            std::memset(part, 0, sizeof part);
-            const int64_t width = K - k0 < 32 ? K - k0 : 32;
-            for (int64_t m = 0; m < rows; ++m) std::memcpy(part + m * 32, x + (m0 + m) * ldx + k0, width * 2);
-            _tile_loadd(4, part, 64);
-          }
+          x_tile(m0, s, part[0], &a, &sa);
           const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL;  // [16 pairs][64 columns][2]
-          _tile_loadd(5, b, 2 * PANEL * 2);
+          _tile_loadd(4, a, sa);
+          _tile_loadd(5, b, B_STRIDE);
           _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, b + 32, 2 * PANEL * 2);
+          _tile_loadd(6, b + 32, B_STRIDE);
           _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, b + 64, 2 * PANEL * 2);
+          _tile_loadd(7, b + 64, B_STRIDE);
           _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, b + 96, 2 * PANEL * 2);
+          _tile_loadd(5, b + 96, B_STRIDE);
           _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, sums, PANEL * 4);
         _tile_stored(1, sums + 16, PANEL * 4);
         _tile_stored(2, sums + 32, PANEL * 4);
         _tile_stored(3, sums + 48, PANEL * 4);
-        for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, start);
       }
+      for (int64_t m = 0; m < rows; ++m)
+        store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);
     }
     _tile_release();
   }

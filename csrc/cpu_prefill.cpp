@@ -15,7 +15,9 @@
 // row's output: 6 rows x 64 of D in 24 registers, per key four loads of its V row (widened from bf16
 // where the cache is bf16) and one broadcast of each row's probability. Arithmetic is float32, except
 // bf16 on a CPU with avx512_bf16: both GEMMs as vdpbf16ps over K and V packed in pairs, the queries and
-// each tile's probabilities taken as bf16 (as transformers' bf16 attention rounds them), sums float32.
+// each tile's probabilities taken as bf16 (as transformers' bf16 attention rounds them), sums float32, the
+// probabilities by a short exp2 polynomial (the bf16 rounding after it dominates its error); and with AMX
+// (D a multiple of 32), tiles of 16 rows whose two GEMMs run as tdpbf16ps over the same packing.
 //
 // Each row's result depends only on its own keys, visited in blocks aligned at absolute key
 // positions in ascending order: the same whatever the thread count, the other rows of the batch,
@@ -48,6 +50,7 @@ constexpr int64_t KEYS = 64;  // keys per block
 constexpr int64_t QBLK = 64;  // query positions per work item
 constexpr int MR = 6;         // rows per register tile
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
 
 // s[R][64] = q[R][D] @ kt[D][64]
 template <int R>
@@ -119,10 +122,10 @@ void by_columns(int64_t D, F&& f) {
 
 #if GRAPHDECODE_PREFILL_DP
 // bf16 with avx512_bf16: both GEMMs as vdpbf16ps over pairs, two products per lane per instruction.
-// s[R][64] = scale * q[R][D] @ K^T, K packed as [D / 2][64][2] (pairs of d), q bf16 rows of D
+// s[R][64] = q[R][D] @ K^T (unscaled: the softmax scales), K packed as [D / 2][64][2] (pairs of d), q bf16
+// rows of D
 template <int R>
-void qk_tile_dp(const uint16_t* __restrict q, int64_t D, const uint16_t* __restrict kp, float scale,
-                float* __restrict s) {
+void qk_tile_dp(const uint16_t* __restrict q, int64_t D, const uint16_t* __restrict kp, float* __restrict s) {
   __m512 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -141,9 +144,23 @@ void qk_tile_dp(const uint16_t* __restrict q, int64_t D, const uint16_t* __restr
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], a, k3);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int m = 0; m < R; ++m)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + m * KEYS + 16 * v, _mm512_mul_ps(acc[m][v], sc));
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + m * KEYS + 16 * v, acc[m][v]);
+}
+
+// 2^t lane by lane for the probabilities, t <= 0 (up to rounding): 2^n (vscalefps) times 2^f, f = t - n in
+// [-1/2, 1/2], by its degree-5 Taylor polynomial (relative error under 3e-6, far below the bf16 rounding that
+// follows); 0 below -126, -inf included
+inline __m512 exp2_probability(__m512 t) {
+  const __m512 n = _mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, n);
 }
 
 // o[R][c0 : c0 + 16 NV] = o * alpha + p[R][0:64] @ V[0:64][c0 : ...], p bf16 rows of 64 (0 past the block's
@@ -171,6 +188,75 @@ void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + m * D + c0 + 16 * c, acc[m][c]);
 }
 
+#endif
+
+#if defined(GRAPHDECODE_AMX)
+// bf16 on AMX (D a multiple of 32): tiles of 16 rows, both GEMMs as tdpbf16ps over the same packing as the dp
+// kernels, tmm0-3 the sums of 64 columns, tmm4 the rows' 32 k, tmm5-7 the packed side's 16 pairs of 16 columns.
+// s[16][64] = q[16][D] @ K^T (unscaled), K packed [D / 2][64][2]; q rows past the tile's own are zeros
+inline void qk_tile_amx(const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t d = 0; d < D; d += 32) {
+    const uint16_t* k = kp + d * KEYS;  // pair rows d / 2 .. d / 2 + 15, each [64 keys][2]
+    _tile_loadd(4, q + d, D * 2);
+    _tile_loadd(5, k, KEYS * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, k + 32, KEYS * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, k + 64, KEYS * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, k + 96, KEYS * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, s, KEYS * 4);
+  _tile_stored(1, s + 16, KEYS * 4);
+  _tile_stored(2, s + 32, KEYS * 4);
+  _tile_stored(3, s + 48, KEYS * 4);
+}
+
+// o[r][c0 : c0 + 16 NV] = o * alpha[r] + (p[16][0:64] @ V[0:64][c0 : ...])[r] for the tile's R rows, V packed
+// [32][D][2] (pairs of keys); pv: [16][64] float scratch
+template <int NV>
+void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, int64_t D, const float* alpha, int R,
+                 float* pv) {
+  static_assert(NV == 2 || NV == 4, "D in chunks of 64 and a last one of 32");
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NV == 4) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t j = 0; j < KEYS; j += 32) {
+    const uint16_t* v = vp + j * D + 2 * c0;  // key pair rows j / 2 .. j / 2 + 15, each [D][2] from column c0
+    _tile_loadd(4, p + j, KEYS * 2);
+    _tile_loadd(5, v, D * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, v + 32, D * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    if constexpr (NV == 4) {
+      _tile_loadd(7, v + 64, D * 4);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, v + 96, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, pv, KEYS * 4);
+  _tile_stored(1, pv + 16, KEYS * 4);
+  if constexpr (NV == 4) {
+    _tile_stored(2, pv + 32, KEYS * 4);
+    _tile_stored(3, pv + 48, KEYS * 4);
+  }
+  for (int m = 0; m < R; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int c = 0; c < NV; ++c) {
+      float* dst = o + m * D + c0 + 16 * c;
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), a, _mm512_loadu_ps(pv + m * KEYS + 16 * c)));
+    }
+  }
+}
 #endif
 
 template <typename T, typename KV>
@@ -220,6 +306,9 @@ class Prefill {
       kp_.assign(2 * packed, 0);  // K then V pairs
     else
       kt_.assign(packed, 0.f);
+#if defined(GRAPHDECODE_AMX)
+    amx_ = dp() && D_ % 32 == 0 && amx_ready();
+#endif
   }
 
   void run(int32_t threads) {
@@ -235,8 +324,14 @@ class Prefill {
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
     {
       Scratch w;
+#if defined(GRAPHDECODE_AMX)
+      if (amx_) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) attend(items[i], w);
+#if defined(GRAPHDECODE_AMX)
+      if (amx_) _tile_release();
+#endif
     }
   }
 
@@ -245,6 +340,7 @@ class Prefill {
     std::vector<float> q, o, m, l, alpha, s;
     std::vector<const KV*> v;
     std::vector<uint16_t> q16, p16;  // dp(): the rows' bf16 queries (unscaled), a tile's bf16 probabilities
+    std::vector<float> pv;           // amx_: a tile's P @ V for 64 columns
   };
 
   // bf16 on a CPU with avx512_bf16: both GEMMs by vdpbf16ps (qk_tile_dp, pv_tile_dp) over K and V packed in
@@ -312,16 +408,19 @@ class Prefill {
     const int64_t b = it.seq, h = it.head, nq = std::min(QBLK, a_.q_lens[b] - it.q0);
     const int64_t rows = G_ * nq, D = D_, kv_len = a_.kv_lens[b];
     const int64_t pos0 = first_pos(b) + it.q0;  // row r: query head h * G + r / nq at position pos0 + r % nq
+    const float unit = a_.scale * LOG2E;        // dp(): a score's factor into exp2's units
     w.q.resize(rows * D);
     w.o.assign(rows * D, 0.f);
     w.m.assign(rows, NEG_INF);
-    w.l.assign(rows, 0.f);
+    w.l.assign(rows * 16, 0.f);  // each row's running sum as 16 lanes, added up at the end
     w.alpha.resize(rows);
-    w.s.resize(MR * KEYS);
+    const int tile_rows = amx_ ? 16 : MR;  // AMX: rows past the last tile's own are zero queries, never read back
+    w.s.resize(tile_rows * KEYS);
     w.v.resize(KEYS);
     if (dp()) {
-      w.q16.resize(rows * D);
-      w.p16.resize(MR * KEYS);
+      w.q16.assign((rows + tile_rows - 1) / tile_rows * tile_rows * D, 0);
+      w.p16.assign(tile_rows * KEYS, 0);
+      w.pv.resize(16 * KEYS);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const T* src = a_.q + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldq + (h * G_ + r / nq) * D;
@@ -338,14 +437,17 @@ class Prefill {
       const float* kt = dp() ? nullptr : kt_block(b, block, h);
       if (!dp())
         for (int64_t j = 0; j < nk; ++j) w.v[j] = key_row(b, t0 + j, 1) + h * D;
-      for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const int R = int(std::min<int64_t>(MR, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+        const int R = int(std::min<int64_t>(tile_rows, rows - r0));
         float* s = w.s.data();
-        by_rows(R, [&](auto rows_c) {
+#if defined(GRAPHDECODE_AMX)
+        if (amx_) qk_tile_amx(w.q16.data() + r0 * D, D, packed_block(b, block, h, 0), s);
+#endif
+        if (!amx_) by_rows(R, [&](auto rows_c) {
           constexpr int RR = decltype(rows_c)::value;
 #if GRAPHDECODE_PREFILL_DP
           if constexpr (dp()) {
-            qk_tile_dp<RR>(w.q16.data() + r0 * D, D, packed_block(b, block, h, 0), a_.scale, s);
+            qk_tile_dp<RR>(w.q16.data() + r0 * D, D, packed_block(b, block, h, 0), s);
             return;
           }
 #endif
@@ -354,15 +456,21 @@ class Prefill {
         for (int m = 0; m < R; ++m) {
           const int64_t r = r0 + m, pos = pos0 + r % nq;
           float* row = s + m * KEYS;
-          if (!whole) {
+          if (!whole) {  // keys j_lo <= j < j_hi of the block are visible to this row
+            typedef int32_t i32x16 __attribute__((vector_size(64)));
             const int64_t lo = a_.window_left >= 0 ? pos - a_.window_left : 0;
-            for (int64_t j = 0; j < KEYS; ++j) {
-              const int64_t t = t0 + j;
-              if (t > pos || t < lo || j >= nk) row[j] = NEG_INF;
+            const int32_t j_lo = int32_t(std::clamp<int64_t>(lo - t0, 0, KEYS));
+            const int32_t j_hi = int32_t(std::clamp<int64_t>(std::min(pos - t0 + 1, nk), 0, KEYS));
+            const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            const f32x16 neg = f32x16{} + NEG_INF;
+            for (int v = 0; v < 4; ++v) {
+              const i32x16 j = iota + 16 * v;
+              store16(row + 16 * v, (j < j_lo) | (j >= j_hi) ? neg : load16(row + 16 * v));
             }
           }
           f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
-          const float m_new = std::max(w.m[r], tree_max(mx));
+          // dp(): the scores unscaled, the running max in units of log2 (scale * log2(e) * score), as exp2 takes it
+          const float m_new = std::max(w.m[r], dp() ? tree_max(mx) * unit : tree_max(mx));
           if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
             std::memset(row, 0, KEYS * sizeof(float));
             if (dp()) std::memset(w.p16.data() + m * KEYS, 0, KEYS * sizeof(uint16_t));
@@ -370,27 +478,47 @@ class Prefill {
             continue;
           }
           f32x16 sum = {};
-          for (int v = 0; v < 4; ++v) {
-            f32x16 p = exp16(load16(row + 16 * v) - m_new);
 #if GRAPHDECODE_PREFILL_DP
-            if constexpr (dp()) {  // the probabilities P @ V reads, rounded to bf16 (to nearest even), and their sum
-              uint16_t* p16 = w.p16.data() + m * KEYS + 16 * v;
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16), (__m256i)_mm512_cvtneps_pbh((__m512)p));
-              p = load16(p16);
+          if constexpr (dp()) {  // the probabilities P @ V reads, rounded to bf16 (to nearest even), and their sum
+            const __m512 u = _mm512_set1_ps(unit), shift = _mm512_set1_ps(-m_new);
+            uint16_t* p16 = w.p16.data() + m * KEYS;
+            for (int v = 0; v < 4; ++v) {
+              const __m512 p = exp2_probability(_mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), u, shift));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + 16 * v), (__m256i)_mm512_cvtneps_pbh(p));
+              sum += load16(p16 + 16 * v);  // widened back from L1
             }
+          }
 #endif
-            store16(row + 16 * v, p);
-            sum += p;
+          if constexpr (!dp()) {
+            for (int v = 0; v < 4; ++v) {
+              const f32x16 p = exp16(load16(row + 16 * v) - m_new);
+              store16(row + 16 * v, p);
+              sum += p;
+            }
           }
           // the running max mostly stays put after the first blocks: then the rescale is exactly 1
-          const float alpha = w.m[r] == m_new ? 1.f : w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
-          w.l[r] = w.l[r] * alpha + tree_sum(sum);
+          const float alpha = w.m[r] == m_new ? 1.f
+                              : w.m[r] == NEG_INF ? 0.f
+                              : dp() ? std::exp2(w.m[r] - m_new) : std::exp(w.m[r] - m_new);
+          store16(w.l.data() + 16 * r, load16(w.l.data() + 16 * r) * alpha + sum);
           w.m[r] = m_new;
           w.alpha[r] = alpha;
         }
         float* o = w.o.data() + r0 * D;
         const KV* const* v = w.v.data();
         const float* alpha = w.alpha.data() + r0;
+#if defined(GRAPHDECODE_AMX)
+        if (amx_) {
+          const uint16_t* vp = packed_block(b, block, h, 1);
+          for (int64_t c0 = 0; c0 < D; c0 += 64) {
+            if (D - c0 >= 64)
+              pv_tile_amx<4>(w.p16.data(), vp, c0, o, D, alpha, R, w.pv.data());
+            else
+              pv_tile_amx<2>(w.p16.data(), vp, c0, o, D, alpha, R, w.pv.data());
+          }
+          continue;
+        }
+#endif
         by_rows(R, [&](auto rows_c) {
           constexpr int RR = decltype(rows_c)::value;
           by_columns(D, [&](int64_t c0, auto cols_c) {
@@ -408,7 +536,7 @@ class Prefill {
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = h * G_ + r / nq;
-      float m = w.m[r], l = w.l[r], factor = 1.f;
+      float m = dp() ? w.m[r] * LN2 : w.m[r], l = tree_sum(load16(w.l.data() + 16 * r)), factor = 1.f;
       if (a_.sinks) {  // the sink's logit joins the denominator and attends nothing
         const float sink = a_.sinks[head], m2 = std::max(m, sink);
         factor = std::exp(m - m2);
@@ -422,6 +550,7 @@ class Prefill {
 
   const Args<T, KV>& a_;
   const int64_t G_, D_;
+  bool amx_ = false;  // dp() on the tile unit: 16-row tiles, both GEMMs by tdpbf16ps
   std::vector<int64_t> first_block_, block_base_;
   std::vector<float> kt_;
   std::vector<uint16_t> kp_;

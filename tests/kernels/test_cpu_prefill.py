@@ -68,7 +68,7 @@ def run(cache, q, seqs, threads=None, table=None, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (2, 1, 256)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 48), (6, 2, 96), (2, 1, 256)])
 @pytest.mark.parametrize("variant", ["causal", "window", "sinks"])
 def test_prefill_kernel_equals_the_oracle(dtype, heads, kv_heads, head_dim, variant):
     # (new tokens, keys in all): a fresh prompt over two query and key blocks, a chunk after 66 cached keys,
