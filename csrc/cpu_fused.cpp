@@ -9,12 +9,11 @@
 //                 multiplied by the weight and rounded again)
 //   rope          out = round(round(x * cos) + round(rotate_half(x) * sin)) for q and k, the cos /
 //                 sin rows of each token's position (full rotary: every dim rotates)
+//   swiglu        out = round(round(silu(gate)) * up) over a fused [gate | up] row
 // Rows (tokens) go over OpenMP threads (torch's pool, as in cpu_linear.cpp) once a call has
 // PARALLEL_MIN elements: a row's arithmetic is the same on any thread, so its result is too.
 // fp32 or bf16 tensors; float32 arithmetic in between. No fused multiply-add is formed
-// (fp-contract off below): torch rounds each product. (SwiGLU stays torch's: a fused pass with
-// the attention kernel's vectorised exp, tried 2026-12-01, ran 0.5-1.0x torch's silu + mul at 16-64 rows
-// and left decode steps unchanged.)
+// (fp-contract off below): torch rounds each product.
 //
 // Also the structured-outputs step's two small pieces, where torch needs many small ops: a token
 // mask from packed words (four passes in torch) and the automaton's advance (a 16-step binary
@@ -117,6 +116,30 @@ void rope(const T* q, const T* k, T* q_out, T* k_out, const T* cos, const T* sin
   }
 }
 
+// silu(gate) * up over rows [gate | up] of 2 * inter -> rows of inter, torch's roundings (transformers' SwiGLU
+// in the dtype): silu in float rounded to T, the product rounded to T; silu(x) = x / (1 + exp(-x)) with
+// cpu_common.h's exp16 (about 1 ulp from torch's). Elementwise: a value's bits depend on nothing else.
+template <typename T>
+void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter, int32_t threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * inter >= PARALLEL_MIN)
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* g = gate_up + m * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + m * inter;
+    int64_t i = 0;
+    for (; i + 16 <= inter; i += 16) {
+      const f32x16 x = load16(g + i);
+      alignas(64) T silu[16];
+      store16(silu, x / (1.f + exp16(-x)));
+      store16(o + i, load16(silu) * load16(u + i));
+    }
+    for (; i < inter; ++i) {
+      const float x = load(g + i);
+      store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -183,6 +206,19 @@ int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void
                                  int32_t threads) {
   return graphdecode_cpu_rms_norm_variant(x, residual, weight, out, sum, rows, hidden, x_stride, eps, kLlama, dtype,
                                           threads);
+}
+
+// out [rows, inter] = silu(gate) * up of gate_up [rows, 2 * inter] (both contiguous), torch's roundings.
+int graphdecode_cpu_swiglu(const void* gate_up, int64_t rows, int64_t inter, void* out, int32_t dtype,
+                           int32_t threads) {
+  if (rows < 0 || inter <= 0 || threads < 1 || (rows > 0 && (!gate_up || !out))) return 1;
+  if (dtype == kFloat32)
+    swiglu(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, threads);
+  else if (dtype == kBFloat16)
+    swiglu(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter, threads);
+  else
+    return 2;
+  return 0;
 }
 
 int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out, const void* cos, const void* sin,

@@ -23,6 +23,7 @@ int graphdecode_cpu_add_rms_norm(const void* x, const void* residual, const void
 int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out, const void* cos, const void* sin,
                          const int64_t* positions, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t dim,
                          int64_t q_stride, int64_t k_stride, int32_t dtype, int32_t threads);
+int graphdecode_cpu_swiglu(const void* gate_up, int64_t rows, int64_t inter, void* out, int32_t dtype, int32_t threads);
 int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N,
                                  const void* bias, void* y, int64_t ldy, int32_t threads, int32_t dtype);
 int graphdecode_cpu_qpanel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int32_t kind,
@@ -66,30 +67,6 @@ struct Dims {
 template <typename T>
 const T* ptr(int64_t word) {
   return reinterpret_cast<const T*>(static_cast<intptr_t>(word));
-}
-
-// silu(gate) * up over [M, 2 * inter] rows, torch's roundings: silu in float rounded to T, the product
-// rounded to T. silu(x) = x / (1 + exp(-x)) (cpu_common.h's exp16).
-template <typename T>
-void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* g = gate_up + m * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + m * inter;
-    int64_t i = 0;
-    for (; i + 16 <= inter; i += 16) {
-      const f32x16 x = load16(g + i);
-      const f32x16 s = x / (1.f + exp16(-x));
-      alignas(64) float sv[16], uv[16];
-      store16(sv, s);
-      store16(uv, load16(u + i));
-      for (int j = 0; j < 16; ++j) store(o + i + j, round_to(sv[j], o) * uv[j]);
-    }
-    for (; i < inter; ++i) {
-      const float x = load(g + i);
-      store(o + i, round_to(x / (1.f + std::exp(-x)), o) * load(u + i));
-    }
-  }
 }
 
 // y = x W^T (+ b) with W a projection's panels, float or quantized (the quantization table's entry q)
@@ -146,7 +123,7 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
                                         s.threads);
     err |= project(qt + P_GATE_UP * QUANT_WORDS, normed, M, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
                    s.threads, s.dtype);
-    swiglu(gate_up, act, M, s.inter);
+    err |= graphdecode_cpu_swiglu(gate_up, M, s.inter, act, s.dtype, 1);
     err |= project(qt + P_DOWN * QUANT_WORDS, act, M, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, s.threads,
                    s.dtype);
     std::memcpy(x, total, M * H * sizeof(T));

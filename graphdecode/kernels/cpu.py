@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 18
+ABI_VERSION = 19
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -54,6 +54,9 @@ class CpuKernels:
         self._rope = self._lib.graphdecode_cpu_rope
         self._rope.restype = ctypes.c_int
         self._rope.argtypes = [_P] * 7 + [_I64] * 6 + [_I32, _I32]
+        self._swiglu = self._lib.graphdecode_cpu_swiglu
+        self._swiglu.restype = ctypes.c_int
+        self._swiglu.argtypes = [_P, _I64, _I64, _P, _I32, _I32]
         self._mask = self._lib.graphdecode_cpu_mask_words
         self._mask.restype = ctypes.c_int
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
@@ -234,6 +237,16 @@ class CpuKernels:
         if err:
             raise ValueError(f"graphdecode_cpu_rope rejected q {tuple(q.shape)}, k {tuple(k.shape)}")
         return q_out, k_out
+
+    def swiglu(self, gate_up, threads: int | None = None):
+        """silu(gate) * up of a fused gate_up [T, 2 * I] (row stride 2 * I) -> new [T, I], with torch's roundings
+        (silu rounded to the dtype, then the product): one pass where torch takes three."""
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        if width % 2 or not gate_up.is_contiguous() or gate_up.dtype not in DTYPE_CODES or self._swiglu(
+                gate_up.data_ptr(), rows, width // 2, out.data_ptr(), DTYPE_CODES[gate_up.dtype], _threads(threads)):
+            raise ValueError(f"graphdecode_cpu_swiglu rejected gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
+        return out
 
     def pair_rows_for(self, k: int) -> int:
         """The k pairs of a bf16 pair panel over K = k inputs: ceil(k / 2), padded to `bf16_pair_rows`."""

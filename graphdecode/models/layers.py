@@ -95,7 +95,12 @@ class GatedActivation(nn.Module):
             raise ValueError(f"hidden_act: {act!r} is not supported")
         self.act = act
 
+    kernels = None  # the CPU's fused pass for SwiGLU (kernels/cpu.py's CpuKernels), attached at load
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if (self.kernels is not None and self.act == "silu" and gate_up.dim() == 2 and gate_up.is_contiguous()
+                and not torch.compiler.is_compiling()):
+            return self.kernels.swiglu(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.act == "silu":
             return F.silu(gate) * up
@@ -106,12 +111,12 @@ SiluAndMul = GatedActivation  # the SwiGLU default
 
 
 def attach_cpu_kernels(model: nn.Module, kernels) -> None:
-    """Give the RMSNorms (every variant: Llama's, Gemma's offset, gpt-oss's) and the full-rotary tables the CPU's
-    fused passes (csrc/cpu_fused.cpp): each row's mean of squares in a fixed order, where aten's reduction
+    """Give the RMSNorms (every variant: Llama's, Gemma's offset, gpt-oss's), SwiGLU and the full-rotary tables the
+    CPU's fused passes (csrc/cpu_fused.cpp): each row's mean of squares in a fixed order, where aten's reduction
     changes with the number of rows. Partial rotary keeps its torch ops. Compiled windows always trace the
     torch ops (inductor fuses them itself)."""
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, (RMSNorm, GatedActivation)):
             module.kernels = kernels
     for rotary in model.rotary_tables():
         if rotary.rotary_dim == rotary.head_dim:

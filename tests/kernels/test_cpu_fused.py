@@ -108,14 +108,35 @@ def test_rotary_is_bit_for_bit_torch_on_split_views(dtype):
     assert got[0].is_contiguous() and got[1].is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_torch_on_any_number_of_threads(dtype):
+    """silu(gate) * up in one pass: torch's roundings (bf16: the same bits; float32: silu's exp within an ulp),
+    row widths with a tail past the 16 lanes, and the same bits on 1, 2 and 5 threads."""
+    g = torch.Generator().manual_seed(9)
+    for rows, inter in ((1, 40), (7, 1536), (300, 200)):
+        gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        one = KERNELS.swiglu(gate_up, threads=1)
+        if dtype == torch.bfloat16:
+            assert torch.equal(one, want)
+        else:
+            torch.testing.assert_close(one, want, rtol=1e-6, atol=1e-6)
+        for threads in (2, 5):
+            assert torch.equal(KERNELS.swiglu(gate_up, threads=threads), one)
+    with pytest.raises(ValueError, match="swiglu"):
+        KERNELS.swiglu(torch.randn(3, 8).to(dtype)[:, :6])  # not contiguous
+
+
 def test_the_engine_uses_them_for_every_norm_variant_and_full_rotary(tiny_models):
     """Every RMSNorm variant takes the kernel's fixed-order pass (batch invariance: aten's reduction may split
-    by the row count); partial rotary keeps torch's ops."""
+    by the row count), SwiGLU its one pass; partial rotary keeps torch's ops."""
     llm = LLM(tiny_models["llama_gqa_llama3"], max_model_len=128, max_batch_size=4)
     model = llm.engine.runner.model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(isinstance(m.kernels, CpuKernels) for m in norms)
     assert isinstance(model.rotary.kernels, CpuKernels)
+    assert all(isinstance(m.mlp.act.kernels, CpuKernels) for m in model.model.layers)  # SwiGLU
     gemma = LLM(tiny_models["gemma3_text"], max_model_len=64, max_batch_size=2).engine.runner.model
     assert all(isinstance(m.kernels, CpuKernels) for m in gemma.modules() if isinstance(m, RMSNorm))  # (1 + w)
     phi = LLM(tiny_models["phi3_partial_swa"], max_model_len=64, max_batch_size=2).engine.runner.model
