@@ -262,14 +262,16 @@ inline bool amx_ready() {
 
 // The one tile shape of the AMX kernels (cpu_linear.cpp, cpu_prefill.cpp), loaded by each thread before its
 // first tile instruction (and _tile_release() after its last): all 8 tiles 16 rows of 64 bytes, 16 float32
-// sums, 32 bf16 of a row, or 16 pairs of bf16 of a k-pair row.
+// sums, 32 bf16 of a row, or 16 pairs of bf16 of a k-pair row. The configuration lives in static memory: the
+// compiler does not see ldtilecfg read it, and could drop the stores of one built on the stack.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 inline void amx_configure() {
-  struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  alignas(64) static const TileConfig config = {
+      1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&config);
 }
 #endif

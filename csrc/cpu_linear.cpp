@@ -157,28 +157,51 @@ void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
 #endif
 
 #if defined(GRAPHDECODE_AMX)
-constexpr int64_t AMX_BLOCK = 4;  // panels per block of the AMX kernel's work
 constexpr int64_t AMX_PAIRS = 16;  // k pairs per step (32 k): one tile of x [16][32], four of the panel [16][16][2]
 
+// The work of a linear as units of (row block, panel), rows_blocks x num_panels of them, taken in blocks of about
+// `per_block` panels (a block's panels stay in L2 while every row block runs over them: the weights are read from
+// memory once, the rows once per block) and split evenly over the threads in that order:
+// unit(row_block, panel) for each, inside an OpenMP parallel region (begin() and end() bracket each thread's
+// units there).
+template <typename Unit, typename Begin, typename End>
+void for_units(int64_t row_blocks, int64_t num_panels, int64_t per_block, int32_t threads, Unit&& unit,
+               Begin&& begin, End&& end) {
+  const int64_t blocks = (num_panels + per_block - 1) / per_block, units = row_blocks * num_panels;
+  auto block_start = [&](int64_t block) { return block * num_panels / blocks; };
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+  {
+    begin();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < units; ++i) {
+      int64_t block = i / row_blocks * blocks / num_panels;  // the block holding unit i: an estimate, corrected
+      while (row_blocks * block_start(block + 1) <= i) ++block;
+      while (row_blocks * block_start(block) > i) --block;
+      const int64_t p0 = block_start(block), width = block_start(block + 1) - p0, j = i - row_blocks * p0;
+      unit(j / width, p0 + j % width);
+    }
+    end();
+  }
+}
+
+// Panels per block of for_units for the AMX kernel: about 1 MB of them (half the L2 of a core with AMX), at least one.
+inline int64_t panels_per_block(int64_t panel_bytes) {
+  return panel_bytes < (int64_t(1) << 20) ? (int64_t(1) << 20) / panel_bytes : 1;
+}
+
 // panel_linear's bf16 form on AMX, W in pair panels [ceil(N / 64)][P][64][2] with P = ceil(K / 2) rounded up to
-// 16 (zero past K and past N). The work is units of (32 rows, panel), in blocks of about AMX_BLOCK panels (a
-// block's panels stay in L2 while every row pair runs over them), split evenly over the threads in that order. A
-// unit runs its panel in halves of 32 columns, so that each step of 32 k takes two tiles of x (tmm4, tmm5) and two
-// of the panel (tmm6, tmm7) into four 16 x 16 sums (tmm0-3): every tile loaded serves two products. A last lone
-// row tile runs all 64 columns at once (tmm0-3 its sums, tmm4 its x, tmm5-7 the panel's). Each output is one
-// tile's sum over the k steps in ascending order, so a row's bits do not depend on the other rows of its tile, on
-// its tile's partner, or on the split.
+// 16 (zero past K and past N), its units (32 rows, panel) over for_units. A unit runs its panel in halves of 32
+// columns, so that each step of 32 k takes two tiles of x (tmm4, tmm5) and two of the panel (tmm6, tmm7) into four
+// 16 x 16 sums (tmm0-3): every tile loaded serves two products. A last lone row tile runs all 64 columns at once
+// (tmm0-3 its sums, tmm4 its x, tmm5-7 the panel's). Each output is one tile's sum over the k steps in ascending
+// order, so a row's bits do not depend on the other rows of its tile, on its tile's partner, or on the split.
 void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
                       const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t pairs = ((K + 1) / 2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS, steps = pairs / AMX_PAIRS;
-  const int64_t duos = (M + 31) / 32, blocks = (num_panels + AMX_BLOCK - 1) / AMX_BLOCK;
-  const int64_t units = duos * num_panels;  // (32 rows, panel) pairs, in blocks of panels, rows-major in a block
-  auto block_start = [&](int64_t block) { return block * num_panels / blocks; };
   constexpr int64_t B_STRIDE = 2 * PANEL * 2;  // bytes between a panel's k pair rows
-#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
-  {
-    amx_configure();
+  const int64_t per_block = panels_per_block(pairs * B_STRIDE);
+  for_units((M + 31) / 32, num_panels, per_block, threads, [&](int64_t duo, int64_t p) {
     alignas(64) float sums[32 * PANEL];
     alignas(64) uint16_t part[2][16 * 32];  // tiles of x with rows past M or k past K: zeros there
     // x's tile of rows m0.. (up to 16) at step s, as a pointer and a row stride in bytes
@@ -193,74 +216,65 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
       for (int64_t m = 0; m < rows; ++m) std::memcpy(buffer + m * 32, x + (m0 + m) * ldx + k0, width * 2);
       *ptr = buffer, *stride = 64;
     };
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < units; ++i) {
-      int64_t block = i / duos * blocks / num_panels;  // the block holding unit i: an estimate, corrected
-      while (duos * block_start(block + 1) <= i) ++block;
-      while (duos * block_start(block) > i) --block;
-      const int64_t p0 = block_start(block), width = block_start(block + 1) - p0, j = i - duos * p0;
-      const int64_t duo = j / width, p = p0 + j % width;
-      const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-      const uint16_t* panel = panels + p * pairs * 2 * PANEL;
-      alignas(64) float start[PANEL];  // added to each output's sum: its bias (zero past N)
-      if (bias)
-        for (int64_t c = 0; c < PANEL; ++c) start[c] = c < cols ? load(bias + p * PANEL + c) : 0.f;
-      const int64_t m0 = duo * 32, rows = M - m0 < 32 ? M - m0 : 32;
-      const uint16_t* a;
-      const uint16_t* a2;
-      int64_t sa, sa2;
-      if (rows > 16) {
-        for (int64_t half = 0; half < 2; ++half) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t s = 0; s < steps; ++s) {
-            x_tile(m0, s, part[0], &a, &sa);
-            x_tile(m0 + 16, s, part[1], &a2, &sa2);
-            const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL + half * 64;  // [16 pairs][32 columns][2]
-            _tile_loadd(4, a, sa);
-            _tile_loadd(6, b, B_STRIDE);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, b + 32, B_STRIDE);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, a2, sa2);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-          _tile_stored(0, sums + half * 32, PANEL * 4);
-          _tile_stored(1, sums + half * 32 + 16, PANEL * 4);
-          _tile_stored(2, sums + 16 * PANEL + half * 32, PANEL * 4);
-          _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
-        }
-      } else {
+    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    const uint16_t* panel = panels + p * pairs * 2 * PANEL;
+    alignas(64) float start[PANEL];  // added to each output's sum: its bias (zero past N)
+    if (bias)
+      for (int64_t c = 0; c < PANEL; ++c) start[c] = c < cols ? load(bias + p * PANEL + c) : 0.f;
+    const int64_t m0 = duo * 32, rows = M - m0 < 32 ? M - m0 : 32;
+    const uint16_t* a;
+    const uint16_t* a2;
+    int64_t sa, sa2;
+    if (rows > 16) {
+      for (int64_t half = 0; half < 2; ++half) {
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t s = 0; s < steps; ++s) {
           x_tile(m0, s, part[0], &a, &sa);
-          const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL;  // [16 pairs][64 columns][2]
+          x_tile(m0 + 16, s, part[1], &a2, &sa2);
+          const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL + half * 64;  // [16 pairs][32 columns][2]
           _tile_loadd(4, a, sa);
-          _tile_loadd(5, b, B_STRIDE);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, b + 32, B_STRIDE);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, b + 64, B_STRIDE);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, b + 96, B_STRIDE);
-          _tile_dpbf16ps(3, 4, 5);
+          _tile_loadd(6, b, B_STRIDE);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, b + 32, B_STRIDE);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, a2, sa2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, sums, PANEL * 4);
-        _tile_stored(1, sums + 16, PANEL * 4);
-        _tile_stored(2, sums + 32, PANEL * 4);
-        _tile_stored(3, sums + 48, PANEL * 4);
+        _tile_stored(0, sums + half * 32, PANEL * 4);
+        _tile_stored(1, sums + half * 32 + 16, PANEL * 4);
+        _tile_stored(2, sums + 16 * PANEL + half * 32, PANEL * 4);
+        _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
       }
-      for (int64_t m = 0; m < rows; ++m)
-        store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        x_tile(m0, s, part[0], &a, &sa);
+        const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL;  // [16 pairs][64 columns][2]
+        _tile_loadd(4, a, sa);
+        _tile_loadd(5, b, B_STRIDE);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 32, B_STRIDE);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 64, B_STRIDE);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 96, B_STRIDE);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, sums, PANEL * 4);
+      _tile_stored(1, sums + 16, PANEL * 4);
+      _tile_stored(2, sums + 32, PANEL * 4);
+      _tile_stored(3, sums + 48, PANEL * 4);
     }
-    _tile_release();
-  }
+    for (int64_t m = 0; m < rows; ++m)
+      store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);
+  }, amx_configure, [] { _tile_release(); });
 }
 #endif
 
