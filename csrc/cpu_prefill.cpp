@@ -217,17 +217,18 @@ inline void qk_tile_amx(const uint16_t* q, int64_t D, const uint16_t* kp, float*
   _tile_stored(3, s + 48, KEYS * 4);
 }
 
-// o[r][c0 : c0 + 16 NV] = o * alpha[r] + (p[16][0:64] @ V[0:64][c0 : ...])[r] for the tile's R rows, V packed
-// [32][D][2] (pairs of keys); pv: [16][64] float scratch
+// o[16][c0 : c0 + 16 NV] += p[16][0:64] @ V[0:64][c0 : ...] in place (o's rows D floats apart, 16 of them
+// however many the tile holds: the buffer is padded), V packed [32][D][2] (pairs of keys): o's columns are the
+// sums' tiles, loaded, accumulated and stored back
 template <int NV>
-void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, int64_t D, const float* alpha, int R,
-                 float* pv) {
+void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, int64_t D) {
   static_assert(NV == 2 || NV == 4, "D in chunks of 64 and a last one of 32");
-  _tile_zero(0);
-  _tile_zero(1);
+  float* oc = o + c0;
+  _tile_loadd(0, oc, D * 4);
+  _tile_loadd(1, oc + 16, D * 4);
   if constexpr (NV == 4) {
-    _tile_zero(2);
-    _tile_zero(3);
+    _tile_loadd(2, oc + 32, D * 4);
+    _tile_loadd(3, oc + 48, D * 4);
   }
   for (int64_t j = 0; j < KEYS; j += 32) {
     const uint16_t* v = vp + j * D + 2 * c0;  // key pair rows j / 2 .. j / 2 + 15, each [D][2] from column c0
@@ -243,18 +244,11 @@ void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, in
       _tile_dpbf16ps(3, 4, 5);
     }
   }
-  _tile_stored(0, pv, KEYS * 4);
-  _tile_stored(1, pv + 16, KEYS * 4);
+  _tile_stored(0, oc, D * 4);
+  _tile_stored(1, oc + 16, D * 4);
   if constexpr (NV == 4) {
-    _tile_stored(2, pv + 32, KEYS * 4);
-    _tile_stored(3, pv + 48, KEYS * 4);
-  }
-  for (int m = 0; m < R; ++m) {
-    const __m512 a = _mm512_set1_ps(alpha[m]);
-    for (int c = 0; c < NV; ++c) {
-      float* dst = o + m * D + c0 + 16 * c;
-      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), a, _mm512_loadu_ps(pv + m * KEYS + 16 * c)));
-    }
+    _tile_stored(2, oc + 32, D * 4);
+    _tile_stored(3, oc + 48, D * 4);
   }
 }
 #endif
@@ -340,7 +334,6 @@ class Prefill {
     std::vector<float> q, o, m, l, alpha, s;
     std::vector<const KV*> v;
     std::vector<uint16_t> q16, p16;  // dp(): the rows' bf16 queries (unscaled), a tile's bf16 probabilities
-    std::vector<float> pv;           // amx_: a tile's P @ V for 64 columns
   };
 
   // bf16 on a CPU with avx512_bf16: both GEMMs by vdpbf16ps (qk_tile_dp, pv_tile_dp) over K and V packed in
@@ -349,6 +342,50 @@ class Prefill {
   static constexpr bool dp() { return GRAPHDECODE_PREFILL_DP && sizeof(T) == 2; }
 
   int64_t first_pos(int64_t b) const { return a_.kv_lens[b] - a_.q_lens[b]; }
+
+#if GRAPHDECODE_PREFILL_DP
+  // One row's block of 64 unscaled scores (-inf where masked) -> its bf16 probabilities p16, with its running max
+  // m (log2 units: scale * log2(e) * score), its running sum l (16 lanes) and the factor alpha its output so far
+  // takes. The max moves lazily: while no score of the block is more than LAZY above m, m stays (the
+  // probabilities up to 2^LAZY, alpha 1: no rescale of the output); past it, m becomes the exact max. The sum is
+  // of the probabilities before their bf16 rounding, as transformers' float32 softmax normalises them. Every
+  // step depends on this row's scores alone.
+  static void softmax_dp(const float* row, uint16_t* p16, float unit, float& m, float* l, float& alpha) {
+    constexpr float LAZY = 8.f;
+    const __m512 u = _mm512_set1_ps(unit);
+    __m512 t[4] = {};
+    bool move = m == NEG_INF;
+    if (!move) {
+      const __m512 shift = _mm512_set1_ps(-m), lazy = _mm512_set1_ps(LAZY);
+      __mmask16 over = 0;
+      for (int v = 0; v < 4; ++v) {
+        t[v] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), u, shift);
+        over |= _mm512_cmp_ps_mask(t[v], lazy, _CMP_GT_OQ);
+      }
+      move = over != 0;
+    }
+    alpha = 1.f;
+    if (move) {
+      const f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
+      const float m_new = std::max(m, tree_max(mx) * unit);
+      if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
+        std::memset(p16, 0, KEYS * sizeof(uint16_t));
+        return;
+      }
+      alpha = m == NEG_INF ? 0.f : std::exp2(m - m_new);
+      m = m_new;
+      const __m512 shift = _mm512_set1_ps(-m);
+      for (int v = 0; v < 4; ++v) t[v] = _mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), u, shift);
+    }
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha));
+    for (int v = 0; v < 4; ++v) {
+      const __m512 p = exp2_probability(t[v]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + 16 * v), (__m256i)_mm512_cvtneps_pbh(p));
+      sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(l, sum);
+  }
+#endif
 
   // the first key block the queries from q0 on may see
   int64_t block_lo(int64_t b, int64_t q0) const {
@@ -410,7 +447,7 @@ class Prefill {
     const int64_t pos0 = first_pos(b) + it.q0;  // row r: query head h * G + r / nq at position pos0 + r % nq
     const float unit = a_.scale * LOG2E;        // dp(): a score's factor into exp2's units
     w.q.resize(rows * D);
-    w.o.assign(rows * D, 0.f);
+    w.o.assign((rows + 15) / 16 * 16 * D, 0.f);  // AMX: whole tiles of rows
     w.m.assign(rows, NEG_INF);
     w.l.assign(rows * 16, 0.f);  // each row's running sum as 16 lanes, added up at the end
     w.alpha.resize(rows);
@@ -420,7 +457,6 @@ class Prefill {
     if (dp()) {
       w.q16.assign((rows + tile_rows - 1) / tile_rows * tile_rows * D, 0);
       w.p16.assign(tile_rows * KEYS, 0);
-      w.pv.resize(16 * KEYS);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const T* src = a_.q + (a_.q_starts[b] + it.q0 + r % nq) * a_.ldq + (h * G_ + r / nq) * D;
@@ -468,38 +504,27 @@ class Prefill {
               store16(row + 16 * v, (j < j_lo) | (j >= j_hi) ? neg : load16(row + 16 * v));
             }
           }
+#if GRAPHDECODE_PREFILL_DP
+          if constexpr (dp()) {
+            softmax_dp(row, w.p16.data() + m * KEYS, unit, w.m[r], w.l.data() + 16 * r, w.alpha[r]);
+            continue;
+          }
+#endif
           f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
-          // dp(): the scores unscaled, the running max in units of log2 (scale * log2(e) * score), as exp2 takes it
-          const float m_new = std::max(w.m[r], dp() ? tree_max(mx) * unit : tree_max(mx));
+          const float m_new = std::max(w.m[r], tree_max(mx));
           if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
             std::memset(row, 0, KEYS * sizeof(float));
-            if (dp()) std::memset(w.p16.data() + m * KEYS, 0, KEYS * sizeof(uint16_t));
             w.alpha[r] = 1.f;
             continue;
           }
           f32x16 sum = {};
-#if GRAPHDECODE_PREFILL_DP
-          if constexpr (dp()) {  // the probabilities P @ V reads, rounded to bf16 (to nearest even), and their sum
-            const __m512 u = _mm512_set1_ps(unit), shift = _mm512_set1_ps(-m_new);
-            uint16_t* p16 = w.p16.data() + m * KEYS;
-            for (int v = 0; v < 4; ++v) {
-              const __m512 p = exp2_probability(_mm512_fmadd_ps(_mm512_loadu_ps(row + 16 * v), u, shift));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + 16 * v), (__m256i)_mm512_cvtneps_pbh(p));
-              sum += load16(p16 + 16 * v);  // widened back from L1
-            }
-          }
-#endif
-          if constexpr (!dp()) {
-            for (int v = 0; v < 4; ++v) {
-              const f32x16 p = exp16(load16(row + 16 * v) - m_new);
-              store16(row + 16 * v, p);
-              sum += p;
-            }
+          for (int v = 0; v < 4; ++v) {
+            const f32x16 p = exp16(load16(row + 16 * v) - m_new);
+            store16(row + 16 * v, p);
+            sum += p;
           }
           // the running max mostly stays put after the first blocks: then the rescale is exactly 1
-          const float alpha = w.m[r] == m_new ? 1.f
-                              : w.m[r] == NEG_INF ? 0.f
-                              : dp() ? std::exp2(w.m[r] - m_new) : std::exp(w.m[r] - m_new);
+          const float alpha = w.m[r] == m_new ? 1.f : w.m[r] == NEG_INF ? 0.f : std::exp(w.m[r] - m_new);
           store16(w.l.data() + 16 * r, load16(w.l.data() + 16 * r) * alpha + sum);
           w.m[r] = m_new;
           w.alpha[r] = alpha;
@@ -510,11 +535,14 @@ class Prefill {
 #if defined(GRAPHDECODE_AMX)
         if (amx_) {
           const uint16_t* vp = packed_block(b, block, h, 1);
+          for (int m = 0; m < R; ++m)  // rows whose running max moved: their sums so far rescaled first
+            if (alpha[m] != 1.f)
+              for (int64_t d = 0; d < D; d += 16) store16(o + m * D + d, load16(o + m * D + d) * alpha[m]);
           for (int64_t c0 = 0; c0 < D; c0 += 64) {
             if (D - c0 >= 64)
-              pv_tile_amx<4>(w.p16.data(), vp, c0, o, D, alpha, R, w.pv.data());
+              pv_tile_amx<4>(w.p16.data(), vp, c0, o, D);
             else
-              pv_tile_amx<2>(w.p16.data(), vp, c0, o, D, alpha, R, w.pv.data());
+              pv_tile_amx<2>(w.p16.data(), vp, c0, o, D);
           }
           continue;
         }
