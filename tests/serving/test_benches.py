@@ -393,6 +393,19 @@ def test_ab_cpu_prefill_smoke(micro_dir):
         assert r["same_tokens"] and r["sdpa_s"] > 0 and r["kernel_s"] > 0 and r["best_ratio"] > 0
 
 
+def test_cpu_kernels_bench_smoke():
+    """bench_cpu_kernels: every kernel beside its torch op at a small shape, both times positive."""
+    from graphdecode.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built")
+    rows = _script("bench_cpu_kernels").main(["--dtype", "bfloat16", "--rows", "20", "--threads", "1",
+                                              "--rounds", "1", "--shape", "64,96,4,2,32"])
+    assert [r["case"] for r in rows] == ["linear qkv", "linear o", "linear gate_up", "linear down", "swiglu",
+                                         "prefill attention"]
+    assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 for r in rows)
+
+
 def test_ab_cpu_decode_layers_smoke(micro_dir, monkeypatch):
     """ab_cpu_decode_layers: the one-call decode layers and the eager forward alternate in one engine (the micro
     model's weights counted as streaming, so they take the panels) and decode the same tokens."""
