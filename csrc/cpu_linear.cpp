@@ -200,7 +200,9 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
   const int64_t pairs = ((K + 1) / 2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS, steps = pairs / AMX_PAIRS;
   constexpr int64_t B_STRIDE = 2 * PANEL * 2;  // bytes between a panel's k pair rows
-  const int64_t per_block = panels_per_block(pairs * B_STRIDE);
+  // decode's few rows: each panel's row pairs one after the other (the panel comes from memory once, then from
+  // L1); a prefill's many rows: blocks of panels held in L2 while every row pair runs over them
+  const int64_t per_block = M <= 64 ? 1 : panels_per_block(pairs * B_STRIDE);
   for_units((M + 31) / 32, num_panels, per_block, threads, [&](int64_t duo, int64_t p) {
     alignas(64) float sums[32 * PANEL];
     alignas(64) uint16_t part[2][16 * 32];  // tiles of x with rows past M or k past K: zeros there
