@@ -274,6 +274,35 @@ inline void amx_configure() {
       1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&config);
 }
+
+// The kernels' common step, 16 rows against 64 columns: tmm0-3 += tmm4 (16 rows of 32 bf16 at a, rows lda bytes
+// apart) times four tiles of 16 pairs of 16 columns (at b, b + 32, b + 64, b + 96, pair rows ldb bytes apart)
+inline void amx_rows_times_64(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, b, ldb);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, b + 32, ldb);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, b + 64, ldb);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, b + 96, ldb);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
+// tmm0-3 stored as 64 float32 columns of 16 rows at dst (rows ld bytes apart)
+inline void amx_store_64(float* dst, int64_t ld) {
+  _tile_stored(0, dst, ld);
+  _tile_stored(1, dst + 16, ld);
+  _tile_stored(2, dst + 32, ld);
+  _tile_stored(3, dst + 48, ld);
+}
+
+inline void amx_zero_64() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
 #endif
 
 }  // namespace graphdecode_cpu

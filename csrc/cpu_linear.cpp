@@ -229,10 +229,7 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
     int64_t sa, sa2;
     if (rows > 16) {
       for (int64_t half = 0; half < 2; ++half) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        amx_zero_64();
         for (int64_t s = 0; s < steps; ++s) {
           x_tile(m0, s, part[0], &a, &sa);
           x_tile(m0 + 16, s, part[1], &a2, &sa2);
@@ -252,27 +249,12 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
         _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
       }
     } else {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      amx_zero_64();
       for (int64_t s = 0; s < steps; ++s) {
         x_tile(m0, s, part[0], &a, &sa);
-        const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL;  // [16 pairs][64 columns][2]
-        _tile_loadd(4, a, sa);
-        _tile_loadd(5, b, B_STRIDE);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, b + 32, B_STRIDE);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, b + 64, B_STRIDE);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, b + 96, B_STRIDE);
-        _tile_dpbf16ps(3, 4, 5);
+        amx_rows_times_64(a, sa, panel + s * AMX_PAIRS * 2 * PANEL, B_STRIDE);  // [16 pairs][64 columns][2]
       }
-      _tile_stored(0, sums, PANEL * 4);
-      _tile_stored(1, sums + 16, PANEL * 4);
-      _tile_stored(2, sums + 32, PANEL * 4);
-      _tile_stored(3, sums + 48, PANEL * 4);
+      amx_store_64(sums, PANEL * 4);
     }
     for (int64_t m = 0; m < rows; ++m)
       store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);

@@ -192,29 +192,13 @@ void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int
 
 #if defined(GRAPHDECODE_AMX)
 // bf16 on AMX (D a multiple of 32): tiles of 16 rows, both GEMMs as tdpbf16ps over the same packing as the dp
-// kernels, tmm0-3 the sums of 64 columns, tmm4 the rows' 32 k, tmm5-7 the packed side's 16 pairs of 16 columns.
+// kernels (cpu_common.h's amx_rows_times_64: tmm0-3 the sums of 64 columns, tmm4 the rows' 32 k, tmm5-7 the
+// packed side's 16 pairs of 16 columns).
 // s[16][64] = q[16][D] @ K^T (unscaled), K packed [D / 2][64][2]; q rows past the tile's own are zeros
 inline void qk_tile_amx(const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t d = 0; d < D; d += 32) {
-    const uint16_t* k = kp + d * KEYS;  // pair rows d / 2 .. d / 2 + 15, each [64 keys][2]
-    _tile_loadd(4, q + d, D * 2);
-    _tile_loadd(5, k, KEYS * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, k + 32, KEYS * 4);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, k + 64, KEYS * 4);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, k + 96, KEYS * 4);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, s, KEYS * 4);
-  _tile_stored(1, s + 16, KEYS * 4);
-  _tile_stored(2, s + 32, KEYS * 4);
-  _tile_stored(3, s + 48, KEYS * 4);
+  amx_zero_64();
+  for (int64_t d = 0; d < D; d += 32) amx_rows_times_64(q + d, D * 2, kp + d * KEYS, KEYS * 4);  // pair rows d / 2..
+  amx_store_64(s, KEYS * 4);
 }
 
 // o[16][c0 : c0 + 16 NV] += p[16][0:64] @ V[0:64][c0 : ...] in place (o's rows D floats apart, 16 of them
@@ -232,23 +216,21 @@ void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, in
   }
   for (int64_t j = 0; j < KEYS; j += 32) {
     const uint16_t* v = vp + j * D + 2 * c0;  // key pair rows j / 2 .. j / 2 + 15, each [D][2] from column c0
-    _tile_loadd(4, p + j, KEYS * 2);
-    _tile_loadd(5, v, D * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, v + 32, D * 4);
-    _tile_dpbf16ps(1, 4, 6);
     if constexpr (NV == 4) {
-      _tile_loadd(7, v + 64, D * 4);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, v + 96, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
+      amx_rows_times_64(p + j, KEYS * 2, v, D * 4);
+    } else {
+      _tile_loadd(4, p + j, KEYS * 2);
+      _tile_loadd(5, v, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + 32, D * 4);
+      _tile_dpbf16ps(1, 4, 6);
     }
   }
-  _tile_stored(0, oc, D * 4);
-  _tile_stored(1, oc + 16, D * 4);
   if constexpr (NV == 4) {
-    _tile_stored(2, oc + 32, D * 4);
-    _tile_stored(3, oc + 48, D * 4);
+    amx_store_64(oc, D * 4);
+  } else {
+    _tile_stored(0, oc, D * 4);
+    _tile_stored(1, oc + 16, D * 4);
   }
 }
 #endif
