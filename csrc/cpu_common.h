@@ -275,29 +275,46 @@ inline void amx_configure() {
   _tile_loadconfig(&config);
 }
 
-// The kernels' common step, 16 rows against 64 columns: tmm0-3 += tmm4 (16 rows of 32 bf16 at a, rows lda bytes
-// apart) times four tiles of 16 pairs of 16 columns (at b, b + 32, b + 64, b + 96, pair rows ldb bytes apart)
-inline void amx_rows_times_64(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb) {
+// The kernels' common step, 16 rows against 16 NV columns (NV 4 or 2): tmm0..NV-1 += tmm4 (16 rows of 32 bf16 at
+// a, rows lda bytes apart) times NV tiles of 16 pairs of 16 columns (at b, b + 32, ..., pair rows ldb bytes apart)
+template <int NV = 4>
+inline void amx_rows_times(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ldb) {
+  static_assert(NV == 2 || NV == 4, "64 or 32 columns");
   _tile_loadd(4, a, lda);
   _tile_loadd(5, b, ldb);
   _tile_dpbf16ps(0, 4, 5);
   _tile_loadd(6, b + 32, ldb);
   _tile_dpbf16ps(1, 4, 6);
-  _tile_loadd(7, b + 64, ldb);
-  _tile_dpbf16ps(2, 4, 7);
-  _tile_loadd(5, b + 96, ldb);
-  _tile_dpbf16ps(3, 4, 5);
+  if constexpr (NV == 4) {
+    _tile_loadd(7, b + 64, ldb);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, b + 96, ldb);
+    _tile_dpbf16ps(3, 4, 5);
+  }
 }
 
-// tmm0-3 stored as 64 float32 columns of 16 rows at dst (rows ld bytes apart)
-inline void amx_store_64(float* dst, int64_t ld) {
-  _tile_stored(0, dst, ld);
-  _tile_stored(1, dst + 16, ld);
-  _tile_stored(2, dst + 32, ld);
-  _tile_stored(3, dst + 48, ld);
+// tmm0..NV-1 from / to 16 NV float32 columns of 16 rows at p (rows ld bytes apart), or zeroed
+template <int NV = 4>
+inline void amx_load(const float* p, int64_t ld) {
+  _tile_loadd(0, p, ld);
+  _tile_loadd(1, p + 16, ld);
+  if constexpr (NV == 4) {
+    _tile_loadd(2, p + 32, ld);
+    _tile_loadd(3, p + 48, ld);
+  }
 }
 
-inline void amx_zero_64() {
+template <int NV = 4>
+inline void amx_store(float* p, int64_t ld) {
+  _tile_stored(0, p, ld);
+  _tile_stored(1, p + 16, ld);
+  if constexpr (NV == 4) {
+    _tile_stored(2, p + 32, ld);
+    _tile_stored(3, p + 48, ld);
+  }
+}
+
+inline void amx_zero() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);

@@ -123,7 +123,7 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
                                         s.threads);
     err |= project(qt + P_GATE_UP * QUANT_WORDS, normed, M, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
                    s.threads, s.dtype);
-    err |= graphdecode_cpu_swiglu(gate_up, M, s.inter, act, s.dtype, 1);
+    err |= graphdecode_cpu_swiglu(gate_up, M, s.inter, act, s.dtype, 1);  // decode's few rows: one thread
     err |= project(qt + P_DOWN * QUANT_WORDS, act, M, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, s.threads,
                    s.dtype);
     std::memcpy(x, total, M * H * sizeof(T));

@@ -229,7 +229,7 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
     int64_t sa, sa2;
     if (rows > 16) {
       for (int64_t half = 0; half < 2; ++half) {
-        amx_zero_64();
+        amx_zero();
         for (int64_t s = 0; s < steps; ++s) {
           x_tile(m0, s, part[0], &a, &sa);
           x_tile(m0 + 16, s, part[1], &a2, &sa2);
@@ -249,12 +249,12 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
         _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
       }
     } else {
-      amx_zero_64();
+      amx_zero();
       for (int64_t s = 0; s < steps; ++s) {
         x_tile(m0, s, part[0], &a, &sa);
-        amx_rows_times_64(a, sa, panel + s * AMX_PAIRS * 2 * PANEL, B_STRIDE);  // [16 pairs][64 columns][2]
+        amx_rows_times(a, sa, panel + s * AMX_PAIRS * 2 * PANEL, B_STRIDE);  // [16 pairs][64 columns][2]
       }
-      amx_store_64(sums, PANEL * 4);
+      amx_store(sums, PANEL * 4);
     }
     for (int64_t m = 0; m < rows; ++m)
       store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);

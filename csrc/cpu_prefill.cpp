@@ -192,13 +192,13 @@ void pv_tile_dp(const uint16_t* __restrict p, const uint16_t* __restrict vp, int
 
 #if defined(GRAPHDECODE_AMX)
 // bf16 on AMX (D a multiple of 32): tiles of 16 rows, both GEMMs as tdpbf16ps over the same packing as the dp
-// kernels (cpu_common.h's amx_rows_times_64: tmm0-3 the sums of 64 columns, tmm4 the rows' 32 k, tmm5-7 the
+// kernels (cpu_common.h's amx_rows_times: tmm0-3 the sums of 64 columns, tmm4 the rows' 32 k, tmm5-7 the
 // packed side's 16 pairs of 16 columns).
 // s[16][64] = q[16][D] @ K^T (unscaled), K packed [D / 2][64][2]; q rows past the tile's own are zeros
 inline void qk_tile_amx(const uint16_t* q, int64_t D, const uint16_t* kp, float* s) {
-  amx_zero_64();
-  for (int64_t d = 0; d < D; d += 32) amx_rows_times_64(q + d, D * 2, kp + d * KEYS, KEYS * 4);  // pair rows d / 2..
-  amx_store_64(s, KEYS * 4);
+  amx_zero();
+  for (int64_t d = 0; d < D; d += 32) amx_rows_times(q + d, D * 2, kp + d * KEYS, KEYS * 4);  // pair rows d / 2..
+  amx_store(s, KEYS * 4);
 }
 
 // o[16][c0 : c0 + 16 NV] += p[16][0:64] @ V[0:64][c0 : ...] in place (o's rows D floats apart, 16 of them
@@ -206,32 +206,10 @@ inline void qk_tile_amx(const uint16_t* q, int64_t D, const uint16_t* kp, float*
 // sums' tiles, loaded, accumulated and stored back
 template <int NV>
 void pv_tile_amx(const uint16_t* p, const uint16_t* vp, int64_t c0, float* o, int64_t D) {
-  static_assert(NV == 2 || NV == 4, "D in chunks of 64 and a last one of 32");
-  float* oc = o + c0;
-  _tile_loadd(0, oc, D * 4);
-  _tile_loadd(1, oc + 16, D * 4);
-  if constexpr (NV == 4) {
-    _tile_loadd(2, oc + 32, D * 4);
-    _tile_loadd(3, oc + 48, D * 4);
-  }
-  for (int64_t j = 0; j < KEYS; j += 32) {
-    const uint16_t* v = vp + j * D + 2 * c0;  // key pair rows j / 2 .. j / 2 + 15, each [D][2] from column c0
-    if constexpr (NV == 4) {
-      amx_rows_times_64(p + j, KEYS * 2, v, D * 4);
-    } else {
-      _tile_loadd(4, p + j, KEYS * 2);
-      _tile_loadd(5, v, D * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, v + 32, D * 4);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-  }
-  if constexpr (NV == 4) {
-    amx_store_64(oc, D * 4);
-  } else {
-    _tile_stored(0, oc, D * 4);
-    _tile_stored(1, oc + 16, D * 4);
-  }
+  amx_load<NV>(o + c0, D * 4);
+  for (int64_t j = 0; j < KEYS; j += 32)  // key pair rows j / 2 .. j / 2 + 15, each [D][2] from column c0
+    amx_rows_times<NV>(p + j, KEYS * 2, vp + j * D + 2 * c0, D * 4);
+  amx_store<NV>(o + c0, D * 4);
 }
 #endif
 
