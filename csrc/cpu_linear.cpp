@@ -9,7 +9,7 @@
 // its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of the panel,
 // one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16 KB of fp32
 // panel (8 of bf16), so that every tile of the rows reuses the block from L1; the sums wait in a small
-// buffer between blocks. While a block's tiles run, the next block's bytes of the stream (the next
+// buffer between blocks (a prefill's many rows: blocks of 2 KB rows, half the sums' round trips). While a block's tiles run, the next block's bytes of the stream (the next
 // block, or the next panel's first) are prefetched, its cache lines spread over all the tiles' k steps: memory and
 // arithmetic overlap whatever the number of rows.
 //
@@ -86,7 +86,8 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
 template <typename T>
 void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
                   int64_t ldy, int32_t threads) {
-  panel_tasks(M, N, K, KB, PANEL, panels, bias, y, ldy, threads,
+  // more rows than one task's: twice the k a block, half the round trips of the sums through memory
+  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, bias, y, ldy, threads,
               [=](int64_t r, int64_t m, const T* panel, int64_t k0, int64_t k1, float* sums, const char* pf,
                   int64_t lines, int64_t per_k) {
                 panel_tile_rows(r, x + m * ldx, ldx, panel, k0, k1, sums, pf, lines, per_k);

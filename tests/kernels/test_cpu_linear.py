@@ -70,6 +70,9 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype)
                 assert ((got.double() - exact).abs() <= step).all()
     one = [panel(x[i : i + 1], b) for i in range(limit)]
     assert torch.equal(torch.cat(one), panel(x[:limit], b))  # the same sums whichever tile a row lands in
+    # past one task's 64 rows the kernel walks K in longer blocks: still each sum's k in ascending order
+    alone = [panel.kernels.panel_linear(x[i : i + 1], panel.panels, n, b) for i in range(70)]
+    assert torch.equal(torch.cat(alone), panel.kernels.panel_linear(x, panel.panels, n, b))
     assert panel(x[:6].view(2, 3, k), b).shape == (2, 3, n)
 
 
