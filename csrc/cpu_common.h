@@ -208,6 +208,41 @@ inline f32x16 exp16(f32x16 x) {
 // exp16 of one value (the same bits as its lanes)
 inline float exp1(float x) { return exp16(f32x16{} + x)[0]; }
 
+// o[0:n] = silu(g) * u, torch's roundings (transformers' SwiGLU in the dtype): silu in float rounded to T, the
+// product rounded to T; silu(x) = x / (1 + exp(-x)) with exp16 (about 1 ulp from torch's). Elementwise: a
+// value's bits depend on nothing else. Never inlined nor specialised: every caller (cpu_fused.cpp's pass,
+// cpu_linear.cpp's gated projection) runs this one copy, so the compiler's contractions cannot differ with the
+// caller's context.
+#if defined(__clang__)
+#define GRAPHDECODE_ONE_COPY __attribute__((noinline))
+#else
+#define GRAPHDECODE_ONE_COPY __attribute__((noipa))
+#endif
+template <typename T>
+GRAPHDECODE_ONE_COPY void swiglu_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 x = load16(g + i);
+    alignas(64) T silu[16];
+    store16(silu, x / (1.f + exp16(-x)));
+    store16(o + i, load16(silu) * load16(u + i));
+  }
+  for (; i < n; ++i) {
+    const float x = load(g + i);
+    store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));
+  }
+}
+
+// swiglu_row over float32 sums of a gated projection's gate and up columns (n <= 64), each first rounded to T as
+// the projection's own output would be: the same bits as the projection written out, then swiglu_row
+template <typename T>
+inline void swiglu_sums(T* o, const float* g, const float* u, int64_t n) {
+  alignas(64) T gt[64], ut[64];
+  store_sums(gt, g, n);
+  store_sums(ut, u, n);
+  swiglu_row(gt, ut, o, n);
+}
+
 // Column panels (cpu_linear.cpp's float weights, cpu_qlinear.cpp's dequantized blocks): PANEL output columns,
 // [K][PANEL] contiguous, walked by register tiles of up to PANEL_MR rows.
 constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16

@@ -116,28 +116,12 @@ void rope(const T* q, const T* k, T* q_out, T* k_out, const T* cos, const T* sin
   }
 }
 
-// silu(gate) * up over rows [gate | up] of 2 * inter -> rows of inter, torch's roundings (transformers' SwiGLU
-// in the dtype): silu in float rounded to T, the product rounded to T; silu(x) = x / (1 + exp(-x)) with
-// cpu_common.h's exp16 (about 1 ulp from torch's). Elementwise: a value's bits depend on nothing else.
+// silu(gate) * up over rows [gate | up] of 2 * inter -> rows of inter (cpu_common.h's swiglu_row)
 template <typename T>
 void swiglu(const T* gate_up, T* out, int64_t rows, int64_t inter, int32_t threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && rows * inter >= PARALLEL_MIN)
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* g = gate_up + m * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + m * inter;
-    int64_t i = 0;
-    for (; i + 16 <= inter; i += 16) {
-      const f32x16 x = load16(g + i);
-      alignas(64) T silu[16];
-      store16(silu, x / (1.f + exp16(-x)));
-      store16(o + i, load16(silu) * load16(u + i));
-    }
-    for (; i < inter; ++i) {
-      const float x = load(g + i);
-      store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m) swiglu_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter,
+                                                out + m * inter, inter);
 }
 
 }  // namespace

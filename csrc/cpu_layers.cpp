@@ -26,6 +26,8 @@ int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out,
 int graphdecode_cpu_swiglu(const void* gate_up, int64_t rows, int64_t inter, void* out, int32_t dtype, int32_t threads);
 int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N,
                                  const void* bias, void* y, int64_t ldy, int32_t threads, int32_t dtype);
+int graphdecode_cpu_panel_linear_swiglu(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels,
+                                        int64_t I, void* y, int64_t ldy, int32_t threads, int32_t dtype);
 int graphdecode_cpu_qpanel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int32_t kind,
                                   const float* scales, const float* zs, int64_t group, int64_t N, const void* bias,
                                   void* y, int64_t ldy, int32_t threads, int32_t dtype);
@@ -121,9 +123,14 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
     err |= project(qt + P_O * QUANT_WORDS, attn, M, qn, ptr<T>(w[O]), H, nullptr, o, s.threads, s.dtype);
     err |= graphdecode_cpu_add_rms_norm(x, o, ptr<T>(w[POST_NORM]), normed, total, M, H, H, s.eps, s.dtype,
                                         s.threads);
-    err |= project(qt + P_GATE_UP * QUANT_WORDS, normed, M, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
-                   s.threads, s.dtype);
-    err |= graphdecode_cpu_swiglu(gate_up, M, s.inter, act, s.dtype, 1);  // decode's few rows: one thread
+    if (qt[P_GATE_UP * QUANT_WORDS + KIND] < 0 && s.inter % 64 == 0) {  // panels: the projection and SwiGLU at once
+      err |= graphdecode_cpu_panel_linear_swiglu(normed, M, H, H, ptr<T>(w[GATE_UP]), s.inter, act, s.inter,
+                                                 s.threads, s.dtype);
+    } else {
+      err |= project(qt + P_GATE_UP * QUANT_WORDS, normed, M, H, ptr<T>(w[GATE_UP]), 2 * s.inter, nullptr, gate_up,
+                     s.threads, s.dtype);
+      err |= graphdecode_cpu_swiglu(gate_up, M, s.inter, act, s.dtype, 1);  // decode's few rows: one thread
+    }
     err |= project(qt + P_DOWN * QUANT_WORDS, act, M, s.inter, ptr<T>(w[DOWN]), H, nullptr, down, s.threads,
                    s.dtype);
     std::memcpy(x, total, M * H * sizeof(T));

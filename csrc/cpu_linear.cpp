@@ -46,48 +46,60 @@ constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are
 // tasks of (up to ROWS_MAX rows, a panel) over `threads` threads; a task's sums start from the bias's columns,
 // take tile(rows, row offset, s0, s1, sums, prefetch, lines, per step) for blocks of `block` steps and register
 // tiles of MR rows (meanwhile the next block's panel bytes are prefetched, spread over the tiles' steps), and go
-// to y.
+// to y. Gated (`up` > 0: a [gate | up] projection, gate column c's up at column c + up * PANEL, no bias): a task
+// runs a gate panel and its up panel and writes y = swiglu of the two (swiglu_sums), up * PANEL columns in all.
 template <typename T, typename Tile>
 void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t step_elems, const T* panels,
-                 const T* bias, T* y, int64_t ldy, int32_t threads, Tile&& tile) {
-  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+                 const T* bias, T* y, int64_t ldy, int64_t up, int32_t threads, Tile&& tile) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
   const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
-  const int64_t tasks = blocks * num_panels;
+  const int64_t tasks = blocks * outs, panel_elems = steps * step_elems;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
-    alignas(64) float sums[ROWS_MAX * PANEL];
-    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
+    alignas(64) float sums[2][ROWS_MAX * PANEL];
+    const int64_t m0 = (t / outs) * ROWS_MAX, o = t % outs;
     const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
-    const T* panel = panels + p * steps * step_elems;
-    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    const int64_t cols = N - o * PANEL < PANEL ? N - o * PANEL : PANEL;
     alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
-    for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
-    for (int64_t m = 0; m < rows; ++m) std::memcpy(sums + m * PANEL, start, sizeof start);
-    for (int64_t s0 = 0; s0 < steps; s0 += block) {
-      const int64_t s1 = s0 + block < steps ? s0 + block : steps;
-      // the next block of the stream comes in while this block's tiles run (prefetching past the panels' end
-      // is harmless: a prefetch never faults)
-      const int64_t count = ((rows + MR - 1) / MR) * (s1 - s0);
-      int64_t lines = block * step_elems * int64_t(sizeof(T)) / LINE;
-      const int64_t per = (lines + count - 1) / count;
-      const char* pf = reinterpret_cast<const char*>(panel + s1 * step_elems);
-      for (int64_t m = 0; m < rows; m += MR) {
-        const int64_t r = rows - m < MR ? rows - m : MR;
-        const int64_t mine = lines < per * (s1 - s0) ? lines : per * (s1 - s0);
-        tile(r, m0 + m, panel, s0, s1, sums + m * PANEL, pf, mine, per);
-        pf += mine * LINE;
-        lines -= mine;
+    for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + o * PANEL + j) : 0.f;
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t p = o + g * up;
+      const T* panel = panels + p * panel_elems;
+      // the bytes read after this panel's: the next panel's (gated: the up panel, then the next task's gate panel)
+      const T* after = panels + (g + 1 < group ? p + up : g ? o + 1 : p + 1) * panel_elems;
+      float* acc = sums[g];
+      for (int64_t m = 0; m < rows; ++m) std::memcpy(acc + m * PANEL, start, sizeof start);
+      for (int64_t s0 = 0; s0 < steps; s0 += block) {
+        const int64_t s1 = s0 + block < steps ? s0 + block : steps;
+        // the next block of the stream comes in while this block's tiles run (prefetching past the panels' end
+        // is harmless: a prefetch never faults)
+        const int64_t count = ((rows + MR - 1) / MR) * (s1 - s0);
+        int64_t lines = block * step_elems * int64_t(sizeof(T)) / LINE;
+        const int64_t per = (lines + count - 1) / count;
+        const char* pf = reinterpret_cast<const char*>(s1 < steps ? panel + s1 * step_elems : after);
+        for (int64_t m = 0; m < rows; m += MR) {
+          const int64_t r = rows - m < MR ? rows - m : MR;
+          const int64_t mine = lines < per * (s1 - s0) ? lines : per * (s1 - s0);
+          tile(r, m0 + m, panel, s0, s1, acc + m * PANEL, pf, mine, per);
+          pf += mine * LINE;
+          lines -= mine;
+        }
       }
     }
-    for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols);
+    for (int64_t m = 0; m < rows; ++m) {
+      if (up)
+        swiglu_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, PANEL);
+      else
+        store_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, cols);
+    }
   }
 }
 
 template <typename T>
 void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
-                  int64_t ldy, int32_t threads) {
+                  int64_t ldy, int64_t up, int32_t threads) {
   // more rows than one task's: twice the k a block, half the round trips of the sums through memory
-  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, bias, y, ldy, threads,
+  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, bias, y, ldy, up, threads,
               [=](int64_t r, int64_t m, const T* panel, int64_t k0, int64_t k1, float* sums, const char* pf,
                   int64_t lines, int64_t per_k) {
                 panel_tile_rows(r, x + m * ldx, ldx, panel, k0, k1, sums, pf, lines, per_k);
@@ -148,8 +160,8 @@ inline void pair_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t
 // panel_linear's bf16 form over vdpbf16ps, W in pair panels [ceil(N / 64)][ceil(K / 2)][64][2] (an odd K's
 // last pair and the columns past N zero): the same tasks, blocks of KB k and prefetch, one k pair a step
 void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
-                        const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
-  panel_tasks(M, N, (K + 1) / 2, KB / 2, 2 * PANEL, panels, bias, y, ldy, threads,
+                        const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t up, int32_t threads) {
+  panel_tasks(M, N, (K + 1) / 2, KB / 2, 2 * PANEL, panels, bias, y, ldy, up, threads,
               [=](int64_t r, int64_t m, const uint16_t* panel, int64_t j0, int64_t j1, float* sums, const char* pf,
                   int64_t lines, int64_t per_j) {
                 pair_tile_rows(r, x + m * ldx, ldx, K, panel, j0, j1, sums, pf, lines, per_j);
@@ -197,15 +209,15 @@ inline int64_t panels_per_block(int64_t panel_bytes) {
 // (tmm0-3 its sums, tmm4 its x, tmm5-7 the panel's). Each output is one tile's sum over the k steps in ascending
 // order, so a row's bits do not depend on the other rows of its tile, on its tile's partner, or on the split.
 void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
-                      const uint16_t* bias, uint16_t* y, int64_t ldy, int32_t threads) {
-  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+                      const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t up, int32_t threads) {
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
   const int64_t pairs = ((K + 1) / 2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS, steps = pairs / AMX_PAIRS;
   constexpr int64_t B_STRIDE = 2 * PANEL * 2;  // bytes between a panel's k pair rows
   // decode's few rows: each panel's row pairs one after the other (the panel comes from memory once, then from
   // L1); a prefill's many rows: blocks of panels held in L2 while every row pair runs over them
-  const int64_t per_block = M <= 64 ? 1 : panels_per_block(pairs * B_STRIDE);
-  for_units((M + 31) / 32, num_panels, per_block, threads, [&](int64_t duo, int64_t p) {
-    alignas(64) float sums[32 * PANEL];
+  const int64_t per_block = M <= 64 ? 1 : panels_per_block(group * pairs * B_STRIDE);
+  for_units((M + 31) / 32, outs, per_block, threads, [&](int64_t duo, int64_t o) {
+    alignas(64) float sums[2][32 * PANEL];
     alignas(64) uint16_t part[2][16 * 32];  // tiles of x with rows past M or k past K: zeros there
     // x's tile of rows m0.. (up to 16) at step s, as a pointer and a row stride in bytes
     auto x_tile = [&](int64_t m0, int64_t s, uint16_t* buffer, const uint16_t** ptr, int64_t* stride) {
@@ -219,46 +231,53 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
       for (int64_t m = 0; m < rows; ++m) std::memcpy(buffer + m * 32, x + (m0 + m) * ldx + k0, width * 2);
       *ptr = buffer, *stride = 64;
     };
-    const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-    const uint16_t* panel = panels + p * pairs * 2 * PANEL;
+    const int64_t cols = N - o * PANEL < PANEL ? N - o * PANEL : PANEL;
     alignas(64) float start[PANEL];  // added to each output's sum: its bias (zero past N)
     if (bias)
-      for (int64_t c = 0; c < PANEL; ++c) start[c] = c < cols ? load(bias + p * PANEL + c) : 0.f;
+      for (int64_t c = 0; c < PANEL; ++c) start[c] = c < cols ? load(bias + o * PANEL + c) : 0.f;
     const int64_t m0 = duo * 32, rows = M - m0 < 32 ? M - m0 : 32;
     const uint16_t* a;
     const uint16_t* a2;
     int64_t sa, sa2;
-    if (rows > 16) {
-      for (int64_t half = 0; half < 2; ++half) {
+    for (int64_t g = 0; g < group; ++g) {  // the output's panel (gated: its gate panel, then its up panel)
+      const uint16_t* panel = panels + (o + g * up) * pairs * 2 * PANEL;
+      float* acc = sums[g];
+      if (rows > 16) {
+        for (int64_t half = 0; half < 2; ++half) {
+          amx_zero();
+          for (int64_t s = 0; s < steps; ++s) {
+            x_tile(m0, s, part[0], &a, &sa);
+            x_tile(m0 + 16, s, part[1], &a2, &sa2);
+            const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL + half * 64;  // [16 pairs][32 columns][2]
+            _tile_loadd(4, a, sa);
+            _tile_loadd(6, b, B_STRIDE);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 32, B_STRIDE);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a2, sa2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, acc + half * 32, PANEL * 4);
+          _tile_stored(1, acc + half * 32 + 16, PANEL * 4);
+          _tile_stored(2, acc + 16 * PANEL + half * 32, PANEL * 4);
+          _tile_stored(3, acc + 16 * PANEL + half * 32 + 16, PANEL * 4);
+        }
+      } else {
         amx_zero();
         for (int64_t s = 0; s < steps; ++s) {
           x_tile(m0, s, part[0], &a, &sa);
-          x_tile(m0 + 16, s, part[1], &a2, &sa2);
-          const uint16_t* b = panel + s * AMX_PAIRS * 2 * PANEL + half * 64;  // [16 pairs][32 columns][2]
-          _tile_loadd(4, a, sa);
-          _tile_loadd(6, b, B_STRIDE);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, b + 32, B_STRIDE);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, a2, sa2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          amx_rows_times(a, sa, panel + s * AMX_PAIRS * 2 * PANEL, B_STRIDE);  // [16 pairs][64 columns][2]
         }
-        _tile_stored(0, sums + half * 32, PANEL * 4);
-        _tile_stored(1, sums + half * 32 + 16, PANEL * 4);
-        _tile_stored(2, sums + 16 * PANEL + half * 32, PANEL * 4);
-        _tile_stored(3, sums + 16 * PANEL + half * 32 + 16, PANEL * 4);
+        amx_store(acc, PANEL * 4);
       }
-    } else {
-      amx_zero();
-      for (int64_t s = 0; s < steps; ++s) {
-        x_tile(m0, s, part[0], &a, &sa);
-        amx_rows_times(a, sa, panel + s * AMX_PAIRS * 2 * PANEL, B_STRIDE);  // [16 pairs][64 columns][2]
-      }
-      amx_store(sums, PANEL * 4);
     }
-    for (int64_t m = 0; m < rows; ++m)
-      store_sums(y + (m0 + m) * ldy + p * PANEL, sums + m * PANEL, cols, bias ? start : nullptr);
+    for (int64_t m = 0; m < rows; ++m) {
+      if (up)
+        swiglu_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, PANEL);
+      else
+        store_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, cols, bias ? start : nullptr);
+    }
   }, amx_configure, [] { _tile_release(); });
 }
 #endif
@@ -283,6 +302,39 @@ extern "C" int graphdecode_cpu_bf16_pair_rows() {
 #endif
 }
 
+namespace {
+
+// panel_linear in the dtype's kernel (see graphdecode_cpu_panel_linear); up > 0: gated (panel_tasks)
+int linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N, const void* bias, void* y,
+           int64_t ldy, int64_t up, int32_t threads, int32_t dtype) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
+  if (dtype == kFloat32) {
+    panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N,
+                 static_cast<const float*>(bias), static_cast<float*>(y), ldy, up, threads);
+  } else if (dtype == kBFloat16) {
+    const auto* xb = static_cast<const uint16_t*>(x);
+    const auto* pb = static_cast<const uint16_t*>(panels);
+    const auto* bb = static_cast<const uint16_t*>(bias);
+    auto* yb = static_cast<uint16_t*>(y);
+#if defined(GRAPHDECODE_AMX)
+    if (amx_ready()) {
+      panel_linear_amx(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+      return 0;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    panel_linear_pairs(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+#else
+    panel_linear(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+#endif
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
 // x [M, K] (row stride ldx), panels [ceil(N / 64)][K][64] (bf16 pair panels: see above; columns past N zero),
 // bias [N] or null,
 // y [M, N] (row stride ldy), all float32 or all bf16 (dtype; bf16: float32 sums, each output rounded
@@ -292,28 +344,17 @@ extern "C" int graphdecode_cpu_bf16_pair_rows() {
 extern "C" int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels,
                                             int64_t N, const void* bias, void* y, int64_t ldy, int32_t threads,
                                             int32_t dtype) {
-  if (M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
-  if (dtype == kFloat32) {
-    panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N,
-                 static_cast<const float*>(bias), static_cast<float*>(y), ldy, threads);
-  } else if (dtype == kBFloat16) {
-#if defined(GRAPHDECODE_AMX)
-    if (amx_ready()) {
-      panel_linear_amx(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
-                       static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
-      return 0;
-    }
-#endif
-#if defined(__AVX512BF16__)
-    panel_linear_pairs(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
-                       static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
-#else
-    panel_linear(static_cast<const uint16_t*>(x), M, K, ldx, static_cast<const uint16_t*>(panels), N,
-                 static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), ldy, threads);
-#endif
-  } else {
-    return 1;
-  }
-  return 0;
+  if (ldy < N) return 1;
+  return linear(x, M, K, ldx, panels, N, bias, y, ldy, 0, threads, dtype);
 }
 
+// A gated projection and its SwiGLU in one pass: y [M, I] = silu(gate) * up of x @ [gate | up]^T, panels those of
+// the [2 I, K] projection (graphdecode_cpu_panel_linear's layout), I a multiple of 64 (gate panel p's up is panel
+// p + I / 64). The same bits as graphdecode_cpu_panel_linear then graphdecode_cpu_swiglu: the projection's
+// outputs rounded to the dtype, then swiglu_row; the [M, 2 I] projection is never written.
+extern "C" int graphdecode_cpu_panel_linear_swiglu(const void* x, int64_t M, int64_t K, int64_t ldx,
+                                                   const void* panels, int64_t I, void* y, int64_t ldy,
+                                                   int32_t threads, int32_t dtype) {
+  if (I <= 0 || I % PANEL || ldy < I) return 1;
+  return linear(x, M, K, ldx, panels, 2 * I, nullptr, y, ldy, I / PANEL, threads, dtype);
+}

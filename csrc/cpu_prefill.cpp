@@ -405,7 +405,7 @@ class Prefill {
     const int64_t b = it.seq, h = it.head, nq = std::min(QBLK, a_.q_lens[b] - it.q0);
     const int64_t rows = G_ * nq, D = D_, kv_len = a_.kv_lens[b];
     const int64_t pos0 = first_pos(b) + it.q0;  // row r: query head h * G + r / nq at position pos0 + r % nq
-    const float unit = a_.scale * LOG2E;        // dp(): a score's factor into exp2's units
+    [[maybe_unused]] const float unit = a_.scale * LOG2E;  // dp(): a score's factor into exp2's units
     w.q.resize(rows * D);
     w.o.assign((rows + 15) / 16 * 16 * D, 0.f);  // AMX: whole tiles of rows
     w.m.assign(rows, NEG_INF);

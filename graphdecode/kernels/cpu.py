@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 19
+ABI_VERSION = 20
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -67,6 +67,9 @@ class CpuKernels:
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
+        self._panel_swiglu = self._lib.graphdecode_cpu_panel_linear_swiglu
+        self._panel_swiglu.restype = ctypes.c_int
+        self._panel_swiglu.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32]
         self._qpanel = self._lib.graphdecode_cpu_qpanel_linear
         self._qpanel.restype = ctypes.c_int
         self._qpanel.argtypes = [_P, _I64, _I64, _I64, _P, _I32, _P, _P, _I64, _I64, _P, _P, _I64, _I32, _I32]
@@ -269,6 +272,20 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
+
+    def panel_linear_swiglu(self, x, panels, inter: int, threads: int | None = None):
+        """silu(gate) * up of x [..., K] @ [gate | up]^T -> new [..., inter] in one pass: the panels of the fused
+        [2 * inter, K] projection (as panel_linear's), inter a multiple of 64. The same bits as panel_linear then
+        swiglu; the [..., 2 * inter] projection is never written."""
+        x, x2, lead, k, y = _linear_io(x, inter)
+        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
+        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
+                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or panels.shape[0] != 2 * inter // 64 or (
+                self._panel_swiglu(x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), inter, y.data_ptr(),
+                                   inter, _threads(threads), DTYPE_CODES[x.dtype])):
+            raise ValueError(f"graphdecode_cpu_panel_linear_swiglu rejected x {tuple(x.shape)} {x.dtype}, panels "
+                             f"{tuple(panels.shape)} {panels.dtype}, inter {inter}")
+        return y.view(*lead, inter)
 
     QUANT_KINDS = {"int8": 0, "int4": 1, "fp8": 2, "int8_vnni": 3, "int4_vnni": 4}
     # bytes per panel row of each kind's layout, and k values per such row (csrc/cpu_qlinear.cpp)

@@ -138,6 +138,17 @@ class PanelWeight(PackedWeight):
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return super().run(x, bias)
 
+    @property
+    def gated_one_pass(self) -> bool:
+        """Whether run_swiglu serves this [gate | up] projection: panels for every row count, gate and up each a
+        whole number of panels."""
+        return self.rows == math.inf and self.out_features % (2 * PANEL) == 0
+
+    def run_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] projection of x in one pass (gated_one_pass): the bits of run then
+        SwiGLU, without writing the projection."""
+        return self.kernels.panel_linear_swiglu(x, self.panels, self.out_features // 2)
+
 
 @torch.library.custom_op("graphdecode::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_features: int) -> torch.Tensor:

@@ -139,7 +139,18 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
         self.act = GatedActivation(act)
 
+    one_pass = None  # a cpu_linear.PanelWeight whose run_swiglu is gate_up and SwiGLU at once (CPU), set at load
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """SwiGLU over gate_up's panels: one pass of the CPU kernel (csrc/cpu_linear.cpp) with the same bits."""
+        packed = self.gate_up_proj.packed
+        if (kernels is not None and self.act.act == "silu" and self.gate_up_proj.bias is None
+                and getattr(packed, "gated_one_pass", False)):
+            self.one_pass = packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_pass is not None and not torch.compiler.is_compiling():
+            return self.down_proj(self.one_pass.run_swiglu(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

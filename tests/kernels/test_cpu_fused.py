@@ -130,13 +130,16 @@ def test_swiglu_equals_torch_on_any_number_of_threads(dtype):
 
 def test_the_engine_uses_them_for_every_norm_variant_and_full_rotary(tiny_models):
     """Every RMSNorm variant takes the kernel's fixed-order pass (batch invariance: aten's reduction may split
-    by the row count), SwiGLU its one pass; partial rotary keeps torch's ops."""
+    by the row count), SwiGLU its one pass (inside the gate_up projection's where its panels allow); partial
+    rotary keeps torch's ops."""
     llm = LLM(tiny_models["llama_gqa_llama3"], max_model_len=128, max_batch_size=4)
     model = llm.engine.runner.model
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(isinstance(m.kernels, CpuKernels) for m in norms)
     assert isinstance(model.rotary.kernels, CpuKernels)
     assert all(isinstance(m.mlp.act.kernels, CpuKernels) for m in model.model.layers)  # SwiGLU
+    # and with gate_up in panels (intermediate 128: whole panels), the projection and SwiGLU in one pass
+    assert all(m.mlp.one_pass is m.mlp.gate_up_proj.packed for m in model.model.layers)
     gemma = LLM(tiny_models["gemma3_text"], max_model_len=64, max_batch_size=2).engine.runner.model
     assert all(isinstance(m.kernels, CpuKernels) for m in gemma.modules() if isinstance(m, RMSNorm))  # (1 + w)
     phi = LLM(tiny_models["phi3_partial_swa"], max_model_len=64, max_batch_size=2).engine.runner.model

@@ -94,6 +94,34 @@ def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gated_projection_and_its_swiglu_in_one_pass_give_the_two_passes_bits(dtype):
+    """run_swiglu (csrc/cpu_linear.cpp's gated tasks and AMX units: a gate panel, then its up panel, then SwiGLU
+    of the two) writes exactly what the projection then the SwiGLU pass write, at decode's and prefill's row
+    counts, on any thread count, for a model's width and for K not a multiple of the kernels' steps."""
+    kernels = cpu_kernels_module.cpu_kernels()
+    for inter, k in ((128, 96), (192, 37), (1536, 576)):
+        g = torch.Generator().manual_seed(inter + k)
+        panel = PanelWeight((torch.randn(2 * inter, k, generator=g) / k ** 0.5).to(dtype), kernels, invariant=True)
+        assert panel.gated_one_pass
+        for rows in (0, 1, 5, 16, 17, 33, 64, 70, 200):
+            if inter == 1536 and rows not in (1, 70):
+                continue
+            x = (torch.randn(rows, k, generator=g) * 2).to(dtype)
+            one = panel.run_swiglu(x)
+            assert one.shape == (rows, inter) and one.dtype == dtype
+            assert torch.equal(one, kernels.swiglu(panel.run(x)) if rows else torch.empty(0, inter, dtype=dtype))
+            assert torch.equal(kernels.panel_linear_swiglu(x, panel.panels, inter, threads=1), one)
+            assert torch.equal(kernels.panel_linear_swiglu(x, panel.panels, inter, threads=5), one)
+    assert panel.run_swiglu(x.view(2, 35, k)).shape == (2, 35, inter)
+    narrow = PanelWeight(torch.randn(2 * 96, 64).to(dtype), kernels, invariant=True)
+    assert not narrow.gated_one_pass  # gate's 96 columns end inside a panel: up's first would share it
+    with pytest.raises(ValueError, match="panel_linear_swiglu rejected .* inter 96"):
+        kernels.panel_linear_swiglu(torch.randn(3, 64).to(dtype), narrow.panels, 96)
+    assert not PanelWeight(torch.randn(256, 64), kernels).gated_one_pass  # oneDNN's GEMM past its row limit
+
+
+@needs_kernels
 def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     """With several torch threads the panel kernel still takes up to PANEL_ROWS rows (on those threads)."""
     weight = torch.randn(128, 64)
