@@ -9,9 +9,14 @@
 // its 6 x 64 sums in 24 vector registers while it walks K: per k, four vector loads of the panel,
 // one broadcast of each row's x[k], 4 FMAs a row. K goes in blocks of KB (64) rows, 16 KB of fp32
 // panel (8 of bf16), so that every tile of the rows reuses the block from L1; the sums wait in a small
-// buffer between blocks (a prefill's many rows: blocks of 2 KB rows, half the sums' round trips). While a block's tiles run, the next block's bytes of the stream (the next
-// block, or the next panel's first) are prefetched, its cache lines spread over all the tiles' k steps: memory and
-// arithmetic overlap whatever the number of rows.
+// buffer between blocks (a prefill's many rows: blocks of 2 KB rows, half the sums' round trips). While a
+// block's tiles run, the next block's bytes of the stream (the next block, or the next panel's first) are
+// prefetched, its cache lines spread over all the tiles' k steps: memory and arithmetic overlap whatever the
+// number of rows.
+//
+// A gated projection [gate | up] (gate and up each a whole number of panels) can end in its SwiGLU: a task then
+// runs a gate panel and its up panel and writes silu(gate) * up of the two (graphdecode_cpu_panel_linear_swiglu),
+// never the projection itself.
 //
 // The order of the sums over k is fixed (k ascending per output), so a result does not depend on
 // the number of rows in the call: a row's outputs are the same bits alone, in a decode batch of any
