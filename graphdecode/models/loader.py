@@ -102,7 +102,12 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
         modules[_owner(name)].weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     for owner in {e.experts for _, entries in plan for e in entries if e.slot is not None and e.slot.layout == "mxfp4"}:
         modules[owner].hold_mxfp4()  # MXFP4 experts stay in 4 bits (where this rank's slice allows)
-    model = model.to(dtype=dtype).to_empty(device=device)  # in place: `modules` still names its modules
+    model = model.to(dtype=dtype)
+    for module in modules.values():  # parameters a module keeps float32 whatever the dtype (a sigmoid router's)
+        for name in getattr(module, "fp32_params", ()):
+            param = getattr(module, name)
+            setattr(module, name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad))
+    model = model.to_empty(device=device)  # in place: `modules` still names its modules
     params = dict(model.named_parameters())
     files = {entry.key: path for path, entries in plan for entry in entries}
     pending: dict[str, dict[str | None, QuantizedTensor]] = {}  # quantized linear -> its shards
@@ -164,7 +169,10 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     packed = cls.packed_modules
     tied = model.config.tie_word_embeddings
     extras = getattr(cls, "checkpoint_extras", ())  # tensors the class reads itself (an EAGLE-3 head's id maps)
-    skipped = getattr(cls, "checkpoint_skipped", ())  # name prefixes of parts it does not run (a vision tower)
+    # name prefixes of parts it does not run (a vision tower; the MTP layers after GLM-4.5's decoder), asked of the
+    # model: they may follow its config
+    skipped = getattr(model, "checkpoint_skipped", ())
+    kept = getattr(model, "checkpoint_only", None)  # the one name prefix it reads, where it reads no other
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     files = checkpoint_files(model_dir)
@@ -179,7 +187,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         with _open(path) as f:
             for key in f.keys():
                 if (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras
-                        or key.startswith(skipped)):
+                        or key.startswith(skipped) or (kept is not None and not key.startswith(kept))):
                     continue
                 kv_scale = _kv_scale_entry(path, f, key, cls, modules)
                 if kv_scale is not None:

@@ -92,6 +92,9 @@ class ModelConfig:
     embedding_multiplier: float = 1.0  # embeddings times this (Granite)
     residual_multiplier: float = 1.0  # each block's output times this before the residual add (Granite)
     logits_scaling: float = 1.0  # logits divided by this (Granite)
+    # multi-token-prediction layers the checkpoint ships after the decoder's, as model.layers.{N}... (GLM-4.5's
+    # num_nextn_predict_layers): the target's load skips them, speculative decoding's "mtp" reads them
+    nextn_layers: int = 0
 
     @property
     def decoder_layers(self) -> int:
@@ -150,6 +153,14 @@ class Family:
     intermediate_key: str = "intermediate_size"  # the field sizing the (dense) MLPs
     activations: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")  # the MLP activations the module runs
     norm_eps_key: str = "rms_norm_eps"  # the field naming the RMSNorms' epsilon
+
+    def uses_qk_norm(self, where: str, raw: dict) -> bool:
+        """Whether the attention has q/k RMSNorms (the class's fixed fact, or a config field's)."""
+        return self.qk_norm
+
+    def nextn_layers(self, where: str, raw: dict) -> int:
+        """MTP layers stored after the decoder's (ModelConfig.nextn_layers)."""
+        return 0
 
     def rope_enabled(self, where: str, raw: dict) -> bool:
         """Whether attention rotates q and k (False: no position encoding)."""
@@ -361,7 +372,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         sliding_window=sliding,
         num_hidden_layers=num_layers,
         layer_types=layer_types,
-        qk_norm=family.qk_norm,
+        qk_norm=family.uses_qk_norm(where, raw),
         hidden_act=act,
         local_rope=local_rope,
         attn_scale=family.attention_scale(where, raw),
@@ -378,6 +389,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         embedding_multiplier=multipliers[0],
         residual_multiplier=multipliers[1],
         logits_scaling=multipliers[2],
+        nextn_layers=family.nextn_layers(where, raw),
     )
 
 

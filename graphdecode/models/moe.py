@@ -8,6 +8,11 @@ Routing (`MoEConfig.routing`), as each family's transformers module computes it:
   model dtype (`weights_fp32`).
 * "topk_softmax" (gpt-oss): the router has a bias; the top k logits, then a softmax over
   those k only, in the model dtype.
+* "sigmoid_groups" (GLM-4.5, DeepSeek-V3's "noaux_tc"): float32 logits from a float32 router, their
+  sigmoids as scores; the choice adds each expert's `e_score_correction_bias` (a router parameter, float32
+  too) and keeps the experts of the `topk_groups` best of `num_groups` groups (a group's worth: its two
+  best biased scores, summed); the top k of those, weighted by their unbiased scores, renormalised (plus
+  1e-20) when `renormalize`, times `routed_scaling`; the weights stay float32.
 
 Experts hold their weights stacked: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
 then its up rows, like the dense FusedLinear) and `down_proj` [E, H, I], with optional
@@ -63,7 +68,7 @@ from . import mxfp4
 from .layers import FusedLinear, GatedActivation
 from .parallel import RowParallelLinear, TPGroup, split
 
-ROUTINGS = ("softmax_topk", "topk_softmax")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
 ACTIVATIONS = ("silu", "gpt_oss")
 
 
@@ -81,11 +86,21 @@ class MoEConfig:
     swiglu_alpha: float = 1.702  # gpt_oss activation
     swiglu_limit: float = 7.0
     sparse_layers: tuple[bool, ...] = ()  # per decoder layer: MoE (True) or a dense MLP; empty: all MoE
-    shared_intermediate_size: int = 0  # an always-on shared expert beside the routed ones, gated (Qwen3-Next)
+    shared_intermediate_size: int = 0  # an always-on shared expert beside the routed ones ...
+    shared_gate: bool = True  # ... scaled by sigmoid(shared_expert_gate(x)) (Qwen3-Next), or not (GLM-4.5)
+    num_groups: int = 1  # sigmoid_groups: the experts in this many equal groups ...
+    topk_groups: int = 1  # ... of which the best this many are eligible
+    routed_scaling: float = 1.0  # sigmoid_groups: the weights' factor
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"n_group ({self.num_groups}) must divide the number of experts ({self.num_experts}) "
+                             f"and topk_group ({self.topk_groups}) be between 1 and n_group")
+        if self.num_groups > 1 and self.num_experts // self.num_groups < 2:
+            raise ValueError(f"n_group ({self.num_groups}) leaves fewer than 2 experts a group: a group's worth is "
+                             f"its two best scores")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not 1 <= self.top_k <= self.num_experts:
@@ -97,9 +112,26 @@ class MoEConfig:
 
 
 # ------------------------------------------------------------------------------------------ routing
-def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64), ids ascending per token."""
-    if cfg.routing == "topk_softmax":
+def route(logits: torch.Tensor, cfg: MoEConfig, score_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64), ids ascending per token;
+    score_bias [E]: sigmoid_groups' e_score_correction_bias."""
+    if cfg.routing == "sigmoid_groups":
+        scores = logits.float().sigmoid()
+        choice = scores + score_bias
+        if cfg.num_groups > 1:
+            tokens = choice.shape[0]
+            worth = choice.view(tokens, cfg.num_groups, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+            best = worth.topk(cfg.topk_groups, dim=-1)[1]
+            keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(cfg.num_experts // cfg.num_groups, dim=1),
+                                        float("-inf"))
+        ids = choice.topk(cfg.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if cfg.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * cfg.routed_scaling
+    elif cfg.routing == "topk_softmax":
         top, ids = torch.topk(logits, cfg.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=top.dtype)
     else:
@@ -312,28 +344,39 @@ class SharedExpert(nn.Module):
 
 class SparseMoE(nn.Module):
     """router -> top-k -> experts -> weighted sum (-> all-reduce across ranks); with a shared expert, plus
-    sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    shared_expert(x), scaled by sigmoid(shared_expert_gate(x)) where gated."""
 
     def __init__(self, cfg: MoEConfig, hidden_size: int, tp: TPGroup):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.gate = nn.Linear(hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router (replicated)
+        self.sigmoid = cfg.routing == "sigmoid_groups"
+        if self.sigmoid:  # float32 logits from float32 weights, as transformers keeps them
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
+            self.gate.fp32_params = ("weight", "e_score_correction_bias")  # the loader keeps them float32
         self.experts = Experts(cfg, hidden_size, tp)
         self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
         if cfg.shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, cfg.shared_intermediate_size, tp)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # replicated
+            if cfg.shared_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # replicated
 
     def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; live [T] bool (None: every row) -> [T, H]."""
-        weights, ids = route(F.linear(x, self.gate.weight, self.gate.bias), self.cfg)
+        if self.sigmoid:
+            weights, ids = route(F.linear(x.float(), self.gate.weight), self.cfg, self.gate.e_score_correction_bias)
+        else:
+            weights, ids = route(F.linear(x, self.gate.weight, self.gate.bias), self.cfg)
         if self.expert_tokens is not None:
             counted = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).to(ids.dtype)
             self.expert_tokens.scatter_add_(0, ids.reshape(-1), counted.reshape(-1))
         out = self.tp.all_reduce(self.experts(x, ids, weights))
         if self.cfg.shared_intermediate_size:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.cfg.shared_gate:
+                shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * shared
+            out = out + shared
         return out
 
 

@@ -8,6 +8,7 @@ graphdecode.models imports it, so every family is registered before any config i
 from __future__ import annotations
 
 from .gemma3 import Gemma3Family
+from .glm4_moe import Glm4MoeFamily
 from .gpt_oss import GptOssFamily
 from .granite_hybrid import GraniteHybridFamily
 from .llama import LlamaFamily, MistralFamily
@@ -31,6 +32,7 @@ FAMILIES: tuple[Family, ...] = (
     MixtralFamily(),
     Qwen3MoeFamily(),
     GptOssFamily(),
+    Glm4MoeFamily(),
     Qwen3_5Family(),
     Qwen3_5ConditionalFamily(),
     Qwen3_5MoeFamily(),
