@@ -170,6 +170,16 @@ MODEL_SPECS = {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
              mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16),
     ),
+    # Nemotron 3 (Nano's kind): Mamba2, attention and MoE blocks; 8 relu-squared experts, top-3 of the best 2 of 4
+    # groups (sigmoid scores, routed_scaling_factor), an ungated relu-squared shared expert; one dense MLP block
+    "nemotron3_moe": (
+        "NemotronHConfig",
+        dict(COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
+             mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=3,
+             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
+             routed_scaling_factor=2.0),
+    ),
     # Granite 4.0-H (dense): Mamba2 layers (8 heads of 8, 2 groups) and a rope attention layer, each followed by a
     # shared SwiGLU MLP; Granite's embedding / residual / attention / logits multipliers
     "granite_hybrid": (

@@ -10,7 +10,8 @@ its columns of down (I / ranks of each expert). The layouts read into them:
   `experts.N.<down>.weight` [H, I]; the names per family (`ExpertFormat.names`: Mixtral's
   w1 / w3 / w2, Qwen3-MoE's gate_proj / up_proj / down_proj).
 * "stacked" (transformers 5's in-memory layout for the same families, if a checkpoint holds
-  it): `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I].
+  it): `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (Nemotron 3's ungated experts:
+  `experts.up_proj` [E, I, H]; per expert, `N.up_proj` and `N.down_proj` only).
 * "gpt_oss": `experts.gate_up_proj` [E, H, 2I] with gate and up interleaved along the last
   dim (gate at even columns), `gate_up_proj_bias` [E, 2I] interleaved alike,
   `experts.down_proj` [E, I, H], `down_proj_bias` [E, H]; or, quantised (config.json's
@@ -72,14 +73,16 @@ def slot(module: Experts, suffix: str, fmt: ExpertFormat) -> Slot | None:
             if suffix == f"{param}_scales":
                 return Slot(param, "scales", (experts, out, inp // 32), "scales", ("U8",))
         return None
-    if suffix == "gate_up_proj":
-        return Slot(suffix, "all", (e, 2 * i, h), "stacked")
+    if suffix == ("gate_up_proj" if cfg.gated else "up_proj"):  # relu2's experts: up rows only
+        return Slot("gate_up_proj", "all", (e, (2 if cfg.gated else 1) * i, h), "stacked")
     if suffix == "down_proj":
         return Slot(suffix, "all", (e, h, i), "stacked")
     match = _PER_EXPERT.match(suffix)
     if match is None or match[2] not in fmt.names or int(match[1]) >= e:
         return None
     expert, shard = int(match[1]), fmt.names[match[2]]
+    if shard == "gate" and not cfg.gated:
+        return None
     param = "down_proj" if shard == "down" else "gate_up_proj"
     return Slot(param, f"{shard}.{expert}", (h, i) if shard == "down" else (i, h), "per_expert",
                 expert=expert, shard=shard)
@@ -95,7 +98,7 @@ def missing(module: Experts, found: set[tuple[str, str]], fmt: ExpertFormat) -> 
             if "blocks" in parts or "scales" in parts:
                 return f"{param}_scales" if "blocks" in parts else f"{param}_blocks"
             return param
-        shards = ("down",) if param == "down_proj" else ("gate", "up")
+        shards = ("down",) if param == "down_proj" else ("gate", "up") if module.cfg.gated else ("up",)
         names = {shard: name for name, shard in fmt.names.items()}
         for expert in range(module.cfg.num_experts):
             for shard in shards:
@@ -117,12 +120,14 @@ def load(module: Experts, s: Slot, tensor: torch.Tensor, read) -> None:
         if s.shard == "down":
             param[s.expert].copy_(tensor[:, lo:hi])
         else:
-            offset = 0 if s.shard == "gate" else local
+            offset = local if s.shard == "up" and module.cfg.gated else 0
             param[s.expert, offset:offset + local].copy_(tensor[lo:hi])
         return
     if s.layout == "stacked":
         if s.param == "down_proj":
             param.copy_(tensor[:, :, lo:hi])
+        elif not module.cfg.gated:
+            param.copy_(tensor[:, lo:hi])
         else:
             param.copy_(torch.cat([tensor[:, lo:hi], tensor[:, full + lo:full + hi]], dim=1))
         return

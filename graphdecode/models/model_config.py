@@ -41,6 +41,7 @@ from .rope_config import RopeConfig, RopeRules, rope_from
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"  # transformers' layer_types
 MLP_ONLY = "mlp"  # a layer that is only an MLP (Nemotron-H)
+MOE_ONLY = "moe"  # a layer that is only a mixture of experts (Nemotron 3)
 
 _DTYPES = {
     "float32": torch.float32,

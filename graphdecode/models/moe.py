@@ -17,7 +17,8 @@ Routing (`MoEConfig.routing`), as each family's transformers module computes it:
 Experts hold their weights stacked: `gate_up_proj` [E, 2I, H] (each expert's gate rows,
 then its up rows, like the dense FusedLinear) and `down_proj` [E, H, I], with optional
 biases (gpt-oss). The activation is SwiGLU, or gpt-oss's clamped variant
-(`(clamp(up) + 1) * g * sigmoid(alpha * g)` with g = gate clamped from above).
+(`(clamp(up) + 1) * g * sigmoid(alpha * g)` with g = gate clamped from above), or Nemotron 3's
+ungated relu squared ("relu2": `gate_up_proj` holds only the up rows, [E, I, H]).
 
 The expert computation is one custom op, `graphdecode::moe_experts`, so the shapes a
 compiled window or a CUDA graph sees are static ([T, H] in, [T, H] out) whatever the
@@ -69,7 +70,7 @@ from .layers import FusedLinear, GatedActivation
 from .parallel import RowParallelLinear, TPGroup, split
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
-ACTIVATIONS = ("silu", "gpt_oss")
+ACTIVATIONS = ("silu", "gpt_oss", "relu2")  # relu2: ungated (up, relu squared, down)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,11 @@ class MoEConfig:
     def is_sparse(self, layer: int) -> bool:
         return not self.sparse_layers or self.sparse_layers[layer]
 
+    @property
+    def gated(self) -> bool:
+        """Whether an expert has gate rows beside its up rows (all but relu2's)."""
+        return self.activation != "relu2"
+
 
 # ------------------------------------------------------------------------------------------ routing
 def route(logits: torch.Tensor, cfg: MoEConfig, score_bias: torch.Tensor | None = None
@@ -146,6 +152,8 @@ def route(logits: torch.Tensor, cfg: MoEConfig, score_bias: torch.Tensor | None 
 
 
 def activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == "relu2":  # ungated: the up rows only
+        return torch.relu(gate_up).square()
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
@@ -257,7 +265,7 @@ class Experts(nn.Module):
         self.rows = split(cfg.intermediate_size, tp)  # this rank's rows of gate and of up
         local = self.rows.stop - self.rows.start
         e = cfg.num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * local, hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(e, (2 if cfg.gated else 1) * local, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, local))
         if cfg.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * local))
@@ -329,16 +337,23 @@ class Experts(nn.Module):
 
 class SharedExpert(nn.Module):
     """The expert every token takes beside its routed ones (Qwen3-Next, Qwen3.5-MoE: `mlp.shared_expert`): a
-    SwiGLU MLP (gate / up fused, split across ranks like a dense MLP, down all-reduced)."""
+    SwiGLU MLP (gate / up fused, split across ranks like a dense MLP, down all-reduced); with relu2 experts
+    (Nemotron 3), up, relu squared, down."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup, activation: str = "silu"):
         super().__init__()
         rows = split(intermediate_size, tp)
-        self.gate_up_proj = FusedLinear(hidden_size, {"gate": rows, "up": rows}, bias=False)
+        self.gated = activation != "relu2"
+        if self.gated:
+            self.gate_up_proj = FusedLinear(hidden_size, {"gate": rows, "up": rows}, bias=False)
+            self.act = GatedActivation("silu")
+        else:
+            self.up_proj = FusedLinear(hidden_size, {"up": rows}, bias=False)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp)
-        self.act = GatedActivation("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(torch.relu(self.up_proj(x)).square())
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -358,7 +373,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg, hidden_size, tp)
         self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
         if cfg.shared_intermediate_size:
-            self.shared_expert = SharedExpert(hidden_size, cfg.shared_intermediate_size, tp)
+            self.shared_expert = SharedExpert(hidden_size, cfg.shared_intermediate_size, tp, cfg.activation)
             if cfg.shared_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)  # replicated
 

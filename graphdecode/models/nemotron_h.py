@@ -1,9 +1,13 @@
 """Nemotron-H (`nemotron_h`: NemotronHForCausalLM, e.g. Nemotron-H-8B / 4B): Mamba2 layers, attention layers and MLP
 layers, one mixer per block (models/hybrid.py's stack, models/mamba2.py's layer).
 
-* `layers_block_type` (or the older `hybrid_override_pattern`, M / * / -) gives each block's mixer:
+* `layers_block_type` (or the older `hybrid_override_pattern`, M / * / - / E) gives each block's mixer:
   `linear_attention` (Mamba2), `full_attention` (attention without any position encoding: no rope), `mlp`
-  (up_proj, relu squared, down_proj: no gate); `moe` blocks (Nemotron 3's) are refused by name;
+  (up_proj, relu squared, down_proj: no gate), `moe` (Nemotron 3: `n_routed_experts` relu-squared experts of
+  `moe_intermediate_size` beside an ungated relu-squared shared expert of
+  `moe_shared_expert_intermediate_size`, `mixer.shared_experts`; routed as DeepSeek-V3 routes, moe.py's
+  "sigmoid_groups", the router and its `e_score_correction_bias` held in float32; a latent projection around
+  the experts, `moe_latent_size`, is refused);
 * every block is `hidden + mixer(norm(hidden))`, the RMSNorm multiplying by its weight in float32
   (`layer_norm_epsilon`); weights under `backbone.` (`embeddings`, `layers.N.norm` / `mixer`, `norm_f`).
 """
@@ -14,16 +18,18 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
-from .config_fields import read_bool, read_int
+from .config_fields import read_bool, read_float, read_int
 from .decoder import Attention, DecoderForCausalLM
+from .expert_weights import ExpertFormat
 from .hybrid import HybridForCausalLM
 from .layers import FusedLinear, RMSNorm
 from .mamba2 import Mamba2Config, Mamba2Mixer, check_mamba, read_time_step_limit
-from .model_config import FULL, LINEAR, MLP_ONLY, Family, ModelConfig
+from .model_config import FULL, LINEAR, MLP_ONLY, MOE_ONLY, Family, ModelConfig, read_experts
+from .moe import MoEConfig, SparseMoE
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
 
-_PATTERN = {"M": LINEAR, "*": FULL, "-": MLP_ONLY, "E": "moe"}
+_PATTERN = {"M": LINEAR, "*": FULL, "-": MLP_ONLY, "E": MOE_ONLY}
 
 
 class ReluSquaredMLP(nn.Module):
@@ -42,14 +48,21 @@ class NemotronHBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, spec: AttentionSpec, norm_offset: bool):
         super().__init__()
         self.kind = cfg.layer_types[layer_idx]
-        self.sparse = False
+        self.sparse = self.kind == MOE_ONLY
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, weight_fp32=True)
         if self.kind == LINEAR:
             self.mixer = Mamba2Mixer(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, tp)
         elif self.kind == FULL:
             self.mixer = Attention(cfg, cfg.kv_layer(layer_idx), tp, spec=spec, rope=cfg.rope_enabled)
+        elif self.sparse:
+            self.mixer = SparseMoE(cfg.moe, cfg.hidden_size, tp)
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+
+    @property
+    def mlp(self):
+        """The block's mixture of experts (the model's moe_layers and counters read it)."""
+        return self.mixer if self.sparse else None
 
     @property
     def state_mixer(self):
@@ -65,6 +78,8 @@ class NemotronHBlock(nn.Module):
             return hidden + self.mixer(normed, ctx)
         if self.kind == FULL:
             return hidden + self.mixer(positions, normed, rotary, ctx)
+        if self.sparse:  # an MoE counts the live tokens it routes
+            return hidden + self.mixer(normed, ctx.live_tokens())
         return hidden + self.mixer(normed)
 
 
@@ -76,7 +91,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         "up_proj": ("up_proj", "up"),
     }
     checkpoint_renames = {"backbone.embeddings.": "model.embed_tokens.", "backbone.norm_f.": "model.norm.",
-                          "backbone.": "model."}
+                          "backbone.": "model.", ".mixer.shared_experts.": ".mixer.shared_expert."}
+    expert_format = ExpertFormat(names={"up_proj": "up", "down_proj": "down"})
 
 
 class NemotronHFamily(Family):
@@ -110,10 +126,25 @@ class NemotronHFamily(Family):
         if not isinstance(given, list) or not given or any(t not in _PATTERN.values() for t in given):
             raise ValueError(f"{where}: layers_block_type must list {LINEAR!r}, {FULL!r}, {MLP_ONLY!r} or 'moe' "
                              f"for each layer, got {given!r}")
-        if "moe" in given:
-            raise ValueError(f"{where}: layers_block_type: 'moe' blocks (Nemotron 3's routed experts) are not "
-                             f"supported; Mamba2, attention and MLP blocks are")
         return tuple(given)
+
+    def moe(self, where: str, raw: dict, num_layers: int, intermediate: int) -> MoEConfig | None:
+        if MOE_ONLY not in self._block_types(where, raw):
+            return None
+        if raw.get("moe_latent_size") is not None:
+            raise ValueError(f"{where}: moe_latent_size: experts over a latent projection are not supported")
+        experts, top_k = read_experts(where, raw, "n_routed_experts", 8, 2)
+        try:
+            return MoEConfig(experts, top_k, read_int(where, raw, "moe_intermediate_size", 7688),
+                             routing="sigmoid_groups", renormalize=read_bool(where, raw, "norm_topk_prob", True),
+                             weights_fp32=True, activation="relu2",
+                             shared_intermediate_size=read_int(where, raw, "moe_shared_expert_intermediate_size",
+                                                               7688, minimum=0),
+                             shared_gate=False, num_groups=read_int(where, raw, "n_group", 1),
+                             topk_groups=read_int(where, raw, "topk_group", 1),
+                             routed_scaling=read_float(where, raw, "routed_scaling_factor", 1.0))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def linear_attention(self, where: str, raw: dict) -> Mamba2Config:
         if raw.get("mamba_hidden_act", "silu") != "silu":

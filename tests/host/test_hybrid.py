@@ -21,6 +21,7 @@ from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.models.gated_deltanet import chunked_delta_rule
 from tests.helpers import (
     copy_model,
+    edit_tensors,
     hf_greedy,
     random_prompts,
     rewrite_config,
@@ -82,6 +83,26 @@ def test_nemotron_h_matches_transformers(tiny_models, engine):
     params = SamplingParams(max_tokens=24, temperature=0)
     with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
         assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
+
+
+@pytest.mark.parametrize("engine", NEMOTRON_ENGINES, ids=["eager", "graphs-chunked", "k1-compiled"])
+def test_nemotron_3_moe_blocks_match_transformers(tiny_models, tmp_path, engine):
+    """Nemotron 3's MoE blocks beside Mamba2, attention and MLP blocks: relu-squared experts routed by sigmoid
+    scores with a (random) correction bias over expert groups, scaled, plus the ungated shared expert."""
+    path = copy_model(tiny_models, "nemotron3_moe", tmp_path)
+    g = torch.Generator().manual_seed(3)
+    edit_tensors(path, lambda t: t.update({k: torch.randn(t[k].shape, generator=g) * 0.1 for k in t
+                                           if k.endswith("e_score_correction_bias")}))
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        blocks = llm.engine.runner.model.model.layers
+        assert [b.sparse for b in blocks] == [False, True, False, False, True]
+        assert blocks[1].mixer.gate.e_score_correction_bias.abs().sum() > 0
+        assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
+        assert all(sum(layer) > 0 for layer in llm.stats()["moe_tokens_per_expert"])
+    rewrite_config(path, lambda raw: raw.update(moe_latent_size=16))
+    with pytest.raises(ValueError, match="moe_latent_size"):
+        LLM(path)
 
 
 @pytest.mark.parametrize("engine", NEMOTRON_ENGINES[:2], ids=["eager", "graphs-chunked"])
