@@ -23,6 +23,11 @@ Text may be cut anywhere between feeds: the same output gives the same content a
   "boolean" (true / false), "object" / "array" (JSON, or a Python literal), "null" (null); a value of another
   type, of an unknown key or that does not read as its type stays a string. A block whose body is not
   `<function=...>` elements is content, as written.
+* `glm45` (GLM-4.5 / 4.6; also `glm47`, GLM-4.7's tighter spacing): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n
+  <arg_value>VALUE</arg_value>\n...</tool_call>` blocks among content, one call each, whitespace around the
+  name and the tags optional. A value is read as qwen3_coder's are (its key's type in the tool's schema; GLM's
+  template writes non-strings as JSON), except that it keeps its newlines. A block whose body is not a name and
+  such pairs is content, as written; `<tool_call>` is a special token of GLM's vocabulary.
 * `pythonic` (Llama 3.2 / Llama 4): the whole output, after leading whitespace and an optional
   `<|python_start|>`, is a Python list of calls `[get_weather(city="Paris"), ping()]`, then an optional
   `<|python_end|>`; keyword arguments only, each a literal (string, number, boolean, None, list, dict with
@@ -42,6 +47,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import secrets
 import string
 
@@ -560,6 +566,43 @@ class Qwen3Coder(_Parser):
         return calls or None
 
 
+_GLM_NAME = re.compile(r"[\w.:-]+")  # a function's name: letters, digits, _ . : -
+
+
+class Glm45(Qwen3Coder):
+    """GLM-4.5's calls in `<tool_call>` blocks: a name, then key / value pairs (see the module docstring)."""
+
+    special_markers = True
+
+    def _parse(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        """The block's one call: NAME, then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs (whitespace
+        between them optional); a block cut short at the output's end must have closed its last value."""
+        at = body.find("<arg_key>")
+        i = len(body) if at < 0 else at
+        name = body[:i].strip()
+        if not _GLM_NAME.fullmatch(name):
+            return None
+        function = self.functions.get(name) or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        arguments = {}
+        while (i := _skip_ws(body, i)) < len(body):
+            if not body.startswith("<arg_key>", i):
+                return None
+            key_end = body.find("</arg_key>", i)
+            key = body[i + len("<arg_key>"):key_end].strip() if key_end >= 0 else ""
+            if not key or "<" in key:
+                return None
+            j = _skip_ws(body, key_end + len("</arg_key>"))
+            value_end = body.find("</arg_value>", j)
+            if not body.startswith("<arg_value>", j) or value_end < 0:
+                return None
+            value = body[j + len("<arg_value>"):value_end]
+            arguments[key] = typed_parameter(value, properties.get(key)) if key in properties else value
+            i = value_end + len("</arg_value>")
+        return [(name, json.dumps(arguments, ensure_ascii=False))]
+
+
 # ------------------------------------------------------------------ pythonic
 _CLOSES = {"(": ")", "[": "]", "{": "}"}
 
@@ -745,6 +788,8 @@ TOOL_PARSERS: dict[str, type] = {
     "llama3_json": Llama3Json,
     "mistral": Mistral,
     "qwen3_coder": Qwen3Coder,
+    "glm45": Glm45,
+    "glm47": Glm45,
     "pythonic": Pythonic,
 }
 

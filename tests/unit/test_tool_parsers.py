@@ -12,6 +12,7 @@ import pytest
 
 from graphdecode.server.tool_parsers import (
     TOOL_PARSERS,
+    Glm45,
     Hermes,
     Llama3Json,
     Mistral,
@@ -126,6 +127,29 @@ CASES = [  # (format, output, content, [(name, arguments)])
     ("qwen3_coder", "<tool_call><function=ping></function> junk</tool_call>",
      "<tool_call><function=ping></function> junk</tool_call>", []),
     ("qwen3_coder", "a <tool b <tool_cal", "a <tool b <tool_cal", []),
+    # glm45 (GLM-4.5's spacing) and glm47 (GLM-4.7's, none)
+    ("glm45", "No call needed.", "No call needed.", []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", "",
+     [WEATHER]),
+    ("glm47", "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", "", [WEATHER]),
+    ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call>\n<tool_call>ping\n</tool_call>\nDone.", "Checking.Done.", [WEATHER, PING]),
+    ("glm45", '<tool_call>set\n<arg_key>opts</arg_key>\n<arg_value>{"a": [1, {"b": null}], "c": {"d": "}{]["}}'
+              '</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>[]</arg_value>\n</tool_call>', "", [NESTED]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich ☃ 東京</arg_value>\n"
+              '<arg_key>note</arg_key>\n<arg_value>say "hi"\\ \n</arg_value>\n</tool_call>', "", [UNICODE]),
+    ("glm45", "<tool_call>set\n<arg_key>n</arg_key>\n<arg_value>-3</arg_value>\n<arg_key>on</arg_key>\n"
+              "<arg_value>true</arg_value>\n<arg_key>note</arg_key>\n<arg_value>7</arg_value>\n<arg_key>extra</arg_key>"
+              "\n<arg_value>[1]</arg_value>\n</tool_call>", "", [("set", {"n": -3, "on": True, "note": "7",
+                                                                             "extra": "[1]"})]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>", "", [WEATHER]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", []),
+    ("glm45", "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+     "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>oops</tool_call> x",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>oops</tool_call> x", []),
+    ("glm45", '<tool_call>{"name": "ping"}</tool_call>', '<tool_call>{"name": "ping"}</tool_call>', []),
     # pythonic
     ("pythonic", "It is sunny.", "It is sunny.", []),
     ("pythonic", '[get_weather(city="Paris")]', "", [WEATHER]),
@@ -197,7 +221,8 @@ def test_every_cut_gives_the_same(name, text, content, calls):
 
 
 def test_the_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47", "pythonic"}
+    assert TOOL_PARSERS["glm45"] is TOOL_PARSERS["glm47"] is Glm45 and Glm45.special_markers
     for name, cls in TOOL_PARSERS.items():
         parser = tool_parser(name, None)
         assert type(parser) is cls and parser.num_calls == 0
