@@ -14,6 +14,9 @@ the opening tag. An output cut short (max_tokens) inside the block is all reason
 `</think>` and the answer is dropped (the templates' formatting), so `<think>a</think>\\n\\nb` is reasoning
 "a" and answer "b"; the reasoning is kept as written.
 
+`glm45` (GLM-4.5 / 4.6 / 4.7, which think in the same block; their template writes an empty block when
+thinking is off) reads as `qwen3` does.
+
 `ReasoningParser.feed(text) -> (reasoning, answer)` takes the output as it streams (cut anywhere, also inside
 a tag) and holds back only what could still be the start of a tag; `finish()` returns what was held.
 Feeding the whole text at once gives the same two strings as feeding it in pieces.
@@ -22,7 +25,7 @@ Feeding the whole text at once gives the same two strings as feeding it in piece
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45")
 
 
 def check_reasoning_parser(name: str | None) -> str | None:

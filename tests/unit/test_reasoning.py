@@ -27,6 +27,9 @@ CASES = [  # (parser, opened in the prompt, output, reasoning, answer)
     ("qwen3", False, "", "", ""),
     ("qwen3", False, "<thi", "", "<thi"),  # the start of a tag that never came
     ("deepseek_r1", False, "<thi", "<thi", ""),
+    ("glm45", False, "<think>a</think>\nb", "a", "b"),
+    ("glm45", False, "<think></think>no thinking", "", "no thinking"),
+    ("glm45", False, "no block at all", "", "no block at all"),  # qwen3's rule
 ]
 
 
@@ -66,5 +69,5 @@ def test_opened_in_prompt_and_the_names():
     assert not opened_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off (Qwen3)
     assert not opened_in_prompt("<think>old</think> user: hi assistant:") and not opened_in_prompt(None)
     assert check_reasoning_parser(None) is None and check_reasoning_parser("qwen3") == "qwen3"
-    with pytest.raises(ValueError, match="--reasoning-parser: 'granite' is not one of qwen3, deepseek_r1"):
+    with pytest.raises(ValueError, match="--reasoning-parser: 'granite' is not one of qwen3, deepseek_r1, glm45"):
         check_reasoning_parser("granite")
