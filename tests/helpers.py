@@ -284,6 +284,56 @@ def add_mtp_layer(model_dir: str, source_layer: int, seed: int = 0, std: float =
     return model_dir
 
 
+def add_nextn_layer(model_dir: str, layers: int, seed: int = 0) -> str:
+    """An MTP layer as DeepSeek-V3 and GLM-4.5 ship it: model.layers.{layers}.* a copy of the last decoder layer
+    (so transformers' own layer is its oracle), enorm / hnorm / shared_head.norm near 1, a random eh_proj, and
+    copies of the embedding and LM head (which graphdecode does not read)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    source, at = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    for key in [k for k in tensors if k.startswith(source)]:
+        tensors[at + key[len(source):]] = tensors[key].clone()
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors[at + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.05
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{at}{name}.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    tensors[at + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[at + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
+
+
+def nextn_reference(model_dir: str, tokens: list[int], layers: int):
+    """(add_nextn_layer's MTP output at p - 1, the target's final hidden state there) by transformers' modules: the
+    final hidden states at 0..p-1, the embeddings of the tokens at 1..p, enorm / hnorm (plain RMSNorms), eh_proj,
+    the decoder layer the MTP layer copies over positions 0..p-1, shared_head.norm."""
+    import torch
+    from safetensors.torch import load_file
+
+    target = hf_model(model_dir)
+    w = load_file(os.path.join(model_dir, "model.safetensors"))
+    p = len(tokens) - 1
+
+    def norm(name, x):
+        x = x.float()
+        return w[f"model.layers.{layers}.{name}.weight"] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                            + target.config.rms_norm_eps))
+
+    with torch.no_grad():
+        final = target.model(torch.tensor([tokens[:p]])).last_hidden_state
+        embeds = target.model.embed_tokens(torch.tensor([tokens[1:]]))
+        x = torch.cat([norm("enorm", embeds), norm("hnorm", final)], dim=-1)
+        x = x @ w[f"model.layers.{layers}.eh_proj.weight"].T
+        rope = target.model.rotary_emb(x, torch.arange(p)[None])
+        out = target.model.layers[layers - 1](x, position_embeddings=rope, attention_mask=None)
+        out = norm("shared_head.norm", out[0] if isinstance(out, tuple) else out)
+    return out[0, -1], final[0, -1]
+
+
 def with_chat_template(model_dir: str, path, template: str) -> str:
     """A copy of `model_dir` at `path` whose chat template is `template` (chat_template.jinja; the tokenizer
     config's own template removed, so the file is the one read)."""
@@ -312,6 +362,30 @@ def hot_mid_generation(llm, steps: int = 11) -> set[bool]:
         engine.step()
         kinds.add(bool(engine.runner.head.stale.any()))
     return kinds
+
+
+def assert_head_state_follows(spec, reference) -> None:
+    """The MTP head's invariant mid-generation (hot_mid_generation, windows alternating speculative and plain):
+    each live row's head output at p - 1, or after a plain window the target's final hidden state there, equals
+    `reference(history[: p + 1])` -> (head output, final hidden state), transformers' computation."""
+    import torch
+
+    turn = iter(range(1 << 30))
+    spec.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+    kinds = hot_mid_generation(spec)
+    state, head = spec.engine.runner.state, spec.engine.runner.head
+    stats = spec.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # rounds accepting part of their drafts
+    live = (~state.done).nonzero()[:, 0].tolist()
+    assert len(live) == 3 and kinds == {True, False}  # windows ended plain (stale rows) and speculative
+    for row in live:
+        p = int(state.positions[row])
+        assert p > 40
+        out, final = reference(state.speculation.history[row, : p + 1].tolist())
+        if head.stale[row]:
+            torch.testing.assert_close(head.pending[row], final, atol=2e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(head.prenorm[row], out, atol=2e-4, rtol=1e-4)
 
 
 def with_tokenizer(model_dir: str, tokenizer_dir: str, path) -> str:

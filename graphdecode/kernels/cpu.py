@@ -38,6 +38,7 @@ class CpuKernels:
     """The loaded library: `paged_attention` writes out[...] from q over the paged cache."""
 
     supported_dtypes = tuple(DTYPE_CODES)
+    MAX_HEAD_DIM = 512  # csrc/cpu_attention.cpp's generic loop
 
     def __init__(self, path: str):
         self.path = path

@@ -101,7 +101,7 @@ class CpuDecodeLayers:
     @classmethod
     def build(cls, model: nn.Module, kernels) -> CpuDecodeLayers | None:
         """The driver for `model`, or None where a layer is not the plain Llama layer it runs."""
-        from .decoder import DecoderForCausalLM, GatedMLP
+        from .decoder import Attention, DecoderForCausalLM, GatedMLP
 
         own_loop = getattr(type(model), "forward_aux", None) is not DecoderForCausalLM.forward_aux
         hybrid = model.config.linear is not None  # recurrent layers beside attention: not the plain layer
@@ -115,7 +115,7 @@ class CpuDecodeLayers:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (attn.qk_norm or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, GatedActivation)
+            if (not isinstance(attn, Attention) or attn.qk_norm or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, GatedActivation)
                     or mlp.act.act != "silu" or attn.o_proj.bias is not None
                     or any(not isinstance(n, RMSNorm) or n.kernels is None for n in norms)
                     or any(not _runs_here(p.packed) for p in

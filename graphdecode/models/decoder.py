@@ -47,6 +47,7 @@ from torch import nn
 from ..attention.spec import AttentionSpec
 from . import mxfp4
 from .layers import FusedLinear, GatedActivation, RMSNorm
+from .mla import MLAttention
 from .model_config import SLIDING, ModelConfig
 from .moe import SparseMoE, default_implementation
 from .parallel import (
@@ -158,7 +159,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup, *, spec: AttentionSpec,
                  norm_offset: bool = False, sandwich_norms: bool = False):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset, spec=spec)
+        if cfg.mla is not None:  # DeepSeek-V3's latent attention (mla.py)
+            self.self_attn = MLAttention(cfg, layer_idx, tp, spec=spec)
+        else:
+            self.self_attn = Attention(cfg, layer_idx, tp, qk_norm=cfg.qk_norm, norm_offset=norm_offset, spec=spec)
         self.sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_idx)
         self.mlp = SparseMoE(cfg.moe, cfg.hidden_size, tp) if self.sparse else GatedMLP(cfg, tp, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
@@ -220,6 +224,13 @@ class DecoderForCausalLM(nn.Module):
         self.expert_tokens: torch.Tensor | None = None  # [MoE layers, E] int64: live tokens routed per expert
         self.cpu_decode = None  # a cpu_decode.CpuDecodeLayers: plain layers' decode steps in one C++ call (CPU)
 
+    @property
+    def checkpoint_skipped(self) -> tuple[str, ...]:
+        """The MTP layers stored after the decoder's (DeepSeek-V3's layout, ModelConfig.nextn_layers): read by
+        speculative decoding's "mtp" (models/mtp.py), not by the model."""
+        first = self.config.decoder_layers
+        return tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
+
     def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
         """Decoder layer `layer` (a family with other layers, models/hybrid.py, builds its own)."""
         return DecoderLayer(self.config, layer, tp, spec=self.layer_spec(layer), norm_offset=self.norm_offset,
@@ -256,6 +267,10 @@ class DecoderForCausalLM(nn.Module):
     def post_load(self, max_positions: int) -> None:
         """Device state made once the weights are in: rope tables, the experts' counters and kernels."""
         self.init_rotary(max_positions)
+        for layer in self.model.layers:  # what an attention makes of its loaded weights (MLA's W_UK and W_UV)
+            attention = getattr(layer, "self_attn", None)
+            if hasattr(attention, "post_load"):
+                attention.post_load()
         moe = self.moe_layers
         if moe:
             weight = self.model.embed_tokens.weight
@@ -276,7 +291,7 @@ class DecoderForCausalLM(nn.Module):
             local = cfg.local_rope is not None and cfg.layer_types and cfg.layer_types[i] == SLIDING
             rope = cfg.local_rope if local else cfg.rope
             if rope not in tables:
-                tables[rope] = RotaryEmbedding(rope, cfg.head_dim, max_positions, weight.dtype, weight.device)
+                tables[rope] = RotaryEmbedding(rope, cfg.rope_head_dim, max_positions, weight.dtype, weight.device)
             self.rotaries.append(tables[rope])
         if self.embed_scale:  # transformers: a float32 tensor of sqrt(hidden_size), cast to the weights' dtype
             self._embed_scale = torch.tensor(cfg.hidden_size**0.5).to(device=weight.device, dtype=weight.dtype)

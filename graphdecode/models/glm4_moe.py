@@ -15,10 +15,10 @@
 
 from __future__ import annotations
 
-from .config_fields import read_bool, read_float, read_int
+from .config_fields import read_bool, read_int
 from .decoder import DecoderForCausalLM
 from .expert_weights import ExpertFormat
-from .model_config import Family, read_experts
+from .model_config import Family, read_grouped_moe
 from .moe import MoEConfig
 from .rope_config import RopeRules
 
@@ -26,11 +26,6 @@ from .rope_config import RopeRules
 class Glm4MoeForCausalLM(DecoderForCausalLM):
     checkpoint_renames = {".mlp.shared_experts.": ".mlp.shared_expert."}
     expert_format = ExpertFormat(names={"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
-
-    @property
-    def checkpoint_skipped(self) -> tuple[str, ...]:
-        first = self.config.decoder_layers
-        return tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
 
 
 class Glm4MoeFamily(Family):
@@ -48,19 +43,6 @@ class Glm4MoeFamily(Family):
         return read_int(where, raw, "num_nextn_predict_layers", 0, minimum=0)
 
     def moe(self, where: str, raw: dict, num_layers: int, intermediate: int) -> MoEConfig | None:
-        experts, top_k = read_experts(where, raw, "n_routed_experts", 128, 8)
-        dense = read_int(where, raw, "first_k_dense_replace", 1, minimum=0)
-        sparse = tuple(i >= dense for i in range(num_layers))
-        if not any(sparse):
-            return None
-        size = read_int(where, raw, "moe_intermediate_size", 1408)
-        try:
-            return MoEConfig(experts, top_k, size, routing="sigmoid_groups",
-                             renormalize=read_bool(where, raw, "norm_topk_prob", True), weights_fp32=True,
-                             sparse_layers=sparse,
-                             shared_intermediate_size=size * read_int(where, raw, "n_shared_experts", 1, minimum=0),
-                             shared_gate=False, num_groups=read_int(where, raw, "n_group", 1),
-                             topk_groups=read_int(where, raw, "topk_group", 1),
-                             routed_scaling=read_float(where, raw, "routed_scaling_factor", 1.0))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+        return read_grouped_moe(where, raw, num_layers, dict(
+            n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, first_k_dense_replace=1,
+            n_group=1, topk_group=1, routed_scaling_factor=1.0))

@@ -34,6 +34,7 @@ import torch
 from .config_fields import read_bool, read_float, read_int, read_json_object, read_optional_positive
 from .gated_deltanet import LinearAttentionConfig
 from .mamba2 import Mamba2Config
+from .mla import MLAConfig
 from .moe import MoEConfig
 from .quant.config import METHODS as QUANT_METHODS
 from .quant.config import QuantConfig, parse_quant_config
@@ -96,6 +97,14 @@ class ModelConfig:
     # multi-token-prediction layers the checkpoint ships after the decoder's, as model.layers.{N}... (GLM-4.5's
     # num_nextn_predict_layers): the target's load skips them, speculative decoding's "mtp" reads them
     nextn_layers: int = 0
+    # multi-head latent attention (DeepSeek-V3, models/mla.py): head_dim is then the cached latent's width and
+    # num_kv_heads 1
+    mla: MLAConfig | None = None
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The width the rotary tables rotate within (MLA: the queries' and keys' rope part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def decoder_layers(self) -> int:
@@ -158,6 +167,10 @@ class Family:
     def uses_qk_norm(self, where: str, raw: dict) -> bool:
         """Whether the attention has q/k RMSNorms (the class's fixed fact, or a config field's)."""
         return self.qk_norm
+
+    def latent_attention(self, where: str, raw: dict) -> MLAConfig | None:
+        """Multi-head latent attention's sizes (None: the attention q/k/v projections make)."""
+        return None
 
     def nextn_layers(self, where: str, raw: dict) -> int:
         """MTP layers stored after the decoder's (ModelConfig.nextn_layers)."""
@@ -227,6 +240,32 @@ def read_experts(where: str, raw: dict, key: str, experts: int, top_k: int) -> t
     if top_k > experts:
         raise ValueError(f"{where}: num_experts_per_tok ({top_k}) must not exceed {key} ({experts})")
     return experts, top_k
+
+
+def read_grouped_moe(where: str, raw: dict, num_layers: int, defaults: dict) -> MoEConfig | None:
+    """DeepSeek-V3's MoE fields (GLM-4.5 shares them): the first `first_k_dense_replace` layers dense, the
+    others `n_routed_experts` experts of `moe_intermediate_size` beside `n_shared_experts` ungated shared ones,
+    routed by sigmoid scores over `n_group` groups (moe.py's "sigmoid_groups"); `defaults`: the config class's
+    (n_routed_experts, num_experts_per_tok, moe_intermediate_size, first_k_dense_replace, n_group, topk_group,
+    routed_scaling_factor)."""
+    experts, top_k = read_experts(where, raw, "n_routed_experts", defaults["n_routed_experts"],
+                                  defaults["num_experts_per_tok"])
+    dense = read_int(where, raw, "first_k_dense_replace", defaults["first_k_dense_replace"], minimum=0)
+    sparse = tuple(i >= dense for i in range(num_layers))
+    if not any(sparse):
+        return None
+    size = read_int(where, raw, "moe_intermediate_size", defaults["moe_intermediate_size"])
+    try:
+        return MoEConfig(experts, top_k, size, routing="sigmoid_groups",
+                         renormalize=read_bool(where, raw, "norm_topk_prob", True), weights_fp32=True,
+                         sparse_layers=sparse,
+                         shared_intermediate_size=size * read_int(where, raw, "n_shared_experts", 1, minimum=0),
+                         shared_gate=False, num_groups=read_int(where, raw, "n_group", defaults["n_group"]),
+                         topk_groups=read_int(where, raw, "topk_group", defaults["topk_group"]),
+                         routed_scaling=read_float(where, raw, "routed_scaling_factor",
+                                                   defaults["routed_scaling_factor"]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 _FAMILIES: dict[str, Family] = {}  # filled by models/registry.py, in its order
@@ -329,6 +368,9 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
             f"when head_dim is not given"
         )
     head_dim = read_int(where, raw, "head_dim", family.head_dim or hidden // num_heads)
+    mla = family.latent_attention(where, raw)
+    if mla is not None:  # the cache holds one latent head
+        num_kv_heads, head_dim = 1, mla.cache_dim
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim ({head_dim}) must be even (rotary embeddings rotate pairs)")
     max_positions = read_int(where, raw, "max_position_embeddings", 2048)
@@ -344,7 +386,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
     if read_bool(where, raw, "mlp_bias"):
         raise ValueError(f"{where}: mlp_bias: MLP biases are not supported")
     qkv_bias, o_proj_bias = family.biases(where, raw)
-    rope, local_rope = family.ropes(where, raw, head_dim)
+    rope, local_rope = family.ropes(where, raw, mla.qk_rope_head_dim if mla is not None else head_dim)
     two_streams = rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings
     moe = family.moe(where, raw, num_layers, intermediate)
     quantization, weight_quant = _quantization(where, raw, family)
@@ -391,6 +433,7 @@ def parse_model_config(raw: dict, model_dir: str = "") -> ModelConfig:
         residual_multiplier=multipliers[1],
         logits_scaling=multipliers[2],
         nextn_layers=family.nextn_layers(where, raw),
+        mla=mla,
     )
 
 

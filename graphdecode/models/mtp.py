@@ -107,7 +107,7 @@ def read_mtp_config(path: str, target: ModelConfig, target_class: type) -> MTPCo
 
 
 MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")  # mtp.*
-NEXTN_MODEL_TYPES = ("glm4_moe",)  # DeepSeek-V3's layout: model.layers.{num_hidden_layers}.*
+NEXTN_MODEL_TYPES = ("glm4_moe", "deepseek_v3")  # DeepSeek-V3's layout: model.layers.{num_hidden_layers}.*
 
 
 class MTPHead(OneLayerHead):
@@ -137,6 +137,8 @@ class MTPHead(OneLayerHead):
 
     def post_load(self, max_positions: int) -> None:
         super().post_load(max_positions)
+        if hasattr(self.layers[0].self_attn, "post_load"):  # MLA's W_UK and W_UV (DeepSeek-V3)
+            self.layers[0].self_attn.post_load()
         mlp = self.layers[0].mlp
         if hasattr(mlp, "experts"):
             weight = self.norm.weight

@@ -29,5 +29,5 @@ class OneLayerHead(nn.Module):
 
     def post_load(self, max_positions: int) -> None:
         weight = self.norm.weight
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions, weight.dtype,
+        self.rotary = RotaryEmbedding(self.config.rope, self.config.rope_head_dim, max_positions, weight.dtype,
                                       weight.device)

@@ -7,6 +7,7 @@ graphdecode.models imports it, so every family is registered before any config i
 
 from __future__ import annotations
 
+from .deepseek_v3 import DeepseekV3Family
 from .gemma3 import Gemma3Family
 from .glm4_moe import Glm4MoeFamily
 from .gpt_oss import GptOssFamily
@@ -33,6 +34,7 @@ FAMILIES: tuple[Family, ...] = (
     Qwen3MoeFamily(),
     GptOssFamily(),
     Glm4MoeFamily(),
+    DeepseekV3Family(),
     Qwen3_5Family(),
     Qwen3_5ConditionalFamily(),
     Qwen3_5MoeFamily(),

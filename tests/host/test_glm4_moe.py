@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from graphdecode import LLM, SamplingParams
 from graphdecode.models.moe import MoEConfig, route
 from tests.helpers import (
+    add_nextn_layer,
+    assert_head_state_follows,
     assert_same_outputs,
     completions,
     generate_tokens,
     hf_greedy,
     hf_prompt_logprobs,
-    hot_mid_generation,
+    nextn_reference,
     random_prompts,
     token_prompts,
 )
@@ -61,31 +63,13 @@ def _tiny_glm(path: str) -> str:
     return path
 
 
-def _add_nextn_layer(path: str, seed: int = 0) -> str:
-    """The MTP layer as GLM-4.5 ships it: model.layers.{LAYERS}.* a copy of the last decoder layer (sparse), enorm /
-    hnorm / shared_head.norm near 1, a random eh_proj, and copies of the embedding and LM head (not read)."""
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    source, at = f"model.layers.{LAYERS - 1}.", f"model.layers.{LAYERS}."
-    for key in [k for k in tensors if k.startswith(source)]:
-        tensors[at + key[len(source):]] = tensors[key].clone()
-    hidden = tensors["model.norm.weight"].shape[0]
-    tensors[at + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.05
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"{at}{name}.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
-    tensors[at + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[at + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm4_moe")
     plain = _tiny_glm(str(root / "plain"))
     with_mtp = str(root / "mtp")
     shutil.copytree(plain, with_mtp)
-    return {"plain": plain, "mtp": _add_nextn_layer(with_mtp)}
+    return {"plain": plain, "mtp": add_nextn_layer(with_mtp, LAYERS)}
 
 
 def prompts(count: int = 5, seed: int = 3) -> list[list[int]]:
@@ -181,55 +165,13 @@ def test_mtp_gives_the_plain_tokens(glm):
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
 
 
-def _reference(path: str, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(The MTP layer's output at p - 1, the target's final hidden state there), by transformers' modules: the
-    final hidden states at 0..p-1, the embeddings of the tokens at 1..p, enorm / hnorm, eh_proj, the decoder layer
-    the MTP layer copies over positions 0..p-1, shared_head.norm."""
-    import transformers
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
-
-    target = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    w = load_file(os.path.join(path, "model.safetensors"))
-    cfg = target.config
-    p = len(tokens) - 1
-
-    def norm(name):
-        module = Glm4MoeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        module.weight.data.copy_(w[f"model.layers.{LAYERS}.{name}.weight"])
-        return module
-
-    with torch.no_grad():
-        final = target.model(torch.tensor([tokens[:p]])).last_hidden_state
-        embeds = target.model.embed_tokens(torch.tensor([tokens[1:]]))
-        x = torch.cat([norm("enorm")(embeds), norm("hnorm")(final)], dim=-1)
-        x = x @ w[f"model.layers.{LAYERS}.eh_proj.weight"].T
-        rope = target.model.rotary_emb(x, torch.arange(p)[None])
-        out = norm("shared_head.norm")(target.model.layers[LAYERS - 1](x, position_embeddings=rope,
-                                                                        attention_mask=None))
-    return out[0, -1], final[0, -1]
-
-
 def test_the_mtp_output_follows_every_path(glm):
     """Mid-generation, after chunked prefill, speculative rounds accepting part of their drafts and plain windows,
     each live row's MTP output at p - 1 (or, after a plain window, the target's final hidden state) equals
     transformers' computation."""
     path = glm["mtp"]
-    turn = iter(range(1 << 30))
     spec = LLM(path, speculative_config=MTP, max_num_batched_tokens=24, **ENGINE)
-    spec.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
-    kinds = hot_mid_generation(spec)
-    runner = spec.engine.runner
-    state, head = runner.state, runner.head
-    assert 0 < spec.stats()["spec_accepted_tokens"] < spec.stats()["spec_draft_tokens"]
-    live = (~state.done).nonzero()[:, 0].tolist()
-    assert len(live) == 3 and kinds == {True, False}
-    for row in live:
-        p = int(state.positions[row])
-        out, final = _reference(path, state.speculation.history[row, : p + 1].tolist())
-        if head.stale[row]:
-            torch.testing.assert_close(head.pending[row], final, atol=2e-4, rtol=1e-4)
-        else:
-            torch.testing.assert_close(head.prenorm[row], out, atol=2e-4, rtol=1e-4)
+    assert_head_state_follows(spec, lambda tokens: nextn_reference(path, tokens, LAYERS))
 
 
 def test_nextn_configs_are_checked_before_any_weight_is_read(glm, tmp_path):

@@ -133,7 +133,8 @@ def test_each_family_file_declares_its_config():
     and names the model class that runs it."""
     types = ", ".join(family.model_type for family in REGISTERED)
     assert types == ("llama, mistral, qwen2, qwen3, phi3, gemma3_text, mixtral, qwen3_moe, gpt_oss, glm4_moe, "
-                     "qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next, nemotron_h, granitemoehybrid")
+                     "deepseek_v3, qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next, nemotron_h, "
+                     "granitemoehybrid")
     with pytest.raises(ValueError, match=rf"^config.json: model_type: 'gpt2' is not supported \(supported: {types}\)$"):
         parse_model_config({"model_type": "gpt2"})
     assert all(MODEL_CLASSES[family.model_type] is family.model_class is not None for family in REGISTERED)
