@@ -5,10 +5,14 @@ Each case alternates the kernel and its torch baseline `--rounds` times in one p
 * linear: `PanelWeight(invariant=True).run` (csrc/cpu_linear.cpp: fp32 FMA panels, bf16 vdpbf16ps or AMX
   tiles) against `F.linear` (oneDNN) on each projection's shape (qkv, o, gate_up, down) at `--rows`;
 * swiglu: `CpuKernels.swiglu` against `F.silu(gate) * up`;
+* gated one pass (where the intermediate size is a whole number of 64-column panels):
+  `CpuKernels.panel_linear_swiglu` (the gate_up projection and its SwiGLU in one pass; the engine takes it up to
+  `one_pass_rows`) against the two passes it replaces
+  (`PanelWeight.run`, then `CpuKernels.swiglu`): its baseline is graphdecode's own, not torch's;
 * prefill attention: `CpuKernels.prefill_attention` over a paged cache, one layer, one causal prompt of `--rows`
   tokens, against SDPA's flash kernel on the same K / V, contiguous and repeated to every query head.
 
-Prints a table of milliseconds and kernel / torch; returns the rows (BENCHMARKS.md section 18f).
+Prints a table of milliseconds and kernel / baseline; returns the rows (BENCHMARKS.md sections 18f, 18g).
 
     python profiling/bench_cpu_kernels.py --threads 2 --dtype bfloat16 --rows 512,2048
 """
@@ -73,6 +77,13 @@ def main(argv=None) -> list[dict]:
             return F.silu(gate) * up
 
         cases["swiglu"] = ((lambda: kernels.swiglu(gate_up)), torch_swiglu, 0)
+        if inter % 64 == 0:
+            w = (torch.randn(2 * inter, hidden, generator=g) * 0.05).to(dtype)
+            x = torch.randn(rows, hidden, generator=g).to(dtype)
+            gated = PanelWeight(w, kernels, invariant=True)
+            cases["gated one pass"] = ((lambda: kernels.panel_linear_swiglu(x, gated.panels, inter)),
+                                       (lambda: kernels.swiglu(gated.run(x))),
+                                       2 * rows * 2 * inter * hidden)
         page = 16
         pages = -(-rows // page)
         kv = torch.randn(pages, 2, page, kv_heads, head_dim, generator=g).to(dtype)
@@ -94,7 +105,8 @@ def main(argv=None) -> list[dict]:
             if flops:
                 row["kernel_gflops"] = flops / best["kernel"] / 1e9
             results.append(row)
-    print(f"| {args.dtype}, {args.threads} threads | rows | kernel ms | torch ms | kernel / torch | kernel GFLOP/s |")
+    print(f"| {args.dtype}, {args.threads} threads | rows | kernel ms | baseline ms | kernel / baseline "
+          f"| kernel GFLOP/s |")
     print("|---|---|---|---|---|---|")
     for r in results:
         gflops = f"{r['kernel_gflops']:.0f}" if "kernel_gflops" in r else "-"

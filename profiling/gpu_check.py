@@ -29,6 +29,8 @@ ending with the exact command that reruns what failed, was cut or did not fit.
                        (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE)
   pytest_hybrid        hybrid models (Qwen3.5, Nemotron-H tiny presets) in CUDA graphs against the eager fp32
                        reference: chunked prefill, n-gram speculation, a prefix hit; bf16 beside them
+  pytest_families      DeepSeek-routed families (GLM-4.5, DeepSeek-V3's latent attention, Nemotron 3's experts)
+                       in CUDA graphs against the eager fp32 reference, with their MTP layers drafting
   bench                bucket sweep, llama-3.2-1b shape, bf16, buckets 1,8,64, k=8, --compile off
   bench_spec           speculative decoding vs plain (profiling/bench_spec.py), micro preset, batch 1
                        and 8, --compile off
@@ -106,6 +108,7 @@ PYTEST_STAGES = {  # stage: (test files, marker expression)
                         "gpu and extended and not compile"),
     "pytest_compile": (("tests/gpu/test_gpu_graphs.py",), "gpu and compile"),
     "pytest_hybrid": (("tests/gpu/test_gpu_hybrid.py",), "gpu"),
+    "pytest_families": (("tests/gpu/test_gpu_moe_families.py",), "gpu"),
 }
 # Per stage, in the order they run: its own limit, its estimated need on the GPU and in a dry run
 # (seconds). A stage is not started with less budget left than its need; a dry-run need of None
@@ -123,6 +126,7 @@ PLAN = {
     # after the core
     "pytest_extended": (200, 110, 10),
     "pytest_hybrid": (150, 70, 10),
+    "pytest_families": (150, 70, 10),
     "bench": (120, 60, 20),
     "bench_spec": (90, 45, 20),
     "pytest_compile": (150, 90, 10),

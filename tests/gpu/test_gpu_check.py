@@ -26,10 +26,10 @@ from tests.helpers import REPO
 
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 CORE = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs"]
-STAGES = CORE + ["pytest_extended", "pytest_hybrid", "bench", "bench_spec", "pytest_compile", "bench_tp", "bench_serve",
-                 "bench_structured", "bench_moe", "bench_quant", "bench_compiled"]
+STAGES = CORE + ["pytest_extended", "pytest_hybrid", "pytest_families", "bench", "bench_spec", "pytest_compile",
+                 "bench_tp", "bench_serve", "bench_structured", "bench_moe", "bench_quant", "bench_compiled"]
 PYTEST_STAGES = ["pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs", "pytest_extended",
-                 "pytest_compile", "pytest_hybrid"]
+                 "pytest_compile", "pytest_hybrid", "pytest_families"]
 HOOKS = ("GPU_CHECK_", "GDKIT_")
 
 
