@@ -190,6 +190,16 @@ MODEL_SPECS = {
              embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
              position_embedding_type="rope"),
     ),
+    # Granite 4.0-H Tiny's kind: the same stack with 8 SwiGLU experts (top-2 of the logits, softmax over those) beside
+    # each layer's shared MLP
+    "granite_hybrid_moe": (
+        "GraniteMoeHybridConfig",
+        dict(COMMON, num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], intermediate_size=32,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+             shared_intermediate_size=96, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+             mamba_expand=1, mamba_chunk_size=16, embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5,
+             attention_multiplier=0.3, position_embedding_type="rope"),
+    ),
     # gpt-oss: sinks, biased clamped-SwiGLU experts (4, top-2), layers alternating a 16-token window and
     # full attention, YaRN over an original 64 positions
     "gpt_oss": (

@@ -373,9 +373,9 @@ def _original(name: str, cls) -> str:
 
 def _experts_entry(path: str, f, key: str, cls, modules: dict) -> _Entry | None:
     """The entry of a tensor under an Experts module (expert_weights.py), checked; None for any other tensor."""
-    if cls.expert_format is None or ".experts." not in key:
+    ours = _renamed(key, cls)  # (Granite's experts are named so only after the renames)
+    if cls.expert_format is None or ".experts." not in ours:
         return None
-    ours = _renamed(key, cls)
     owner, suffix = ours.split(".experts.", 1)
     owner += ".experts"
     module = modules.get(owner)

@@ -106,6 +106,19 @@ def test_nemotron_3_moe_blocks_match_transformers(tiny_models, tmp_path, engine)
 
 
 @pytest.mark.parametrize("engine", NEMOTRON_ENGINES[:2], ids=["eager", "graphs-chunked"])
+def test_granite_4_h_moe_matches_transformers(tiny_models, engine):
+    """Granite 4.0-H's MoE models: experts (stacked input_linear / output_linear, router.layer: top-k logits,
+    softmax over them) beside every layer's shared MLP, under Granite's multipliers."""
+    path = tiny_models["granite_hybrid_moe"]
+    params = SamplingParams(max_tokens=24, temperature=0)
+    with LLM(path, dtype="float32", cpu_threads=1, **engine) as llm:
+        layers = llm.engine.runner.model.model.layers
+        assert all(layer.sparse and layer.mlp.cfg.routing == "topk_softmax" for layer in layers)
+        assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
+        assert all(sum(layer) > 0 for layer in llm.stats()["moe_tokens_per_expert"])
+
+
+@pytest.mark.parametrize("engine", NEMOTRON_ENGINES[:2], ids=["eager", "graphs-chunked"])
 @pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
 def test_granite_4_h_matches_transformers(tiny_models, tmp_path, engine, rope):
     """Granite 4.0-H (dense): Mamba2 and attention layers with shared MLPs, Granite's four multipliers; with
