@@ -190,6 +190,15 @@ MODEL_SPECS = {
              embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
              position_embedding_type="rope"),
     ),
+    # Nemotron 3 Super's kind: the same blocks, the experts in a 32-wide latent space (fc1 / fc2 latent projections)
+    "nemotron3_latent": (
+        "NemotronHConfig",
+        dict(COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
+             mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=3,
+             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
+             routed_scaling_factor=2.0, moe_latent_size=32),
+    ),
     # Granite 4.0-H Tiny's kind: the same stack with 8 SwiGLU experts (top-2 of the logits, softmax over those) beside
     # each layer's shared MLP
     "granite_hybrid_moe": (

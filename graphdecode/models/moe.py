@@ -67,7 +67,7 @@ from torch import nn
 
 from . import mxfp4
 from .layers import FusedLinear, GatedActivation
-from .parallel import RowParallelLinear, TPGroup, split
+from .parallel import RowParallelLinear, ShardSpec, TPGroup, split
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
 ACTIVATIONS = ("silu", "gpt_oss", "relu2")  # relu2: ungated (up, relu squared, down)
@@ -92,6 +92,7 @@ class MoEConfig:
     num_groups: int = 1  # sigmoid_groups: the experts in this many equal groups ...
     topk_groups: int = 1  # ... of which the best this many are eligible
     routed_scaling: float = 1.0  # sigmoid_groups: the weights' factor
+    latent_size: int = 0  # the experts work in a latent space this wide, projected in and out (Nemotron 3 Super)
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -370,7 +371,12 @@ class SparseMoE(nn.Module):
         if self.sigmoid:  # float32 logits from float32 weights, as transformers keeps them
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
             self.gate.fp32_params = ("weight", "e_score_correction_bias")  # the loader keeps them float32
-        self.experts = Experts(cfg, hidden_size, tp)
+        if cfg.latent_size:  # replicated projections around the experts (fc1 in, fc2 out)
+            whole = ShardSpec(0, 0, cfg.latent_size, cfg.latent_size)
+            self.fc1_latent_proj = FusedLinear(hidden_size, {"all": whole}, False)
+            self.fc2_latent_proj = FusedLinear(cfg.latent_size, {"all": ShardSpec(0, 0, hidden_size, hidden_size)},
+                                               False)
+        self.experts = Experts(cfg, cfg.latent_size or hidden_size, tp)
         self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
         if cfg.shared_intermediate_size:
             self.shared_expert = SharedExpert(hidden_size, cfg.shared_intermediate_size, tp, cfg.activation)
@@ -386,7 +392,10 @@ class SparseMoE(nn.Module):
         if self.expert_tokens is not None:
             counted = torch.ones_like(ids) if live is None else live[:, None].expand_as(ids).to(ids.dtype)
             self.expert_tokens.scatter_add_(0, ids.reshape(-1), counted.reshape(-1))
-        out = self.tp.all_reduce(self.experts(x, ids, weights))
+        if self.cfg.latent_size:
+            out = self.fc2_latent_proj(self.tp.all_reduce(self.experts(self.fc1_latent_proj(x), ids, weights)))
+        else:
+            out = self.tp.all_reduce(self.experts(x, ids, weights))
         if self.cfg.shared_intermediate_size:
             shared = self.shared_expert(x)
             if self.cfg.shared_gate:

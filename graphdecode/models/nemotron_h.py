@@ -6,8 +6,9 @@ layers, one mixer per block (models/hybrid.py's stack, models/mamba2.py's layer)
   (up_proj, relu squared, down_proj: no gate), `moe` (Nemotron 3: `n_routed_experts` relu-squared experts of
   `moe_intermediate_size` beside an ungated relu-squared shared expert of
   `moe_shared_expert_intermediate_size`, `mixer.shared_experts`; routed as DeepSeek-V3 routes, moe.py's
-  "sigmoid_groups", the router and its `e_score_correction_bias` held in float32; a latent projection around
-  the experts, `moe_latent_size`, is refused);
+  "sigmoid_groups", the router and its `e_score_correction_bias` held in float32; with `moe_latent_size`
+  (Nemotron 3 Super) the experts work in that latent width, between `mixer.fc1_latent_proj` and
+  `mixer.fc2_latent_proj`, the router and the shared expert on the full hidden state);
 * every block is `hidden + mixer(norm(hidden))`, the RMSNorm multiplying by its weight in float32
   (`layer_norm_epsilon`); weights under `backbone.` (`embeddings`, `layers.N.norm` / `mixer`, `norm_f`).
 """
@@ -89,6 +90,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         **{k: v for k, v in DecoderForCausalLM.packed_modules.items() if v[0] == "qkv_proj"},
         "in_proj": ("in_proj", "all"),
         "up_proj": ("up_proj", "up"),
+        "fc1_latent_proj": ("fc1_latent_proj", "all"),  # Nemotron 3 Super's latent MoE, replicated
+        "fc2_latent_proj": ("fc2_latent_proj", "all"),
     }
     checkpoint_renames = {"backbone.embeddings.": "model.embed_tokens.", "backbone.norm_f.": "model.norm.",
                           "backbone.": "model.", ".mixer.shared_experts.": ".mixer.shared_expert."}
@@ -131,8 +134,7 @@ class NemotronHFamily(Family):
     def moe(self, where: str, raw: dict, num_layers: int, intermediate: int) -> MoEConfig | None:
         if MOE_ONLY not in self._block_types(where, raw):
             return None
-        if raw.get("moe_latent_size") is not None:
-            raise ValueError(f"{where}: moe_latent_size: experts over a latent projection are not supported")
+        latent = 0 if raw.get("moe_latent_size") is None else read_int(where, raw, "moe_latent_size")
         experts, top_k = read_experts(where, raw, "n_routed_experts", 8, 2)
         try:
             return MoEConfig(experts, top_k, read_int(where, raw, "moe_intermediate_size", 7688),
@@ -142,7 +144,7 @@ class NemotronHFamily(Family):
                                                                7688, minimum=0),
                              shared_gate=False, num_groups=read_int(where, raw, "n_group", 1),
                              topk_groups=read_int(where, raw, "topk_group", 1),
-                             routed_scaling=read_float(where, raw, "routed_scaling_factor", 1.0))
+                             routed_scaling=read_float(where, raw, "routed_scaling_factor", 1.0), latent_size=latent)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 

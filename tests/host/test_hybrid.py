@@ -85,11 +85,13 @@ def test_nemotron_h_matches_transformers(tiny_models, engine):
         assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
 
 
+@pytest.mark.parametrize("model", ["nemotron3_moe", "nemotron3_latent"])
 @pytest.mark.parametrize("engine", NEMOTRON_ENGINES, ids=["eager", "graphs-chunked", "k1-compiled"])
-def test_nemotron_3_moe_blocks_match_transformers(tiny_models, tmp_path, engine):
+def test_nemotron_3_moe_blocks_match_transformers(tiny_models, tmp_path, engine, model):
     """Nemotron 3's MoE blocks beside Mamba2, attention and MLP blocks: relu-squared experts routed by sigmoid
-    scores with a (random) correction bias over expert groups, scaled, plus the ungated shared expert."""
-    path = copy_model(tiny_models, "nemotron3_moe", tmp_path)
+    scores with a (random) correction bias over expert groups, scaled, plus the ungated shared expert; Super's
+    kind with the experts in a latent space between fc1_latent_proj and fc2_latent_proj."""
+    path = copy_model(tiny_models, model, tmp_path)
     g = torch.Generator().manual_seed(3)
     edit_tensors(path, lambda t: t.update({k: torch.randn(t[k].shape, generator=g) * 0.1 for k in t
                                            if k.endswith("e_score_correction_bias")}))
@@ -100,9 +102,7 @@ def test_nemotron_3_moe_blocks_match_transformers(tiny_models, tmp_path, engine)
         assert blocks[1].mixer.gate.e_score_correction_bias.abs().sum() > 0
         assert _tokens(llm, PROMPTS, params) == hf_greedy(path, PROMPTS, 24)
         assert all(sum(layer) > 0 for layer in llm.stats()["moe_tokens_per_expert"])
-    rewrite_config(path, lambda raw: raw.update(moe_latent_size=16))
-    with pytest.raises(ValueError, match="moe_latent_size"):
-        LLM(path)
+        assert blocks[1].mixer.experts.down_proj.shape[1] == (32 if model == "nemotron3_latent" else 64)
 
 
 @pytest.mark.parametrize("engine", NEMOTRON_ENGINES[:2], ids=["eager", "graphs-chunked"])

@@ -86,7 +86,8 @@ def test_each_rank_holds_its_share(tiny_models):
         assert rank["weight_bytes"] == (single["weight_bytes"] - norms) // 2 + norms
 
 
-@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next", "nemotron_h", "nemotron3_moe", "granite_hybrid_moe"])
+@pytest.mark.parametrize("model", ["qwen3_5", "qwen3_next", "nemotron_h", "nemotron3_moe", "nemotron3_latent",
+                                   "granite_hybrid_moe"])
 def test_tp2_hybrids_split_their_recurrent_heads(tiny_models, tmp_path, model):
     """Gated DeltaNet key heads (Qwen3.5; Qwen3-Next's grouped projections and shared experts) and Mamba2 heads
     and groups (Nemotron-H; Nemotron 3 with its relu-squared experts split too) split across two ranks: TP=1's
