@@ -161,6 +161,19 @@ inline void store_sums(T* y, const float* sums, int64_t n, const float* add = nu
   }
 }
 
+// y[j] = round(round(sums[j]) + add[j]): an output as the projection alone rounds it, plus a residual, rounded again
+// (y may be add itself: each element is read before it is written)
+template <typename T>
+inline void store_sums_plus(T* y, const float* sums, int64_t n, const T* add) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    alignas(64) T t[16];
+    store16(t, load16(sums + j));
+    store16(y + j, load16(t) + load16(add + j));
+  }
+  for (; j < n; ++j) store(y + j, round_to(sums[j], y) + load(add + j));
+}
+
 inline f32x16 max16(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
 // The sum and the maximum of a vector's 16 lanes by a fixed tree (the same order on every call)

@@ -47,15 +47,44 @@ constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
 constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
+// Where a linear's rows go: y (row stride ldy) with the bias's columns (or null); gated (up > 0: a [gate | up]
+// projection, gate column c's up at column c + up * PANEL, no bias): silu(gate) * up of the two (swiglu_sums);
+// add (or null, no bias, not gated): each output row plus the same row of `add` (row stride lda), both rounded as
+// the projection and a separate add would round them (store_sums_plus).
+template <typename T>
+struct Out {
+  T* y;
+  int64_t ldy;
+  const T* bias;
+  int64_t up;
+  const T* add;
+  int64_t lda;
+};
+
+// row m's outputs of the panel at column col0 (cols of them) from its sums (gated: gate's g, up's u); start: what
+// the sums still lack (the AMX units' bias) or null
+template <typename T>
+inline void emit(const Out<T>& out, int64_t m, int64_t col0, const float* g, const float* u, int64_t cols,
+                 const float* start) {
+  T* dst = out.y + m * out.ldy + col0;
+  if (out.up)
+    swiglu_sums(dst, g, u, cols);
+  else if (out.add)
+    store_sums_plus(dst, g, cols, out.add + m * out.lda + col0);
+  else
+    store_sums(dst, g, cols, start);
+}
+
 // The work of one linear over panels of `steps` k steps each (k, or k pairs), `step_elems` panel elements per step:
 // tasks of (up to ROWS_MAX rows, a panel) over `threads` threads; a task's sums start from the bias's columns,
 // take tile(rows, row offset, s0, s1, sums, prefetch, lines, per step) for blocks of `block` steps and register
 // tiles of MR rows (meanwhile the next block's panel bytes are prefetched, spread over the tiles' steps), and go
-// to y. Gated (`up` > 0: a [gate | up] projection, gate column c's up at column c + up * PANEL, no bias): a task
-// runs a gate panel and its up panel and writes y = swiglu of the two (swiglu_sums), up * PANEL columns in all.
+// to `out` (emit). Gated, a task runs a gate panel and its up panel, up * PANEL output columns in all.
 template <typename T, typename Tile>
 void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t step_elems, const T* panels,
-                 const T* bias, T* y, int64_t ldy, int64_t up, int32_t threads, Tile&& tile) {
+                 const Out<T>& out, int32_t threads, Tile&& tile) {
+  const T* bias = out.bias;
+  const int64_t up = out.up;
   const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
   const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
   const int64_t tasks = blocks * outs, panel_elems = steps * step_elems;
@@ -91,20 +120,16 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
         }
       }
     }
-    for (int64_t m = 0; m < rows; ++m) {
-      if (up)
-        swiglu_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, PANEL);
-      else
-        store_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, cols);
-    }
+    for (int64_t m = 0; m < rows; ++m)  // the bias is in the sums already
+      emit(out, m0 + m, o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, up ? PANEL : cols, nullptr);
   }
 }
 
 template <typename T>
-void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const T* bias, T* y,
-                  int64_t ldy, int64_t up, int32_t threads) {
+void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const Out<T>& out,
+                  int32_t threads) {
   // more rows than one task's: twice the k a block, half the round trips of the sums through memory
-  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, bias, y, ldy, up, threads,
+  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, out, threads,
               [=](int64_t r, int64_t m, const T* panel, int64_t k0, int64_t k1, float* sums, const char* pf,
                   int64_t lines, int64_t per_k) {
                 panel_tile_rows(r, x + m * ldx, ldx, panel, k0, k1, sums, pf, lines, per_k);
@@ -165,8 +190,8 @@ inline void pair_tile_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t
 // panel_linear's bf16 form over vdpbf16ps, W in pair panels [ceil(N / 64)][ceil(K / 2)][64][2] (an odd K's
 // last pair and the columns past N zero): the same tasks, blocks of KB k and prefetch, one k pair a step
 void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
-                        const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t up, int32_t threads) {
-  panel_tasks(M, N, (K + 1) / 2, KB / 2, 2 * PANEL, panels, bias, y, ldy, up, threads,
+                        const Out<uint16_t>& out, int32_t threads) {
+  panel_tasks(M, N, (K + 1) / 2, KB / 2, 2 * PANEL, panels, out, threads,
               [=](int64_t r, int64_t m, const uint16_t* panel, int64_t j0, int64_t j1, float* sums, const char* pf,
                   int64_t lines, int64_t per_j) {
                 pair_tile_rows(r, x + m * ldx, ldx, K, panel, j0, j1, sums, pf, lines, per_j);
@@ -214,7 +239,9 @@ inline int64_t panels_per_block(int64_t panel_bytes) {
 // (tmm0-3 its sums, tmm4 its x, tmm5-7 the panel's). Each output is one tile's sum over the k steps in ascending
 // order, so a row's bits do not depend on the other rows of its tile, on its tile's partner, or on the split.
 void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* panels, int64_t N,
-                      const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t up, int32_t threads) {
+                      const Out<uint16_t>& out, int32_t threads) {
+  const uint16_t* bias = out.bias;
+  const int64_t up = out.up;
   const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
   const int64_t pairs = ((K + 1) / 2 + AMX_PAIRS - 1) / AMX_PAIRS * AMX_PAIRS, steps = pairs / AMX_PAIRS;
   constexpr int64_t B_STRIDE = 2 * PANEL * 2;  // bytes between a panel's k pair rows
@@ -277,12 +304,8 @@ void panel_linear_amx(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, cons
         amx_store(acc, PANEL * 4);
       }
     }
-    for (int64_t m = 0; m < rows; ++m) {
-      if (up)
-        swiglu_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, PANEL);
-      else
-        store_sums(y + (m0 + m) * ldy + o * PANEL, sums[0] + m * PANEL, cols, bias ? start : nullptr);
-    }
+    for (int64_t m = 0; m < rows; ++m)
+      emit(out, m0 + m, o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, up ? PANEL : cols, bias ? start : nullptr);
   }, amx_configure, [] { _tile_release(); });
 }
 #endif
@@ -309,28 +332,30 @@ extern "C" int graphdecode_cpu_bf16_pair_rows() {
 
 namespace {
 
-// panel_linear in the dtype's kernel (see graphdecode_cpu_panel_linear); up > 0: gated (panel_tasks)
-int linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N, const void* bias, void* y,
-           int64_t ldy, int64_t up, int32_t threads, int32_t dtype) {
-  if (M < 0 || K <= 0 || N <= 0 || ldx < K || threads < 1 || (M > 0 && (!x || !panels || !y))) return 1;
+// panel_linear in the dtype's kernel (see graphdecode_cpu_panel_linear), its rows to out (Out: y, bias, up, add
+// untyped)
+int linear(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels, int64_t N, const Out<void>& out,
+           int32_t threads, int32_t dtype) {
+  if (M < 0 || K <= 0 || N <= 0 || ldx < K || threads < 1 || (M > 0 && (!x || !panels || !out.y))) return 1;
   if (dtype == kFloat32) {
-    panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N,
-                 static_cast<const float*>(bias), static_cast<float*>(y), ldy, up, threads);
+    const Out<float> o{static_cast<float*>(out.y), out.ldy, static_cast<const float*>(out.bias), out.up,
+                       static_cast<const float*>(out.add), out.lda};
+    panel_linear(static_cast<const float*>(x), M, K, ldx, static_cast<const float*>(panels), N, o, threads);
   } else if (dtype == kBFloat16) {
     const auto* xb = static_cast<const uint16_t*>(x);
     const auto* pb = static_cast<const uint16_t*>(panels);
-    const auto* bb = static_cast<const uint16_t*>(bias);
-    auto* yb = static_cast<uint16_t*>(y);
+    const Out<uint16_t> o{static_cast<uint16_t*>(out.y), out.ldy, static_cast<const uint16_t*>(out.bias), out.up,
+                          static_cast<const uint16_t*>(out.add), out.lda};
 #if defined(GRAPHDECODE_AMX)
     if (amx_ready()) {
-      panel_linear_amx(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+      panel_linear_amx(xb, M, K, ldx, pb, N, o, threads);
       return 0;
     }
 #endif
 #if defined(__AVX512BF16__)
-    panel_linear_pairs(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+    panel_linear_pairs(xb, M, K, ldx, pb, N, o, threads);
 #else
-    panel_linear(xb, M, K, ldx, pb, N, bb, yb, ldy, up, threads);
+    panel_linear(xb, M, K, ldx, pb, N, o, threads);
 #endif
   } else {
     return 1;
@@ -350,7 +375,7 @@ extern "C" int graphdecode_cpu_panel_linear(const void* x, int64_t M, int64_t K,
                                             int64_t N, const void* bias, void* y, int64_t ldy, int32_t threads,
                                             int32_t dtype) {
   if (ldy < N) return 1;
-  return linear(x, M, K, ldx, panels, N, bias, y, ldy, 0, threads, dtype);
+  return linear(x, M, K, ldx, panels, N, Out<void>{y, ldy, bias, 0, nullptr, 0}, threads, dtype);
 }
 
 // A gated projection and its SwiGLU in one pass: y [M, I] = silu(gate) * up of x @ [gate | up]^T, panels those of
@@ -361,5 +386,15 @@ extern "C" int graphdecode_cpu_panel_linear_swiglu(const void* x, int64_t M, int
                                                    const void* panels, int64_t I, void* y, int64_t ldy,
                                                    int32_t threads, int32_t dtype) {
   if (I <= 0 || I % PANEL || ldy < I) return 1;
-  return linear(x, M, K, ldx, panels, 2 * I, nullptr, y, ldy, I / PANEL, threads, dtype);
+  return linear(x, M, K, ldx, panels, 2 * I, Out<void>{y, ldy, nullptr, I / PANEL, nullptr, 0}, threads, dtype);
+}
+
+// A projection plus a residual in one pass: y [M, N] = x @ W^T + add, add [M, N] (row stride lda; y may be add
+// itself), no bias: the projection's outputs rounded to the dtype, then the add rounded again, as the projection
+// and a separate add round them (transformers' residual after a layer's last projection).
+extern "C" int graphdecode_cpu_panel_linear_add(const void* x, int64_t M, int64_t K, int64_t ldx, const void* panels,
+                                                int64_t N, const void* add, int64_t lda, void* y, int64_t ldy,
+                                                int32_t threads, int32_t dtype) {
+  if (ldy < N || lda < N || (M > 0 && !add)) return 1;
+  return linear(x, M, K, ldx, panels, N, Out<void>{y, ldy, nullptr, 0, add, lda}, threads, dtype);
 }

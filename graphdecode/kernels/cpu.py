@@ -29,7 +29,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 20
+ABI_VERSION = 21
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -69,6 +69,9 @@ class CpuKernels:
         self._panel = self._lib.graphdecode_cpu_panel_linear
         self._panel.restype = ctypes.c_int
         self._panel.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I32, _I32]
+        self._panel_add = self._lib.graphdecode_cpu_panel_linear_add
+        self._panel_add.restype = ctypes.c_int
+        self._panel_add.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _P, _I64, _I32, _I32]
         self._panel_swiglu = self._lib.graphdecode_cpu_panel_linear_swiglu
         self._panel_swiglu.restype = ctypes.c_int
         self._panel_swiglu.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I32, _I32]
@@ -273,6 +276,22 @@ class CpuKernels:
                 _threads(threads), DTYPE_CODES[x.dtype]):
             raise ValueError(f"graphdecode_cpu_panel_linear rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)} {panels.dtype}, {out_features} outputs")
+        return y.view(*lead, out_features)
+
+    def panel_linear_add(self, x, panels, out_features: int, add, threads: int | None = None):
+        """x [..., K] @ W^T + add -> new [..., N] in one pass (panel_linear's panels; add [..., N] of x's dtype, its
+        rows contiguous): the projection's outputs rounded to the dtype, then the sum rounded again, the bits of
+        panel_linear then `add + result`."""
+        x, x2, lead, k, y = _linear_io(x, out_features)
+        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
+        add2 = add.reshape(-1, out_features)
+        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
+                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or add.dtype != x.dtype or (
+                add2.shape[0] != x2.shape[0] or add2.stride(1) != 1) or self._panel_add(
+                x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features, add2.data_ptr(),
+                add2.stride(0), y.data_ptr(), out_features, _threads(threads), DTYPE_CODES[x.dtype]):
+            raise ValueError(f"graphdecode_cpu_panel_linear_add rejected x {tuple(x.shape)} {x.dtype}, panels "
+                             f"{tuple(panels.shape)}, add {tuple(add.shape)} {add.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
 
     def one_pass_rows(self, dtype) -> float:

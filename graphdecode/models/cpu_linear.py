@@ -138,6 +138,12 @@ class PanelWeight(PackedWeight):
             return self.kernels.panel_linear(x, self.panels, self.out_features, bias)
         return super().run(x, bias)
 
+    def run_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T: in the panels' one pass (the bits of the two ops), or, past the panels' rows, the two."""
+        if x.numel() <= self.rows * self.in_features:
+            return self.kernels.panel_linear_add(x, self.panels, self.out_features, residual)
+        return residual + self.run(x)
+
     @property
     def gated_one_pass(self) -> bool:
         """Whether run_swiglu serves this [gate | up] projection: panels for every row count, gate and up each a

@@ -149,10 +149,11 @@ class GatedMLP(nn.Module):
                 and getattr(packed, "gated_one_pass", False)):
             self.one_pass = packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: added to the output (residual + MLP(x)), in down_proj's pass where the CPU panels run it."""
         if self.one_pass is not None and not torch.compiler.is_compiling():
-            return self.down_proj(self.one_pass.run_swiglu(x))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+            return self.down_proj(self.one_pass.run_swiglu(x), residual)
+        return self.down_proj(self.act(self.gate_up_proj(x)), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -180,7 +181,7 @@ class DecoderLayer(nn.Module):
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)  # Llama: pre-norms only
         if self.sparse:  # an MoE counts the live tokens it routes
             return hidden + self.mlp(normed, ctx.live_tokens())
-        return hidden + self.mlp(normed)
+        return self.mlp(normed, residual=hidden)  # hidden + MLP(normed)
 
 
 class DecoderModel(nn.Module):

@@ -99,7 +99,14 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp_specs = {"weight": ShardSpec(1, self.in_spec.start, self.in_spec.stop, in_features)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: added to the output (residual + y), by the CPU panels in the same pass where they run it."""
+        if residual is not None:
+            run_add = getattr(self.packed, "run_add", None)
+            if (run_add is not None and self.tp.size == 1 and self.bias is None and residual.is_contiguous()
+                    and not torch.compiler.is_compiling()):
+                return run_add(x, residual)
+            return residual + self.forward(x)
         y = self.tp.all_reduce(self.packed(x) if self.packed is not None else F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 

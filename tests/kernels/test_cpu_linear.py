@@ -122,6 +122,28 @@ def test_a_gated_projection_and_its_swiglu_in_one_pass_give_the_two_passes_bits(
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_and_its_residual_in_one_pass_give_the_two_ops_bits(dtype):
+    """run_add (graphdecode_cpu_panel_linear_add: the projection's outputs rounded, then the residual added and
+    rounded again) writes exactly `residual + run(x)`, at decode's and prefill's row counts, on any thread
+    count, with a last panel narrower than 64 columns and rows of the residual wider than the output."""
+    kernels = cpu_kernels_module.cpu_kernels()
+    for n, k in ((576, 1536), (200, 37)):
+        g = torch.Generator().manual_seed(n + k)
+        panel = PanelWeight((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype), kernels, invariant=True)
+        for rows in (0, 1, 5, 17, 70, 200):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            residual = torch.randn(rows, n + 8, generator=g).to(dtype)[:, :n]  # rows n + 8 apart
+            want = residual + panel.run(x)
+            assert torch.equal(kernels.panel_linear_add(x, panel.panels, n, residual, threads=1), want)
+            assert torch.equal(kernels.panel_linear_add(x, panel.panels, n, residual, threads=5), want)
+            if rows:
+                assert torch.equal(panel.run_add(x, residual.contiguous()), want)
+    with pytest.raises(ValueError, match="panel_linear_add rejected"):
+        kernels.panel_linear_add(x, panel.panels, n, residual[:, ::2].float())
+
+
+@needs_kernels
 def test_panel_weight_runs_the_kernel_on_any_thread_count(monkeypatch):
     """With several torch threads the panel kernel still takes up to PANEL_ROWS rows (on those threads)."""
     weight = torch.randn(128, 64)
