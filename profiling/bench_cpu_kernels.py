@@ -1,14 +1,16 @@
 """The CPU kernels one call at a time beside torch's own op for the same work, at a model's shapes.
 
-Each case alternates the kernel and its torch baseline `--rounds` times in one process (best of each):
+Each case alternates the kernel and its baseline `--rounds` times in one process (best of each):
 
 * linear: `PanelWeight(invariant=True).run` (csrc/cpu_linear.cpp: fp32 FMA panels, bf16 vdpbf16ps or AMX
   tiles) against `F.linear` (oneDNN) on each projection's shape (qkv, o, gate_up, down) at `--rows`;
 * swiglu: `CpuKernels.swiglu` against `F.silu(gate) * up`;
 * gated one pass (where the intermediate size is a whole number of 64-column panels):
   `CpuKernels.panel_linear_swiglu` (the gate_up projection and its SwiGLU in one pass; the engine takes it up to
-  `one_pass_rows`) against the two passes it replaces
-  (`PanelWeight.run`, then `CpuKernels.swiglu`): its baseline is graphdecode's own, not torch's;
+  `one_pass_rows`) against the two passes it replaces (`PanelWeight.run`, then `CpuKernels.swiglu`): its
+  baseline is graphdecode's own, not torch's;
+* down + residual (one pass): `CpuKernels.panel_linear_add` (down_proj and the layer's residual add in one pass)
+  against `residual + PanelWeight.run(x)`, graphdecode's own two ops;
 * prefill attention: `CpuKernels.prefill_attention` over a paged cache, one layer, one causal prompt of `--rows`
   tokens, against SDPA's flash kernel on the same K / V, contiguous and repeated to every query head.
 
@@ -81,9 +83,15 @@ def main(argv=None) -> list[dict]:
             w = (torch.randn(2 * inter, hidden, generator=g) * 0.05).to(dtype)
             x = torch.randn(rows, hidden, generator=g).to(dtype)
             gated = PanelWeight(w, kernels, invariant=True)
-            cases["gated one pass"] = ((lambda: kernels.panel_linear_swiglu(x, gated.panels, inter)),
-                                       (lambda: kernels.swiglu(gated.run(x))),
+            cases["gated one pass"] = ((lambda x=x: kernels.panel_linear_swiglu(x, gated.panels, inter)),
+                                       (lambda x=x: kernels.swiglu(gated.run(x))),
                                        2 * rows * 2 * inter * hidden)
+        w = (torch.randn(hidden, inter, generator=g) * 0.05).to(dtype)
+        x = torch.randn(rows, inter, generator=g).to(dtype)
+        residual = torch.randn(rows, hidden, generator=g).to(dtype)
+        down = PanelWeight(w, kernels, invariant=True)
+        cases["down + residual"] = ((lambda x=x: kernels.panel_linear_add(x, down.panels, hidden, residual)),
+                                    (lambda x=x: residual + down.run(x)), 2 * rows * hidden * inter)
         page = 16
         pages = -(-rows // page)
         kv = torch.randn(pages, 2, page, kv_heads, head_dim, generator=g).to(dtype)

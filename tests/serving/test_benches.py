@@ -403,7 +403,7 @@ def test_cpu_kernels_bench_smoke():
     rows = _script("bench_cpu_kernels").main(["--dtype", "bfloat16", "--rows", "20", "--threads", "1",
                                               "--rounds", "1", "--shape", "64,128,4,2,32"])
     assert [r["case"] for r in rows] == ["linear qkv", "linear o", "linear gate_up", "linear down", "swiglu",
-                                         "gated one pass", "prefill attention"]
+                                         "gated one pass", "down + residual", "prefill attention"]
     assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 for r in rows)
 
 
