@@ -284,6 +284,31 @@ def add_mtp_layer(model_dir: str, source_layer: int, seed: int = 0, std: float =
     return model_dir
 
 
+def assert_hf_tokens_on_every_path(path: str, batch: list[list[int]], params, expected: list[list[int]]):
+    """transformers' greedy tokens `expected` through plain windows (k = 1), chunked prefill with prefix-cache hits
+    (k = 4, 4 rows) and n-gram speculation; the first token's logprobs of two rows within 1e-4 of transformers'.
+    Returns the plain engine."""
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(path, num_decode_steps=1, page_size=16, max_model_len=256, max_batch_size=8)
+    assert generate_tokens(llm, batch, params) == expected
+    out = llm.generate(token_prompts(batch[:2]), SamplingParams(temperature=0, max_tokens=1, logprobs=5),
+                       use_tqdm=False)
+    for row, result in zip(batch[:2], out):
+        want = hf_prompt_logprobs(path, row)[-1]
+        for token, logprob in result.outputs[0].logprobs[0].items():
+            assert abs(logprob.logprob - float(want[token])) < 1e-4
+    chunked = LLM(path, num_decode_steps=4, page_size=32, max_model_len=256, max_batch_size=4,
+                  max_num_batched_tokens=32)
+    assert generate_tokens(chunked, batch, params) == expected
+    assert generate_tokens(chunked, batch, params) == expected
+    assert chunked.stats()["prefix_cache_hits"] > 0
+    ngram = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8,
+                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert generate_tokens(ngram, batch, params) == expected
+    return llm
+
+
 def add_nextn_layer(model_dir: str, layers: int, seed: int = 0) -> str:
     """An MTP layer as DeepSeek-V3 and GLM-4.5 ship it: model.layers.{layers}.* a copy of the last decoder layer
     (so transformers' own layer is its oracle), enorm / hnorm / shared_head.norm near 1, a random eh_proj, and

@@ -17,10 +17,10 @@ from graphdecode import LLM, SamplingParams
 from tests.helpers import (
     add_nextn_layer,
     assert_head_state_follows,
+    assert_hf_tokens_on_every_path,
     assert_same_outputs,
     generate_tokens,
     hf_greedy,
-    hf_prompt_logprobs,
     nextn_reference,
     random_prompts,
     token_prompts,
@@ -78,25 +78,9 @@ def test_greedy_parity_with_transformers_on_every_path(deepseek, variant):
     expanded one's scores and outputs in another order of the sums)."""
     path = deepseek[variant]
     batch = random_prompts(6, [3, 17, 50, 100], seed=21)
-    expected = hf_greedy(path, batch, 24)
-    llm = LLM(path, num_decode_steps=1, page_size=16, max_model_len=256, max_batch_size=8)
+    llm = assert_hf_tokens_on_every_path(path, batch, GREEDY, hf_greedy(path, batch, 24))
     cfg = llm.config.model_config
     assert cfg.num_kv_heads == 1 and cfg.head_dim == 32 + 16 and cfg.rope_head_dim == 16
-    assert generate_tokens(llm, batch, GREEDY) == expected
-    out = llm.generate(token_prompts(batch[:2]), SamplingParams(temperature=0, max_tokens=1, logprobs=5),
-                       use_tqdm=False)
-    for row, result in zip(batch[:2], out):
-        want = hf_prompt_logprobs(path, row)[-1]
-        for token, logprob in result.outputs[0].logprobs[0].items():
-            assert abs(logprob.logprob - float(want[token])) < 1e-4
-    chunked = LLM(path, num_decode_steps=4, page_size=32, max_model_len=256, max_batch_size=4,
-                  max_num_batched_tokens=32)
-    assert generate_tokens(chunked, batch, GREEDY) == expected
-    assert generate_tokens(chunked, batch, GREEDY) == expected
-    assert chunked.stats()["prefix_cache_hits"] > 0
-    ngram = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8,
-                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert generate_tokens(ngram, batch, GREEDY) == expected
 
 
 def test_the_latent_cache_and_batch_invariance(deepseek):

@@ -22,11 +22,11 @@ from graphdecode.models.moe import MoEConfig, route
 from tests.helpers import (
     add_nextn_layer,
     assert_head_state_follows,
+    assert_hf_tokens_on_every_path,
     assert_same_outputs,
     completions,
     generate_tokens,
     hf_greedy,
-    hf_prompt_logprobs,
     nextn_reference,
     random_prompts,
     token_prompts,
@@ -113,25 +113,8 @@ def test_greedy_parity_with_transformers_on_every_path(glm):
     n-gram speculation (the verify's queries through the MoE); the first token's logprobs equal transformers'."""
     path = glm["plain"]
     batch = prompts(6, seed=21)
-    expected = hf_greedy(path, batch, 24)
-    llm = LLM(path, num_decode_steps=1, page_size=16, max_model_len=256, max_batch_size=8)
-    model = llm.engine.runner.model
-    assert [layer.sparse for layer in model.model.layers] == [False, True, True]
-    assert generate_tokens(llm, batch, GREEDY) == expected
-    out = llm.generate(token_prompts(batch[:2]), SamplingParams(temperature=0, max_tokens=1, logprobs=5),
-                       use_tqdm=False)
-    for row, result in zip(batch[:2], out):
-        want = hf_prompt_logprobs(path, row)[-1]
-        for token, logprob in result.outputs[0].logprobs[0].items():
-            assert abs(logprob.logprob - float(want[token])) < 1e-4
-    chunked = LLM(path, num_decode_steps=4, page_size=32, max_model_len=256, max_batch_size=4,
-                  max_num_batched_tokens=32)
-    assert generate_tokens(chunked, batch, GREEDY) == expected
-    assert generate_tokens(chunked, batch, GREEDY) == expected
-    assert chunked.stats()["prefix_cache_hits"] > 0
-    ngram = LLM(path, num_decode_steps=4, max_model_len=256, max_batch_size=8,
-                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert generate_tokens(ngram, batch, GREEDY) == expected
+    llm = assert_hf_tokens_on_every_path(path, batch, GREEDY, hf_greedy(path, batch, 24))
+    assert [layer.sparse for layer in llm.engine.runner.model.model.layers] == [False, True, True]
 
 
 def test_the_router_stays_float32_in_bf16(glm):
