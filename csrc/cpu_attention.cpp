@@ -42,6 +42,8 @@
 
 namespace {
 
+constexpr int64_t MAX_GENERIC_DIM = 1024;  // the widest head the decode kernel takes (kernels/cpu.py MAX_HEAD_DIM)
+
 using namespace graphdecode_cpu;
 
 // Reductions in LANES independent partial sums combined by a fixed tree, written with GCC /
@@ -152,7 +154,7 @@ struct Scratch {
 // One row b, every head: keys are visited in position order and each key's K (then V) row of
 // all KV heads is read once, contiguously, for all the row's queries (the page layout holds a
 // token's KV heads side by side). DIM > 0: head_dim known at compile time (32, 64, 80, 96,
-// 128, 256), so the per-query loops unroll; DIM == 0: any head_dim up to 512.
+// 128, 256), so the per-query loops unroll; DIM == 0: any head_dim up to MAX_GENERIC_DIM (1024: an MLA latent, 576).
 template <typename T, typename KV, int DIM>
 void attend_row(const Args& a, int64_t b, Scratch& w) {
   const int64_t D = DIM > 0 ? DIM : a.head_dim;
@@ -214,7 +216,7 @@ void attend_row(const Args& a, int64_t b, Scratch& w) {
   const int64_t pre = first % LANES, span_a = (pre + span + LANES - 1) / LANES * LANES;
   w.scores.resize(NQ * span_a);
   {
-    float tile[(DIM > 0 ? DIM : 512) * TILE];
+    float tile[(DIM > 0 ? DIM : MAX_GENERIC_DIM) * TILE];
     for (int64_t h = 0; h < HKV; ++h)
       for (int64_t t0 = 0; t0 < span; t0 += TILE) {
         const int64_t keys = std::min<int64_t>(TILE, span - t0);
@@ -517,7 +519,7 @@ int graphdecode_cpu_paged_attention(const void* q, const void* kv, const int32_t
                                     int32_t kv_dtype, float out_scale, int32_t threads) {
   if (!q || !kv || !block_table || !out || (!positions && (!seq_lens || queries != 1)) || rows < 0 ||
       queries < 1 || kv_heads < 1 ||
-      heads < kv_heads || heads % kv_heads != 0 || head_dim < 1 || head_dim > 512 || page_size < 1 ||
+      heads < kv_heads || heads % kv_heads != 0 || head_dim < 1 || head_dim > MAX_GENERIC_DIM || page_size < 1 ||
       width < 1 || num_pages < 1 || bt_stride < width || !(scale > 0.f) || soft_cap < 0.f || !(out_scale > 0.f) ||
       threads < 1 || (kv_dtype != dtype && kv_dtype != kFloat8E4M3))
     return 1;

@@ -71,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(kv_caches, num_heads, num_kv_heads, head_dim, specs, dtype)
         kernels = cpu_kernels_for(kv_caches[0].device)
         usable = (kernels is not None and self.dtype in kernels.supported_dtypes and self.kv_dtype in (self.dtype, FP8)
-                  and head_dim <= kernels.MAX_HEAD_DIM)  # wider heads (MLA's 576-wide latent): torch's ops
+                  and head_dim <= kernels.MAX_HEAD_DIM)  # wider heads: torch's ops
         self.kernels = kernels if usable else None
         self.handle = register_backend(self)  # for the compiled ops
 

@@ -39,7 +39,7 @@ class CpuKernels:
     """The loaded library: `paged_attention` writes out[...] from q over the paged cache."""
 
     supported_dtypes = tuple(DTYPE_CODES)
-    MAX_HEAD_DIM = 512  # csrc/cpu_attention.cpp's generic loop
+    MAX_HEAD_DIM = 1024  # csrc/cpu_attention.cpp's generic loop (an MLA latent's 576 fits)
 
     def __init__(self, path: str):
         self.path = path

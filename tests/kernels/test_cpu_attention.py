@@ -119,7 +119,8 @@ def _decode_case(spec_name, dtype, heads, kv_heads, head_dim):
 @needs_kernels
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (14, 2, 80), (6, 3, 40)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (14, 2, 80), (6, 3, 40),
+                                                     (4, 1, 576)])  # the last: an MLA latent (DeepSeek-V3's)
 def test_kernel_decode_reads_pages_in_place(spec_name, dtype, heads, kv_heads, head_dim):
     rows, spec, q, k, v, want = _decode_case(spec_name, dtype, heads, kv_heads, head_dim)
     backend = rows.backend(spec, kernels=True)
