@@ -123,7 +123,7 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
     err |= project(qt + P_O * QUANT_WORDS, attn, M, qn, ptr<T>(w[O]), H, nullptr, o, s.threads, s.dtype);
     err |= graphdecode_cpu_add_rms_norm(x, o, ptr<T>(w[POST_NORM]), normed, total, M, H, H, s.eps, s.dtype,
                                         s.threads);
-    if (qt[P_GATE_UP * QUANT_WORDS + KIND] < 0 && s.inter % 64 == 0) {  // panels: the projection and SwiGLU at once
+    if (qt[P_GATE_UP * QUANT_WORDS + KIND] < 0 && s.inter % PANEL == 0) {  // panels: projection and SwiGLU at once
       err |= graphdecode_cpu_panel_linear_swiglu(normed, M, H, H, ptr<T>(w[GATE_UP]), s.inter, act, s.inter,
                                                  s.threads, s.dtype);
     } else {

@@ -587,8 +587,9 @@ def model_weight_bytes(cfg: ModelConfig, dtype) -> int:
     """The checkpoint's weights in `dtype`: what a decode step reads once (whatever layout holds them); an
     MoE's every expert (what the weights occupy; a step reads only the experts its tokens route to)."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
-    if cfg.mla is not None:  # latent attention: q (through q_lora_rank or not), the latent, kv_b_proj, o_proj
+    if cfg.mla is None:
+        attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.num_heads * cfg.head_dim * h
+    else:  # latent attention: q (through q_lora_rank or not), the latent, kv_b_proj, o_proj
         m, heads = cfg.mla, cfg.num_heads
         q = (h + heads * m.qk_head_dim) * m.q_lora_rank if m.q_lora_rank else h * heads * m.qk_head_dim
         kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)

@@ -261,16 +261,19 @@ class CpuKernels:
         pairs, align = (k + 1) // 2, self.bf16_pair_rows
         return (pairs + align - 1) // align * align
 
+    def _panels_fit(self, x, panels, k: int) -> bool:
+        """Whether `panels` are panel_linear's layout for x's dtype over k inputs."""
+        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
+        return (x.dtype in DTYPE_CODES and panels.dtype == x.dtype and panels.dim() == 3 + pairs
+                and panels.shape[1] == (self.pair_rows_for(k) if pairs else k))
+
     def panel_linear(self, x, panels, out_features: int, bias=None, threads: int | None = None):
         """x [..., K] @ W^T (+ bias) -> new [..., N], W held as panels [ceil(N / 64), K, 64] (models/cpu_linear.py:
         PanelWeight; csrc/cpu_linear.cpp; bf16 with `bf16_pairs`: [ceil(N / 64), pair_rows_for(K), 64, 2]), x, panels,
         bias and the result all float32 or all bf16 (float32 sums), on `threads` (default torch's) threads; the
         result depends neither on their number nor on the number of rows."""
         x, x2, lead, k, y = _linear_io(x, out_features)
-        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
-        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
-                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or (
-                bias is not None and bias.dtype != x.dtype) or self._panel(
+        if not self._panels_fit(x, panels, k) or (bias is not None and bias.dtype != x.dtype) or self._panel(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
                 _threads(threads), DTYPE_CODES[x.dtype]):
@@ -283,10 +286,8 @@ class CpuKernels:
         rows contiguous): the projection's outputs rounded to the dtype, then the sum rounded again, the bits of
         panel_linear then `add + result`."""
         x, x2, lead, k, y = _linear_io(x, out_features)
-        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
         add2 = add.reshape(-1, out_features)
-        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
-                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or add.dtype != x.dtype or (
+        if not self._panels_fit(x, panels, k) or add.dtype != x.dtype or (
                 add2.shape[0] != x2.shape[0] or add2.stride(1) != 1) or self._panel_add(
                 x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), out_features, add2.data_ptr(),
                 add2.stride(0), y.data_ptr(), out_features, _threads(threads), DTYPE_CODES[x.dtype]):
@@ -305,9 +306,7 @@ class CpuKernels:
         [2 * inter, K] projection (as panel_linear's), inter a multiple of 64. The same bits as panel_linear then
         swiglu; the [..., 2 * inter] projection is never written."""
         x, x2, lead, k, y = _linear_io(x, inter)
-        pairs = x.dtype == torch.bfloat16 and self.bf16_pairs
-        if x.dtype not in DTYPE_CODES or panels.dtype != x.dtype or panels.dim() != 3 + pairs or (
-                panels.shape[1] != (self.pair_rows_for(k) if pairs else k)) or panels.shape[0] != 2 * inter // 64 or (
+        if not self._panels_fit(x, panels, k) or panels.shape[0] != 2 * inter // 64 or (
                 self._panel_swiglu(x2.data_ptr(), x2.shape[0], k, x2.stride(0), panels.data_ptr(), inter, y.data_ptr(),
                                    inter, _threads(threads), DTYPE_CODES[x.dtype])):
             raise ValueError(f"graphdecode_cpu_panel_linear_swiglu rejected x {tuple(x.shape)} {x.dtype}, panels "

@@ -115,8 +115,8 @@ class CpuDecodeLayers:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (not isinstance(attn, Attention) or attn.qk_norm or not isinstance(mlp, GatedMLP) or not isinstance(mlp.act, GatedActivation)
-                    or mlp.act.act != "silu" or attn.o_proj.bias is not None
+            if (not isinstance(attn, Attention) or attn.qk_norm or not isinstance(mlp, GatedMLP)
+                    or not isinstance(mlp.act, GatedActivation) or mlp.act.act != "silu" or attn.o_proj.bias is not None
                     or any(not isinstance(n, RMSNorm) or n.kernels is None for n in norms)
                     or any(not _runs_here(p.packed) for p in
                            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):

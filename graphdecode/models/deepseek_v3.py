@@ -15,15 +15,13 @@ attention (models/mla.py) with mixtures of experts routed by sigmoid scores over
 
 from __future__ import annotations
 
-import math
-
 from .config_fields import read_bool, read_int
 from .decoder import DecoderForCausalLM
 from .expert_weights import ExpertFormat
 from .mla import MLAConfig
 from .model_config import Family, read_grouped_moe
 from .moe import MoEConfig
-from .rope_config import RopeRules, rope_params
+from .rope_config import RopeRules, rope_params, yarn_mscale
 
 
 class DeepseekV3ForCausalLM(DecoderForCausalLM):
@@ -56,9 +54,9 @@ class DeepseekV3Family(Family):
         mla = self.latent_attention(where, raw)
         scale = mla.qk_head_dim ** -0.5
         params = rope_params(raw, where)
-        factor, all_dim = params.get("factor") or 1.0, params.get("mscale_all_dim") or 0
-        if params.get("rope_type", "default") != "default" and all_dim and factor > 1:
-            mscale = 0.1 * all_dim * math.log(factor) + 1.0
+        all_dim = params.get("mscale_all_dim")
+        if params.get("rope_type", "default") != "default" and all_dim:
+            mscale = yarn_mscale(params.get("factor") or 1.0, all_dim)
             scale *= mscale * mscale
         return scale
 

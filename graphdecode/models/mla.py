@@ -33,7 +33,7 @@ from torch import nn
 
 from ..attention.spec import AttentionSpec
 from .layers import FusedLinear, RMSNorm
-from .parallel import RowParallelLinear, ShardSpec, TPGroup
+from .parallel import RowParallelLinear, TPGroup, whole
 from .parallel import split as split_rows
 
 
@@ -54,11 +54,6 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-
-def _whole(rows: int) -> ShardSpec:
-    """A replicated linear's one shard: every row on every rank."""
-    return ShardSpec(0, 0, rows, rows)
 
 
 def _deinterleave(weight: torch.Tensor, heads: int, rows: int, rope: int) -> None:
@@ -82,12 +77,12 @@ class MLAttention(nn.Module):
         hidden = cfg.hidden_size
         heads_q = split_rows(cfg.num_heads * m.qk_head_dim, tp)
         if m.q_lora_rank:
-            self.q_a_proj = FusedLinear(hidden, {"all": _whole(m.q_lora_rank)}, cfg.qkv_bias)
+            self.q_a_proj = FusedLinear(hidden, {"all": whole(m.q_lora_rank)}, cfg.qkv_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = FusedLinear(m.q_lora_rank, {"all": heads_q}, False)
         else:
             self.q_proj = FusedLinear(hidden, {"all": heads_q}, False)
-        self.kv_a_proj_with_mqa = FusedLinear(hidden, {"all": _whole(m.cache_dim)}, cfg.qkv_bias)
+        self.kv_a_proj_with_mqa = FusedLinear(hidden, {"all": whole(m.cache_dim)}, cfg.qkv_bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = FusedLinear(m.kv_lora_rank,
                                      {"all": split_rows(cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), tp)},

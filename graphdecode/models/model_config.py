@@ -242,10 +242,25 @@ def read_experts(where: str, raw: dict, key: str, experts: int, top_k: int) -> t
     return experts, top_k
 
 
+def read_group_routed_moe(where: str, raw: dict, experts: int, top_k: int, size: int, groups: int = 1,
+                          topk_groups: int = 1, scaling: float = 1.0, **fields) -> MoEConfig:
+    """An MoE routed as DeepSeek-V3 routes (moe.py's "sigmoid_groups"), its routing fields read: `norm_topk_prob`,
+    `n_group`, `topk_group`, `routed_scaling_factor` (defaults: the config class's); `fields`: the rest of the
+    MoEConfig. Its errors name the file."""
+    try:
+        return MoEConfig(experts, top_k, size, routing="sigmoid_groups",
+                         renormalize=read_bool(where, raw, "norm_topk_prob", True), weights_fp32=True,
+                         num_groups=read_int(where, raw, "n_group", groups),
+                         topk_groups=read_int(where, raw, "topk_group", topk_groups),
+                         routed_scaling=read_float(where, raw, "routed_scaling_factor", scaling), **fields)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 def read_grouped_moe(where: str, raw: dict, num_layers: int, defaults: dict) -> MoEConfig | None:
     """DeepSeek-V3's MoE fields (GLM-4.5 shares them): the first `first_k_dense_replace` layers dense, the
     others `n_routed_experts` experts of `moe_intermediate_size` beside `n_shared_experts` ungated shared ones,
-    routed by sigmoid scores over `n_group` groups (moe.py's "sigmoid_groups"); `defaults`: the config class's
+    routed by sigmoid scores over `n_group` groups (read_group_routed_moe); `defaults`: the config class's
     (n_routed_experts, num_experts_per_tok, moe_intermediate_size, first_k_dense_replace, n_group, topk_group,
     routed_scaling_factor)."""
     experts, top_k = read_experts(where, raw, "n_routed_experts", defaults["n_routed_experts"],
@@ -255,17 +270,10 @@ def read_grouped_moe(where: str, raw: dict, num_layers: int, defaults: dict) -> 
     if not any(sparse):
         return None
     size = read_int(where, raw, "moe_intermediate_size", defaults["moe_intermediate_size"])
-    try:
-        return MoEConfig(experts, top_k, size, routing="sigmoid_groups",
-                         renormalize=read_bool(where, raw, "norm_topk_prob", True), weights_fp32=True,
-                         sparse_layers=sparse,
-                         shared_intermediate_size=size * read_int(where, raw, "n_shared_experts", 1, minimum=0),
-                         shared_gate=False, num_groups=read_int(where, raw, "n_group", defaults["n_group"]),
-                         topk_groups=read_int(where, raw, "topk_group", defaults["topk_group"]),
-                         routed_scaling=read_float(where, raw, "routed_scaling_factor",
-                                                   defaults["routed_scaling_factor"]))
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return read_group_routed_moe(where, raw, experts, top_k, size, defaults["n_group"], defaults["topk_group"],
+                                 defaults["routed_scaling_factor"], sparse_layers=sparse, shared_gate=False,
+                                 shared_intermediate_size=size * read_int(where, raw, "n_shared_experts", 1,
+                                                                          minimum=0))
 
 
 _FAMILIES: dict[str, Family] = {}  # filled by models/registry.py, in its order

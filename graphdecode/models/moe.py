@@ -67,7 +67,7 @@ from torch import nn
 
 from . import mxfp4
 from .layers import FusedLinear, GatedActivation
-from .parallel import RowParallelLinear, ShardSpec, TPGroup, split
+from .parallel import RowParallelLinear, TPGroup, split, whole
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_groups")
 ACTIVATIONS = ("silu", "gpt_oss", "relu2")  # relu2: ungated (up, relu squared, down)
@@ -372,10 +372,8 @@ class SparseMoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
             self.gate.fp32_params = ("weight", "e_score_correction_bias")  # the loader keeps them float32
         if cfg.latent_size:  # replicated projections around the experts (fc1 in, fc2 out)
-            whole = ShardSpec(0, 0, cfg.latent_size, cfg.latent_size)
-            self.fc1_latent_proj = FusedLinear(hidden_size, {"all": whole}, False)
-            self.fc2_latent_proj = FusedLinear(cfg.latent_size, {"all": ShardSpec(0, 0, hidden_size, hidden_size)},
-                                               False)
+            self.fc1_latent_proj = FusedLinear(hidden_size, {"all": whole(cfg.latent_size)}, False)
+            self.fc2_latent_proj = FusedLinear(cfg.latent_size, {"all": whole(hidden_size)}, False)
         self.experts = Experts(cfg, cfg.latent_size or hidden_size, tp)
         self.expert_tokens: torch.Tensor | None = None  # [E] int64 on the device: live tokens routed
         if cfg.shared_intermediate_size:

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
-from .config_fields import read_bool, read_float, read_int
+from .config_fields import read_bool, read_int
 from .decoder import Attention, DecoderForCausalLM
 from .expert_weights import ExpertFormat
 from .hybrid import HybridForCausalLM
 from .layers import FusedLinear, RMSNorm
 from .mamba2 import Mamba2Config, Mamba2Mixer, check_mamba, read_time_step_limit
-from .model_config import FULL, LINEAR, MLP_ONLY, MOE_ONLY, Family, ModelConfig, read_experts
+from .model_config import FULL, LINEAR, MLP_ONLY, MOE_ONLY, Family, ModelConfig, read_experts, read_group_routed_moe
 from .moe import MoEConfig, SparseMoE
 from .parallel import RowParallelLinear, TPGroup
 from .parallel import split as split_rows
@@ -136,17 +136,10 @@ class NemotronHFamily(Family):
             return None
         latent = 0 if raw.get("moe_latent_size") is None else read_int(where, raw, "moe_latent_size")
         experts, top_k = read_experts(where, raw, "n_routed_experts", 8, 2)
-        try:
-            return MoEConfig(experts, top_k, read_int(where, raw, "moe_intermediate_size", 7688),
-                             routing="sigmoid_groups", renormalize=read_bool(where, raw, "norm_topk_prob", True),
-                             weights_fp32=True, activation="relu2",
-                             shared_intermediate_size=read_int(where, raw, "moe_shared_expert_intermediate_size",
-                                                               7688, minimum=0),
-                             shared_gate=False, num_groups=read_int(where, raw, "n_group", 1),
-                             topk_groups=read_int(where, raw, "topk_group", 1),
-                             routed_scaling=read_float(where, raw, "routed_scaling_factor", 1.0), latent_size=latent)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+        return read_group_routed_moe(
+            where, raw, experts, top_k, read_int(where, raw, "moe_intermediate_size", 7688), activation="relu2",
+            shared_intermediate_size=read_int(where, raw, "moe_shared_expert_intermediate_size", 7688, minimum=0),
+            shared_gate=False, latent_size=latent)
 
     def linear_attention(self, where: str, raw: dict) -> Mamba2Config:
         if raw.get("mamba_hidden_act", "silu") != "silu":

@@ -61,6 +61,11 @@ class ShardSpec:
     full: int
 
 
+def whole(total: int) -> ShardSpec:
+    """A replicated linear's one shard: all `total` rows on every rank."""
+    return ShardSpec(0, 0, total, total)
+
+
 def split(total: int, tp: TPGroup) -> ShardSpec:
     """An even split of `total` (a multiple of the group size) along dim 0."""
     per = total // tp.size

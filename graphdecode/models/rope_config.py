@@ -152,23 +152,25 @@ def _longrope(where: str, params: dict, rope: RopeConfig, max_positions: int, ro
                    long_factor=_factors(where, params, "long_factor", rotary // 2))
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's mscale (transformers' yarn_get_mscale): 0.1 m ln(scale) + 1, 1 where the scale does not stretch."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(where: str, params: dict, rope: RopeConfig, max_positions: int) -> RopeConfig:
     """YaRN's fields as transformers' _compute_yarn_parameters reads them (original_max_position_embeddings
     defaults to max_position_embeddings, as transformers' standardize_rope_params fills it)."""
     factor = params.get("factor")
     factor = max_positions / rope.original_max_position_embeddings if factor is None else rope.factor
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention = params.get("attention_factor")
     if attention is not None:
         attention = read_float(where, params, "attention_factor", 1.0)
     elif params.get("mscale") and params.get("mscale_all_dim"):
-        attention = mscale(factor, read_float(where, params, "mscale", 1.0)) / mscale(
+        attention = yarn_mscale(factor, read_float(where, params, "mscale", 1.0)) / yarn_mscale(
             factor, read_float(where, params, "mscale_all_dim", 1.0))
     else:
-        attention = mscale(factor)
+        attention = yarn_mscale(factor)
     return replace(rope, factor=factor, attention_factor=float(attention),
                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
                    truncate=read_bool(where, params, "truncate", True))

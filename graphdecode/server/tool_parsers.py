@@ -513,6 +513,12 @@ class Qwen3Coder(_Parser):
             self._block(buf[len(QWEN_START):at], buf[:end], True)
             self.buf, self.in_block = buf[end:], False
 
+    def _properties(self, name: str) -> dict:
+        """The parameters' schemas of the request's tool `name` (empty where it has none, or no such tool)."""
+        function = self.functions.get(name) or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        return properties if isinstance(properties, dict) else {}
+
     def _block(self, body: str, written: str, closed: bool) -> None:
         calls = self._parse(body, closed)
         if calls is None:
@@ -533,9 +539,7 @@ class Qwen3Coder(_Parser):
             name = body[i + len("<function="):gt].strip() if gt >= 0 else ""
             if not name or "\n" in name or "<" in name:
                 return None
-            function = self.functions.get(name) or {}
-            properties = (function.get("parameters") or {}).get("properties")
-            properties = properties if isinstance(properties, dict) else {}
+            properties = self._properties(name)
             arguments, i = {}, _skip_ws(body, gt + 1)
             while not body.startswith("</function>", i):
                 if i == n:
@@ -582,9 +586,7 @@ class Glm45(Qwen3Coder):
         name = body[:i].strip()
         if not _GLM_NAME.fullmatch(name):
             return None
-        function = self.functions.get(name) or {}
-        properties = (function.get("parameters") or {}).get("properties")
-        properties = properties if isinstance(properties, dict) else {}
+        properties = self._properties(name)
         arguments = {}
         while (i := _skip_ws(body, i)) < len(body):
             if not body.startswith("<arg_key>", i):
