@@ -32,8 +32,12 @@ def read_json_object(path: str) -> dict:
     return raw
 
 
+INT_MAX = 2**31 - 1  # no size or count of a checkpoint's config is larger: past it a field is a mistake
+
+
 def read_int(where: str, raw: dict, key: str, default=REQUIRED, minimum: int = 1) -> int:
-    """raw[key] as an int >= minimum (an integral float such as 64.0 is accepted); null means absent."""
+    """raw[key] as an int >= minimum and <= INT_MAX (an integral float such as 64.0 is accepted); null means
+    absent."""
     value = raw.get(key)
     if value is None:
         if default is REQUIRED:
@@ -45,6 +49,8 @@ def read_int(where: str, raw: dict, key: str, default=REQUIRED, minimum: int = 1
         raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    if value > INT_MAX:
+        raise ValueError(f"{where}: {key} must be at most {INT_MAX}, got {value!r}")
     return int(value)
 
 

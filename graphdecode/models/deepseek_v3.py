@@ -15,7 +15,7 @@ attention (models/mla.py) with mixtures of experts routed by sigmoid scores over
 
 from __future__ import annotations
 
-from .config_fields import read_bool, read_int
+from .config_fields import read_bool, read_float, read_int
 from .decoder import DecoderForCausalLM
 from .expert_weights import ExpertFormat
 from .mla import MLAConfig
@@ -54,9 +54,9 @@ class DeepseekV3Family(Family):
         mla = self.latent_attention(where, raw)
         scale = mla.qk_head_dim ** -0.5
         params = rope_params(raw, where)
-        all_dim = params.get("mscale_all_dim")
+        all_dim = read_float(where, params, "mscale_all_dim", 0.0, positive=False)
         if params.get("rope_type", "default") != "default" and all_dim:
-            mscale = yarn_mscale(params.get("factor") or 1.0, all_dim)
+            mscale = yarn_mscale(read_float(where, params, "factor", 1.0), all_dim)
             scale *= mscale * mscale
         return scale
 

@@ -83,6 +83,22 @@ def test_greedy_parity_with_transformers_on_every_path(deepseek, variant):
     assert cfg.num_kv_heads == 1 and cfg.head_dim == 32 + 16 and cfg.rope_head_dim == 16
 
 
+def test_malformed_latent_fields_name_the_field(deepseek):
+    """config.json's MLA and YaRN fields are checked before any weight is read: a ValueError naming the field."""
+    from graphdecode.models.model_config import load_model_config
+    from tests.helpers import rewrite_config
+
+    for field, value in (("kv_lora_rank", -1), ("qk_rope_head_dim", 2**63), ("q_lora_rank", "x")):
+        path = shutil.copytree(deepseek["q_proj_yarn"], f"{deepseek['q_proj_yarn']}_{field}")
+        rewrite_config(path, lambda raw: raw.update({field: value}))
+        with pytest.raises(ValueError, match=field):
+            load_model_config(path)
+    path = shutil.copytree(deepseek["q_proj_yarn"], f"{deepseek['q_proj_yarn']}_mscale")
+    rewrite_config(path, lambda raw: raw["rope_parameters"].update(mscale_all_dim=float("nan")))
+    with pytest.raises(ValueError, match="mscale_all_dim"):
+        load_model_config(path)
+
+
 def test_the_latent_cache_and_batch_invariance(deepseek):
     """The paged cache holds one latent head per token (a 48-wide row, not four 32-wide keys and 16-wide
     values); a row's tokens do not depend on its batch (each head's absorbed products as panel weights), in
