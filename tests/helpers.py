@@ -309,6 +309,27 @@ def assert_hf_tokens_on_every_path(path: str, batch: list[list[int]], params, ex
     return llm
 
 
+def assert_graph_twin_gives_plain_tokens(path: str, speculative_config: dict, prompts: list[dict]) -> None:
+    """Captured windows in the CPU graph twin under the bounds-checked mode, prefill in chunks of 32, windows
+    alternating speculative (`speculative_config`) and plain: the eager plain engine's tokens, greedy and for
+    seeded n = 2 forks."""
+    from graphdecode import LLM, SamplingParams
+
+    engine = dict(dtype="float32", cpu_threads=1, num_decode_steps=4, max_model_len=256, max_batch_size=8,
+                  max_num_batched_tokens=32)
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+             SamplingParams(n=2, temperature=5.0, seed=11, max_tokens=16, ignore_eos=True)]
+    with LLM(path, **engine) as plain:
+        want = [completions(plain.generate(prompts, p, use_tqdm=False)) for p in cases]
+    with LLM(path, speculative_config=speculative_config, cuda_graphs=True, check_bounds=True, **engine) as spec:
+        turn = iter(range(1 << 30))
+        spec.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+        got = [completions(spec.generate(prompts, p, use_tqdm=False)) for p in cases]
+        stats = spec.stats()
+    assert got == want
+    assert stats["graphs_captured"] > 0 and stats["spec_windows"] > 0 and stats["spec_draft_tokens"] > 0
+
+
 def add_nextn_layer(model_dir: str, layers: int, seed: int = 0) -> str:
     """An MTP layer as DeepSeek-V3 and GLM-4.5 ship it: model.layers.{layers}.* a copy of the last decoder layer
     (so transformers' own layer is its oracle), enorm / hnorm / shared_head.norm near 1, a random eh_proj, and

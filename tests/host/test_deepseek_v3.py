@@ -16,6 +16,7 @@ import torch
 from graphdecode import LLM, SamplingParams
 from tests.helpers import (
     add_nextn_layer,
+    assert_graph_twin_gives_plain_tokens,
     assert_head_state_follows,
     assert_hf_tokens_on_every_path,
     assert_same_outputs,
@@ -143,3 +144,9 @@ def test_mtp_gives_the_plain_tokens_and_follows_every_path(deepseek):
     assert spec.stats()["spec_accepted_tokens"] > 0
     state = LLM(path, speculative_config=MTP, max_num_batched_tokens=24, **ENGINE)
     assert_head_state_follows(state, lambda tokens: nextn_reference(path, tokens, LAYERS))
+
+
+def test_graph_twin_bounds_and_mtp_give_the_plain_tokens(deepseek):
+    """The family's layers and its MTP layer in captured windows (the CPU graph twin, bounds-checked), chunked
+    prefill, speculative and plain windows alternating: plain decoding's tokens."""
+    assert_graph_twin_gives_plain_tokens(deepseek["mtp"], MTP, token_prompts(random_prompts(5, [4, 30, 70], seed=9)))

@@ -21,6 +21,7 @@ from graphdecode import LLM, SamplingParams
 from graphdecode.models.moe import MoEConfig, route
 from tests.helpers import (
     add_nextn_layer,
+    assert_graph_twin_gives_plain_tokens,
     assert_head_state_follows,
     assert_hf_tokens_on_every_path,
     assert_same_outputs,
@@ -203,3 +204,9 @@ def test_tp2_splits_glm_like_tp1_and_its_mtp_layer_drafts_there(glm):
         always(tp2)
         assert generate_tokens(tp2, batch, GREEDY) == single
         assert tp2.stats()["spec_draft_tokens"] > 0
+
+
+def test_graph_twin_bounds_and_mtp_give_the_plain_tokens(glm):
+    """The family's layers and its MTP layer in captured windows (the CPU graph twin, bounds-checked), chunked
+    prefill, speculative and plain windows alternating: plain decoding's tokens."""
+    assert_graph_twin_gives_plain_tokens(glm["mtp"], MTP, token_prompts(random_prompts(5, [4, 30, 70], seed=9)))
