@@ -330,6 +330,29 @@ def assert_graph_twin_gives_plain_tokens(path: str, speculative_config: dict, pr
     assert stats["graphs_captured"] > 0 and stats["spec_windows"] > 0 and stats["spec_draft_tokens"] > 0
 
 
+def save_routed_model(path: str, model_class, config, seed: int) -> str:
+    """A tiny DeepSeek-routed model (GLM-4.5, DeepSeek-V3) saved with every part random: the router's correction
+    biases (transformers zeroes them), the linears' biases, norms near 1, and an LM head large enough that the
+    logits are far from uniform even at temperature 20 (so hot speculative rounds reject some drafts)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("e_score_correction_bias"):
+                    tensor.copy_(torch.randn_like(tensor) * 0.1)
+                elif tensor.dim() >= 2:
+                    tensor.copy_(torch.randn_like(tensor) * (1.0 if name == "lm_head.weight" else 0.08))
+                elif name.endswith(".bias"):
+                    tensor.copy_(torch.randn_like(tensor) * 0.05)
+                elif name.endswith("norm.weight"):
+                    tensor.copy_(1 + torch.randn_like(tensor) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
 def add_nextn_layer(model_dir: str, layers: int, seed: int = 0) -> str:
     """An MTP layer as DeepSeek-V3 and GLM-4.5 ship it: model.layers.{layers}.* a copy of the last decoder layer
     (so transformers' own layer is its oracle), enorm / hnorm / shared_head.norm near 1, a random eh_proj, and

@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
 
 from graphdecode import LLM, SamplingParams
 from tests.helpers import (
@@ -24,6 +23,7 @@ from tests.helpers import (
     hf_greedy,
     nextn_reference,
     random_prompts,
+    save_routed_model,
     token_prompts,
 )
 
@@ -48,19 +48,7 @@ def _tiny_deepseek(path: str, **variant) -> str:
                               n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
                               first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=1024,
                               bos_token_id=1, eos_token_id=2, **variant)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        model = DeepseekV3ForCausalLM(config)
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("e_score_correction_bias"):
-                    tensor.copy_(torch.randn_like(tensor) * 0.1)
-                elif tensor.dim() >= 2:  # the LM head larger: logits far from uniform even at temperature 20
-                    tensor.copy_(torch.randn_like(tensor) * (1.0 if name == "lm_head.weight" else 0.08))
-                elif name.endswith("norm.weight"):
-                    tensor.copy_(1 + torch.randn_like(tensor) * 0.1)
-    model.save_pretrained(path)
-    return path
+    return save_routed_model(path, DeepseekV3ForCausalLM, config, seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tests.helpers import (
     hf_greedy,
     nextn_reference,
     random_prompts,
+    save_routed_model,
     token_prompts,
 )
 
@@ -47,21 +48,7 @@ def _tiny_glm(path: str) -> str:
                            n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, n_group=4, topk_group=2,
                            first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                            max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        model = Glm4MoeForCausalLM(config)
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith("e_score_correction_bias"):
-                    tensor.copy_(torch.randn_like(tensor) * 0.1)
-                elif tensor.dim() >= 2:  # the LM head larger: logits far from uniform even at temperature 20
-                    tensor.copy_(torch.randn_like(tensor) * (1.0 if name == "lm_head.weight" else 0.08))
-                elif name.endswith(".bias"):
-                    tensor.copy_(torch.randn_like(tensor) * 0.05)
-                else:  # norms
-                    tensor.copy_(1 + torch.randn_like(tensor) * 0.1)
-    model.save_pretrained(path)
-    return path
+    return save_routed_model(path, Glm4MoeForCausalLM, config, seed=7)
 
 
 @pytest.fixture(scope="module")
