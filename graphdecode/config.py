@@ -16,6 +16,7 @@ import torch
 
 from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
+from .device.tp_rank import DEFAULT_MASTER_PORT, launcher_env
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 from .models.mtp import MTPConfig, read_mtp_config
@@ -39,6 +40,7 @@ CPU_THREADS_ENV = "GRAPHDECODE_CPU_THREADS"  # cpu_threads when the argument is 
 TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 logger = logging.getLogger("graphdecode")
 
@@ -58,8 +60,8 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _resolve_cpu_threads(given, tensor_parallel_size: int) -> int:
-    """cpu_threads as given; else GRAPHDECODE_CPU_THREADS; else the usable cores, shared among the ranks."""
+def _resolve_cpu_threads(given, ranks_here: int) -> int:
+    """cpu_threads as given; else GRAPHDECODE_CPU_THREADS; else the usable cores, shared among this machine's ranks."""
     if given is not None:
         _pos_int("cpu_threads", given)
         return given
@@ -68,7 +70,7 @@ def _resolve_cpu_threads(given, tensor_parallel_size: int) -> int:
         if not text.isdigit() or int(text) < 1:
             raise ValueError(f"cpu_threads: {CPU_THREADS_ENV} must be a positive integer, got {text!r}")
         return int(text)
-    return max(1, usable_cores() // tensor_parallel_size)
+    return max(1, usable_cores() // ranks_here)
 
 
 def _env_kvcache_bytes() -> int | None:
@@ -181,6 +183,15 @@ class EngineConfig:
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
+    # how the ranks start (vLLM's names): "mp", this process spawns its machine's ranks (across nnodes machines,
+    # the other nodes' ranks are started there by `graphdecode serve --headless`); "external_launcher", torchrun
+    # (or another env:// launcher) started every rank, the process of RANK 0 is the engine and the others serve
+    # it (device/launched.py)
+    distributed_executor_backend: str = "mp"
+    nnodes: int = 1  # machines the ranks of "mp" span: tensor_parallel_size / nnodes ranks on each
+    node_rank: int = 0  # this machine's index among them: node 0 runs the engine, the others are headless
+    master_addr: str = "127.0.0.1"  # where node 0's rank 0 meets the other nodes' ranks (nnodes > 1)
+    master_port: int | None = None  # its port; None: DEFAULT_MASTER_PORT across machines, a free one on one
     # vLLM's names: {"method": "ngram", "num_speculative_tokens": d, "prompt_lookup_max": .., "prompt_lookup_min": ..}
     # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
     # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
@@ -261,7 +272,8 @@ class EngineConfig:
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
-        cpu_threads = _resolve_cpu_threads(self.cpu_threads, self.tensor_parallel_size)
+        master_port, ranks_here = self._check_placement()
+        cpu_threads = _resolve_cpu_threads(self.cpu_threads, ranks_here)
         _pos_int("structured_max_states", self.structured_max_states)
         _pos_int("structured_max_exceptions", self.structured_max_exceptions)
         _pos_int("structured_compile_memory_bytes", self.structured_compile_memory_bytes)
@@ -351,6 +363,7 @@ class EngineConfig:
             "max_batch_size": max_batch_size,
             "buckets": buckets,
             "cpu_threads": cpu_threads,
+            "master_port": master_port,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
             # at least one entry: logprobs=0 still reports the sampled token's own
@@ -401,6 +414,37 @@ class EngineConfig:
     def window_tokens(self) -> int:
         """Most tokens a row can gain in one window: k, or k (d + 1) when speculating."""
         return self.num_decode_steps * (self.num_speculative_tokens + 1)
+
+    def _check_placement(self) -> tuple[int | None, int]:
+        """(master_port resolved, this machine's ranks) from the fields that place the ranks; ValueError naming
+        the field (under a launcher: the environment variable) that cannot be right."""
+        backend, nnodes, tp = self.distributed_executor_backend, self.nnodes, self.tensor_parallel_size
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))}"
+                             f", got {backend!r}")
+        _pos_int("nnodes", nnodes)
+        if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be an integer in [0, nnodes) = [0, {nnodes}), got {self.node_rank!r}")
+        if tp % nnodes:
+            raise ValueError(f"nnodes ({nnodes}) must divide tensor_parallel_size ({tp}): each machine holds "
+                             f"tensor_parallel_size / nnodes ranks")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        port = self.master_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ValueError(f"master_port must be a port number in 1..65535, got {port!r}")
+        if backend == "external_launcher":
+            if nnodes != 1:
+                raise ValueError("nnodes: under distributed_executor_backend 'external_launcher' the launcher places "
+                                 "the ranks (torchrun --nnodes); leave nnodes at 1")
+            env = launcher_env()
+            if tp > 1 and int(env["WORLD_SIZE"]) != tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must equal the launcher's WORLD_SIZE "
+                                 f"({env['WORLD_SIZE']}): every rank of the job is one of the engine's")
+            return port, max(1, int(env.get("LOCAL_WORLD_SIZE", tp)))
+        if nnodes > 1 and port is None:
+            port = DEFAULT_MASTER_PORT
+        return port, tp // nnodes
 
     def _check_tensor_parallel(self, cfg: ModelConfig, device: torch.device) -> None:
         tp = self.tensor_parallel_size

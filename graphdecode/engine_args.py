@@ -98,11 +98,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         CPU_KVCACHE_SPACE_ENV,
         CPU_THREADS_ENV,
         DEFAULT_MAX_BATCH_SIZE,
+        EXECUTOR_BACKENDS,
         GPU_MEMORY_FRACTION,
         LOGPROBS_MODES,
         SCHEDULING_POLICIES,
         EngineConfig,
     )
+    from .device.tp_rank import DEFAULT_MASTER_PORT
 
     def config(name: str) -> str:
         return f"default: EngineConfig's, {field_default(EngineConfig, name)}"
@@ -148,6 +150,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help=f"ranks the model is split over: cuda:0..N-1, or N CPU processes "
                         f"({config('tensor_parallel_size')})")
+    p.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                   help=f"how the ranks start: mp, spawned here (and by --headless on other nodes); "
+                        f"external_launcher, by torchrun, whose rank 0 runs the engine "
+                        f"({config('distributed_executor_backend')})")
+    p.add_argument("--nnodes", type=positive_int, default=None,
+                   help=f"machines the tensor-parallel ranks span, --tensor-parallel-size / this on each "
+                        f"({config('nnodes')})")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help=f"this machine's index: 0 runs the engine, 1..nnodes-1 run --headless ({config('node_rank')})")
+    p.add_argument("--master-addr", default=None,
+                   help=f"node 0's address, where the other nodes' ranks meet rank 0 ({config('master_addr')})")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"node 0's rendezvous port (default: {DEFAULT_MASTER_PORT} with --nnodes > 1, a free one "
+                        f"on one machine)")
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 8}\' (default: off)')

@@ -6,7 +6,7 @@
     executor.close()                   stop whatever the executor started
 
 `LocalExecutor` runs one model runner in this process. `TensorParallelExecutor` owns every rank:
-it starts the worker ranks, sends each plan to them before its own runner (rank 0) applies it,
+it starts the worker ranks of its machine (and meets those of other nodes, or of a launcher's job), sends each plan to them before its own runner (rank 0) applies it,
 and turns a collective that failed because a worker died into TPWorkerError (closing the rest).
 `make_executor` picks one from the config. `runner` (rank 0's) is there for tests and profiling;
 the engine itself uses only the calls above.
@@ -68,4 +68,18 @@ class TensorParallelExecutor(LocalExecutor):
 
 
 def make_executor(config) -> LocalExecutor:
-    return TensorParallelExecutor(config) if config.tensor_parallel_size > 1 else LocalExecutor(config)
+    """One process; or every rank, this process rank 0. Under a launcher (torchrun), a process of another rank
+    serves rank 0 here and exits when it is done (launched.py); on a node other than 0 an engine is refused (its
+    ranks are served by `graphdecode serve --headless`)."""
+    if config.tensor_parallel_size == 1:
+        return LocalExecutor(config)
+    if config.distributed_executor_backend == "external_launcher":
+        from .launched import is_driver, serve_launched_rank
+
+        if not is_driver(config):
+            serve_launched_rank(config)
+    elif config.node_rank != 0:
+        raise ValueError(f"node_rank ({config.node_rank}): the engine runs on node 0; on node {config.node_rank} "
+                         f"run `graphdecode serve MODEL --headless` with the same --nnodes, --master-addr and "
+                         f"--master-port")
+    return TensorParallelExecutor(config)

@@ -64,7 +64,7 @@ class ModelRunner:
         self.tp = tp
         self.device = config.torch_device
         if tp.size > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", tp.rank)  # rank r runs on cuda:r
+            self.device = torch.device("cuda", torch.cuda.current_device())  # its local index (tp_rank.init_rank)
         self.page_size = config.page_size
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)  # this process's (a rank's) torch threads

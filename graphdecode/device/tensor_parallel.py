@@ -1,8 +1,10 @@
 """Tensor-parallel ranks: rank 0 (the driver, in the engine's process) and its workers.
 
-`TPExecutor` starts ranks 1..N-1 as worker processes (torch.multiprocessing, spawn),
-sets up torch.distributed (NCCL on GPUs, gloo on CPUs; a gloo group for plans), and
-then, once per engine step, broadcasts the step's plan (the runner's part of it: rows,
+`TPExecutor` starts the ranks of its machine (1..L-1, L = N on one machine, or N / nnodes:
+the other nodes' ranks are started there by `graphdecode serve --headless`, tp_headless.py; under
+torchrun none, launched.py) as worker processes (torch.multiprocessing, spawn, `SpawnedRanks`),
+sets up torch.distributed (NCCL on GPUs, gloo on CPUs; a gloo group for plans; tp_rank.py), sends
+every rank its engine config, and then, once per engine step, broadcasts the step's plan (the runner's part of it: rows,
 chunks, window, never the host's sequences) to every worker, whose runner applies it
 exactly as the driver's does. Every rank samples from the same gathered logits with
 the same position-keyed noise, so all hold the same tokens without a broadcast.
@@ -11,8 +13,9 @@ Lifecycle: workers start with the engine and stop with it (`shutdown`, the LLM's
 `close()` / context manager, and at interpreter exit). A worker watches a pipe from
 the driver and exits when the driver is gone, so none is orphaned. A worker that
 dies is noticed before each step (its exit code) and when a collective fails (gloo
-reports the closed connection at once): the driver raises TPWorkerError naming it,
-it never waits forever.
+reports the closed connection at once): the driver raises TPWorkerError naming it (a rank
+on another node by its rank and node), it never waits forever: no collective of the driver
+waits longer than tp_rank's collective timeout.
 
 Scripts must build a tensor-parallel LLM under `if __name__ == "__main__":`. Workers are
 started with multiprocessing's spawn method, so each one imports the script again as its
@@ -37,8 +40,8 @@ from multiprocessing.connection import wait as wait_for_any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .tp_rank import INIT_TIMEOUT_S, free_port, init_rank
-from .tp_worker import run_worker
+from .tp_rank import INIT_TIMEOUT_S, Placement, init_rank, placement_for
+from .tp_worker import run_worker, share_config
 
 EXIT_UNGUARDED_MAIN = 64  # a worker's exit status: it found the main module building an LLM (sysexits EX_USAGE)
 GUARD_ADVICE = ('put the code that builds the LLM under `if __name__ == "__main__":` (tensor-parallel workers '
@@ -55,56 +58,46 @@ def _in_spawn_bootstrap() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
-class TPExecutor:
-    def __init__(self, config):
-        if _in_spawn_bootstrap():  # a worker re-importing an unguarded script: say so, and exit
-            print("graphdecode: this process (a tensor-parallel worker) is importing the main module, which "
-                  f"builds an LLM with tensor_parallel_size > 1 at import: {GUARD_ADVICE}", file=sys.stderr,
-                  flush=True)
-            raise SystemExit(EXIT_UNGUARDED_MAIN)
-        if dist.is_initialized():
-            raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process")
-        self.world_size = config.tensor_parallel_size
-        port = free_port()
+class SpawnedRanks:
+    """Ranks started as processes of this one (spawn), each with a lifeline pipe: the driver's ranks 1..L-1 on its
+    machine, or every rank of a headless node. `started` waits until each has reported in from run_worker (one
+    that exits first is a TPWorkerError naming it: the unguarded script of the module docstring)."""
+
+    def __init__(self, ranks, place: Placement, config):
         ctx = mp.get_context("spawn")
-        self._workers = []
-        self._lifelines = []  # the driver's ends of one pipe per worker: EOF there tells it the driver is gone
-        self.closed = False
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
-        started = []  # the driver's ends of one pipe per worker: a message once its bootstrap is over
+        self.ranks = list(ranks)
+        self.procs: list = []
+        self._lifelines = []  # our ends of one pipe per rank: EOF there tells it its parent is gone
+        started = []  # our ends of one pipe per rank: a message once its bootstrap is over
         try:
-            for rank in range(1, self.world_size):
+            for rank in self.ranks:
                 watched, kept = ctx.Pipe(duplex=False)
                 heard, says = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=run_worker, args=(rank, self.world_size, port, config, watched, says),
+                proc = ctx.Process(target=run_worker, args=(rank, place, config, watched, says),
                                    name=f"graphdecode-tp{rank}", daemon=True)
                 proc.start()
                 watched.close()
                 says.close()
-                self._workers.append(proc)
+                self.procs.append(proc)
                 self._lifelines.append(kept)
                 started.append(heard)
             self._wait_until_started(started)
-            self.tp, self._plans = init_rank(0, self.world_size, port, config.torch_device)
         except BaseException:
-            self.shutdown(timeout=1.0)
+            self.stop(timeout=1.0)
             raise
         finally:
             for end in started:
                 end.close()
 
     def _wait_until_started(self, started: list) -> None:
-        """Until every worker has reported in from run_worker; a worker that exits first (during
-        its bootstrap: the unguarded script of the module docstring) is a TPWorkerError now,
-        rather than a rendezvous that waits INIT_TIMEOUT_S for it."""
-        pending = {end: rank for rank, end in enumerate(started, start=1)}
+        pending = dict(zip(started, range(len(self.ranks))))  # pipe -> index
         deadline = time.monotonic() + INIT_TIMEOUT_S
         while pending:
-            exits = {self._workers[rank - 1].sentinel: rank for rank in pending.values()}
+            exits = {self.procs[i].sentinel: i for i in pending.values()}
             ready = wait_for_any([*pending, *exits], timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                raise TPWorkerError(f"tensor-parallel workers {sorted(pending.values())} did not start in "
-                                    f"{INIT_TIMEOUT_S} s")
+                raise TPWorkerError(f"tensor-parallel workers {sorted(self.ranks[i] for i in pending.values())} "
+                                    f"did not start in {INIT_TIMEOUT_S} s")
             for end in [r for r in ready if r in pending]:  # messages first: one may start, then exit
                 try:
                     end.recv()
@@ -115,15 +108,73 @@ class TPExecutor:
                 if exits.get(sentinel) in pending.values():
                     raise self._exited_before_starting(exits[sentinel])
 
-    def _exited_before_starting(self, rank: int) -> TPWorkerError:
-        proc = self._workers[rank - 1]
+    def _exited_before_starting(self, index: int) -> TPWorkerError:
+        proc = self.procs[index]
         proc.join(5)
-        what = f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode} before it started"
+        what = (f"tensor-parallel worker {self.ranks[index]} (pid {proc.pid}) exited with code {proc.exitcode} "
+                f"before it started")
         if proc.exitcode == EXIT_UNGUARDED_MAIN:
             return TPWorkerError(f"{what}: the script builds the LLM when it is imported, and every worker "
                                  f"imports it again; {GUARD_ADVICE}")
         return TPWorkerError(f"{what} (its error is on stderr). If the script builds the LLM at its top level, "
                              f"that is the usual cause: {GUARD_ADVICE}")
+
+    def check(self) -> None:
+        """TPWorkerError naming the first rank that exited."""
+        for rank, proc in zip(self.ranks, self.procs):
+            if proc.exitcode is not None:
+                raise TPWorkerError(f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to `timeout` for each to leave (after the driver's None plan), then kill it."""
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        for end in self._lifelines:
+            end.close()
+
+
+class TPExecutor:
+    def __init__(self, config):
+        if _in_spawn_bootstrap():  # a worker re-importing an unguarded script: say so, and exit
+            print("graphdecode: this process (a tensor-parallel worker) is importing the main module, which "
+                  f"builds an LLM with tensor_parallel_size > 1 at import: {GUARD_ADVICE}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(EXIT_UNGUARDED_MAIN)
+        self.place = placement_for(config)
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process")
+        self.world_size = config.tensor_parallel_size
+        self.closed = False
+        self.failed = False  # a rank was lost: no goodbye broadcast at shutdown
+        self._local = None
+        self._device = config.torch_device
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        try:
+            if not self.place.launched:
+                self._local = SpawnedRanks(self.place.local_ranks[1:], self.place, config)
+            self.tp, self._plans = self._join()
+            share_config(self._plans, config)
+        except BaseException:
+            self.shutdown(timeout=1.0)
+            raise
+
+    def _join(self):
+        """Rank 0's rendezvous; the other nodes' ranks not joining in INIT_TIMEOUT_S is a TPWorkerError naming
+        them and where they were awaited."""
+        try:
+            return init_rank(0, self.place, self._device, driver=True)
+        except (RuntimeError, OSError) as exc:
+            self.check_workers()
+            remote = self.place.remote_ranks
+            if not remote:
+                raise
+            raise TPWorkerError(f"{self.place.describe(remote)} did not join at {self.place.init_method} within "
+                                f"{INIT_TIMEOUT_S} s ({' '.join(str(exc).split())[:300]}); on each other node run "
+                                f"`graphdecode serve MODEL --headless` with this engine's --tensor-parallel-size, "
+                                f"--nnodes, --master-addr and --master-port, and its own --node-rank") from exc
 
     # ------------------------------------------------------------------ steps
     def broadcast_plan(self, plan) -> None:
@@ -132,22 +183,27 @@ class TPExecutor:
         self._broadcast(dataclasses.replace(plan, readout=[]))
 
     def check_workers(self) -> None:
-        for rank, proc in enumerate(self._workers, start=1):
-            if proc.exitcode is not None:
-                raise TPWorkerError(
-                    f"tensor-parallel worker {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
-                )
+        if self._local is not None:
+            self._local.check()
 
     def collective_failed(self, exc: BaseException) -> TPWorkerError | None:
-        """If a collective failed because a worker died, the error to raise instead."""
+        """If a collective failed because a rank died, the error to raise instead: a worker of this machine that
+        exited, by name; else, where ranks run elsewhere, the lost connection to them."""
+        if not isinstance(exc, (RuntimeError, OSError)):
+            return None
         for _ in range(20):  # the dead process may take a moment to be reaped
             try:
                 self.check_workers()
             except TPWorkerError as dead:
+                self.failed = True
                 return dead
-            if not isinstance(exc, (RuntimeError, OSError)):
-                return None
             time.sleep(0.05)
+        remote = self.place.remote_ranks
+        text = " ".join(str(exc).split())
+        if remote and any(word in text.lower() for word in ("gloo", "connection", "timed out", "timeout", "nccl",
+                                                              "peer")):
+            self.failed = True
+            return TPWorkerError(f"the engine lost its connection to {self.place.describe(remote)}: {text[:300]}")
         return None
 
     def gather_from_workers(self, request: str) -> list:
@@ -165,25 +221,21 @@ class TPExecutor:
     # --------------------------------------------------------------- lifecycle
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._workers]
+        """The pids of the ranks this process spawned (none under a launcher)."""
+        return [p.pid for p in self._local.procs] if self._local is not None else []
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.closed:
             return
         self.closed = True
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.failed:
             try:
-                if all(p.exitcode is None for p in self._workers):
-                    self._broadcast(None)  # workers leave their loop
+                self.check_workers()
+                self._broadcast(None)  # workers leave their loop
             except Exception:  # noqa: BLE001 - best effort: dead workers are killed below
                 pass
-        for proc in self._workers:
-            proc.join(timeout)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join(5)
-        for end in self._lifelines:
-            end.close()
+        if self._local is not None:
+            self._local.stop(timeout)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -1,9 +1,24 @@
-"""One tensor-parallel rank's torch.distributed setup, shared by the driver (tensor_parallel.py)
-and the workers (tp_worker.py): NCCL on GPUs, gloo on CPUs, and a gloo group for the plans."""
+"""One tensor-parallel rank's torch.distributed setup, shared by the driver (tensor_parallel.py), the
+workers (tp_worker.py) and the ranks a launcher started (launched.py): NCCL on GPUs, gloo on CPUs, and
+a gloo group for the plans.
+
+Where the ranks are (`Placement`): on one machine (the default), rank 0 listens on a free loopback port
+and spawns ranks 1..N-1; across `nnodes` machines, node n holds ranks n * L .. n * L + L - 1 (L =
+tensor_parallel_size / nnodes), node 0's rank 0 listens at master_addr:master_port, and a GPU rank takes
+the CUDA device of its local index; under torchrun (distributed_executor_backend "external_launcher")
+the launcher's environment says it all (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+Timeouts: the driver waits COLLECTIVE_TIMEOUT_S (GRAPHDECODE_COLLECTIVE_TIMEOUT_S) for any one
+collective, so a rank that stops answering is an error in bounded time; a worker waits for its next
+plan without limit, since an engine with nothing to do sends none (a worker whose driver is gone learns
+it from its closed connection at once, or, on the driver's machine, from its lifeline pipe).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import os
 import socket
 
 import torch
@@ -11,8 +26,12 @@ import torch.distributed as dist
 
 from ..models.parallel import TPGroup
 
-INIT_TIMEOUT_S = 600  # model load on every rank
-OP_TIMEOUT_S = 300  # one collective (gloo raises on a closed peer long before)
+INIT_TIMEOUT_S = 600  # model load on every rank, and the other nodes' ranks joining
+COLLECTIVE_TIMEOUT_ENV = "GRAPHDECODE_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # the driver's wait for one collective (gloo raises on a closed peer at once)
+WORKER_IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a worker's wait for its next plan: an idle engine sends none
+DEFAULT_MASTER_PORT = 29501  # node 0's rendezvous port across machines when none is given (vLLM's default)
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
 
 
 def free_port() -> int:
@@ -21,21 +40,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timeout_s() -> float:
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1e8:
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the ranks of one engine run and meet. init_method: torch.distributed's ("tcp://addr:port" or
+    "env://"); per_node: ranks on each machine (a rank's local index is rank % per_node)."""
+
+    world_size: int
+    per_node: int
+    init_method: str
+    node_rank: int = 0
+    launched: bool = False  # torchrun started every rank: none is spawned here
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks of this machine."""
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+    @property
+    def remote_ranks(self) -> list[int]:
+        """The ranks neither in this process nor spawned by it."""
+        if self.launched:
+            return list(range(1, self.world_size))
+        return [r for r in range(self.world_size) if r not in self.local_ranks]
+
+    def describe(self, ranks) -> str:
+        ranks = list(ranks)
+        if self.launched:
+            return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} of the launcher's job"
+        nodes = sorted({r // self.per_node for r in ranks})
+        return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} on node{'s' if len(nodes) > 1 else ''} " \
+               f"{_ranks(nodes)}"
 
 
-def init_rank(rank: int, world_size: int, port: int, device: torch.device):
-    """torch.distributed for one rank: (TPGroup for the model's collectives, gloo group for plans)."""
+def _ranks(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def placement_for(config) -> Placement:
+    """The engine's ranks as its config (and, under a launcher, the environment) places them."""
+    tp = config.tensor_parallel_size
+    if config.distributed_executor_backend == "external_launcher":
+        env = launcher_env()
+        return Placement(tp, int(env.get("LOCAL_WORLD_SIZE", tp)), "env://", launched=True)
+    if config.nnodes == 1:
+        return Placement(tp, tp, f"tcp://127.0.0.1:{config.master_port or free_port()}")
+    addr = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr  # IPv6 literal
+    return Placement(tp, tp // config.nnodes, f"tcp://{addr}:{config.master_port}", config.node_rank)
+
+
+def launcher_env() -> dict:
+    """torchrun's variables; ValueError naming the backend and what is missing outside a launcher."""
+    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
+    if missing:
+        raise ValueError(f"distributed_executor_backend 'external_launcher' runs under torchrun (or another "
+                         f"env:// launcher): {', '.join(missing)} not set in the environment")
+    env = {name: os.environ[name] for name in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE") if name in os.environ}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if name in env and not env[name].isdigit():
+            raise ValueError(f"distributed_executor_backend 'external_launcher': {name} must be an integer, got "
+                             f"{env[name]!r}")
+    return env
+
+
+def init_rank(rank: int, place: Placement, device: torch.device, driver: bool):
+    """torch.distributed for one rank: (TPGroup for the model's collectives, gloo group for plans). The driver
+    bounds every wait on the plans group; a worker waits for its next plan as long as the engine idles."""
     if device.type == "cuda":
-        torch.cuda.set_device(rank_device(device, rank))
+        torch.cuda.set_device(torch.device("cuda", rank % place.per_node))
     dist.init_process_group(
-        backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend_for(device), init_method=place.init_method, rank=rank, world_size=place.world_size,
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
     )
-    plans = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
-    return TPGroup(rank, world_size, dist.group.WORLD), plans
+    wait = datetime.timedelta(seconds=collective_timeout_s()) if driver else WORKER_IDLE_TIMEOUT
+    plans = dist.new_group(backend="gloo", timeout=wait)
+    return TPGroup(rank, place.world_size, dist.group.WORLD), plans

@@ -49,6 +49,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help="HuggingFace model directory, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_args(p)
+    p.add_argument("--headless", action="store_true",
+                   help="run only this machine's tensor-parallel ranks of an engine spread over --nnodes machines "
+                        "(give its --node-rank, and node 0's --master-addr and --master-port): no HTTP server; "
+                        "exits when node 0's engine ends")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--served-model-name", default=None,

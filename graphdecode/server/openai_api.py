@@ -349,10 +349,18 @@ def serve_checked(args) -> int:
     exit status 2."""
     try:
         check_serve_args(args)
-        engine_options(args)
+        model, given = engine_options(args)
+        if given.get("node_rank", 0) and not args.headless:
+            raise ValueError(f"--node-rank {given['node_rank']}: the server runs on node 0; the other nodes run "
+                             f"`graphdecode serve MODEL --headless`")
     except (ValueError, TypeError) as e:
         fail(e)
     try:
+        if args.headless:  # this node's tensor-parallel ranks only: no server, no engine
+            from ..config import EngineConfig
+            from ..device.tp_headless import run_headless
+
+            return run_headless(EngineConfig(model=model, **given))
         return serve(args)
     except ValueError as e:  # the engine could not be built (a broken model directory, ...)
         fail(e)
