@@ -20,6 +20,7 @@ from .device.tp_rank import DEFAULT_MASTER_PORT, launcher_env
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 from .models.mtp import MTPConfig, read_mtp_config
+from .models.pipeline import partition_layers
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -183,12 +184,18 @@ class EngineConfig:
     max_bad_words: int = 16  # bad_words per request (each holds up to 2 token sequences on the device)
     max_bad_word_tokens: int = 8  # tokens per bad word
     tensor_parallel_size: int = 1  # ranks one model is split over (rank r on cuda:r, or CPU processes with gloo)
+    # stages the decoder's layers are split over, each of tensor_parallel_size ranks (models/pipeline.py): global
+    # rank r is stage r // tensor_parallel_size; on CPU ranks (gloo) so far
+    pipeline_parallel_size: int = 1
+    # decoder layers per stage (vLLM's VLLM_PP_LAYER_PARTITION), e.g. [10, 14] or "10,14"; None: an even split, the
+    # remainder to the stages before the last
+    pp_layer_partition: tuple[int, ...] | list[int] | str | None = None
     # how the ranks start (vLLM's names): "mp", this process spawns its machine's ranks (across nnodes machines,
     # the other nodes' ranks are started there by `graphdecode serve --headless`); "external_launcher", torchrun
     # (or another env:// launcher) started every rank, the process of RANK 0 is the engine and the others serve
     # it (device/launched.py)
     distributed_executor_backend: str = "mp"
-    nnodes: int = 1  # machines the ranks of "mp" span: tensor_parallel_size / nnodes ranks on each
+    nnodes: int = 1  # machines the ranks of "mp" span: world_size / nnodes ranks on each
     node_rank: int = 0  # this machine's index among them: node 0 runs the engine, the others are headless
     master_addr: str = "127.0.0.1"  # where node 0's rank 0 meets the other nodes' ranks (nnodes > 1)
     master_port: int | None = None  # its port; None: DEFAULT_MASTER_PORT across machines, a free one on one
@@ -272,6 +279,7 @@ class EngineConfig:
         _pos_int("max_bad_words", self.max_bad_words)
         _pos_int("max_bad_word_tokens", self.max_bad_word_tokens)
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
+        _pos_int("pipeline_parallel_size", self.pipeline_parallel_size)
         master_port, ranks_here = self._check_placement()
         cpu_threads = _resolve_cpu_threads(self.cpu_threads, ranks_here)
         _pos_int("structured_max_states", self.structured_max_states)
@@ -297,6 +305,7 @@ class EngineConfig:
         dtype = self._resolve_dtype(cfg, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
         self._check_tensor_parallel(cfg, device)
+        partition = self._check_pipeline(cfg, device, speculative)
         if cfg.linear is not None:
             _check_hybrid(cfg, speculative, self.tensor_parallel_size)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
@@ -336,8 +345,11 @@ class EngineConfig:
             if states > memory:
                 raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
                                  f"{states} bytes of recurrent states per rank exceed the device's {memory} bytes")
+        stage_layers = None  # a pipeline stage's KV layers: the most any stage holds
+        if self.pipeline_parallel_size > 1:
+            stage_layers = max(map(len, partition_layers(cfg.decoder_layers, self.pipeline_parallel_size, partition)))
         num_pages, source = self._kv_pool_pages(cfg, dtype, kv_dtype, device, max_pages, max_batch_size, draft_cfg,
-                                                states)
+                                                states, stage_layers)
         if num_pages < max_pages + 1:
             raise ValueError(
                 f"{source} must hold one sequence of max_model_len ({max_len} tokens = "
@@ -364,6 +376,7 @@ class EngineConfig:
             "buckets": buckets,
             "cpu_threads": cpu_threads,
             "master_port": master_port,
+            "pp_layer_partition": partition,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
             # at least one entry: logprobs=0 still reports the sampled token's own
@@ -411,6 +424,45 @@ class EngineConfig:
 
 
     @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline(self, cfg: ModelConfig, device: torch.device, speculative: dict) -> tuple[int, ...] | None:
+        """pp_layer_partition as a tuple (None: the even split); ValueError naming what pipeline stages cannot run."""
+        pp, layers, partition = self.pipeline_parallel_size, cfg.decoder_layers, self.pp_layer_partition
+        if partition is not None:
+            try:
+                parts = tuple(int(x) for x in (partition.split(",") if isinstance(partition, str) else partition))
+            except (TypeError, ValueError):
+                parts = ()
+            if (isinstance(partition, (bytes, dict)) or len(parts) != pp or any(p < 1 for p in parts)
+                    or sum(parts) != layers):
+                raise ValueError(f"pp_layer_partition must give each of the {pp} stages >= 1 of the {layers} decoder "
+                                 f"layers (summing to {layers}), got {partition!r}")
+            partition = parts
+        if pp == 1:
+            return partition
+        if pp > layers:
+            raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {layers} decoder layers")
+        if device.type != "cpu":
+            raise ValueError("pipeline_parallel_size: pipeline stages run on CPU ranks (gloo) so far; on CUDA use "
+                             "tensor_parallel_size")
+        if speculative["speculative_method"] is not None:
+            raise ValueError("pipeline_parallel_size: speculative decoding does not run over pipeline stages yet")
+        if cfg.linear is not None:
+            raise ValueError("pipeline_parallel_size: a hybrid model's recurrent layers do not run over pipeline "
+                             "stages yet; use tensor_parallel_size")
+        from .models.decoder import DecoderForCausalLM
+        from .models.registry import model_class
+
+        family = model_class(cfg)
+        if getattr(family, "forward_aux", None) is not DecoderForCausalLM.forward_aux:
+            raise ValueError(f"pipeline_parallel_size: {family.__name__} runs a layer loop of its own, which pipeline "
+                             f"stages do not split yet; use tensor_parallel_size")
+        return partition
+
+    @property
     def window_tokens(self) -> int:
         """Most tokens a row can gain in one window: k, or k (d + 1) when speculating."""
         return self.num_decode_steps * (self.num_speculative_tokens + 1)
@@ -418,7 +470,7 @@ class EngineConfig:
     def _check_placement(self) -> tuple[int | None, int]:
         """(master_port resolved, this machine's ranks) from the fields that place the ranks; ValueError naming
         the field (under a launcher: the environment variable) that cannot be right."""
-        backend, nnodes, tp = self.distributed_executor_backend, self.nnodes, self.tensor_parallel_size
+        backend, nnodes, tp = self.distributed_executor_backend, self.nnodes, self.world_size
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))}"
                              f", got {backend!r}")
@@ -426,8 +478,8 @@ class EngineConfig:
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes) = [0, {nnodes}), got {self.node_rank!r}")
         if tp % nnodes:
-            raise ValueError(f"nnodes ({nnodes}) must divide tensor_parallel_size ({tp}): each machine holds "
-                             f"tensor_parallel_size / nnodes ranks")
+            raise ValueError(f"nnodes ({nnodes}) must divide the ranks, tensor_parallel_size x pipeline_parallel_size "
+                             f"({tp}): each machine holds as many")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
         port = self.master_port
@@ -439,8 +491,8 @@ class EngineConfig:
                                  "the ranks (torchrun --nnodes); leave nnodes at 1")
             env = launcher_env()
             if tp > 1 and int(env["WORLD_SIZE"]) != tp:
-                raise ValueError(f"tensor_parallel_size ({tp}) must equal the launcher's WORLD_SIZE "
-                                 f"({env['WORLD_SIZE']}): every rank of the job is one of the engine's")
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({tp}) must equal the launcher's "
+                                 f"WORLD_SIZE ({env['WORLD_SIZE']}): every rank of the job is one of the engine's")
             return port, max(1, int(env.get("LOCAL_WORLD_SIZE", tp)))
         if nnodes > 1 and port is None:
             port = DEFAULT_MASTER_PORT
@@ -464,15 +516,16 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size: ranks run on cuda:0..N-1; choose device='cuda'")
 
     def _kv_pool_pages(self, cfg: ModelConfig, dtype, kv_dtype, device, max_pages: int, max_batch_size: int,
-                       draft: ModelConfig | None, states: int = 0) -> tuple[int, str]:
+                       draft: ModelConfig | None, states: int = 0, layers: int | None = None) -> tuple[int, str]:
         """(num_pages, what sized the pool, as errors name it): the rules are the fields' comment. A page
         holds the target's K/V (in kv_dtype) and, with a draft model, the draft's (in dtype, replicated on every
-        rank). states: a hybrid's recurrent-state slots' bytes, taken from the same budget first."""
+        rank). states: a hybrid's recurrent-state slots' bytes, taken from the same budget first; layers: the KV
+        layers a rank holds (a pipeline stage's; None: every layer)."""
         if self.num_pages is not None:
             return self.num_pages, f"num_pages ({self.num_pages})"
         tp = self.tensor_parallel_size
         kv_heads = max(1, cfg.num_kv_heads // tp)  # one rank's share (replicated when fewer heads than ranks)
-        per_page = kv_bytes_per_page(cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, kv_dtype)
+        per_page = kv_bytes_per_page(layers or cfg.num_layers, self.page_size, kv_heads, cfg.head_dim, kv_dtype)
         if draft is not None:
             per_page += kv_bytes_per_page(draft.num_layers, self.page_size, draft.num_kv_heads, draft.head_dim, dtype)
         wanted = max_batch_size * max_pages + 1

@@ -150,6 +150,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help=f"ranks the model is split over: cuda:0..N-1, or N CPU processes "
                         f"({config('tensor_parallel_size')})")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=None,
+                   help=f"stages the decoder's layers are split over, each of --tensor-parallel-size ranks (CPU "
+                        f"ranks so far) ({config('pipeline_parallel_size')})")
+    p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="decoder layers per pipeline stage, e.g. 10,14 (default: EngineConfig's: an even split, "
+                        "the remainder to the stages before the last)")
     p.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                    help=f"how the ranks start: mp, spawned here (and by --headless on other nodes); "
                         f"external_launcher, by torchrun, whose rank 0 runs the engine "

@@ -15,10 +15,13 @@ from __future__ import annotations
 import torch
 
 
-def allocate_kv_caches(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
+def allocate_kv_caches(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device, held=None):
+    """One cache per layer; held: the layers this rank attends with (a pipeline stage's), None for all: the others
+    get no pages (an empty [0, 2, page_size, H_kv, D] in their place, so layer indices stay global)."""
     return [
-        torch.zeros(num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        for _ in range(num_layers)
+        torch.zeros(num_pages if held is None or layer in held else 0, 2, page_size, num_kv_heads, head_dim,
+                    dtype=dtype, device=device)
+        for layer in range(num_layers)
     ]
 
 
@@ -61,6 +64,7 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
 
 
 def copy_page(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy whole pages src[i] -> dst[i] ([n] int64, device) in every layer."""
+    """Copy whole pages src[i] -> dst[i] ([n] int64, device) in every layer (this rank holds)."""
     for kv in kv_caches:
-        kv[dst] = kv[src]
+        if kv.shape[0]:
+            kv[dst] = kv[src]

@@ -71,7 +71,7 @@ def make_executor(config) -> LocalExecutor:
     """One process; or every rank, this process rank 0. Under a launcher (torchrun), a process of another rank
     serves rank 0 here and exits when it is done (launched.py); on a node other than 0 an engine is refused (its
     ranks are served by `graphdecode serve --headless`)."""
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return LocalExecutor(config)
     if config.distributed_executor_backend == "external_launcher":
         from .launched import is_driver, serve_launched_rank

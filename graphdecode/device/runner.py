@@ -76,7 +76,7 @@ class ModelRunner:
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
-            config.kv_torch_dtype, self.device,
+            config.kv_torch_dtype, self.device, tp.stage.layers,  # a pipeline stage: its layers' pages only
         )
         # a hybrid's recurrent states: a slot per admitted sequence (every one holds a row or a reserved row)
         self.states = None

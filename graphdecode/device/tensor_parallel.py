@@ -40,7 +40,7 @@ from multiprocessing.connection import wait as wait_for_any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .tp_rank import INIT_TIMEOUT_S, Placement, init_rank, placement_for
+from .tp_rank import INIT_TIMEOUT_S, Placement, init_rank, parallel_groups, placement_for
 from .tp_worker import run_worker, share_config
 
 EXIT_UNGUARDED_MAIN = 64  # a worker's exit status: it found the main module building an LLM (sysexits EX_USAGE)
@@ -146,7 +146,7 @@ class TPExecutor:
         self.place = placement_for(config)
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process")
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.world_size
         self.closed = False
         self.failed = False  # a rank was lost: no goodbye broadcast at shutdown
         self._local = None
@@ -155,8 +155,9 @@ class TPExecutor:
         try:
             if not self.place.launched:
                 self._local = SpawnedRanks(self.place.local_ranks[1:], self.place, config)
-            self.tp, self._plans = self._join()
+            self._plans = self._join()
             share_config(self._plans, config)
+            self.tp = parallel_groups(0, config)
         except BaseException:
             self.shutdown(timeout=1.0)
             raise

@@ -1,7 +1,7 @@
 """A headless node: the tensor-parallel ranks of one machine other than the engine's (`graphdecode serve MODEL
 --headless --nnodes N --node-rank R --master-addr A --master-port P -tp T`, vLLM's flags).
 
-Node R holds ranks R * L .. R * L + L - 1 (L = T / N). They are spawned here, join node 0's rank 0 at A:P,
+Node R holds ranks R * L .. R * L + L - 1 (L = T x PP / N, with PP pipeline stages: -pp). They are spawned here, join node 0's rank 0 at A:P,
 take the engine's config from it (this node's own options matter only for the rendezvous, the model
 directory's presence and the thread count: the KV pool, buckets and every other option are the driver's),
 and apply its plans until it shuts down. The node then exits 0; if a rank fails or the driver is lost,
@@ -23,9 +23,9 @@ log = logging.getLogger("graphdecode")
 
 def run_headless(config) -> int:
     """Run this node's ranks until the engine ends; the exit status (0: every rank left cleanly)."""
-    if config.tensor_parallel_size == 1 or config.nnodes == 1:
+    if config.world_size == 1 or config.nnodes == 1:
         raise ValueError("--headless: a headless node serves ranks of an engine spread over machines: give "
-                         "--nnodes > 1 and --tensor-parallel-size > 1")
+                         "--nnodes > 1 and --tensor-parallel-size or --pipeline-parallel-size > 1")
     if config.node_rank == 0:
         raise ValueError("node_rank: node 0 runs the engine itself; a headless node is one of 1..nnodes - 1")
     place = placement_for(config)

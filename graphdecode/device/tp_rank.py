@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.parallel import TPGroup
+from ..models.pipeline import PipelineStage, partition_layers
 
 INIT_TIMEOUT_S = 600  # model load on every rank, and the other nodes' ranks joining
 COLLECTIVE_TIMEOUT_ENV = "GRAPHDECODE_COLLECTIVE_TIMEOUT_S"
@@ -95,14 +96,14 @@ def _ranks(values: list[int]) -> str:
 
 def placement_for(config) -> Placement:
     """The engine's ranks as its config (and, under a launcher, the environment) places them."""
-    tp = config.tensor_parallel_size
+    world = config.world_size
     if config.distributed_executor_backend == "external_launcher":
         env = launcher_env()
-        return Placement(tp, int(env.get("LOCAL_WORLD_SIZE", tp)), "env://", launched=True)
+        return Placement(world, int(env.get("LOCAL_WORLD_SIZE", world)), "env://", launched=True)
     if config.nnodes == 1:
-        return Placement(tp, tp, f"tcp://127.0.0.1:{config.master_port or free_port()}")
+        return Placement(world, world, f"tcp://127.0.0.1:{config.master_port or free_port()}")
     addr = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr  # IPv6 literal
-    return Placement(tp, tp // config.nnodes, f"tcp://{addr}:{config.master_port}", config.node_rank)
+    return Placement(world, world // config.nnodes, f"tcp://{addr}:{config.master_port}", config.node_rank)
 
 
 def launcher_env() -> dict:
@@ -120,8 +121,9 @@ def launcher_env() -> dict:
 
 
 def init_rank(rank: int, place: Placement, device: torch.device, driver: bool):
-    """torch.distributed for one rank: (TPGroup for the model's collectives, gloo group for plans). The driver
-    bounds every wait on the plans group; a worker waits for its next plan as long as the engine idles."""
+    """torch.distributed for one rank: the gloo group for plans (then `parallel_groups`, once every rank holds the
+    driver's config). The driver bounds every wait on the plans group; a worker waits for its next plan as long
+    as the engine idles."""
     if device.type == "cuda":
         torch.cuda.set_device(torch.device("cuda", rank % place.per_node))
     dist.init_process_group(
@@ -129,5 +131,18 @@ def init_rank(rank: int, place: Placement, device: torch.device, driver: bool):
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
     )
     wait = datetime.timedelta(seconds=collective_timeout_s()) if driver else WORKER_IDLE_TIMEOUT
-    plans = dist.new_group(backend="gloo", timeout=wait)
-    return TPGroup(rank, place.world_size, dist.group.WORLD), plans
+    return dist.new_group(backend="gloo", timeout=wait)
+
+
+def parallel_groups(rank: int, config) -> TPGroup:
+    """Global rank `rank`'s TPGroup: its tensor rank in its pipeline stage's group, and the stage (the layers it
+    holds, its neighbours: models/pipeline.py). Every rank creates every stage's group, in order."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return TPGroup(rank, tp, dist.group.WORLD)
+    groups = [dist.new_group(ranks=list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+    index, tensor_rank = divmod(rank, tp)
+    layers = partition_layers(config.model_config.decoder_layers, pp, config.pp_layer_partition)
+    stage = PipelineStage(index, pp, layers[index], prev_rank=rank - tp if index else -1,
+                          next_rank=rank + tp if index < pp - 1 else -1, logits_rank=(pp - 1) * tp)
+    return TPGroup(tensor_rank, tp, groups[index], stage)

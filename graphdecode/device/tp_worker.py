@@ -23,7 +23,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .tp_rank import Placement, init_rank
+from .tp_rank import Placement, init_rank, parallel_groups
 
 
 def _exit_when_driver_is_gone(watched) -> None:
@@ -53,11 +53,12 @@ def serve_rank(rank: int, place: Placement, cpu_threads: int, device: torch.devi
     torch.set_num_threads(cpu_threads)  # before init: the runner sets it again on CPU
     from .runner import ModelRunner
 
-    tp, plans = init_rank(rank, place, device, driver=False)
+    plans = init_rank(rank, place, device, driver=False)
     box = [None]
     dist.broadcast_object_list(box, src=0, group=plans)
     config = copy.copy(box[0])
     object.__setattr__(config, "cpu_threads", cpu_threads)
+    tp = parallel_groups(rank, config)
     try:
         with torch.inference_mode():
             runner = ModelRunner(config, tp)

@@ -30,6 +30,10 @@ forward() takes flattened tokens `[T]` and a ForwardContext that owns the paged
 KV cache and the attention metadata, so the same module serves ragged prefill,
 batched decode and speculative verify.
 
+Pipeline parallelism (models/pipeline.py): a stage builds only its layers (the others are MissingLayers) and
+the LM head only on the last stage; forward receives the previous stage's hidden states and sends its own on,
+and compute_logits gives every rank the last stage's logits.
+
 Tensor parallelism (models/parallel.py): with a TPGroup of N ranks each rank holds
 its query heads, its KV heads (replicated when there are fewer than N), its share of
 the MLP's intermediate size and a block of the vocabulary; o_proj and down_proj
@@ -60,6 +64,7 @@ from .parallel import (
     local_kv_heads,
 )
 from .parallel import split as split_rows
+from .pipeline import MissingLayer
 from .rope import RotaryEmbedding
 
 
@@ -215,10 +220,15 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = DecoderModel(cfg, tp, [self.make_layer(i, tp) for i in range(cfg.decoder_layers)],
-                                  self.norm_offset)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.stage = stage = tp.stage
+        if stage.size > 1 and type(self).forward_aux is not DecoderForCausalLM.forward_aux:
+            raise ValueError(f"pipeline_parallel_size: {type(self).__name__} runs a layer loop of its own, which "
+                             f"pipeline stages do not split yet; use tensor_parallel_size")
+        layers = [self.make_layer(i, tp) if stage.holds(i) else MissingLayer(self.layer_spec(i))
+                  for i in range(cfg.decoder_layers)]
+        self.model = DecoderModel(cfg, tp, layers, self.norm_offset)
+        if not cfg.tie_word_embeddings:  # the logits are the last stage's
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.last else None
         self.rotaries: list[RotaryEmbedding] = []  # each decoder layer's (shared tables)
         self.packed_head = None  # the LM head's cpu_linear.PackedWeight (CPU)
         self._embed_scale = None
@@ -230,7 +240,11 @@ class DecoderForCausalLM(nn.Module):
         """The MTP layers stored after the decoder's (DeepSeek-V3's layout, ModelConfig.nextn_layers): read by
         speculative decoding's "mtp" (models/mtp.py), not by the model."""
         first = self.config.decoder_layers
-        return tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
+        skipped = tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
+        if self.stage.size > 1:  # the other stages' layers, and the LM head but on the last stage
+            skipped += tuple(f"model.layers.{i}." for i in range(first) if not self.stage.holds(i))
+            skipped += () if self.stage.last else ("lm_head.",)
+        return skipped
 
     def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
         """Decoder layer `layer` (a family with other layers, models/hybrid.py, builds its own)."""
@@ -312,15 +326,25 @@ class DecoderForCausalLM(nn.Module):
         """(final hidden states [T, hidden], the hidden states entering each of `aux_layers` (ascending),
         concatenated [T, len(aux_layers) x hidden], what an EAGLE-3 head reads; None without aux_layers).
         A family with its own layer loop overrides this, not forward()."""
-        hidden = self.embed(input_ids)
+        stage = self.stage
+        if stage.first:
+            hidden = self.embed(input_ids)
+        else:  # a later pipeline stage: the previous one's hidden states (models/pipeline.py)
+            weight = self.model.embed_tokens.weight
+            hidden = stage.recv(input_ids.shape[0], self.config.hidden_size, weight.dtype, weight.device)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
             return self.model.norm(hidden), aux
         saved = []
         for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
+            if not stage.holds(i):
+                continue
             if i in aux_layers:
                 saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
             hidden = layer(positions, hidden, rotary, ctx)
+        if not stage.last:  # the next stage goes on; this one's rows only shape the logits it will receive
+            stage.send(hidden)
+            return hidden, None
         return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
@@ -344,6 +368,14 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
+        if self.stage.size > 1:  # the last stage's logits, sent to every rank
+            if not self.stage.last:
+                return self.stage.share_logits(torch.empty(hidden.shape[0], self.config.vocab_size,
+                                                            dtype=torch.float32, device=hidden.device))
+            return self.stage.share_logits(self._logits(hidden).contiguous())
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = ParallelLMHead.logits(hidden, weight, self.tp, self.config.vocab_size, self.packed_head)
         if self.config.logits_scaling != 1.0:  # Granite's

@@ -159,7 +159,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     kernels = cpu_kernels_for(device)
     if kernels is not None and dtype in kernels.supported_dtypes:
         attach_cpu_kernels(model, kernels)  # one pass for each plain norm and full rotary
-        model.cpu_decode = CpuDecodeLayers.build(model, kernels)  # plain layers' decode steps in one call
+        if tp.stage.size == 1:  # plain layers' decode steps in one call (every layer of the model)
+            model.cpu_decode = CpuDecodeLayers.build(model, kernels)
     return model
 
 

@@ -22,14 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .pipeline import PipelineStage
+
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in the tensor-parallel group (the default: one rank, no group)."""
+    """This rank's place in the tensor-parallel group (the default: one rank, no group), and in the pipeline
+    (`stage`, models/pipeline.py: the layers it holds; the default, every layer)."""
 
     rank: int = 0
     size: int = 1
-    group: object = None  # torch.distributed ProcessGroup for the model's collectives
+    group: object = None  # torch.distributed ProcessGroup for the model's collectives (this stage's ranks)
+    stage: PipelineStage = PipelineStage()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

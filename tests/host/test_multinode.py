@@ -45,10 +45,11 @@ def single(tiny_models, prompts):
     return outputs(LLM(tiny_models[MODEL], **SMALL_ENGINE), prompts)
 
 
-def start_headless(model: str, port: int, log) -> subprocess.Popen:
+def start_headless(model: str, port: int, log, tp: int = 2, pp: int = 1) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "graphdecode.server.openai_api", "--model", model, "--headless", "-tp", "2",
-         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        [sys.executable, "-m", "graphdecode.server.openai_api", "--model", model, "--headless", "-tp", str(tp),
+         "-pp", str(pp), "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port)],
         stdout=log, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
 
 
@@ -61,18 +62,20 @@ def wait(proc: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"pid {proc.pid} still ran after {timeout:.0f} s") from None
 
 
-def test_two_nodes_on_loopback_give_the_single_process_tokens(tiny_models, prompts, single, tmp_path):
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_two_nodes_on_loopback_give_the_single_process_tokens(tiny_models, prompts, single, tmp_path, tp, pp):
+    """Tensor ranks or pipeline stages on two nodes."""
     port = free_port()
     with open(tmp_path / "node1.log", "w") as log:
-        node1 = start_headless(tiny_models[MODEL], port, log)
+        node1 = start_headless(tiny_models[MODEL], port, log, tp, pp)
     try:
-        with LLM(tiny_models[MODEL], tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port,
-                 **SMALL_ENGINE) as llm:
+        with LLM(tiny_models[MODEL], tensor_parallel_size=tp, pipeline_parallel_size=pp, nnodes=2, node_rank=0,
+                 master_port=port, **SMALL_ENGINE) as llm:
             assert llm.engine.executor.worker_pids == []  # rank 1 is the other node's
             assert outputs(llm, prompts) == single
-            # the headless node runs the driver's config, not its own defaults
+            # the headless node runs the driver's config (its KV pool), not its own defaults; one layer a stage
             _, sizes = llm.engine.executor.gather_from_workers("sizes")
-            assert sizes == llm.engine.runner.memory_sizes()
+            assert sizes["kv_cache_bytes"] == llm.engine.runner.memory_sizes()["kv_cache_bytes"]
         assert wait(node1, 60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
     finally:
         if node1.poll() is None:
@@ -181,7 +184,7 @@ def test_placement_fields_are_checked_by_name(tiny_models, monkeypatch):
     cases = [
         (dict(distributed_executor_backend="threads"), "distributed_executor_backend"),
         (dict(tensor_parallel_size=2, nnodes=0), "nnodes"),
-        (dict(tensor_parallel_size=2, nnodes=4), r"nnodes \(4\) must divide tensor_parallel_size \(2\)"),
+        (dict(tensor_parallel_size=2, nnodes=4), r"nnodes \(4\) must divide the ranks"),
         (dict(tensor_parallel_size=2, nnodes=2, node_rank=2), "node_rank"),
         (dict(tensor_parallel_size=2, nnodes=2, node_rank=-1), "node_rank"),
         (dict(tensor_parallel_size=2, nnodes=2, master_port=70000), "master_port"),
@@ -200,12 +203,14 @@ def test_placement_fields_are_checked_by_name(tiny_models, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29555")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must equal the launcher's WORLD_SIZE \(4\)"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(2\) must equal the launcher.s WORLD_SIZE \(4\)"):
         LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--headless", "-tp", "2"], "--nnodes > 1"),
+    (["--headless", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "--pp-layer-partition", "2,1"],
+     "pp_layer_partition"),
     (["--headless", "-tp", "2", "--nnodes", "2"], "node_rank: node 0 runs the engine"),
     (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "--node-rank 1: the server runs on node 0"),
 ])

@@ -1,0 +1,100 @@
+"""Pipeline parallelism for the models: which decoder layers a stage holds, and the hand-offs between stages.
+
+With `pipeline_parallel_size` P, the decoder's layers are split into P contiguous stages (`partition_layers`:
+even, the remainder to the stages before the last, as vLLM splits them; or an explicit `pp_layer_partition`).
+Global rank r is stage r // T, tensor-parallel rank r % T of it (T = tensor_parallel_size): each stage is a
+tensor-parallel group of its own, and stage s's tensor rank t hands its hidden states to stage s + 1's rank t.
+
+Every rank runs the same plan (the driver broadcasts it to all), so each forward is the same on every stage:
+the first stage embeds and runs its layers, each later stage receives the hidden states [T, hidden] (`recv`)
+instead of embedding, runs its own layers and sends them on (`send`); the last stage applies the final norm and
+the LM head, and its logits go to every rank (`share_logits`, from the last stage's tensor rank 0), so that
+every rank samples the same tokens with the same noise and advances the same decode state, as tensor-parallel
+ranks do from their gathered logits. A stage holds only its layers' weights (others are `MissingLayer`s: no
+parameters, their checkpoint tensors skipped) and only their KV cache; the LM head lives on the last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..attention.spec import AttentionSpec
+
+
+def partition_layers(num_layers: int, stages: int, partition: tuple[int, ...] | None = None) -> list[range]:
+    """The layers of each stage. partition: layers per stage (summing to num_layers); None: an even split whose
+    remainder goes one layer each to the stages just before the last (the last one also runs the LM head)."""
+    if partition is None:
+        counts = [num_layers // stages] * stages
+        for i in range(num_layers % stages):
+            counts[-2 - i if stages > 1 else 0] += 1
+    else:
+        counts = list(partition)
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append(range(start, start + count))
+        start += count
+    return bounds
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This rank's stage (the default: the only one, every layer). layers: the decoder layers it holds (None:
+    all); ranks: the global ranks of the previous and next stages' same tensor rank, and of the rank whose logits
+    every rank takes (the last stage's tensor rank 0)."""
+
+    index: int = 0
+    size: int = 1
+    layers: range | None = None
+    prev_rank: int = -1
+    next_rank: int = -1
+    logits_rank: int = -1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def holds(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def recv(self, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The previous stage's hidden states [rows, width]."""
+        hidden = torch.empty(rows, width, dtype=dtype, device=device)
+        dist.recv(hidden, self.prev_rank)
+        return hidden
+
+    def send(self, hidden: torch.Tensor) -> None:
+        dist.send(hidden.contiguous(), self.next_rank)
+
+    def share_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits on every rank (in place: others pass an empty tensor of the shape)."""
+        dist.broadcast(logits, self.logits_rank)
+        return logits
+
+
+class MissingLayer(nn.Module):
+    """A decoder layer another stage holds: no parameters, never run. It keeps the layer's index in
+    `model.layers` (checkpoint names stay `model.layers.N.`) and its attention variant (one spec per KV layer)."""
+
+    sparse = False
+
+    def __init__(self, spec: AttentionSpec):
+        super().__init__()
+        self.self_attn = _MissingAttention(spec)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a decoder layer of another pipeline stage was run")
+
+
+class _MissingAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec):
+        super().__init__()
+        self.attention_spec = spec

@@ -1,0 +1,149 @@
+"""Pipeline parallelism on CPU (gloo): PP=2 and TP=2 x PP=2 give TP=1's tokens (greedy, seeded, n > 1, logprobs,
+chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin), each stage holds
+only its layers' weights and KV pages, a partition is honoured, and what stages cannot run yet is refused by
+name."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from transformers import LlamaConfig
+
+from graphdecode import LLM, SamplingParams
+from graphdecode.default_model import save_random_model
+from graphdecode.device.tensor_parallel import TPWorkerError
+from graphdecode.models.pipeline import partition_layers
+from graphdecode.structured import StructuredOutputsParams
+from tests.helpers import SMALL_ENGINE, random_prompts, token_prompts
+
+CASES = [
+    SamplingParams(temperature=0, max_tokens=16),
+    SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=5, max_tokens=12),
+    SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[7, 99, 300], logprobs=3),
+]
+
+
+def outputs(llm, prompts, params) -> list:
+    result = []
+    for o in llm.generate(prompts, params):
+        for c in o.outputs:
+            logprobs = [sorted((t, round(p.logprob, 4)) for t, p in step.items()) for step in c.logprobs or []]
+            result.append((c.token_ids, c.finish_reason, logprobs))
+    return result
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory) -> str:
+    """A tiny Llama of three layers: two stages split it unevenly."""
+    path = str(tmp_path_factory.mktemp("pp") / "llama3l")
+    save_random_model(path, LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                        initializer_range=0.1, bos_token_id=1, eos_token_id=2), seed=7)
+    return path
+
+
+def test_partition_layers_like_vllm():
+    assert partition_layers(8, 2) == [range(0, 4), range(4, 8)]
+    assert partition_layers(3, 2) == [range(0, 2), range(2, 3)]  # the remainder before the last stage
+    assert partition_layers(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert partition_layers(5, 2, (1, 4)) == [range(0, 1), range(1, 5)]
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_stages_give_the_single_rank_tokens(three_layers, tp, pp):
+    prompts = token_prompts(random_prompts(6, [1, 17, 40, 90]))
+    single = LLM(three_layers, **SMALL_ENGINE)
+    want = [outputs(single, prompts, params) for params in CASES]
+    chunked = dict(SMALL_ENGINE, max_num_batched_tokens=32)  # the 90-token prompts in three chunks
+    with LLM(three_layers, tensor_parallel_size=tp, pipeline_parallel_size=pp, **chunked) as llm:
+        assert [outputs(llm, prompts, params) for params in CASES] == want
+        # prefix-cache hits: the same prompts again, and longer ones that share their pages
+        longer = [{"prompt_token_ids": p["prompt_token_ids"] + [11, 12, 13]} for p in prompts]
+        assert outputs(llm, prompts, CASES[0]) == want[0]
+        assert outputs(llm, longer, CASES[0]) == outputs(single, longer, CASES[0])
+        assert llm.stats()["prefix_cache_hits"] > 0
+        sizes = [llm.engine.runner.memory_sizes(), *llm.engine.executor.gather_from_workers("sizes")[1:]]
+    assert len(sizes) == tp * pp
+    full = single.engine.runner.memory_sizes()
+    assert all(s["weight_bytes"] < full["weight_bytes"] and s["kv_cache_bytes"] < full["kv_cache_bytes"]
+               for s in sizes)
+
+
+def test_each_stage_holds_its_layers(three_layers):
+    single = LLM(three_layers, num_pages=40, **SMALL_ENGINE).engine.runner.memory_sizes()
+    with LLM(three_layers, pipeline_parallel_size=2, num_pages=40, **SMALL_ENGINE) as llm:
+        first = llm.engine.runner.memory_sizes()
+        _, last = llm.engine.executor.gather_from_workers("sizes")
+    # two layers' pages on the first stage, one on the last; together the single rank's
+    assert first["kv_cache_bytes"] == 2 * last["kv_cache_bytes"]
+    assert first["kv_cache_bytes"] + last["kv_cache_bytes"] == single["kv_cache_bytes"]
+    # the layers' weights split (the embedding is on both stages: the tied head reads it on the last)
+    assert first["weight_bytes"] < single["weight_bytes"] and last["weight_bytes"] < single["weight_bytes"]
+    with LLM(three_layers, pipeline_parallel_size=2, pp_layer_partition="1,2", num_pages=40, **SMALL_ENGINE) as llm:
+        first = llm.engine.runner.memory_sizes()
+        _, last = llm.engine.executor.gather_from_workers("sizes")
+        assert 2 * first["kv_cache_bytes"] == last["kv_cache_bytes"]
+        prompts = token_prompts(random_prompts(3, [5, 30]))
+        assert outputs(llm, prompts, CASES[1]) == outputs(LLM(three_layers, **SMALL_ENGINE), prompts, CASES[1])
+
+
+def test_an_moe_family_and_the_graph_twin_over_stages(tiny_models):
+    """Qwen3-MoE (two layers, one a stage) under the CPU graph twin with bounds checks."""
+    path = tiny_models["qwen3_moe"]
+    prompts = token_prompts(random_prompts(4, [3, 30]))
+    want = [outputs(LLM(path, **SMALL_ENGINE), prompts, params) for params in CASES[:2]]
+    with LLM(path, pipeline_parallel_size=2, cuda_graphs=True, check_bounds=True, **SMALL_ENGINE) as llm:
+        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+
+
+def test_structured_outputs_over_stages(text_model):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = ["Describe a pet:", "JSON please"]
+    want = [o.outputs[0].text for o in LLM(text_model, **SMALL_ENGINE).generate(prompts, params)]
+    with LLM(text_model, pipeline_parallel_size=2, **SMALL_ENGINE) as llm:
+        got = [o.outputs[0].text for o in llm.generate(prompts, params)]
+    assert got == want
+    for text in got:
+        assert set(json.loads(text)) == {"name", "age"}
+
+
+def test_a_dead_stage_is_named(three_layers):
+    llm = LLM(three_layers, pipeline_parallel_size=2, **SMALL_ENGINE)
+    (pid,) = llm.engine.executor.worker_pids
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TPWorkerError, match="worker 1"):
+        while time.monotonic() - start < 60:
+            engine.step()
+    assert time.monotonic() - start < 30
+    llm.close()
+
+
+def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
+    cases = [
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+        (dict(pipeline_parallel_size=4), r"pipeline_parallel_size \(4\) exceeds the model's 3 decoder layers"),
+        (dict(pipeline_parallel_size=2, pp_layer_partition="2,2"), "pp_layer_partition"),
+        (dict(pipeline_parallel_size=2, pp_layer_partition=[3]), "pp_layer_partition"),
+        (dict(pipeline_parallel_size=2, pp_layer_partition="0,3"), "pp_layer_partition"),
+        (dict(pipeline_parallel_size=2, pp_layer_partition="a,b"), "pp_layer_partition"),
+        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+         "speculative decoding"),
+        (dict(pipeline_parallel_size=2, nnodes=4), "nnodes"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            LLM(three_layers, **kwargs)
+    with pytest.raises(ValueError, match="hybrid"):
+        LLM(tiny_models["nemotron_h"], pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="layer loop of its own"):  # Phi-3's longrope switch
+        LLM(tiny_models["phi3_longrope"], pipeline_parallel_size=2, **SMALL_ENGINE)
