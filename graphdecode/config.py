@@ -16,7 +16,7 @@ import torch
 
 from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
-from .device.tp_rank import DEFAULT_MASTER_PORT, launcher_env
+from .launcher import DEFAULT_MASTER_PORT, launcher_env
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 from .models.mtp import MTPConfig, read_mtp_config

@@ -104,7 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         SCHEDULING_POLICIES,
         EngineConfig,
     )
-    from .device.tp_rank import DEFAULT_MASTER_PORT
+    from .launcher import DEFAULT_MASTER_PORT
 
     def config(name: str) -> str:
         return f"default: EngineConfig's, {field_default(EngineConfig, name)}"

@@ -12,7 +12,8 @@ on stderr, and torchrun ends the job.
 
 from __future__ import annotations
 
-from .tp_rank import launcher_env, placement_for
+from ..launcher import launcher_env
+from .tp_rank import placement_for
 from .tp_worker import serve_rank
 
 

@@ -24,6 +24,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..launcher import launcher_env
 from ..models.parallel import TPGroup
 from ..models.pipeline import PipelineStage, partition_layers
 
@@ -31,8 +32,6 @@ INIT_TIMEOUT_S = 600  # model load on every rank, and the other nodes' ranks joi
 COLLECTIVE_TIMEOUT_ENV = "GRAPHDECODE_COLLECTIVE_TIMEOUT_S"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # the driver's wait for one collective (gloo raises on a closed peer at once)
 WORKER_IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a worker's wait for its next plan: an idle engine sends none
-DEFAULT_MASTER_PORT = 29501  # node 0's rendezvous port across machines when none is given (vLLM's default)
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
 
 
 def free_port() -> int:
@@ -104,20 +103,6 @@ def placement_for(config) -> Placement:
         return Placement(world, world, f"tcp://127.0.0.1:{config.master_port or free_port()}")
     addr = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr  # IPv6 literal
     return Placement(world, world // config.nnodes, f"tcp://{addr}:{config.master_port}", config.node_rank)
-
-
-def launcher_env() -> dict:
-    """torchrun's variables; ValueError naming the backend and what is missing outside a launcher."""
-    missing = [name for name in LAUNCHER_ENV if name not in os.environ]
-    if missing:
-        raise ValueError(f"distributed_executor_backend 'external_launcher' runs under torchrun (or another "
-                         f"env:// launcher): {', '.join(missing)} not set in the environment")
-    env = {name: os.environ[name] for name in (*LAUNCHER_ENV, "LOCAL_WORLD_SIZE") if name in os.environ}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        if name in env and not env[name].isdigit():
-            raise ValueError(f"distributed_executor_backend 'external_launcher': {name} must be an integer, got "
-                             f"{env[name]!r}")
-    return env
 
 
 def init_rank(rank: int, place: Placement, device: torch.device, driver: bool):

@@ -21,10 +21,10 @@ ALLOWED = {
     "bench": {"host", "cache", "config", "sampling_params", "default_model"},
     "host": {"device", "plan", "structured", "config", "engine_args", "outputs", "sampling_params", "default_model",
              "ranges"},
-    "engine_args": {"config", "default_model"},
-    "config": {"models", "attention"},
+    "engine_args": {"config", "default_model", "launcher"},
+    "config": {"models", "attention", "launcher"},
     "plan": {"sampling_params"},
-    "device": {"plan", "attention", "models", "kernels", "cache", "ranges"},
+    "device": {"plan", "attention", "models", "kernels", "cache", "ranges", "launcher"},
     "models": {"attention", "kernels"},
     "attention": {"kernels"},
     "kernels": {"cache"},
@@ -35,6 +35,7 @@ ALLOWED = {
     "outputs": set(),
     "cache": set(),
     "ranges": set(),
+    "launcher": set(),
 }
 HOST_TO_DEVICE = {"graphdecode.device.executor"}  # the one door from the host into the device
 
