@@ -49,6 +49,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help="HuggingFace model directory, as `vllm serve MODEL` takes it (the same as --model)")
     add_engine_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="engine replicas behind this server, each a whole engine in its own process (on a CPU, "
+                        "each with its share of the cores; on CUDA, its own GPUs): requests go to the one with "
+                        "the shortest queue, metrics carry an engine label")
     p.add_argument("--headless", action="store_true",
                    help="run only this machine's tensor-parallel ranks of an engine spread over --nnodes machines "
                         "(give its --node-rank, and node 0's --master-addr and --master-port): no HTTP server; "
@@ -114,5 +118,7 @@ def check_serve_args(args) -> None:
                          f"({HEARTBEAT_INTERVAL_S:g} s), got {args.heartbeat_timeout}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")

@@ -175,9 +175,10 @@ class RequestStream:
             self._end(abort=True)
 
 
-def start_engine_core(model: str, engine_args: dict, clients: int):
+def start_engine_core(model: str, engine_args: dict, clients: int, env: dict | None = None):
     """Start the engine core process for `clients` API servers and send it "init": (its Popen, [per
-    client (requests, outputs): the client's ends of its two pipes]). Each client waits for "ready"."""
+    client (requests, outputs): the client's ends of its two pipes]). Each client waits for "ready".
+    env: the process's environment (None: this one's)."""
     ends, fds = [], []
     for _ in range(clients):
         core_requests, requests = multiprocessing.Pipe(duplex=False)
@@ -185,7 +186,7 @@ def start_engine_core(model: str, engine_args: dict, clients: int):
         ends.append((requests, outputs, core_requests, core_outputs))
         fds += [core_requests.fileno(), core_outputs.fileno()]
     process = subprocess.Popen([sys.executable, "-m", "graphdecode.server.engine_core", *map(str, fds)],
-                               pass_fds=fds)
+                               pass_fds=fds, env=env)
     for _, _, core_requests, core_outputs in ends:
         core_requests.close()
         core_outputs.close()
@@ -207,9 +208,15 @@ class AsyncLLM:
     def attached(cls, requests, outputs) -> AsyncLLM:
         """An AsyncLLM over a core that another process started with several clients (one API server
         of --api-server-count): `requests` / `outputs`, its ends of this client's two pipes."""
+        return cls.over(None, requests, outputs)
+
+    @classmethod
+    def over(cls, process: subprocess.Popen | None, requests, outputs) -> AsyncLLM:
+        """An AsyncLLM over a core already started (start_engine_core): its process (None: another process's),
+        and this client's ends of its two pipes. Waits for its "ready"."""
         self = cls.__new__(cls)
         self._requests, self._outputs = requests, outputs
-        self._attach(None)
+        self._attach(process)
         return self
 
     def _attach(self, process: subprocess.Popen | None) -> None:

@@ -107,18 +107,26 @@ class _EngineCollector:
         return []  # no fixed description: collected afresh at every scrape
 
     def collect(self):
-        engine = self.engine
-        dead = bool(getattr(engine, "is_dead", False))
-        load = getattr(engine, "load", None) or {}
-        prefix, labels, values = self.server.prefix, ["model_name"], [self.server.model_name]
+        """One sample of each family per engine: the engine itself, or each data-parallel replica (labelled
+        `engine`, its index, as vLLM labels its engines)."""
+        engine, name = self.engine, self.server.model_name
+        replicas = getattr(engine, "replicas", None)
+        if replicas is None:
+            sources, labels = [(engine, [name])], ["model_name"]
+        else:
+            sources, labels = [(r, [name, str(i)]) for i, r in enumerate(replicas)], ["model_name", "engine"]
+        prefix = self.server.prefix
+        state = [(values, bool(getattr(e, "is_dead", False)), getattr(e, "load", None) or {}, e) for e, values in sources]
 
-        def family(kind, name, doc, value):
+        def family(kind, name, doc, value_of):
             metric = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(prefix + name, doc, labels=labels)
-            metric.add_metric(values, value)
+            for values, dead, load, e in state:
+                metric.add_metric(values, value_of(dead, load, e))
             return metric
 
-        for key, name, kind, doc in _ENGINE_METRICS:
-            yield family(kind, name, doc, 0 if dead and kind == "gauge" else load.get(key, 0))
+        for key, metric_name, kind, doc in _ENGINE_METRICS:
+            yield family(kind, metric_name, doc,
+                         lambda dead, load, e, key=key, kind=kind: 0 if dead and kind == "gauge" else load.get(key, 0))
         config = getattr(engine, "config", None)
         if config is not None:  # vLLM's cache_config_info: the KV cache's settings as labels, value 1
             info = {"block_size": config.page_size, "cache_dtype": config.kv_cache_dtype,
@@ -127,37 +135,46 @@ class _EngineCollector:
                     "device": config.torch_device.type}
             metric = GaugeMetricFamily(prefix + "cache_config_info", "the KV cache's configuration (as labels)",
                                        labels=[*labels, *info])
-            metric.add_metric([*values, *map(str, info.values())], 1)
+            for values, *_ in state:
+                metric.add_metric([*values, *map(str, info.values())], 1)
             yield metric
         per_position = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "draft tokens "
                                            "accepted at each draft position (0: the first draft of a round)",
                                            labels=[*labels, "position"])
-        for position, count in enumerate(load.get("spec_accepted_per_position", ())):
-            per_position.add_metric([*values, str(position)], count)
+        for values, _, load, _ in state:
+            for position, count in enumerate(load.get("spec_accepted_per_position", ())):
+                per_position.add_metric([*values, str(position)], count)
         yield per_position
-        pages = 0 if dead else load.get("kv_pages", 0)
+
+        def usage(dead, load, e):
+            pages = 0 if dead else load.get("kv_pages", 0)
+            return load.get("kv_pages_in_use", 0) / pages if pages else 0.0
+
         yield family("gauge", "kv_cache_usage_perc", "fraction of KV pages held by sequences (0 to 1; cached "
-                     "pages nobody holds count as free)", load.get("kv_pages_in_use", 0) / pages if pages else 0.0)
-        counts, total = load.get("iteration_tokens", ((0,) * (len(ITERATION_TOKEN_BUCKETS) + 1), 0))
-        buckets, cumulative = [], 0
-        for bound, count in zip((*ITERATION_TOKEN_BUCKETS, float("inf")), counts):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
+                     "pages nobody holds count as free)", usage)
         histogram = HistogramMetricFamily(prefix + "iteration_tokens_total", "tokens per engine step (vLLM's): the "
                                           "whole prompt of each sequence whose first token came out in it, plus the "
                                           "tokens generated in it (a step runs one window of k)", labels=labels)
-        histogram.add_metric(values, buckets, sum_value=total)
+        for values, _, load, _ in state:
+            counts, total = load.get("iteration_tokens", ((0,) * (len(ITERATION_TOKEN_BUCKETS) + 1), 0))
+            buckets, cumulative = [], 0
+            for bound, count in zip((*ITERATION_TOKEN_BUCKETS, float("inf")), counts):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            histogram.add_metric(values, buckets, sum_value=total)
         yield histogram
-        yield family("gauge", "num_requests_unfinished", "engine requests the server is streaming or collecting now",
-                     len(self.server.active))
+        unfinished = GaugeMetricFamily(prefix + "num_requests_unfinished", "engine requests the server is streaming "
+                                       "or collecting now", labels=["model_name"])
+        unfinished.add_metric([name], len(self.server.active))
+        yield unfinished
         yield family("gauge", "engine_alive", "1 while the engine core process lives, 0 once it has died",
-                     int(not dead and getattr(engine, "dead", None) is None))
+                     lambda dead, load, e: int(not dead and getattr(e, "dead", None) is None))
         yield family("gauge", "engine_heartbeat_age_seconds", "seconds since the server last heard from the engine "
                      "core (it beats every second, idle or busy; /health answers 503 past --heartbeat-timeout)",
-                     getattr(engine, "heartbeat_age", 0.0))
+                     lambda dead, load, e: getattr(e, "heartbeat_age", 0.0))
         yield family("gauge", "engine_step_seconds", "how long the engine core's step in progress had run at its "
                      "latest heartbeat (0 between steps): a step that does not return grows it",
-                     0.0 if dead else getattr(engine, "step_seconds", 0.0))
+                     lambda dead, load, e: 0.0 if dead else getattr(e, "step_seconds", 0.0))
 
 
 class ServerMetrics:

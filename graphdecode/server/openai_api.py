@@ -314,6 +314,10 @@ def serve(args) -> int:
 
         return serve_many(args, run_server)
     model, options = engine_options(args)
+    if args.data_parallel_size > 1:
+        from .data_parallel import DataParallelLLM
+
+        return run_server(args, DataParallelLLM(model, args.data_parallel_size, **options))
     return run_server(args, AsyncLLM(model, **options))
 
 
@@ -350,6 +354,10 @@ def serve_checked(args) -> int:
     try:
         check_serve_args(args)
         model, given = engine_options(args)
+        if args.data_parallel_size > 1 and (args.api_server_count > 1 or args.headless):
+            raise ValueError(f"--data-parallel-size {args.data_parallel_size}: one API server in front of the "
+                             f"replicas (not with --api-server-count > 1 or --headless); or run each replica as a "
+                             f"server of its own behind a router")
         if given.get("node_rank", 0) and not args.headless:
             raise ValueError(f"--node-rank {given['node_rank']}: the server runs on node 0; the other nodes run "
                              f"`graphdecode serve MODEL --headless`")
