@@ -46,6 +46,49 @@ EXECUTOR_BACKENDS = ("mp", "external_launcher")
 logger = logging.getLogger("graphdecode")
 
 
+KV_EVENTS_DEFAULTS = {"enable_kv_cache_events": False, "publisher": "null", "endpoint": "tcp://*:5557",
+            "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000, "max_queue_size": 100_000, "topic": ""}
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+
+
+def _check_kv_events_config(given) -> dict | None:
+    """kv_events_config with vLLM's defaults filled in (host/kv_events.py reads it), or None when events are off;
+    ValueError naming the key."""
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise ValueError(f"kv_events_config must be a dict of vLLM's KVEventsConfig keys, got {given!r}")
+    unknown = sorted(set(given) - set(KV_EVENTS_DEFAULTS))
+    if unknown:
+        raise ValueError(f"kv_events_config: unknown key {unknown[0]!r} (known: {', '.join(KV_EVENTS_DEFAULTS)})")
+    config = {**KV_EVENTS_DEFAULTS, **given}
+    if not isinstance(config["enable_kv_cache_events"], bool):
+        raise ValueError(f"kv_events_config.enable_kv_cache_events must be true or false, got "
+                         f"{config['enable_kv_cache_events']!r}")
+    if config["publisher"] not in KV_EVENTS_PUBLISHERS:
+        raise ValueError(f"kv_events_config.publisher must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, got "
+                         f"{config['publisher']!r}")
+    for key in ("endpoint", "topic"):
+        if not isinstance(config[key], str):
+            raise ValueError(f"kv_events_config.{key} must be a string, got {config[key]!r}")
+    if config["replay_endpoint"] is not None and not isinstance(config["replay_endpoint"], str):
+        raise ValueError(f"kv_events_config.replay_endpoint must be a string or null, got "
+                         f"{config['replay_endpoint']!r}")
+    for key in ("buffer_steps", "hwm", "max_queue_size"):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"kv_events_config.{key} must be an integer >= 1, got {value!r}")
+    if not config["enable_kv_cache_events"] or config["publisher"] == "null":
+        return None
+    try:
+        import msgspec  # noqa: F401
+        import zmq  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"kv_events_config: publishing KV events needs pyzmq and msgspec ({e}); "
+                         f"pip install pyzmq msgspec (graphdecode's [kv-events] extra)") from None
+    return config
+
+
 def _pos_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -199,6 +242,11 @@ class EngineConfig:
     node_rank: int = 0  # this machine's index among them: node 0 runs the engine, the others are headless
     master_addr: str = "127.0.0.1"  # where node 0's rank 0 meets the other nodes' ranks (nnodes > 1)
     master_port: int | None = None  # its port; None: DEFAULT_MASTER_PORT across machines, a free one on one
+    # KV-cache events for prefix-aware routers (vLLM's KVEventsConfig keys: enable_kv_cache_events, publisher
+    # "zmq", endpoint, replay_endpoint, buffer_steps, hwm, max_queue_size, topic; host/kv_events.py); resolved to
+    # the full dict, or None when off
+    kv_events_config: dict | None = None
+    data_parallel_rank: int = 0  # this engine's index among data-parallel replicas: tags its KV events
     # vLLM's names: {"method": "ngram", "num_speculative_tokens": d, "prompt_lookup_max": .., "prompt_lookup_min": ..}
     # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
     # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
@@ -281,6 +329,10 @@ class EngineConfig:
         _pos_int("tensor_parallel_size", self.tensor_parallel_size)
         _pos_int("pipeline_parallel_size", self.pipeline_parallel_size)
         master_port, ranks_here = self._check_placement()
+        kv_events = _check_kv_events_config(self.kv_events_config)
+        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) or \
+                self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
         cpu_threads = _resolve_cpu_threads(self.cpu_threads, ranks_here)
         _pos_int("structured_max_states", self.structured_max_states)
         _pos_int("structured_max_exceptions", self.structured_max_exceptions)
@@ -377,6 +429,7 @@ class EngineConfig:
             "cpu_threads": cpu_threads,
             "master_port": master_port,
             "pp_layer_partition": partition,
+            "kv_events_config": kv_events,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
             # at least one entry: logprobs=0 still reports the sampled token's own

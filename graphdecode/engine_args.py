@@ -173,6 +173,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 8}\' (default: off)')
+    p.add_argument("--kv-events-config", type=json_object, default=None,
+                   help='KV-cache events for prefix-aware routers, vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": '
+                        'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+                        '(default: off)')
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="turn automatic prefix caching off (default: EngineConfig's: on)")
     p.add_argument("--allow-batch-variance", dest="batch_invariant", action="store_false", default=None,

@@ -98,6 +98,13 @@ class Engine:
         self._aborted: list[Sequence] = []  # ended by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self._stats = EngineStats()
+        self.kv_events = None  # KV-cache events for routers (kv_events_config), published after each step
+        if config.kv_events_config is not None:
+            from .kv_events import KVEventPublisher
+
+            self.pool.events = []
+            self.kv_events = KVEventPublisher(config.kv_events_config, config.page_size, config.data_parallel_rank,
+                                              "GPU" if config.torch_device.type == "cuda" else "CPU")
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None, priority: int = 0,
@@ -191,6 +198,8 @@ class Engine:
             t3 = time.perf_counter()
         self._inflight = (plan, pending) if pending is not None else None
         self._account(plan, t1 - t0, t2 - t1, t3 - t2)
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pool.take_events())
         if self._aborted:
             changed = self._aborted + changed
             self._aborted = []
@@ -210,6 +219,8 @@ class Engine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.close()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.shutdown()
 
     def _postprocess(self, plan: StepPlan, pending) -> list[Sequence]:
         result = pending.result()

@@ -68,6 +68,8 @@ class PagePool:
         self._parent_of_page: list[bytes | None] = [None] * num_pages
         self.num_evictions = 0
         self.on_forget = None  # called with a key the cache forgets (a hybrid's state snapshots go with it)
+        # what the cache gained and lost since take_events, for KV-cache events (host/kv_events.py); None: not kept
+        self.events: list[tuple] | None = None
 
     # ----------------------------------------------------------------- counts
     @property
@@ -129,6 +131,14 @@ class PagePool:
         """num_free once `pages` are shared (cache hits on unheld pages leave the free count)."""
         return self.num_free - sum(1 for p in pages if self._refcount[p] == 0)
 
+    def take_events(self) -> list[tuple]:
+        """The cache's events since the last call, oldest first: ("stored", key, parent key or None, tokens),
+        ("removed", key)."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
+
     # ------------------------------------------------------------ the cache
     def lookup(self, keys) -> list[int]:
         """Pages holding the longest run of `keys` from the start (not yet shared)."""
@@ -166,6 +176,9 @@ class PagePool:
             return
         self._page_of_key[key] = page
         self._key_of_page[page] = key
+        if self.events is not None:  # a root (the prompt's first page) is no page's key: no parent
+            self.events.append(("stored", key, parent if parent in self._page_of_key else None,
+                                tuple(token_ids or ())))
         if parent is not None:
             self.list_child(page, parent, token_ids)
 
@@ -182,6 +195,8 @@ class PagePool:
     def _forget(self, page: int) -> None:
         key = self._key_of_page[page]
         del self._page_of_key[key]
+        if self.events is not None:
+            self.events.append(("removed", key))
         if self.on_forget is not None:
             self.on_forget(key)
         self._key_of_page[page] = None

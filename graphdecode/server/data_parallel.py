@@ -34,9 +34,9 @@ class DataParallelLLM:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = visible.split(",") if visible else None
 
-        def start(index: int):
+        def start(index: int):  # replica `index` tags its KV events with it (and offsets their ports by it)
             env = None if engine_args.get("device") == "cpu" else _replica_devices(index, ranks, devices)
-            return start_engine_core(model, engine_args, 1, env=env)
+            return start_engine_core(model, dict(engine_args, data_parallel_rank=index), 1, env=env)
 
         with ThreadPoolExecutor(size) as pool:  # the cores load their models at once
             started = list(pool.map(start, range(size)))
