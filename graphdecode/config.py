@@ -8,6 +8,7 @@ rest of the engine reads, so there is exactly one place defaults are decided.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ CPU_THREADS_ENV = "GRAPHDECODE_CPU_THREADS"  # cpu_threads when the argument is 
 TORCH_BACKEND_CUDA_MAX_LEN = 4096  # default cap for the torch reference attention on CUDA
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-EXECUTOR_BACKENDS = ("mp", "external_launcher")
+EXECUTOR_BACKENDS = ("mp", "external_launcher", "ray")
 
 logger = logging.getLogger("graphdecode")
 
@@ -236,7 +237,7 @@ class EngineConfig:
     # how the ranks start (vLLM's names): "mp", this process spawns its machine's ranks (across nnodes machines,
     # the other nodes' ranks are started there by `graphdecode serve --headless`); "external_launcher", torchrun
     # (or another env:// launcher) started every rank, the process of RANK 0 is the engine and the others serve
-    # it (device/launched.py)
+    # it (device/launched.py); "ray", ranks 1..N-1 are actors on the Ray cluster (device/ray_ranks.py)
     distributed_executor_backend: str = "mp"
     nnodes: int = 1  # machines the ranks of "mp" span: world_size / nnodes ranks on each
     node_rank: int = 0  # this machine's index among them: node 0 runs the engine, the others are headless
@@ -547,6 +548,12 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({tp}) must equal the launcher's "
                                  f"WORLD_SIZE ({env['WORLD_SIZE']}): every rank of the job is one of the engine's")
             return port, max(1, int(env.get("LOCAL_WORLD_SIZE", tp)))
+        if backend == "ray":
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend 'ray' needs the ray package: pip install ray")
+            if nnodes != 1:
+                raise ValueError("nnodes: under distributed_executor_backend 'ray' Ray places the ranks on its "
+                                 "cluster's nodes; leave nnodes at 1")
         if nnodes > 1 and port is None:
             port = DEFAULT_MASTER_PORT
         return port, tp // nnodes

@@ -158,8 +158,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the remainder to the stages before the last)")
     p.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                    help=f"how the ranks start: mp, spawned here (and by --headless on other nodes); "
-                        f"external_launcher, by torchrun, whose rank 0 runs the engine "
-                        f"({config('distributed_executor_backend')})")
+                        f"external_launcher, by torchrun, whose rank 0 runs the engine; ray, as actors on the Ray "
+                        f"cluster ({config('distributed_executor_backend')})")
     p.add_argument("--nnodes", type=positive_int, default=None,
                    help=f"machines the tensor-parallel ranks span, --tensor-parallel-size / this on each "
                         f"({config('nnodes')})")

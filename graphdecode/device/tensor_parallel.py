@@ -153,7 +153,11 @@ class TPExecutor:
         self._device = config.torch_device
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
-            if not self.place.launched:
+            if self.place.ray:
+                from .ray_ranks import RayRanks
+
+                self._local = RayRanks(range(1, self.world_size), self.place, config)
+            elif not self.place.launched:
                 self._local = SpawnedRanks(self.place.local_ranks[1:], self.place, config)
             self._plans = self._join()
             share_config(self._plans, config)

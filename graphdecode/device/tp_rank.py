@@ -5,7 +5,8 @@ a gloo group for the plans.
 Where the ranks are (`Placement`): on one machine (the default), rank 0 listens on a free loopback port
 and spawns ranks 1..N-1; across `nnodes` machines, node n holds ranks n * L .. n * L + L - 1 (L =
 tensor_parallel_size / nnodes), node 0's rank 0 listens at master_addr:master_port, and a GPU rank takes
-the CUDA device of its local index; under torchrun (distributed_executor_backend "external_launcher")
+the CUDA device of its local index; under Ray (ray_ranks.py) ranks 1..N-1 are actors meeting rank 0 at this
+node's address; under torchrun (distributed_executor_backend "external_launcher")
 the launcher's environment says it all (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 Timeouts: the driver waits COLLECTIVE_TIMEOUT_S (GRAPHDECODE_COLLECTIVE_TIMEOUT_S) for any one
@@ -67,6 +68,7 @@ class Placement:
     init_method: str
     node_rank: int = 0
     launched: bool = False  # torchrun started every rank: none is spawned here
+    ray: bool = False  # ranks 1..N-1 are Ray actors (ray_ranks.py), each with its own GPU as its device 0
 
     @property
     def local_ranks(self) -> range:
@@ -76,14 +78,15 @@ class Placement:
     @property
     def remote_ranks(self) -> list[int]:
         """The ranks neither in this process nor spawned by it."""
-        if self.launched:
+        if self.launched or self.ray:
             return list(range(1, self.world_size))
         return [r for r in range(self.world_size) if r not in self.local_ranks]
 
     def describe(self, ranks) -> str:
         ranks = list(ranks)
-        if self.launched:
-            return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} of the launcher's job"
+        if self.launched or self.ray:
+            where = "of the launcher's job" if self.launched else "(Ray actors)"
+            return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} {where}"
         nodes = sorted({r // self.per_node for r in ranks})
         return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} on node{'s' if len(nodes) > 1 else ''} " \
                f"{_ranks(nodes)}"
@@ -99,6 +102,11 @@ def placement_for(config) -> Placement:
     if config.distributed_executor_backend == "external_launcher":
         env = launcher_env()
         return Placement(world, int(env.get("LOCAL_WORLD_SIZE", world)), "env://", launched=True)
+    if config.distributed_executor_backend == "ray":  # the actors meet rank 0 at this node's address
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        return Placement(world, world, f"tcp://{address}:{config.master_port or free_port()}", ray=True)
     if config.nnodes == 1:
         return Placement(world, world, f"tcp://127.0.0.1:{config.master_port or free_port()}")
     addr = f"[{config.master_addr}]" if ":" in config.master_addr else config.master_addr  # IPv6 literal
@@ -110,7 +118,7 @@ def init_rank(rank: int, place: Placement, device: torch.device, driver: bool):
     driver's config). The driver bounds every wait on the plans group; a worker waits for its next plan as long
     as the engine idles."""
     if device.type == "cuda":
-        torch.cuda.set_device(torch.device("cuda", rank % place.per_node))
+        torch.cuda.set_device(torch.device("cuda", 0 if place.ray and rank else rank % place.per_node))
     dist.init_process_group(
         backend_for(device), init_method=place.init_method, rank=rank, world_size=place.world_size,
         timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
