@@ -234,6 +234,10 @@ class EngineConfig:
     # decoder layers per stage (vLLM's VLLM_PP_LAYER_PARTITION), e.g. [10, 14] or "10,14"; None: an even split, the
     # remainder to the stages before the last
     pp_layer_partition: tuple[int, ...] | list[int] | str | None = None
+    # micro-batches a decode window's rows are split into over pipeline stages, so the stages overlap
+    # (device/pipeline_window.py): 1 runs one at a time (a stage idles while the others run); None:
+    # pipeline_parallel_size of them (no stage idles in steady state); a bucket with fewer rows runs as one
+    pp_micro_batches: int | None = None
     # how the ranks start (vLLM's names): "mp", this process spawns its machine's ranks (across nnodes machines,
     # the other nodes' ranks are started there by `graphdecode serve --headless`); "external_launcher", torchrun
     # (or another env:// launcher) started every rank, the process of RANK 0 is the engine and the others serve
@@ -430,6 +434,7 @@ class EngineConfig:
             "cpu_threads": cpu_threads,
             "master_port": master_port,
             "pp_layer_partition": partition,
+            "pp_micro_batches": self.pipeline_parallel_size if self.pp_micro_batches is None else self.pp_micro_batches,
             "kv_events_config": kv_events,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
@@ -495,6 +500,11 @@ class EngineConfig:
                 raise ValueError(f"pp_layer_partition must give each of the {pp} stages >= 1 of the {layers} decoder "
                                  f"layers (summing to {layers}), got {partition!r}")
             partition = parts
+        micro = self.pp_micro_batches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or
+                                  not (micro == 1 or micro >= pp)):
+            raise ValueError(f"pp_micro_batches must be 1 (none in flight together) or >= pipeline_parallel_size "
+                             f"({pp}), got {micro!r}")
         if pp == 1:
             return partition
         if pp > layers:

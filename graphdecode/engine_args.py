@@ -156,6 +156,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
                    help="decoder layers per pipeline stage, e.g. 10,14 (default: EngineConfig's: an even split, "
                         "the remainder to the stages before the last)")
+    p.add_argument("--pp-micro-batches", type=positive_int, default=None, metavar="N",
+                   help="micro-batches a decode window's rows are split into over pipeline stages so they overlap: "
+                        "1 (none), or >= --pipeline-parallel-size (default: EngineConfig's: "
+                        "--pipeline-parallel-size of them)")
     p.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
                    help=f"how the ranks start: mp, spawned here (and by --headless on other nodes); "
                         f"external_launcher, by torchrun, whose rank 0 runs the engine; ray, as actors on the Ray "

@@ -119,6 +119,26 @@ class DecodeState:
             state_slots=self.state_slot[:bucket],
         )
 
+    def decode_rows(self, r0: int, r1: int, kv_width: int) -> DecodeMetadata:
+        """Views of rows r0..r1-1 for a backend that reads block tables directly (no CSR metadata): a pipeline's
+        micro-batch (device/pipeline_window.py)."""
+        return DecodeMetadata(
+            seq_lens=self.seq_lens[r0:r1],
+            block_table=self.block_table[r0:r1, :kv_width],
+            slot_mapping=self.slot_mapping[r0:r1],
+            kv_indptr=self.kv_indptr[: r1 - r0 + 1],
+            kv_indices=self.kv_indices[: (r1 - r0) * self.max_pages],
+            kv_last_page_len=self.kv_last_page_len[r0:r1],
+            ragged=False,
+            state_slots=self.state_slot[r0:r1],
+        )
+
+    def advance_rows(self, r0: int, r1: int, sampled: torch.Tensor, page_size: int) -> None:
+        """advance_step's per-row part on rows r0..r1-1 (a micro-batch), without CSR metadata."""
+        advance_rows_reference(sampled, self.done[r0:r1], self.block_table[r0:r1], self.input_ids[r0:r1],
+                               self.positions[r0:r1], self.seq_lens[r0:r1], self.slot_mapping[r0:r1], page_size,
+                               True)
+
     def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool, csr: bool = True) -> None:
         """advance_step on the bucket's rows; csr=False (a CPU backend that reads block tables
         directly) leaves the CSR metadata alone and runs only the per-row part."""

@@ -34,6 +34,7 @@ import dataclasses
 import time
 
 from .graph_runtime import graph_runtime
+from .pipeline_window import pipelined_window
 from .sampler import GREEDY, SamplerMode, SamplerVariant
 from .speculative import speculative_window
 from .window import decode_window
@@ -42,7 +43,7 @@ from .window_writes import WindowWrites
 
 class WindowGraphs:
     def __init__(self, logits_fn, sampler, backend, state, *, buckets, num_decode_steps, page_size, use_graphs,
-                 writes: WindowWrites, drafter=None, commit_states=None):
+                 writes: WindowWrites, drafter=None, commit_states=None, pipeline=None):
         self.logits_fn = logits_fn  # (input_ids, positions, ctx) -> logits; eager or torch.compile'd
         self.sampler = sampler
         self.backend = backend
@@ -54,6 +55,7 @@ class WindowGraphs:
         self.use_graphs = use_graphs
         self.drafter = drafter  # where speculative windows' drafts come from (drafters.py)
         self.commit_states = commit_states  # a hybrid's: recurrent states over each round's accepted positions
+        self.pipeline = pipeline  # (model, micro-batches): a pipeline stage's windows overlap (pipeline_window.py)
         # CUDA graphs on a GPU, their CPU twin on a CPU (graph_runtime.py): the same logic below
         self.runtime = graph_runtime(state.input_ids.device) if use_graphs else None
         self.graphs: dict[tuple[int, SamplerVariant], object] = {}  # CUDAGraph or RecordedWindow
@@ -111,6 +113,11 @@ class WindowGraphs:
                 self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
                 self.page_size, variant, kv_width, self.drafter, self.commit_states,
             )
+            return
+        if self.pipeline is not None and bucket >= self.pipeline[1]:  # a micro-batch of at least one row each
+            model, micro = self.pipeline
+            pipelined_window(model, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,
+                             self.page_size, variant, kv_width, micro)
             return
         decode_window(
             self.logits_fn, self.sampler, self.backend, self.state, bucket, self.num_decode_steps,

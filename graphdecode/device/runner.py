@@ -133,6 +133,8 @@ class ModelRunner:
             use_graphs=config.cuda_graphs, writes=self.window_writes,
             drafter=drafter,
             commit_states=self.model.commit_verified if self.states is not None else None,
+            pipeline=(self.model, config.pp_micro_batches) if tp.stage.size > 1 and config.pp_micro_batches > 1
+            else None,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():

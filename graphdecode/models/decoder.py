@@ -326,26 +326,48 @@ class DecoderForCausalLM(nn.Module):
         """(final hidden states [T, hidden], the hidden states entering each of `aux_layers` (ascending),
         concatenated [T, len(aux_layers) x hidden], what an EAGLE-3 head reads; None without aux_layers).
         A family with its own layer loop overrides this, not forward()."""
-        stage = self.stage
-        if stage.first:
-            hidden = self.embed(input_ids)
-        else:  # a later pipeline stage: the previous one's hidden states (models/pipeline.py)
-            weight = self.model.embed_tokens.weight
-            hidden = stage.recv(input_ids.shape[0], self.config.hidden_size, weight.dtype, weight.device)
+        hidden = self._stage_input(input_ids)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
             return self.model.norm(hidden), aux
         saved = []
         for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
-            if not stage.holds(i):
+            if not self.stage.holds(i):
                 continue
             if i in aux_layers:
                 saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
             hidden = layer(positions, hidden, rotary, ctx)
-        if not stage.last:  # the next stage goes on; this one's rows only shape the logits it will receive
-            stage.send(hidden)
+        if not self.stage.last:  # the next stage goes on; this one's rows only shape the logits it will receive
+            self.stage.send(hidden)
             return hidden, None
         return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None
+
+    def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states entering this stage's layers: the embedding (first stage), or the previous stage's."""
+        if self.stage.first:
+            return self.embed(input_ids)
+        weight = self.model.embed_tokens.weight
+        return self.stage.recv(input_ids.shape[0], self.config.hidden_size, weight.dtype, weight.device)
+
+    def stage_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sends: list) -> torch.Tensor | None:
+        """A pipeline stage's part of one decode step of these rows (device/pipeline_window.py): the last stage's
+        logits [R, vocab] float32, not yet shared; elsewhere None, the hidden states sent on without waiting (the
+        send's handle appended to `sends`)."""
+        hidden = self._stage_input(input_ids)
+        for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
+            if self.stage.holds(i):
+                hidden = layer(positions, hidden, rotary, ctx)
+        if not self.stage.last:
+            sends.append(self.stage.send(hidden, wait=False))
+            return None
+        return self._logits(self.model.norm(hidden)).contiguous()
+
+    def shared_logits(self, logits: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """stage_logits' result on every rank: the last stage's logits (None elsewhere: received into [rows, V])."""
+        if logits is None:
+            logits = torch.empty(rows, self.config.vocab_size, dtype=torch.float32,
+                                 device=self.model.embed_tokens.weight.device)
+        return self.stage.share_logits(logits)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
@@ -369,10 +391,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab] float32 (the same full logits on every rank)."""
         if self.stage.size > 1:  # the last stage's logits, sent to every rank
-            if not self.stage.last:
-                return self.stage.share_logits(torch.empty(hidden.shape[0], self.config.vocab_size,
-                                                            dtype=torch.float32, device=hidden.device))
-            return self.stage.share_logits(self._logits(hidden).contiguous())
+            return self.shared_logits(self._logits(hidden).contiguous() if self.stage.last else None, hidden.shape[0])
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

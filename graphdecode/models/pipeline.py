@@ -71,8 +71,13 @@ class PipelineStage:
         dist.recv(hidden, self.prev_rank)
         return hidden
 
-    def send(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), self.next_rank)
+    def send(self, hidden: torch.Tensor, wait: bool = True):
+        """The hidden states to the next stage; wait=False: at once, returning the send's handle (wait on it
+        before the process exits)."""
+        if wait:
+            dist.send(hidden.contiguous(), self.next_rank)
+            return None
+        return dist.isend(hidden.contiguous(), self.next_rank)
 
     def share_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The last stage's logits on every rank (in place: others pass an empty tensor of the shape)."""

@@ -73,6 +73,24 @@ def test_stages_give_the_single_rank_tokens(three_layers, tp, pp):
                for s in sizes)
 
 
+@pytest.mark.parametrize("micro", [1, 3])
+def test_micro_batches_in_flight_give_the_same_tokens(three_layers, micro, monkeypatch):
+    """The default (2 micro-batches over 2 stages) runs in every test here; one (the bubble) and three (more than
+    the stages) give the same tokens, under the CPU graph twin and its bounds checks too."""
+    import graphdecode.device.graphs as graphs
+
+    windows = []
+    real = graphs.pipelined_window
+    monkeypatch.setattr(graphs, "pipelined_window", lambda *a, **k: windows.append(a[4]) or real(*a, **k))
+    prompts = token_prompts(random_prompts(7, [1, 17, 40]))
+    want = [outputs(LLM(three_layers, **SMALL_ENGINE), prompts, params) for params in CASES]
+    with LLM(three_layers, pipeline_parallel_size=2, pp_micro_batches=micro, cuda_graphs=True, check_bounds=True,
+             **SMALL_ENGINE) as llm:
+        assert [outputs(llm, prompts, params) for params in CASES] == want
+    # rank 0's windows: buckets of 4 and 8 rows in flight as micro-batches; none with one micro-batch
+    assert (set(windows) >= {4, 8}) if micro > 1 else not windows
+
+
 def test_each_stage_holds_its_layers(three_layers):
     single = LLM(three_layers, num_pages=40, **SMALL_ENGINE).engine.runner.memory_sizes()
     with LLM(three_layers, pipeline_parallel_size=2, num_pages=40, **SMALL_ENGINE) as llm:
@@ -139,6 +157,8 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
         (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
          "speculative decoding"),
         (dict(pipeline_parallel_size=2, nnodes=4), "nnodes"),
+        (dict(pipeline_parallel_size=3, pp_micro_batches=2), "pp_micro_batches"),
+        (dict(pipeline_parallel_size=2, pp_micro_batches=0), "pp_micro_batches"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
