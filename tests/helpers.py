@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 
 import httpx
 import pytest
@@ -464,3 +465,22 @@ def with_tokenizer(model_dir: str, tokenizer_dir: str, path) -> str:
         if name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(os.path.join(tokenizer_dir, name), path)
     return str(path)
+
+
+def assert_rank_loss_named(llm, kill, match: str, limit_s: float = 30.0) -> None:
+    """Start a long request on `llm`, lose a rank (`kill()`), and expect the engine's next steps to raise
+    TPWorkerError matching `match` within `limit_s` (never a hang); closes `llm`."""
+    from graphdecode import SamplingParams
+    from graphdecode.device.tensor_parallel import TPWorkerError
+
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    kill()
+    start = time.monotonic()
+    with pytest.raises(TPWorkerError, match=match):
+        while time.monotonic() - start < 2 * limit_s:
+            engine.step()
+    assert time.monotonic() - start < limit_s
+    llm.close()
+

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.device.tensor_parallel import TPWorkerError
-from tests.helpers import SMALL_ENGINE, random_prompts, token_prompts
+from tests.helpers import SMALL_ENGINE, assert_rank_loss_named, random_prompts, token_prompts
 
 ray = pytest.importorskip("ray")  # a test dependency (pyproject's [test]); the refusal without it is tested below
 
@@ -49,16 +48,7 @@ def test_ray_actors_give_the_single_rank_tokens(cluster, tiny_models, tp, pp):
 def test_a_killed_actor_is_named(cluster, tiny_models):
     llm = LLM(tiny_models[MODEL], tensor_parallel_size=2, distributed_executor_backend="ray", cpu_threads=1,
               **SMALL_ENGINE)
-    engine = llm.engine
-    engine.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=200, ignore_eos=True))
-    engine.step()
-    ray.kill(engine.executor.ranks._local.actors[0])
-    start = time.monotonic()
-    with pytest.raises(TPWorkerError, match="rank 1"):
-        while time.monotonic() - start < 60:
-            engine.step()
-    assert time.monotonic() - start < 30
-    llm.close()
+    assert_rank_loss_named(llm, lambda: ray.kill(llm.engine.executor.ranks._local.actors[0]), "rank 1")
 
 
 def test_ray_is_refused_by_name_without_the_package(tiny_models, monkeypatch):
