@@ -12,7 +12,7 @@ to leave, then kills them and removes the placement group.
 
 from __future__ import annotations
 
-from .tp_rank import INIT_TIMEOUT_S, Placement
+from .tp_rank import INIT_TIMEOUT_S, Placement, TPWorkerError
 from .tp_worker import serve_rank
 
 
@@ -36,8 +36,6 @@ class RayRanks:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from .tensor_parallel import TPWorkerError
 
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
@@ -65,8 +63,6 @@ class RayRanks:
     def check(self) -> None:
         """TPWorkerError naming the first rank whose actor has ended (died, or left its loop)."""
         import ray
-
-        from .tensor_parallel import TPWorkerError
 
         ended, _ = ray.wait(self.done, num_returns=len(self.done), timeout=0)
         for ref in ended:

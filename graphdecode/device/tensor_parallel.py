@@ -40,16 +40,12 @@ from multiprocessing.connection import wait as wait_for_any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .tp_rank import INIT_TIMEOUT_S, Placement, init_rank, parallel_groups, placement_for
+from .tp_rank import INIT_TIMEOUT_S, Placement, TPWorkerError, init_rank, parallel_groups, placement_for
 from .tp_worker import run_worker, share_config
 
 EXIT_UNGUARDED_MAIN = 64  # a worker's exit status: it found the main module building an LLM (sysexits EX_USAGE)
 GUARD_ADVICE = ('put the code that builds the LLM under `if __name__ == "__main__":` (tensor-parallel workers '
                 "are spawned processes: each imports the script again as its main module before it starts)")
-
-
-class TPWorkerError(RuntimeError):
-    """A tensor-parallel worker died; the engine cannot go on."""
 
 
 def _in_spawn_bootstrap() -> bool:

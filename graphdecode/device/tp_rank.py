@@ -35,6 +35,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0  # the driver's wait for one collective (gl
 WORKER_IDLE_TIMEOUT = datetime.timedelta(days=3650)  # a worker's wait for its next plan: an idle engine sends none
 
 
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel (or pipeline) rank died or was lost; the engine cannot go on."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
