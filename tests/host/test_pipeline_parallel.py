@@ -129,6 +129,17 @@ def test_structured_outputs_over_stages(text_model):
         assert set(json.loads(text)) == {"name", "age"}
 
 
+def test_ngram_speculation_over_stages(three_layers):
+    """Drafts verified over the stages (every rank verifies the same logits): plain decoding's tokens."""
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12, 13] * 9},
+               {"prompt_token_ids": list(range(20, 60))}]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    want = [outputs(LLM(three_layers, **SMALL_ENGINE), prompts, params) for params in CASES[:2]]
+    with LLM(three_layers, pipeline_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as llm:
+        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+        assert llm.stats()["spec_draft_tokens"] > 0
+
+
 def test_a_dead_stage_is_named(three_layers):
     llm = LLM(three_layers, pipeline_parallel_size=2, **SMALL_ENGINE)
     (pid,) = llm.engine.executor.worker_pids
@@ -143,8 +154,8 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
         (dict(pipeline_parallel_size=2, pp_layer_partition=[3]), "pp_layer_partition"),
         (dict(pipeline_parallel_size=2, pp_layer_partition="0,3"), "pp_layer_partition"),
         (dict(pipeline_parallel_size=2, pp_layer_partition="a,b"), "pp_layer_partition"),
-        (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-         "speculative decoding"),
+        (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": three_layers,
+                                                             "num_speculative_tokens": 2}), "'draft_model' drafts"),
         (dict(pipeline_parallel_size=2, nnodes=4), "nnodes"),
         (dict(pipeline_parallel_size=3, pp_micro_batches=2), "pp_micro_batches"),
         (dict(pipeline_parallel_size=2, pp_micro_batches=0), "pp_micro_batches"),
