@@ -1,6 +1,7 @@
 """Two graphdecode servers behind the real vLLM router (`vllm-router`, PyPI): 200 requests through the router,
 nothing lost, both replicas used; one replica killed mid-run, and every request still answered (the router
-moves them to the live one)."""
+moves them to the live one). And the router's kv_aware policy, fed our KV events, sends a prompt's extensions
+to the replica that holds its pages."""
 
 from __future__ import annotations
 
@@ -88,3 +89,64 @@ def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, 
         for proc, _ in servers:
             if proc.poll() is None:
                 stop_server(proc)
+
+
+def _counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+            for name in ("graphdecode:prefix_cache_hits_total", "graphdecode:engine_requests_finished_total")}
+
+
+def test_vllm_router_routes_by_our_kv_events(text_model, tmp_path):
+    """vllm-router's kv_aware policy, fed each replica's KV events (kv_events_config): a prompt prefilled on one
+    replica (sent to it directly) draws every later request that extends it through the router to that replica."""
+    events = [free_port(), free_port()]
+    servers = [start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1", "-k", "2",
+                             "--max-model-len", "512", "--no-access-log", "--log-level", "warning",
+                             "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+                             f'"endpoint": "tcp://*:{port}"}}'], str(tmp_path / f"server{i}.log"), timeout_s=180)
+               for i, port in enumerate(events)]
+    port = free_port()
+    args = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[url for _, url in servers],
+            "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", text_model,
+            "--log-level", "warning"]
+    for (_, url), event_port in zip(servers, events):
+        args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{event_port}"]
+    router_log = open(tmp_path / "router.log", "w")
+    router = subprocess.Popen(args, stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.post(f"{base}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": [5, 6], "max_tokens": 1}).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, (tmp_path / "router.log").read_text()
+            time.sleep(0.3)
+        for trial, holder in enumerate([1, 0, 1]):
+            prompt = [(37 * trial + 11 * i) % 400 + 10 for i in range(160)]  # ten pages, token ids as the API takes
+            httpx.post(f"{servers[holder][1]}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            time.sleep(1.0)  # the stored pages' events reach the router
+            before = [_counters(url) for _, url in servers]
+            for j in range(4):
+                r = httpx.post(f"{base}/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": prompt + [500 + j, 501 + j], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            after = [_counters(url) for _, url in servers]
+            gained = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
+            assert gained[holder]["graphdecode:engine_requests_finished_total"] == 4, gained
+            assert gained[holder]["graphdecode:prefix_cache_hits_total"] >= 4 * 160, gained
+            assert gained[1 - holder]["graphdecode:engine_requests_finished_total"] == 0, gained
+    finally:
+        router.terminate()
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(router.pid, signal.SIGKILL)
+        router_log.close()
+        for proc, _ in servers:
+            stop_server(proc)
