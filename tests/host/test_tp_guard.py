@@ -66,7 +66,7 @@ def test_an_unguarded_tp_script_fails_fast_naming_the_guard(tiny_models, tmp_pat
     assert "built" not in done.stdout
     # the driver's error (the traceback's last line) names the guard, the worker and its exit status
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("graphdecode.device.tensor_parallel.TPWorkerError: tensor-parallel worker 1 "), last
+    assert last.startswith("graphdecode.device.tp_rank.TPWorkerError: tensor-parallel worker 1 "), last
     assert "exited with code 64 before it started" in last and GUARD in last, last
     # the worker said why on its own stderr (inherited), once, and started no process of its own
     assert done.stderr.count("this process (a tensor-parallel worker) is importing the main module") == 1
