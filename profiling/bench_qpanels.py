@@ -1,7 +1,7 @@
 """The CPU quantized panels' matmul alone against the float32 panels (BENCHMARKS section 19's microbenchmark).
 
 SmolLM2's shapes ([3072, 576] gate_up, [576, 1536] down), 30 distinct random weights per kind so that they stream
-from memory, 1, 4 and 16 rows, on 1 and 2 threads: microseconds per matmul (best of 3 passes of 10 sweeps) for
+from memory, 1, 4, 16 and 64 rows, on 1 and 2 threads: microseconds per matmul (best of 3 passes of 10 sweeps) for
 float32 panels, int8, int4 (groups of 64) and FP8 (one scale per row), and the rate each streams its bytes at.
 
     python profiling/bench_qpanels.py
@@ -68,7 +68,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for n, k in ((3072, 576), (576, 1536)):
             kinds = weights(n, k)
-            for rows in (1, 4, 16):
+            for rows in (1, 4, 16, 64):
                 x = torch.randn(rows, k)
                 us = {name: best_us(lambda ws=ws: [w.run(x) for w in ws]) / COPIES for name, ws in kinds.items()}
                 rates = " ".join(f"{name} {n * k * bytes_per[name] / us[name] / 1e3:.1f}" for name in us)
