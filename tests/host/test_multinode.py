@@ -212,3 +212,34 @@ def test_serve_refuses_a_misplaced_node(tiny_models, flags, message):
     done = subprocess.run([sys.executable, "-m", "graphdecode.server.openai_api", "--model", tiny_models[MODEL],
                            *flags], capture_output=True, text=True, timeout=120, env=env())
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_a_server_on_node_0_with_a_headless_node(text_model, tmp_path):
+    """`graphdecode serve --nnodes 2 --node-rank 0` (its engine core is rank 0) beside `serve --headless` on "node
+    1": the server's completions are the single-process engine's."""
+    from graphdecode.server.launch import start_server, stop_server
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    want = [o.outputs[0].text for o in LLM(text_model, **SMALL_ENGINE).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8))]
+    port = free_port()
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = start_headless(text_model, port, log, tp=1, pp=2)
+    try:
+        server, url = start_server(["--model", text_model, "--served-model-name", "m", "-k", "4", "--max-model-len",
+                                    "256", "--max-batch-size", "8", "-pp", "2", "--nnodes", "2", "--master-port",
+                                    str(port), "--log-level", "warning"], str(tmp_path / "server.log"), env=env(),
+                                   timeout_s=180)
+        try:
+            import httpx
+
+            got = [httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": "m", "prompt": p, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
+                for p in prompts]
+        finally:
+            assert stop_server(server) == 0
+        assert got == want
+        assert wait(node1, 60) == 0, (tmp_path / "node1.log").read_text()[-3000:]
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
