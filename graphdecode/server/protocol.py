@@ -358,7 +358,7 @@ class ChatCompletionRequest(_SamplingRequest):
                                             {"json": schema}, "tools"))
         return sources
 
-    def reply_format(self, auto_calls: bool, reasoning: bool, opened: bool) -> None:
+    def reply_format(self, auto_calls: str | None, reasoning: bool, opened: bool) -> None:
         """How the reply is constrained beyond its own fields (reply_constraint.py): "auto" calls in a format
         the constraint can write, room for reasoning before a JSON answer or calls (the prompt opened it)."""
         self._reply = (auto_calls, reasoning, opened)
@@ -372,8 +372,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def constraint_source(self) -> ConstraintSource | None:
         auto_calls, reasoning, opened = self._reply
-        return reply_source(super().constraint_source(), self._functions, auto_calls and self.tool_mode == "auto",
-                            reasoning, opened)
+        return reply_source(super().constraint_source(), self._functions,
+                            auto_calls if self.tool_mode == "auto" else None, reasoning, opened)
 
     def tool_parameter_sources(self) -> list[ConstraintSource]:
         """Each tool's parameters as a constraint of its own (to find the bad one when the joined

@@ -60,6 +60,80 @@ def avoiding(marker: str, then: str | None = None) -> str:
     return f"(?:{other(marker[0])}|{restart}{back})*(?:{restart}(?:{'|'.join(ends)}))?"
 
 
+def avoiding_all(markers: tuple[str, ...]) -> str:
+    """A regex (Rust syntax) of every string that contains none of `markers`, which all start with one character
+    that occurs nowhere else in them (`</parameter>`, `<parameter=`, `</function>`): avoiding's automaton over the
+    markers' trie. From the start, any character but the first; after the first, a walk down the trie that either
+    leaves it by a character that continues no marker (back to the start), or meets the first character again
+    (a restart); the string may end inside a partial marker. Every alternative that may end the string comes
+    last (outlines-core's leftmost-first priorities, as in `avoiding`)."""
+    first = markers[0][:1]
+    if not first or any(not m.startswith(first) or first in m[1:] for m in markers):
+        raise ValueError(f"avoiding_all: the markers must share a first character that recurs in none, got {markers!r}")
+    trie: dict = {}
+    for marker in markers:
+        node = trie
+        for char in marker[1:]:
+            node = node.setdefault(char, {})
+        node[None] = True  # a whole marker ends here
+
+    def live(node: dict) -> list[tuple[str, dict]]:  # children that do not complete a marker
+        return [(c, child) for c, child in node.items() if c is not None and None not in child]
+
+    def leave(node: dict) -> str:  # a walk from `node` that leaves the trie
+        exits = "[^" + escape_literal(first) + "".join(escape_literal(c) for c in node if c is not None) + "]"
+        return "(?:" + "|".join([exits] + [escape_literal(c) + leave(child) for c, child in live(node)]) + ")"
+
+    def restart(node: dict) -> str:  # a walk from `node` that meets the first character again
+        return "(?:" + "|".join([escape_literal(c) + restart(child) for c, child in live(node)] + [escape_literal(first)]) + ")"
+
+    def partial(node: dict) -> str:  # a walk from `node` that ends the string inside the trie
+        return "(?:" + "|".join([escape_literal(c) + partial(child) for c, child in live(node)] + [""]) + ")"
+
+    head = f"{escape_literal(first)}{restart(trie)}*"
+    return f"(?:[^{escape_literal(first)}]|{head}{leave(trie)})*(?:{head}{partial(trie)})?"
+
+
+# qwen3_coder's call: <function=NAME>, each parameter's <parameter=KEY>, its value on the following lines, and
+# </parameter>; the value a string that the parser does not cut short (none of its three tags in it)
+QWEN_VALUE_STOPS = ("</parameter>", "<parameter=", "</function>")
+MAX_BOUNDED = 1024  # a string parameter's maxLength up to which its value is bounded (longer: free text)
+
+
+def qwen3_coder_call(function: dict) -> str:
+    """One tool's call as qwen3_coder writes it (server/tool_parsers.py's Qwen3Coder reads it), its parameters in
+    the schema's order, the required ones present: a value is free text where the schema allows a string (an
+    enum's strings exactly; with a maxLength, at most that many characters and no "<"), else the JSON of its
+    schema, as the parser reads each key's type."""
+    parameters = parameters_schema(function)
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    required = set(parameters.get("required") or ())
+    parts = []
+    for key, schema in properties.items():
+        schema = schema if isinstance(schema, dict) else {}
+        if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+            value = "(?:" + "|".join(escape_literal(v) for v in schema["enum"]) + ")"
+        elif not _typed(schema) and isinstance(schema.get("maxLength"), int) and schema["maxLength"] <= MAX_BOUNDED:
+            # a bounded string: up to maxLength characters, none of them "<" (no tag can start in it)
+            value = f"[^<]{{{max(0, int(schema.get('minLength') or 0))},{schema['maxLength']}}}"
+        elif not _typed(schema):
+            value = avoiding_all(QWEN_VALUE_STOPS)
+        else:
+            value = _regex(ConstraintSource("tools", f"{function['name']}.{key}", {"json": schema}, "tools"))
+        opening, closing = escape_literal("<parameter=" + key + ">"), escape_literal("</parameter>")
+        part = f"{opening}\\n{value}\\n{closing}\\n"
+        parts.append(part if key in required else f"(?:{part})?")
+    name = escape_literal("<function=" + function["name"] + ">")
+    return f"{name}\\n{''.join(parts)}{escape_literal('</function>')}\\n"
+
+
+def _typed(schema: dict) -> bool:
+    """Whether qwen3_coder reads the value as JSON: a schema whose type is given and allows no string."""
+    kind = schema.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    return bool(kinds) and "string" not in kinds
+
+
 def call_schema(function: dict) -> dict:
     """One tool's call in the Hermes body: {"name": <its name>, "arguments": <its parameters>}."""
     return {"type": "object", "properties": {"name": {"type": "string", "enum": [function["name"]]},
@@ -77,22 +151,26 @@ def reasoning_prefix(opened: bool) -> str:
     return body if opened else f"(?:{escape_literal(OPEN)}{body})?"
 
 
-def reply_source(user: ConstraintSource | None, functions: list[dict] | None, auto_calls: bool,
+def reply_source(user: ConstraintSource | None, functions: list[dict] | None, auto_calls: str | None,
                  reasoning: bool, opened: bool) -> ConstraintSource | None:
     """The reply's one constraint: `user` (the request's own, or tool_choice "required" / named) as it is, or
-    with the "auto" calls beside it (`auto_calls`: the format reads Hermes blocks) and room for reasoning
-    before it; None when nothing constrains the reply."""
-    calls = auto_calls and bool(functions)
+    with the "auto" calls beside it (`auto_calls`: the call format, "hermes" or "qwen3_coder", whose blocks the
+    constraint writes; None: none) and room for reasoning before it; None when nothing constrains the reply."""
+    calls = bool(auto_calls) and bool(functions)
     json_like = user is not None and any(k in user.kwargs for k in ("json", "json_object"))
     think = reasoning and (calls or json_like)
     if not calls and not think:
         return user
     body = None
     if calls:
-        union = "|".join(_regex(ConstraintSource("tools", f"tools[{i}].function.parameters", {"json": call_schema(f)},
-                                                 f"tools[{i}].function.parameters"))
-                         for i, f in enumerate(functions))
-        block = f"{escape_literal(START_TAG)}{CALL_GAP}(?:{union}){CALL_GAP}{escape_literal(END_TAG)}{CALL_GAP}"
+        if auto_calls == "qwen3_coder":
+            union = "|".join(qwen3_coder_call(f) for f in functions)
+            block = f"{escape_literal(START_TAG)}\\n(?:{union}){escape_literal(END_TAG)}{CALL_GAP}"
+        else:
+            union = "|".join(_regex(ConstraintSource("tools", f"tools[{i}].function.parameters",
+                                                     {"json": call_schema(f)}, f"tools[{i}].function.parameters"))
+                             for i, f in enumerate(functions))
+            block = f"{escape_literal(START_TAG)}{CALL_GAP}(?:{union}){CALL_GAP}{escape_literal(END_TAG)}{CALL_GAP}"
         if user is not None:
             body = f"(?:{_regex(user)}|(?:{block})+)"
         else:  # free text, then (once the marker is written) the first call's body and any more blocks

@@ -129,7 +129,7 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads calls out of the answer
         calls = tool_parser(tool_call_parser, None)  # (checks the name)
         self.tool_markers_special = calls.special_markers
-        self.tool_calls_constrained = getattr(calls, "constrained", False)  # "auto" calls built by the constraint
+        self.tool_calls_constrained = getattr(calls, "constrained", None)  # the format "auto" calls are constrained in
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
         self.model_name = served_model_name

@@ -65,7 +65,7 @@ _ALNUM = string.ascii_letters + string.digits
 class Hermes(HermesCalls):
     markers = ("<tool_call>",)
     special_markers = False
-    constrained = True  # "auto" calls are constrained from their marker on (reply_constraint.py)
+    constrained = "hermes"  # "auto" calls are constrained from their marker on, in this format (reply_constraint.py)
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__()
@@ -161,7 +161,7 @@ class _Parser:
 
     markers: tuple[str, ...] = ()
     special_markers = False
-    constrained = False  # only hermes has a call constraint (reply_constraint.py)
+    constrained: str | None = None  # the formats with a call constraint name it (reply_constraint.py)
     hold_ws = True  # calls may follow content: whitespace after content waits to see whether one does
 
     def __init__(self, functions: list[dict] | None = None):
@@ -483,6 +483,7 @@ class Qwen3Coder(_Parser):
 
     markers = (QWEN_START,)
     special_markers = False
+    constrained = "qwen3_coder"  # "auto" calls constrained from <tool_call> on (reply_constraint.qwen3_coder_call)
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__(functions)
@@ -577,6 +578,7 @@ class Glm45(Qwen3Coder):
     """GLM-4.5's calls in `<tool_call>` blocks: a name, then key / value pairs (see the module docstring)."""
 
     special_markers = True
+    constrained = None  # its <tool_call> is a special token: text constraints do not see it
 
     def _parse(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
         """The block's one call: NAME, then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs (whitespace

@@ -268,6 +268,39 @@ def test_responses_reasoning_items_and_errors(openai_client, server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools[0].type")
 
 
+def test_qwen3_coder_auto_calls_are_constrained_once_they_start(agent_model, tmp_path_factory):
+    """`--tool-call-parser qwen3_coder`: "auto" calls follow the tools' schemas from their `<tool_call>` on, on the
+    device (reply_constraint.qwen3_coder_call): the random model's greedy and sampled calls parse, name the tool
+    and carry arguments that validate, streamed as whole."""
+    from transformers import AutoTokenizer
+
+    # the random model writes no marker by itself: a reply of "x" or calls (a guided_regex beside "auto" calls),
+    # and "<" pushed, so that it opens a call, from which the constraint alone writes it
+    (less,) = AutoTokenizer.from_pretrained(agent_model)("<", add_special_tokens=False)["input_ids"]
+    bias = {str(less): 100}
+    with live_server(agent_model, tmp_path_factory.mktemp("server_qwen3_coder"), MODEL, "--max-model-len", "512",
+                     "--tool-call-parser", "qwen3_coder") as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        calls = 0
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}, {"temperature": 1.0, "seed": 4}):
+            kwargs = dict(model=MODEL, messages=HI, tools=CHAT_TOOLS, max_tokens=200, logit_bias=bias,
+                          extra_body={"guided_regex": "x"}, **extra)
+            whole = client.chat.completions.create(**kwargs).choices[0]
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+            for call in whole.message.tool_calls or ():
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+                calls += 1
+            assert [d.function.arguments for d in streamed if d.function.arguments] == \
+                [c.function.arguments for c in whole.message.tool_calls or ()]
+            content = whole.message.content or ""  # a marker always opened a call; only one cut by max_tokens stays
+            assert content.count("<tool_call>") == 0 or (whole.finish_reason == "length" and
+                                                          content.count("<tool_call>") == 1 and
+                                                          content.startswith("<tool_call>")), content
+        assert calls >= 1
+
+
 @pytest.mark.parametrize("parser, forced", [
     ("mistral", r'Checking\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "Paris", "unit": "c"\}'),
     ("glm45", r"Checking\.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"

@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 
 from graphdecode.server.constraints import ConstraintSource, build_constraint
 from graphdecode.server.reasoning import split_reasoning
-from graphdecode.server.reply_constraint import avoiding, reasoning_prefix, reply_source
+from graphdecode.server.reply_constraint import QWEN_VALUE_STOPS, avoiding, avoiding_all, reasoning_prefix, reply_source
+from graphdecode.server.tool_parsers import Qwen3Coder
 from graphdecode.server.tools import START_TAG, HermesCalls, parse_all
 from graphdecode.structured.cache import AutomatonCache, compile_constraint
 from tests.unit.test_structured_compile import distances
@@ -46,6 +47,22 @@ def test_avoiding_matches_exactly_the_strings_without_the_marker(marker):
             assert (pattern.fullmatch(text) is not None) == (marker not in text), text
     with pytest.raises(ValueError, match="first character"):
         avoiding("abca")
+
+
+def test_avoiding_all_matches_exactly_the_strings_without_any_marker():
+    pattern = re.compile(avoiding_all(QWEN_VALUE_STOPS), re.S)
+    rng = random.Random(11)
+    alphabet = sorted(set("".join(QWEN_VALUE_STOPS))) + ["x", "\n"]
+    for length in range(14):
+        for _ in range(400):
+            text = "".join(rng.choice(alphabet) for _ in range(length))
+            if rng.random() < 0.6:  # a partial or whole marker somewhere
+                marker = rng.choice(QWEN_VALUE_STOPS)
+                at = rng.randrange(len(text) + 1)
+                text = text[:at] + marker[:rng.randrange(len(marker) + 1)] + text[at:]
+            assert (pattern.fullmatch(text) is not None) == (not any(m in text for m in QWEN_VALUE_STOPS)), text
+    with pytest.raises(ValueError, match="first character"):
+        avoiding_all(("<a", "b"))
 
 
 def test_reasoning_prefix_and_sources():
@@ -112,6 +129,40 @@ def test_auto_calls_are_well_formed_whatever_is_sampled(text_model, tmp_path):
             free_bad += START_TAG in content or not calls
     assert constrained_calls >= 5  # the walks did write calls
     assert free_marked >= 5 and free_bad == free_marked  # unconstrained, a marker is followed by no call
+
+
+CODER_FUNCTIONS = [
+    {"name": "write_file", "description": None, "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "mode": {"enum": ["w", "a"]},
+                                         "lines": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["path", "mode"]}},
+    {"name": "add", "description": None, "parameters": ADD},
+]
+
+
+def test_qwen3_coder_calls_are_well_formed_whatever_is_sampled(text_model, tmp_path):
+    """qwen3_coder's "auto" calls under their constraint: every walk that opened a call wrote calls the parser
+    reads, with the required parameters, typed values that validate and free text that does not end early."""
+    tokenizer = AutoTokenizer.from_pretrained(text_model)
+    eos = tokenizer.eos_token_id
+    source = reply_source(None, CODER_FUNCTIONS, "qwen3_coder", False, False)
+    assert re.fullmatch(source.kwargs["regex"], "Sure.<tool_call>\n<function=write_file>\n<parameter=path>\na<b>\n"
+                        "</parameter>\n<parameter=mode>\nw\n</parameter>\n</function>\n</tool_call>", re.S)
+    automaton = compile_constraint(build_constraint(source), tokenizer, len(tokenizer), (eos,),
+                                   cache=AutomatonCache(str(tmp_path), disk=False))
+    schemas = {f["name"]: f["parameters"] for f in CODER_FUNCTIONS}
+    rng = random.Random(5)
+    calls_seen = 0
+    for _ in range(60):
+        text = _walk(automaton, tokenizer, rng, eos)
+        if text is None:
+            continue
+        content, calls = parse_all(Qwen3Coder(CODER_FUNCTIONS), text)
+        assert START_TAG not in content, text  # a marker always opens a call the parser reads
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+        calls_seen += len(calls)
+    assert calls_seen >= 5
 
 
 def test_a_reasoning_parser_reads_what_the_prefix_allows():
