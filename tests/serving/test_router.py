@@ -6,6 +6,7 @@ to the replica that holds its pages."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +24,40 @@ MODEL = "routed"
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is a test dependency (pyproject's [test])")
 
 
+@contextlib.contextmanager
+def routed(servers: list, tmp_path, *policy: str):
+    """vllm-router in front of `servers` ((process, url) each) with `policy` flags; yields its URL once it answers a
+    completion, and stops it and the servers afterwards."""
+    port = free_port()
+    log = open(tmp_path / "router.log", "w")
+    router = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                               *[url for _, url in servers], *policy, "--log-level", "warning"],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.post(f"{base}/v1/completions", timeout=30,
+                              json={"model": MODEL, "prompt": [5, 6], "max_tokens": 1}).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, (tmp_path / "router.log").read_text()
+            time.sleep(0.3)
+        yield base
+    finally:
+        router.terminate()
+        try:
+            router.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(router.pid, signal.SIGKILL)
+        log.close()
+        for proc, _ in servers:
+            if proc.poll() is None:
+                stop_server(proc)
+
+
 def _finished(text: str) -> float:
     """engine_requests_finished from a /metrics page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -33,27 +68,8 @@ def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, 
     servers = [start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1", "-k", "2",
                              "--max-model-len", "256", "--no-access-log", "--log-level", "warning"],
                             str(tmp_path / f"server{i}.log"), timeout_s=180) for i in range(2)]
-    port = free_port()
-    router_log = open(tmp_path / "router.log", "w")
-    router = subprocess.Popen(
-        [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[url for _, url in servers],
-         "--policy", "round_robin", "--retry-max-retries", "5", "--retry-initial-backoff-ms", "50",
-         "--health-check-interval-secs", "1", "--log-level", "warning"],
-        stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # the router is up once it answers a completion
-            try:
-                r = httpx.post(f"{base}/v1/completions", timeout=30,
-                               json={"model": MODEL, "prompt": "warm", "max_tokens": 1})
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, (tmp_path / "router.log").read_text()
-            time.sleep(0.3)
-
+    with routed(servers, tmp_path, "--policy", "round_robin", "--retry-max-retries", "5",
+                "--retry-initial-backoff-ms", "50", "--health-check-interval-secs", "1") as base:
         before_kill = []
 
         async def run() -> list[int]:
@@ -79,16 +95,6 @@ def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, 
         assert servers[1][0].wait(10) == -signal.SIGKILL
         live = _finished(httpx.get(f"{servers[0][1]}/metrics", timeout=30).text)
         assert before_kill[0] >= 20 and live >= 120  # both replicas answered; the live one took the rest
-    finally:
-        router.terminate()
-        try:
-            router.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-        router_log.close()
-        for proc, _ in servers:
-            if proc.poll() is None:
-                stop_server(proc)
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -106,26 +112,10 @@ def test_vllm_router_routes_by_our_kv_events(text_model, tmp_path):
                              "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
                              f'"endpoint": "tcp://*:{port}"}}'], str(tmp_path / f"server{i}.log"), timeout_s=180)
                for i, port in enumerate(events)]
-    port = free_port()
-    args = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *[url for _, url in servers],
-            "--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", text_model,
-            "--log-level", "warning"]
+    policy = ["--policy", "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", text_model]
     for (_, url), event_port in zip(servers, events):
-        args += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{event_port}"]
-    router_log = open(tmp_path / "router.log", "w")
-    router = subprocess.Popen(args, stdout=router_log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.post(f"{base}/v1/completions", timeout=30,
-                              json={"model": MODEL, "prompt": [5, 6], "max_tokens": 1}).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, (tmp_path / "router.log").read_text()
-            time.sleep(0.3)
+        policy += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{event_port}"]
+    with routed(servers, tmp_path, *policy) as base:
         for trial, holder in enumerate([1, 0, 1]):
             prompt = [(37 * trial + 11 * i) % 400 + 10 for i in range(160)]  # ten pages, token ids as the API takes
             httpx.post(f"{servers[holder][1]}/v1/completions", timeout=60,
@@ -141,12 +131,3 @@ def test_vllm_router_routes_by_our_kv_events(text_model, tmp_path):
             assert gained[holder]["graphdecode:engine_requests_finished_total"] == 4, gained
             assert gained[holder]["graphdecode:prefix_cache_hits_total"] >= 4 * 160, gained
             assert gained[1 - holder]["graphdecode:engine_requests_finished_total"] == 0, gained
-    finally:
-        router.terminate()
-        try:
-            router.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(router.pid, signal.SIGKILL)
-        router_log.close()
-        for proc, _ in servers:
-            stop_server(proc)
