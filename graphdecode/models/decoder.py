@@ -190,11 +190,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The embedding, the decoder layers (the model class's `make_layer`) and the final norm."""
+    """The embedding (None on a pipeline stage that neither embeds nor reads it as its tied head), the decoder
+    layers (the model class's `make_layer`) and the final norm."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, layers: list[nn.Module], norm_offset: bool):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layers: list[nn.Module], norm_offset: bool,
+                 embeds: bool = True):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if embeds else None
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_offset, cfg.norm_weight_fp32)
 
@@ -226,7 +228,8 @@ class DecoderForCausalLM(nn.Module):
                              f"pipeline stages do not split yet; use tensor_parallel_size")
         layers = [self.make_layer(i, tp) if stage.holds(i) else MissingLayer(self.layer_spec(i))
                   for i in range(cfg.decoder_layers)]
-        self.model = DecoderModel(cfg, tp, layers, self.norm_offset)
+        embeds = stage.first or (cfg.tie_word_embeddings and stage.last)  # the embedding, or the tied head's weight
+        self.model = DecoderModel(cfg, tp, layers, self.norm_offset, embeds)
         if not cfg.tie_word_embeddings:  # the logits are the last stage's
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.last else None
         self.rotaries: list[RotaryEmbedding] = []  # each decoder layer's (shared tables)
@@ -241,9 +244,10 @@ class DecoderForCausalLM(nn.Module):
         speculative decoding's "mtp" (models/mtp.py), not by the model."""
         first = self.config.decoder_layers
         skipped = tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
-        if self.stage.size > 1:  # the other stages' layers, and the LM head but on the last stage
+        if self.stage.size > 1:  # the other stages' layers, the LM head but on the last stage, the embedding where
             skipped += tuple(f"model.layers.{i}." for i in range(first) if not self.stage.holds(i))
             skipped += () if self.stage.last else ("lm_head.",)
+            skipped += () if self.model.embed_tokens is not None else ("model.embed_tokens.",)  # none reads it
         return skipped
 
     def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
@@ -279,6 +283,13 @@ class DecoderForCausalLM(nn.Module):
         words = {"cpu_decode.words": self.cpu_decode.words} if self.cpu_decode is not None else {}
         return {"expert_tokens": self.expert_tokens, **words}
 
+    def anchor(self) -> torch.Tensor:
+        """A weight of the model's dtype on its device: the embedding's, or (a pipeline stage without one) its first
+        layer's o_proj."""
+        if self.model.embed_tokens is not None:
+            return self.model.embed_tokens.weight
+        return next(layer for layer in self.model.layers if not isinstance(layer, MissingLayer)).self_attn.o_proj.weight
+
     def post_load(self, max_positions: int) -> None:
         """Device state made once the weights are in: rope tables, the experts' counters and kernels."""
         self.init_rotary(max_positions)
@@ -288,7 +299,7 @@ class DecoderForCausalLM(nn.Module):
                 attention.post_load()
         moe = self.moe_layers
         if moe:
-            weight = self.model.embed_tokens.weight
+            weight = self.anchor()
             self.expert_tokens = torch.zeros(len(moe), self.config.moe.num_experts, dtype=torch.int64,
                                              device=weight.device)
             implementation = default_implementation(weight.device, weight.dtype)
@@ -299,7 +310,7 @@ class DecoderForCausalLM(nn.Module):
                     layer.experts.fp4_values = mxfp4.fp4_table(weight.device)
 
     def init_rotary(self, max_positions: int) -> None:
-        weight = self.model.embed_tokens.weight
+        weight = self.anchor()
         cfg = self.config
         tables, self.rotaries = {}, []
         for i in range(cfg.decoder_layers):
@@ -346,7 +357,7 @@ class DecoderForCausalLM(nn.Module):
         """The hidden states entering this stage's layers: the embedding (first stage), or the previous stage's."""
         if self.stage.first:
             return self.embed(input_ids)
-        weight = self.model.embed_tokens.weight
+        weight = self.anchor()
         return self.stage.recv(input_ids.shape[0], self.config.hidden_size, weight.dtype, weight.device)
 
     def stage_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sends: list) -> torch.Tensor | None:
@@ -365,8 +376,7 @@ class DecoderForCausalLM(nn.Module):
     def shared_logits(self, logits: torch.Tensor | None, rows: int) -> torch.Tensor:
         """stage_logits' result on every rank: the last stage's logits (None elsewhere: received into [rows, V])."""
         if logits is None:
-            logits = torch.empty(rows, self.config.vocab_size, dtype=torch.float32,
-                                 device=self.model.embed_tokens.weight.device)
+            logits = torch.empty(rows, self.config.vocab_size, dtype=torch.float32, device=self.anchor().device)
         return self.stage.share_logits(logits)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:

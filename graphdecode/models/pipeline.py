@@ -11,7 +11,8 @@ instead of embedding, runs its own layers and sends them on (`send`); the last s
 the LM head, and its logits go to every rank (`share_logits`, from the last stage's tensor rank 0), so that
 every rank samples the same tokens with the same noise and advances the same decode state, as tensor-parallel
 ranks do from their gathered logits. A stage holds only its layers' weights (others are `MissingLayer`s: no
-parameters, their checkpoint tensors skipped) and only their KV cache; the LM head lives on the last stage.
+parameters, their checkpoint tensors skipped) and only their KV cache; the embedding lives on the first stage
+(and on the last where a tied head reads it), the LM head on the last.
 """
 
 from __future__ import annotations
