@@ -332,10 +332,12 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
         return self.forward_aux(input_ids, positions, ctx)[0]
 
-    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
-                    aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, aux_layers: tuple[int, ...] = (),
+                    sends: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final hidden states [T, hidden], the hidden states entering each of `aux_layers` (ascending),
         concatenated [T, len(aux_layers) x hidden], what an EAGLE-3 head reads; None without aux_layers).
+        A pipeline stage but the last sends its hidden states on and returns them un-normed: at once, the send's
+        handle appended to `sends`, where it is given; else waiting for the send.
         A family with its own layer loop overrides this, not forward()."""
         hidden = self._stage_input(input_ids)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
@@ -349,7 +351,9 @@ class DecoderForCausalLM(nn.Module):
                 saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
             hidden = layer(positions, hidden, rotary, ctx)
         if not self.stage.last:  # the next stage goes on; this one's rows only shape the logits it will receive
-            self.stage.send(hidden)
+            handle = self.stage.send(hidden, wait=sends is None)
+            if sends is not None:
+                sends.append(handle)
             return hidden, None
         return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None
 
@@ -364,14 +368,8 @@ class DecoderForCausalLM(nn.Module):
         """A pipeline stage's part of one decode step of these rows (device/pipeline_window.py): the last stage's
         logits [R, vocab] float32, not yet shared; elsewhere None, the hidden states sent on without waiting (the
         send's handle appended to `sends`)."""
-        hidden = self._stage_input(input_ids)
-        for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
-            if self.stage.holds(i):
-                hidden = layer(positions, hidden, rotary, ctx)
-        if not self.stage.last:
-            sends.append(self.stage.send(hidden, wait=False))
-            return None
-        return self._logits(self.model.norm(hidden)).contiguous()
+        hidden, _ = self.forward_aux(input_ids, positions, ctx, sends=sends)
+        return self._logits(hidden).contiguous() if self.stage.last else None
 
     def shared_logits(self, logits: torch.Tensor | None, rows: int) -> torch.Tensor:
         """stage_logits' result on every rank: the last stage's logits (None elsewhere: received into [rows, V])."""
