@@ -108,20 +108,11 @@ class DecodeState:
     def decode_metadata(self, bucket: int, kv_width: int, ragged: bool = False) -> DecodeMetadata:
         """Views for a bucket; the torch reference gathers kv_width pages per row (or, ragged,
         each row's own CSR pages)."""
-        return DecodeMetadata(
-            seq_lens=self.seq_lens[:bucket],
-            block_table=self.block_table[:bucket, :kv_width],
-            slot_mapping=self.slot_mapping[:bucket],
-            kv_indptr=self.kv_indptr[: bucket + 1],
-            kv_indices=self.kv_indices[: bucket * self.max_pages],
-            kv_last_page_len=self.kv_last_page_len[:bucket],
-            ragged=ragged,
-            state_slots=self.state_slot[:bucket],
-        )
+        return self.decode_rows(0, bucket, kv_width, ragged)
 
-    def decode_rows(self, r0: int, r1: int, kv_width: int) -> DecodeMetadata:
-        """Views of rows r0..r1-1 for a backend that reads block tables directly (no CSR metadata): a pipeline's
-        micro-batch (device/pipeline_window.py)."""
+    def decode_rows(self, r0: int, r1: int, kv_width: int, ragged: bool = False) -> DecodeMetadata:
+        """Views of rows r0..r1-1: a bucket (r0 = 0), or a pipeline's micro-batch (device/pipeline_window.py), for a
+        backend that reads block tables directly (the CSR views are a bucket's, from row 0)."""
         return DecodeMetadata(
             seq_lens=self.seq_lens[r0:r1],
             block_table=self.block_table[r0:r1, :kv_width],
@@ -129,23 +120,21 @@ class DecodeState:
             kv_indptr=self.kv_indptr[: r1 - r0 + 1],
             kv_indices=self.kv_indices[: (r1 - r0) * self.max_pages],
             kv_last_page_len=self.kv_last_page_len[r0:r1],
-            ragged=False,
+            ragged=ragged,
             state_slots=self.state_slot[r0:r1],
         )
 
-    def advance_rows(self, r0: int, r1: int, sampled: torch.Tensor, page_size: int) -> None:
-        """advance_step's per-row part on rows r0..r1-1 (a micro-batch), without CSR metadata."""
+    def advance_rows(self, r0: int, r1: int, sampled: torch.Tensor, page_size: int, advance: bool = True) -> None:
+        """advance_step's per-row part on rows r0..r1-1 (a bucket, or a micro-batch), without CSR metadata."""
         advance_rows_reference(sampled, self.done[r0:r1], self.block_table[r0:r1], self.input_ids[r0:r1],
                                self.positions[r0:r1], self.seq_lens[r0:r1], self.slot_mapping[r0:r1], page_size,
-                               True)
+                               advance)
 
     def advance(self, bucket: int, sampled: torch.Tensor, page_size: int, advance: bool, csr: bool = True) -> None:
         """advance_step on the bucket's rows; csr=False (a CPU backend that reads block tables
         directly) leaves the CSR metadata alone and runs only the per-row part."""
         if not csr and self.block_table.device.type == "cpu":
-            advance_rows_reference(sampled, self.done[:bucket], self.block_table[:bucket], self.input_ids[:bucket],
-                                   self.positions[:bucket], self.seq_lens[:bucket], self.slot_mapping[:bucket],
-                                   page_size, advance)
+            self.advance_rows(0, bucket, sampled, page_size, advance)
             return
         torch.ops.graphdecode.advance_step(
             sampled,
