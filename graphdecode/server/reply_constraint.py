@@ -24,6 +24,7 @@ from __future__ import annotations
 from ..structured.compiler import constraint_regex, escape_literal
 from .constraints import ConstraintSource, build_constraint
 from .reasoning import CLOSE, OPEN
+from .tool_parsers import schema_types
 from .tools import END_TAG, START_TAG, parameters_schema
 
 REASONING_GAP = r"\n{0,2}"  # between </think> and the answer
@@ -128,9 +129,9 @@ def qwen3_coder_call(function: dict) -> str:
 
 
 def _typed(schema: dict) -> bool:
-    """Whether qwen3_coder reads the value as JSON: a schema whose type is given and allows no string."""
-    kind = schema.get("type")
-    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    """Whether qwen3_coder reads the value as a type other than text (tool_parsers.typed_parameter): a schema
+    whose types are given and include no string."""
+    kinds = schema_types(schema)
     return bool(kinds) and "string" not in kinds
 
 

@@ -423,7 +423,8 @@ def _loads_object(text: str) -> dict | None:
 _NOT = object()  # a value that does not read as the type asked for
 
 
-def _schema_types(schema) -> list[str]:
+def schema_types(schema) -> list[str]:
+    """The JSON types a parameter's schema allows (its type or type list, or its anyOf / oneOf options')."""
     if not isinstance(schema, dict):
         return []
     kind = schema.get("type")
@@ -434,7 +435,7 @@ def _schema_types(schema) -> list[str]:
     types: list[str] = []
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or []:
-            types += _schema_types(option)
+            types += schema_types(option)
     return types
 
 
@@ -470,7 +471,7 @@ def _as_type(value: str, kind: str):
 
 def typed_parameter(value: str, schema) -> object:
     """A qwen3_coder parameter's text as its schema's type (the string itself when it does not read as one)."""
-    for kind in _schema_types(schema):
+    for kind in schema_types(schema):
         if kind != "string":
             parsed = _as_type(value, kind)
             if parsed is not _NOT:
