@@ -76,7 +76,7 @@ def make_executor(config) -> LocalExecutor:
     if config.distributed_executor_backend == "external_launcher":
         from .launched import is_driver, serve_launched_rank
 
-        if not is_driver(config):
+        if not is_driver():
             serve_launched_rank(config)
     elif config.node_rank != 0:
         raise ValueError(f"node_rank ({config.node_rank}): the engine runs on node 0; on node {config.node_rank} "

@@ -17,7 +17,7 @@ from .tp_rank import placement_for
 from .tp_worker import serve_rank
 
 
-def is_driver(config) -> bool:
+def is_driver() -> bool:
     """This process is the launched job's rank 0."""
     return int(launcher_env()["RANK"]) == 0
 

@@ -146,7 +146,6 @@ class TPExecutor:
         self.closed = False
         self.failed = False  # a rank was lost: no goodbye broadcast at shutdown
         self._local = None
-        self._device = config.torch_device
         atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             if self.place.ray:
@@ -155,18 +154,18 @@ class TPExecutor:
                 self._local = RayRanks(range(1, self.world_size), self.place, config)
             elif not self.place.launched:
                 self._local = SpawnedRanks(self.place.local_ranks[1:], self.place, config)
-            self._plans = self._join()
+            self._plans = self._join(config.torch_device)
             share_config(self._plans, config)
             self.tp = parallel_groups(0, config)
         except BaseException:
             self.shutdown(timeout=1.0)
             raise
 
-    def _join(self):
+    def _join(self, device):
         """Rank 0's rendezvous; the other nodes' ranks not joining in INIT_TIMEOUT_S is a TPWorkerError naming
         them and where they were awaited."""
         try:
-            return init_rank(0, self.place, self._device, driver=True)
+            return init_rank(0, self.place, device, driver=True)
         except (RuntimeError, OSError) as exc:
             self.check_workers()
             remote = self.place.remote_ranks

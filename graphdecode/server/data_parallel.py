@@ -66,10 +66,9 @@ class DataParallelLLM:
         dead = self._dead_replica()
         if dead is not None:
             raise EngineDeadError(self.death_cause(0))
-        turn = next(self._turn)
-        order = sorted(range(len(self.replicas)),
-                       key=lambda i: (self.replicas[i].num_unfinished, (i - turn) % len(self.replicas)))
-        return self.replicas[order[0]].generate(prompt, sampling_params, request_id, priority)
+        turn, count = next(self._turn), len(self.replicas)
+        chosen = min(range(count), key=lambda i: (self.replicas[i].num_unfinished, (i - turn) % count))
+        return self.replicas[chosen].generate(prompt, sampling_params, request_id, priority)
 
     async def abort(self, request_id: str) -> None:
         for replica in self.replicas:
