@@ -58,6 +58,14 @@ COMMON = dict(
     eos_token_id=2,
 )
 
+# Nemotron 3 (Nano's kind): Mamba2, attention and MoE blocks; 8 relu-squared experts, top-3 of the best 2 of 4
+# groups (sigmoid scores, routed_scaling_factor), an ungated relu-squared shared expert; one dense MLP block
+NEMOTRON3_MOE = dict(COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
+                     mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8,
+                     num_experts_per_tok=3, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.0)
+
 MODEL_SPECS = {
     # GQA (4 query heads per KV head... 4:2) with llama3 rope scaling that bites inside 512 positions
     "llama_gqa_llama3": (
@@ -170,16 +178,7 @@ MODEL_SPECS = {
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
              mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16),
     ),
-    # Nemotron 3 (Nano's kind): Mamba2, attention and MoE blocks; 8 relu-squared experts, top-3 of the best 2 of 4
-    # groups (sigmoid scores, routed_scaling_factor), an ungated relu-squared shared expert; one dense MLP block
-    "nemotron3_moe": (
-        "NemotronHConfig",
-        dict(COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
-             mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=3,
-             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
-             routed_scaling_factor=2.0),
-    ),
+    "nemotron3_moe": ("NemotronHConfig", NEMOTRON3_MOE),
     # Granite 4.0-H (dense): Mamba2 layers (8 heads of 8, 2 groups) and a rope attention layer, each followed by a
     # shared SwiGLU MLP; Granite's embedding / residual / attention / logits multipliers
     "granite_hybrid": (
@@ -191,14 +190,7 @@ MODEL_SPECS = {
              position_embedding_type="rope"),
     ),
     # Nemotron 3 Super's kind: the same blocks, the experts in a 32-wide latent space (fc1 / fc2 latent projections)
-    "nemotron3_latent": (
-        "NemotronHConfig",
-        dict(COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, ssm_state_size=16, mamba_num_heads=8,
-             mamba_head_dim=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=3,
-             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=4, topk_group=2,
-             routed_scaling_factor=2.0, moe_latent_size=32),
-    ),
+    "nemotron3_latent": ("NemotronHConfig", dict(NEMOTRON3_MOE, moe_latent_size=32)),
     # Granite 4.0-H Tiny's kind: the same stack with 8 SwiGLU experts (top-2 of the logits, softmax over those) beside
     # each layer's shared MLP
     "granite_hybrid_moe": (

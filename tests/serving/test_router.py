@@ -58,10 +58,13 @@ def routed(servers: list, tmp_path, *policy: str):
                 stop_server(proc)
 
 
-def _finished(text: str) -> float:
-    """engine_requests_finished from a /metrics page."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("graphdecode:engine_requests_finished_total"))
+FINISHED, HITS = "graphdecode:engine_requests_finished_total", "graphdecode:prefix_cache_hits_total"
+
+
+def _counters(text: str) -> dict[str, float]:
+    """The requests finished and prefix-cache hits on a /metrics page."""
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+            for name in (FINISHED, HITS)}
 
 
 def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, tmp_path):
@@ -81,7 +84,7 @@ def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, 
                                                                "max_tokens": 4, "ignore_eos": True})
                 done += 1
                 if done == 80:  # mid-run: replica 1 dies with requests in flight
-                    before_kill.append(_finished((await client.get(f"{servers[1][1]}/metrics")).text))
+                    before_kill.append(_counters((await client.get(f"{servers[1][1]}/metrics")).text)[FINISHED])
                     os.kill(servers[1][0].pid, signal.SIGKILL)
                 return r.status_code, r.json()["usage"]["completion_tokens"] if r.status_code == 200 else r.text
 
@@ -93,14 +96,8 @@ def test_two_replicas_behind_vllm_router_lose_nothing_when_one_dies(text_model, 
         assert [status for status, _ in results] == [200] * 200, [r for r in results if r[0] != 200][:3]
         assert all(tokens == 4 for _, tokens in results)
         assert servers[1][0].wait(10) == -signal.SIGKILL
-        live = _finished(httpx.get(f"{servers[0][1]}/metrics", timeout=30).text)
+        live = _counters(httpx.get(f"{servers[0][1]}/metrics", timeout=30).text)[FINISHED]
         assert before_kill[0] >= 20 and live >= 120  # both replicas answered; the live one took the rest
-
-
-def _counters(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-            for name in ("graphdecode:prefix_cache_hits_total", "graphdecode:engine_requests_finished_total")}
 
 
 def test_vllm_router_routes_by_our_kv_events(text_model, tmp_path):
@@ -121,13 +118,13 @@ def test_vllm_router_routes_by_our_kv_events(text_model, tmp_path):
             httpx.post(f"{servers[holder][1]}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
             time.sleep(1.0)  # the stored pages' events reach the router
-            before = [_counters(url) for _, url in servers]
+            before = [_counters(httpx.get(f"{url}/metrics", timeout=30).text) for _, url in servers]
             for j in range(4):
                 r = httpx.post(f"{base}/v1/completions", timeout=60,
                                json={"model": MODEL, "prompt": prompt + [500 + j, 501 + j], "max_tokens": 2})
                 assert r.status_code == 200, r.text
-            after = [_counters(url) for _, url in servers]
+            after = [_counters(httpx.get(f"{url}/metrics", timeout=30).text) for _, url in servers]
             gained = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
-            assert gained[holder]["graphdecode:engine_requests_finished_total"] == 4, gained
-            assert gained[holder]["graphdecode:prefix_cache_hits_total"] >= 4 * 160, gained
-            assert gained[1 - holder]["graphdecode:engine_requests_finished_total"] == 0, gained
+            assert gained[holder][FINISHED] == 4, gained
+            assert gained[holder][HITS] >= 4 * 160, gained
+            assert gained[1 - holder][FINISHED] == 0, gained
