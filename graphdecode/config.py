@@ -18,6 +18,7 @@ import torch
 from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
 from .launcher import DEFAULT_MASTER_PORT, launcher_env
+from .models.config_fields import INT_MAX
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 from .models.mtp import MTPConfig, read_mtp_config
@@ -50,6 +51,7 @@ logger = logging.getLogger("graphdecode")
 KV_EVENTS_DEFAULTS = {"enable_kv_cache_events": False, "publisher": "null", "endpoint": "tcp://*:5557",
             "replay_endpoint": None, "buffer_steps": 10_000, "hwm": 100_000, "max_queue_size": 100_000, "topic": ""}
 KV_EVENTS_PUBLISHERS = ("null", "zmq")
+KV_EVENTS_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 
 
 def _check_kv_events_config(given) -> dict | None:
@@ -75,10 +77,14 @@ def _check_kv_events_config(given) -> dict | None:
     if config["replay_endpoint"] is not None and not isinstance(config["replay_endpoint"], str):
         raise ValueError(f"kv_events_config.replay_endpoint must be a string or null, got "
                          f"{config['replay_endpoint']!r}")
-    for key in ("buffer_steps", "hwm", "max_queue_size"):
+    for key in ("endpoint", "replay_endpoint"):  # ZMQ's transports (a bad one would fail only once bound)
+        if config[key] is not None and not config[key].startswith(KV_EVENTS_TRANSPORTS):
+            raise ValueError(f"kv_events_config.{key} must be a ZMQ endpoint ({', '.join(KV_EVENTS_TRANSPORTS)}...), "
+                             f"got {config[key][:200]!r}")
+    for key in ("buffer_steps", "hwm", "max_queue_size"):  # ZMQ's high-water mark is a C int
         value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"kv_events_config.{key} must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT_MAX:
+            raise ValueError(f"kv_events_config.{key} must be an integer in [1, {INT_MAX}], got {value!r}")
     if not config["enable_kv_cache_events"] or config["publisher"] == "null":
         return None
     try:
@@ -336,8 +342,8 @@ class EngineConfig:
         master_port, ranks_here = self._check_placement()
         kv_events = _check_kv_events_config(self.kv_events_config)
         if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) or \
-                self.data_parallel_rank < 0:
-            raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
+                not 0 <= self.data_parallel_rank < 65536:  # it offsets the KV events' TCP ports
+            raise ValueError(f"data_parallel_rank must be an integer in [0, 65535], got {self.data_parallel_rank!r}")
         cpu_threads = _resolve_cpu_threads(self.cpu_threads, ranks_here)
         _pos_int("structured_max_states", self.structured_max_states)
         _pos_int("structured_max_exceptions", self.structured_max_exceptions)
@@ -538,7 +544,7 @@ class EngineConfig:
         backend, nnodes, tp = self.distributed_executor_backend, self.nnodes, self.world_size
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(map(repr, EXECUTOR_BACKENDS))}"
-                             f", got {backend!r}")
+                             f", got {backend!r:.200}")
         _pos_int("nnodes", nnodes)
         if isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
             raise ValueError(f"node_rank must be an integer in [0, nnodes) = [0, {nnodes}), got {self.node_rank!r}")
@@ -546,7 +552,7 @@ class EngineConfig:
             raise ValueError(f"nnodes ({nnodes}) must divide the ranks, tensor_parallel_size x pipeline_parallel_size "
                              f"({tp}): each machine holds as many")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
-            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r:.200}")
         port = self.master_port
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise ValueError(f"master_port must be a port number in 1..65535, got {port!r}")

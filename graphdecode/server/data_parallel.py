@@ -29,6 +29,9 @@ class DataParallelLLM:
         if size < 2:
             raise ValueError(f"data_parallel_size must be >= 2 for replicas, got {size}")
         ranks = engine_args.get("tensor_parallel_size", 1) * engine_args.get("pipeline_parallel_size", 1)
+        if size * ranks > max(usable_cores(), _gpu_count()):  # before any replica starts
+            raise ValueError(f"data_parallel_size ({size}): {size} replicas of {ranks} rank(s) each need more than "
+                             f"this machine's {usable_cores()} usable cores and {_gpu_count()} GPUs")
         if engine_args.get("cpu_threads") is None and not os.environ.get(CPU_THREADS_ENV, "").strip():
             engine_args = dict(engine_args, cpu_threads=max(1, usable_cores() // (size * ranks)))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -124,6 +127,12 @@ class DataParallelLLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _replica_devices(index: int, ranks: int, devices: list[str] | None) -> dict | None:

@@ -126,11 +126,15 @@ def test_the_events_config_is_checked_by_name(tiny_models):
         ({"enable_kv_cache_events": True, "publisher": "kafka"}, "kv_events_config.publisher"),
         ({"enable_kv_cache_events": "yes"}, "kv_events_config.enable_kv_cache_events"),
         ({"enable_kv_cache_events": True, "publisher": "zmq", "buffer_steps": 0}, "kv_events_config.buffer_steps"),
+        ({"enable_kv_cache_events": True, "publisher": "zmq", "hwm": 2**63}, "kv_events_config.hwm"),
+        ({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "x" * 10**6}, "kv_events_config.endpoint"),
         ("on", "kv_events_config must be a dict"),
     ]
     for given, match in cases:
         with pytest.raises(ValueError, match=match):
             LLM(path, kv_events_config=given)
+    with pytest.raises(ValueError, match="data_parallel_rank"):  # it offsets the events' ports
+        LLM(path, data_parallel_rank=2**16)
     off = LLM(path, max_model_len=64, kv_events_config={"enable_kv_cache_events": True})  # vLLM's default: "null"
     assert off.engine.kv_events is None and off.engine.pool.events is None
 

@@ -78,6 +78,7 @@ def test_two_replicas_answer_every_client_as_one_engine_would(text_model, tmp_pa
 @pytest.mark.parametrize("flags, message", [
     (["--data-parallel-size", "2", "--api-server-count", "2"], "--data-parallel-size 2: one API server"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["--data-parallel-size", str(2**63)], "usable cores"),  # refused before any replica starts
 ])
 def test_misplaced_replica_flags_are_refused(text_model, capsys, flags, message):
     assert message in one_line_cli_error(capsys, ["serve", "--model", text_model, *flags])
