@@ -31,6 +31,7 @@ from ..sampling_params import SamplingParams
 from ..structured.compile_worker import CompileCancelled
 from .args import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_TOOL_CALL_PARSER
 from .async_llm import AsyncLLM, EngineDeadError, RequestFailedError
+from .call_formats import format_for
 from .choices import Choices
 from .constraints import ConstraintSource, build_constraint, constraint_error
 from .errors import (
@@ -129,7 +130,6 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser  # how tool_choice "auto" reads calls out of the answer
         calls = tool_parser(tool_call_parser, None)  # (checks the name)
         self.tool_markers_special = calls.special_markers
-        self.tool_calls_constrained = getattr(calls, "constrained", None)  # the format "auto" calls are constrained in
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
         self.model_name = served_model_name
@@ -138,6 +138,8 @@ class OpenAIServer:
         self.draining = False
         self.created = int(time.time())
         self.tokenizer = engine.get_tokenizer()
+        # the format "auto" calls are constrained in (call_formats.py)
+        self.tool_calls_constrained = format_for(getattr(calls, "constrained", None), self.tokenizer)
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.model_config.vocab_size
         self.prefix_caching = bool(engine.config.enable_prefix_caching)  # usage reports prompt_tokens_details

@@ -65,7 +65,7 @@ _ALNUM = string.ascii_letters + string.digits
 class Hermes(HermesCalls):
     markers = ("<tool_call>",)
     special_markers = False
-    constrained = "hermes"  # "auto" calls are constrained from their marker on, in this format (reply_constraint.py)
+    constrained = "hermes"  # "auto" calls are constrained from their marker on, in this format (call_formats.py)
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__()
@@ -161,7 +161,7 @@ class _Parser:
 
     markers: tuple[str, ...] = ()
     special_markers = False
-    constrained: str | None = None  # the formats with a call constraint name it (reply_constraint.py)
+    constrained: str | None = None  # the format "auto" calls are constrained in (call_formats.py)
     hold_ws = True  # calls may follow content: whitespace after content waits to see whether one does
 
     def __init__(self, functions: list[dict] | None = None):
@@ -240,6 +240,7 @@ class Llama3Json(_Parser):
 
     markers = (PYTHON_TAG, "{")
     special_markers = True
+    constrained = "llama3_json"
     hold_ws = False
 
     def __init__(self, functions: list[dict] | None = None):
@@ -304,6 +305,7 @@ class Mistral(_Parser):
 
     markers = (MISTRAL_MARKER,)
     special_markers = True
+    constrained = "mistral"  # "mistral_args" where the tokenizer has an [ARGS] token (call_formats.format_for)
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__(functions)
@@ -484,7 +486,7 @@ class Qwen3Coder(_Parser):
 
     markers = (QWEN_START,)
     special_markers = False
-    constrained = "qwen3_coder"  # "auto" calls constrained from <tool_call> on (reply_constraint.qwen3_coder_call)
+    constrained = "qwen3_coder"
 
     def __init__(self, functions: list[dict] | None = None):
         super().__init__(functions)
@@ -579,7 +581,7 @@ class Glm45(Qwen3Coder):
     """GLM-4.5's calls in `<tool_call>` blocks: a name, then key / value pairs (see the module docstring)."""
 
     special_markers = True
-    constrained = None  # its <tool_call> is a special token: text constraints do not see it
+    constrained = "glm45"
 
     def _parse(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
         """The block's one call: NAME, then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs (whitespace
@@ -660,6 +662,7 @@ class Pythonic(_Parser):
 
     markers = (PYTHON_START, "[")
     special_markers = True
+    constrained = "pythonic"
     hold_ws = False
 
     def __init__(self, functions: list[dict] | None = None):

@@ -163,7 +163,7 @@ class AutomatonCache:
         asks for it goes away (a worker's compile then stops: compile_worker.CompileCancelled)."""
         if not isinstance(params, StructuredOutputsParams):
             raise TypeError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
-        vocab = tokenizer_vocab(tokenizer, vocab_size, eos_token_ids)
+        vocab = tokenizer_vocab(tokenizer, vocab_size, eos_token_ids, params.special_tokens)
         ident = identity(params, vocab.fingerprint, vocab.vocab_size)
         hit = self._memory_hit(ident)
         if hit is not None:

@@ -16,6 +16,10 @@ the request is admitted:
 * `json_object`: True (False is the same as not giving it);
 * `grammar` (EBNF / Lark): not supported, rejected with a ValueError; never ignored.
 
+Beside the one field, `special_tokens` names special tokens of the tokenizer that the constraint reads as
+their text (a tool-call format's markers, such as Mistral's `[TOOL_CALLS]`); every other special token is
+never allowed, as always. Its strings must be non-empty; it is part of the key.
+
 Wrong types raise TypeError, bad values ValueError; every message starts with
 `structured_outputs.<field>`. `key()` is a stable string naming the constraint (the
 compile cache's key; property order in a schema is kept, since it orders the output).
@@ -82,6 +86,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
+    special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         given = [name for name in FIELDS if self._given(name)]
@@ -124,6 +129,17 @@ class StructuredOutputsParams:
                 "structured_outputs.grammar: grammars (EBNF / Lark) are not supported; "
                 "use json, regex, choice or json_object"
             )
+        specials = self.special_tokens
+        if isinstance(specials, (str, bytes)) or not isinstance(specials, (list, tuple)):
+            raise TypeError(f"structured_outputs.special_tokens: expected a list of strings, got {type(specials).__name__}")
+        for i, token in enumerate(specials):
+            if not isinstance(token, str) or not token:
+                raise TypeError(f"structured_outputs.special_tokens[{i}]: expected a non-empty string, got {token!r}")
+        specials = tuple(sorted(set(specials)))
+        object.__setattr__(self, "special_tokens", specials)
+        object.__setattr__(self, "_field_key", key)
+        if specials:
+            key += "|special_tokens:" + json.dumps(list(specials), ensure_ascii=False)
         object.__setattr__(self, "_key", key)
 
     def _given(self, name: str) -> bool:
@@ -137,7 +153,7 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which field was given: 'json', 'regex', 'choice' or 'json_object'."""
-        return self._key.split(":", 1)[0]
+        return self._field_key.split(":", 1)[0]
 
     def key(self) -> str:
         """A stable string naming the constraint, e.g. 'regex:[0-9]+', 'json:{...compact schema...}'."""
@@ -145,7 +161,7 @@ class StructuredOutputsParams:
 
     def schema_text(self) -> str | None:
         """The JSON schema as compact JSON text (json only)."""
-        return self._key[5:] if self._key.startswith("json:") else None
+        return self._field_key[5:] if self._field_key.startswith("json:") else None
 
     def __hash__(self):
         return hash(self._key)

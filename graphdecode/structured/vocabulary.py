@@ -12,7 +12,8 @@ which we read from the backend tokenizer's decoder (and pre-tokenizer):
 
 Added tokens that are not special are literal text (their UTF-8). Special tokens are
 left out, except the EOS ids, which the compiler handles itself (they are allowed
-exactly where the constraint is complete). Tokens with no bytes are left out (they
+exactly where the constraint is complete), and those a constraint names to be read as
+their text (`specials`: a tool-call format's markers; a vocabulary of its own). Tokens with no bytes are left out (they
 would loop without advancing). Ids at or beyond the model's vocab size are dropped.
 
 `tokenizer_vocab` caches the result per tokenizer object (weakly where possible), so
@@ -104,8 +105,10 @@ def token_to_bytes(token: str, kind: str) -> bytes | None:
     return token.encode("utf-8")
 
 
-def build_tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> TokenizerVocab:
+def build_tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids, specials: tuple[str, ...] = ()) -> TokenizerVocab:
+    """The vocabulary's byte strings; `specials`: special tokens (by their text) kept as that text."""
     backend = _backend(tokenizer)
+    specials = frozenset(specials)
     eos = tuple(sorted({int(e) for e in eos_token_ids}))
     if not eos:
         raise ValueError("structured outputs need at least one EOS token id")
@@ -122,7 +125,7 @@ def build_tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> Tokenize
             continue
         at = added.get(tid)
         if at is not None:
-            if at.special:
+            if at.special and at.content not in specials:
                 continue
             data = at.content.encode("utf-8")
         else:
@@ -132,6 +135,7 @@ def build_tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> Tokenize
     pairs.sort()
     h = hashlib.sha256()
     h.update(f"{kind}|V={vocab_size}|eos={','.join(map(str, eos))}|".encode())
+    h.update(repr(sorted(specials)).encode() if specials else b"")
     for tid, data in pairs:
         h.update(tid.to_bytes(4, "little"))
         h.update(len(data).to_bytes(4, "little"))
@@ -161,12 +165,13 @@ _BY_TOKENIZER: dict[int, _Entry] = {}
 _STRONG_LIMIT = 8  # tokenizers that cannot be weakly referenced: keep at most this many alive
 
 
-def tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> TokenizerVocab:
+def tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids, specials: tuple[str, ...] = ()) -> TokenizerVocab:
     """build_tokenizer_vocab, cached per tokenizer object (invalidated if its size changes)."""
     backend = _backend(tokenizer)
     size = backend.get_vocab_size(with_added_tokens=True)
     eos = tuple(sorted({int(e) for e in eos_token_ids}))
-    sub = (int(vocab_size), eos)
+    specials = tuple(sorted(set(specials)))
+    sub = (int(vocab_size), eos, specials)
     key = id(tokenizer)
     with _LOCK:
         entry = _BY_TOKENIZER.get(key)
@@ -176,7 +181,7 @@ def tokenizer_vocab(tokenizer, vocab_size: int, eos_token_ids) -> TokenizerVocab
                 return hit
         else:
             entry = None
-    built = build_tokenizer_vocab(tokenizer, vocab_size, eos)
+    built = build_tokenizer_vocab(tokenizer, vocab_size, eos, specials)
     with _LOCK:
         entry = _BY_TOKENIZER.get(key)
         if entry is None or entry.ref() is not tokenizer or entry.size != size:

@@ -18,6 +18,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import NotFoundError, OpenAI
+from transformers import AutoTokenizer
 
 from tests.helpers import live_server, with_chat_template
 
@@ -272,8 +273,6 @@ def test_qwen3_coder_auto_calls_are_constrained_once_they_start(agent_model, tmp
     """`--tool-call-parser qwen3_coder`: "auto" calls follow the tools' schemas from their `<tool_call>` on, on the
     device (reply_constraint.qwen3_coder_call): the random model's greedy and sampled calls parse, name the tool
     and carry arguments that validate, streamed as whole."""
-    from transformers import AutoTokenizer
-
     # the random model writes no marker by itself: a reply of "x" or calls (a guided_regex beside "auto" calls),
     # and "<" pushed, so that it opens a call, from which the constraint alone writes it
     (less,) = AutoTokenizer.from_pretrained(agent_model)("<", add_special_tokens=False)["input_ids"]
@@ -308,13 +307,17 @@ def test_qwen3_coder_auto_calls_are_constrained_once_they_start(agent_model, tmp
 ])
 def test_another_call_format_by_its_parser_name(agent_model, tmp_path_factory, parser, forced):
     """`--tool-call-parser mistral` / `glm45` on a second server: a reply written (by a guided_regex) in that
-    format comes back as OpenAI tool calls, streamed and whole (Mistral's with its 9-character ids)."""
+    format comes back as OpenAI tool calls, streamed and whole (Mistral's with its 9-character ids); "auto"
+    calls that the model starts are constrained in that format (call_formats.py) and come back valid."""
     model = agent_model
     with live_server(model, tmp_path_factory.mktemp(f"server_{parser}"), MODEL, "--max-model-len", "512",
                      "--tool-call-parser", parser) as url, \
             OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        # the reply is the forced text or calls ("auto" calls are constrained too): "C" pushed, the forced text
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        (c,) = tokenizer("C", add_special_tokens=False)["input_ids"]
         kwargs = dict(model=MODEL, messages=HI, tools=CHAT_TOOLS, temperature=0, max_tokens=200,
-                      extra_body={"guided_regex": forced})
+                      logit_bias={str(c): 100}, extra_body={"guided_regex": forced})
         whole = client.chat.completions.create(**kwargs).choices[0]
         assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
         [call] = whole.message.tool_calls
@@ -324,3 +327,14 @@ def test_another_call_format_by_its_parser_name(agent_model, tmp_path_factory, p
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
         assert len(streamed) == 1 and streamed[0].function.arguments == call.function.arguments
+        # "x" or calls, the marker's first character pushed: the constraint alone writes the calls from there (more
+        # of them while the push lasts, the last one cut by max_tokens)
+        (first,) = tokenizer({"mistral": "[", "glm45": "<"}[parser], add_special_tokens=False)["input_ids"]
+        for seed in (5, 6):
+            sampled = client.chat.completions.create(
+                model=MODEL, messages=HI, tools=CHAT_TOOLS, max_tokens=200, temperature=1.0, seed=seed,
+                logit_bias={str(first): 100}, extra_body={"guided_regex": "x"}).choices[0]
+            assert sampled.message.tool_calls and sampled.finish_reason in ("tool_calls", "length"), sampled
+            for call in sampled.message.tool_calls:
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER)

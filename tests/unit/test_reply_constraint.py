@@ -17,11 +17,14 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
+from graphdecode.server.call_formats import CALL_FORMATS, QWEN_VALUE_STOPS, format_for
 from graphdecode.server.constraints import ConstraintSource, build_constraint
 from graphdecode.server.reasoning import split_reasoning
-from graphdecode.server.reply_constraint import QWEN_VALUE_STOPS, avoiding, avoiding_all, reasoning_prefix, reply_source
-from graphdecode.server.tool_parsers import Qwen3Coder
+from graphdecode.server.reply_constraint import reasoning_prefix, reply_source
+from graphdecode.server.text_regex import avoiding, avoiding_all, listing, not_starting
+from graphdecode.server.tool_parsers import Qwen3Coder, tool_parser
 from graphdecode.server.tools import START_TAG, HermesCalls, parse_all
+from graphdecode.structured import StructuredOutputsParams
 from graphdecode.structured.cache import AutomatonCache, compile_constraint
 from tests.unit.test_structured_compile import distances
 
@@ -79,19 +82,20 @@ def test_reasoning_prefix_and_sources():
         source.kwargs["regex"], '<think>hmm</think>\n{"city":"Paris","unit":"c"}')
 
 
-def _walk(automaton, tokenizer, rng: random.Random, eos: int, max_tokens: int = 300) -> str | None:
-    """Random allowed tokens, pushed toward the marker and, inside a call, toward its end; the text, or None
-    when max_tokens came first."""
-    marker_ids = tokenizer(START_TAG, add_special_tokens=False)["input_ids"]
+def _walk(automaton, tokenizer, rng: random.Random, eos: int, max_tokens: int = 300,
+          marker: str = START_TAG) -> str | None:
+    """Random allowed tokens, pushed toward the marker and, inside a call, toward its end; the text (special
+    tokens kept), or None when max_tokens came first."""
+    marker_ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
     dist = distances(automaton)
     state, ids, at = 0, [], 0
     for _ in range(max_tokens):
         allowed = [int(t) for t in automaton.allowed_tokens(state)]
         if eos in allowed and rng.random() < 0.08:
-            return tokenizer.decode(ids)
+            return tokenizer.decode(ids, skip_special_tokens=False)
         choices = [t for t in allowed if t != eos] or [eos]
         if choices == [eos]:
-            return tokenizer.decode(ids)
+            return tokenizer.decode(ids, skip_special_tokens=False)
         want = marker_ids[at] if at < len(marker_ids) else None
         closer = [t for t in choices if dist[automaton.next_state(state, t)] < dist[state]]
         if want in choices and rng.random() < 0.9:
@@ -107,7 +111,7 @@ def _walk(automaton, tokenizer, rng: random.Random, eos: int, max_tokens: int = 
 def test_auto_calls_are_well_formed_whatever_is_sampled(text_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(text_model)
     eos = tokenizer.eos_token_id
-    source = reply_source(None, FUNCTIONS, True, False, False)
+    source = reply_source(None, FUNCTIONS, "hermes", False, False)
     cache = AutomatonCache(str(tmp_path), disk=False)
     automaton = compile_constraint(build_constraint(source), tokenizer, len(tokenizer), (eos,), cache=cache)
     free = compile_constraint(build_constraint(ConstraintSource("x", None, {"regex": r"(?s:.*)"})), tokenizer,
@@ -163,6 +167,93 @@ def test_qwen3_coder_calls_are_well_formed_whatever_is_sampled(text_model, tmp_p
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
         calls_seen += len(calls)
     assert calls_seen >= 5
+
+
+def test_listing_and_not_starting():
+    items = re.compile(listing([("a", False), ("b", True), ("c", False)], ", "))
+    for text, ok in [("b", True), ("a, b", True), ("b, c", True), ("a, b, c", True), ("", False), ("a", False),
+                     ("a, c", False), ("b, a", False), ("ab", False)]:
+        assert bool(items.fullmatch(text)) == ok, text
+    optional = re.compile(listing([("a", False), ("c", False)], ", "))
+    assert all(optional.fullmatch(t) for t in ("", "a", "c", "a, c")) and not optional.fullmatch("c, a")
+    other = re.compile(not_starting("<|tag|>", r"\s{"))
+    for text in ("<", "<|ta", "<x", "<|tax|> and more", "<|tag|", "x", "x<|tag|>", "<|tag}"):
+        assert other.fullmatch(text), text
+    for text in ("<|tag|>", "<|tag|>x", "", " x", "{x", "\nx"):
+        assert not other.fullmatch(text), text
+
+
+RICH = {"type": "object", "properties": {
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    "flag": {"type": "boolean"},
+    "limit": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+    "where": {"type": "object", "properties": {"x": {"type": "number"}, "name": {"enum": ["a", "b"]}},
+              "required": ["x"]},
+    "note": {"type": "string", "maxLength": 5}}, "required": ["flag", "where"]}
+ALL_FUNCTIONS = CODER_FUNCTIONS + [{"name": "tag", "description": None, "parameters": RICH}]
+ALL_SCHEMAS = {f["name"]: f["parameters"] for f in ALL_FUNCTIONS}
+# format: (its parser, the marker the walk pushes, the special tokens of its vocabularies)
+FORMAT_CASES = {
+    "glm45": ("glm45", "<tool_call>", CALL_FORMATS["glm45"].specials),
+    "mistral": ("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]",)),
+    "mistral_args": ("mistral", "[TOOL_CALLS]", ("[TOOL_CALLS]", "[ARGS]")),
+    "llama3_json": ("llama3_json", "<|python_tag|>", ("<|python_tag|>",)),
+    "pythonic": ("pythonic", "[", ("<|python_start|>", "<|python_end|>")),
+}
+
+
+def _with_specials(text_model, specials):
+    tokenizer = AutoTokenizer.from_pretrained(text_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    return tokenizer
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_CASES))
+def test_every_call_format_writes_calls_its_parser_reads(text_model, tmp_path, fmt):
+    """Each format's "auto" calls under their constraint (call_formats.py), its tags special tokens as in the
+    model families' vocabularies: every walk that started a call wrote calls that the format's parser reads,
+    of the given tools, with arguments that validate against their schemas; text never starts a call."""
+    parser, marker, specials = FORMAT_CASES[fmt]
+    tokenizer = _with_specials(text_model, specials)
+    assert format_for(parser, tokenizer) == fmt
+    eos = tokenizer.eos_token_id
+    source = reply_source(None, ALL_FUNCTIONS, fmt, False, False)
+    automaton = compile_constraint(build_constraint(source), tokenizer, len(tokenizer), (eos,),
+                                   cache=AutomatonCache(str(tmp_path), disk=False))
+    rng = random.Random(8)
+    calls_seen, texts_seen = 0, 0
+    for _ in range(50):
+        text = _walk(automaton, tokenizer, rng, eos, marker=marker)
+        if text is None:
+            continue
+        content, calls = parse_all(tool_parser(parser, ALL_FUNCTIONS), text)
+        if fmt in ("llama3_json", "pythonic"):  # calls are the whole output; text starts otherwise
+            assert content.strip() == "" if calls else not content.lstrip().startswith(("{", "[", marker)), text
+        else:
+            assert marker not in content, text
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), ALL_SCHEMAS[call["function"]["name"]])
+        calls_seen += len(calls)
+        texts_seen += not calls
+    assert calls_seen >= 5 and texts_seen >= 1
+
+
+def test_a_format_reads_its_special_tokens_as_text(text_model, tmp_path):
+    """A marker that is a special token is allowed by its format's constraint (as its text) and by no other."""
+    tokenizer = _with_specials(text_model, ("[TOOL_CALLS]",))
+    (marker,) = tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]"])
+    eos, cache = tokenizer.eos_token_id, AutomatonCache(str(tmp_path), disk=False)
+    source = reply_source(None, FUNCTIONS, "mistral", False, False)
+    assert source.kwargs["special_tokens"] == ("[TOOL_CALLS]",)
+    auto = compile_constraint(build_constraint(source), tokenizer, len(tokenizer), (eos,), cache=cache)
+    free = compile_constraint(build_constraint(ConstraintSource("x", None, {"regex": r"(?s:.*)"})), tokenizer,
+                              len(tokenizer), (eos,), cache=cache)
+    assert marker in set(auto.allowed_tokens(0).tolist()) and marker not in set(free.allowed_tokens(0).tolist())
+    assert format_for("mistral", AutoTokenizer.from_pretrained(text_model)) == "mistral"  # no [ARGS] token
+    with pytest.raises(TypeError, match="structured_outputs.special_tokens: expected a list"):
+        StructuredOutputsParams(regex="a", special_tokens="[TOOL_CALLS]")
+    keys = {StructuredOutputsParams(regex="a", special_tokens=t).key() for t in ((), ("[TOOL_CALLS]",))}
+    assert len(keys) == 2  # the compile cache tells them apart
 
 
 def test_a_reasoning_parser_reads_what_the_prefix_allows():
