@@ -24,8 +24,6 @@ import os
 import time
 
 import torch
-import torch._dynamo.config as dynamo_config
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..cache import cache_root
@@ -49,8 +47,16 @@ def inductor_cache_dir() -> str:
     return path
 
 
+def _counters():
+    """dynamo's counters (torch._dynamo is imported at the first compiled forward: 0.8 s that an engine
+    without compile, and every process that only talks to one, does not pay)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 def _compiled_graphs() -> int:
-    return counters["stats"]["unique_graphs"]
+    return _counters()["stats"]["unique_graphs"]
 
 
 class CompiledForward:
@@ -62,6 +68,8 @@ class CompiledForward:
         # dynamo's limit counts the entries of one code object across the process, and every model
         # (each engine, each family built on models/decoder.py) shares its forward's code objects:
         # room for _ENTRIES more per compiled forward, raised, never lowered
+        import torch._dynamo.config as dynamo_config
+
         CompiledForward.instances += 1
         name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
         needed = _ENTRIES * CompiledForward.instances
@@ -82,6 +90,7 @@ class CompiledForward:
     def __call__(self, input_ids, positions, ctx):
         _mark_batch_dims(input_ids, positions, ctx)
         before = _compiled_graphs()
+        counters = _counters()
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         start = time.perf_counter()
         # outside the CPU graph twin's checking dispatch mode (graph_runtime.NoHostCopies), which dynamo refuses

@@ -222,6 +222,9 @@ class AsyncLLM:
     def _attach(self, process: subprocess.Popen | None) -> None:
         """Wait for the core's "ready" (its EngineConfig), then start this client's threads."""
         self._process = process
+        # transformers' tokenizer classes load while the core builds the engine (on another core), not after
+        from transformers import AutoTokenizer  # noqa: F401
+
         ready = self._outputs.poll(START_TIMEOUT_S)
         try:
             kind, payload = self._outputs.recv() if ready else ("failed", f"no answer in {START_TIMEOUT_S:.0f} s")
