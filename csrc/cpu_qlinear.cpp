@@ -219,7 +219,8 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
 // unsigned u and w = u s - zs (zs = (128 + z) s, or (8 + z) s), an activation block x ~ a xq (a = max|x| / 127,
 // xq = round(x / a) to nearest even) gives x . w = a (s (xq . u) - zs sum(xq)): xq . u exactly in int32, then one
 // float step per block and column. Every row's activations are quantized alone, so a result does not depend on
-// the rows beside it; blocks are added in ascending k.
+// the rows beside it; blocks are added in ascending k. With AMX's int8 tiles, row tiles of 8 rows or more take the
+// same exact int32 sums from them (amx_rows below) and the same float step: the same bits.
 #if defined(__AVX512VNNI__)
 #define GRAPHDECODE_QLINEAR_VNNI 1
 
@@ -317,29 +318,124 @@ void vnni_rows(int64_t rows, const int8_t* xq, int64_t ldq, const float* a, cons
   }
 }
 
+#if defined(GRAPHDECODE_AMX) && defined(__AMX_INT8__)
+#define GRAPHDECODE_QLINEAR_AMX 1
+// The same products on AMX's int8 tiles (tdpbsud: signed activations times unsigned weights): a block of 32 k of
+// 16 rows (tmm4, 16 rows of 32 bytes) times the panel's block (tmm5-7, 8 rows of 4 k for 16 columns each) into
+// four 16 x 16 int32 sums (tmm0-3), zeroed each block; then the vnni tiles' float step, the same expression on the
+// same exact int32 sums, so the bits are theirs whichever kernel runs a row. int4's block is unpacked once into
+// bytes (low nibbles k-quad 2s, high 2s + 1) for every row tile of the task.
+constexpr int64_t AMX_MIN_ROWS = 8;  // a row tile runs on AMX from this many rows (fewer: vnni tiles)
+
+inline void amx_configure_int8() {
+  alignas(64) static const TileConfig config = {
+      1, 0, {}, {64, 64, 64, 64, 32, 64, 64, 64}, {16, 16, 16, 16, 16, 8, 8, 8}};
+  _tile_loadconfig(&config);
+}
+
+// out[rows][64] += blocks b0..b1 of the quantized rows xq (16 * tiles rows, zeros past `rows`) times the panel
+template <int KIND>
+void amx_rows(int64_t rows, const int8_t* xq, int64_t ldq, const float* a, const int32_t* sums, int64_t lda,
+              const uint8_t* panel, int64_t b0, int64_t b1, const float* s, const float* zs, float* out) {
+  alignas(64) uint8_t unpacked[QBLOCK / 4 * 4 * PANEL];  // int4: the block's 8 k-quad rows of 64 columns
+  alignas(64) int32_t acc[16 * PANEL];
+  __m512 sv[4], zv[4];
+  for (int v = 0; v < 4; ++v) {
+    sv[v] = _mm512_loadu_ps(s + 16 * v);
+    zv[v] = _mm512_loadu_ps(zs + 16 * v);
+  }
+  constexpr int64_t LDW = 4 * PANEL;  // bytes between k-quad rows
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w;
+    if (KIND == kInt8Vnni) {
+      w = panel + b * QBLOCK * PANEL;
+    } else {
+      const uint8_t* raw = panel + b * (QBLOCK / 2) * PANEL;
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      for (int64_t step = 0; step < QBLOCK / 8; ++step)
+        for (int v = 0; v < 4; ++v) {
+          const __m512i r = _mm512_loadu_si512(raw + step * LDW + 64 * v);
+          _mm512_store_si512(unpacked + (2 * step) * LDW + 64 * v, _mm512_and_si512(r, low));
+          _mm512_store_si512(unpacked + (2 * step + 1) * LDW + 64 * v,
+                             _mm512_and_si512(_mm512_srli_epi16(r, 4), low));
+        }
+      w = unpacked;
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      _tile_loadd(4, xq + m0 * ldq + b * QBLOCK, ldq);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_loadd(5, w, LDW);
+      _tile_dpbsud(0, 4, 5);
+      _tile_loadd(6, w + 64, LDW);
+      _tile_dpbsud(1, 4, 6);
+      _tile_loadd(7, w + 128, LDW);
+      _tile_dpbsud(2, 4, 7);
+      _tile_loadd(5, w + 192, LDW);
+      _tile_dpbsud(3, 4, 5);
+      _tile_stored(0, acc, PANEL * 4);
+      _tile_stored(1, acc + 16, PANEL * 4);
+      _tile_stored(2, acc + 32, PANEL * 4);
+      _tile_stored(3, acc + 48, PANEL * 4);
+      const int64_t valid = rows - m0 < 16 ? rows - m0 : 16;
+      for (int64_t m = 0; m < valid; ++m) {  // out += a (s (xq . u) - zs sum(xq)), as vnni_tile
+        const __m512 am = _mm512_set1_ps(a[(m0 + m) * lda + b]);
+        const __m512 sm = _mm512_set1_ps(float(sums[(m0 + m) * lda + b]));
+        float* o = out + (m0 + m) * PANEL;
+        for (int v = 0; v < 4; ++v) {
+          const __m512 t = _mm512_fnmadd_ps(zv[v], sm, _mm512_mul_ps(_mm512_cvtepi32_ps(
+              _mm512_load_si512(acc + m * PANEL + 16 * v)), sv[v]));
+          _mm512_storeu_ps(o + 16 * v, _mm512_fmadd_ps(t, am, _mm512_loadu_ps(o + 16 * v)));
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <int KIND, typename T>
 void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* panels, const float* scales,
                  const float* zs, int64_t group, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads) {
   const int64_t groups = K / group, blocks = K / QBLOCK;
   const int64_t per_group = group / QBLOCK;
   const int64_t panel_bytes = (KIND == kInt4Vnni ? K / 2 : K) * PANEL;
-  std::vector<int8_t> xq(M * K);
+  std::vector<int8_t> xq((M + 15) / 16 * 16 * K);  // rows past M zero (AMX's row tiles read 16 rows)
   std::vector<float> a(M * blocks);
   std::vector<int32_t> sums(M * blocks);
+#if defined(GRAPHDECODE_QLINEAR_AMX)
+  const bool amx = M >= AMX_MIN_ROWS && amx_ready();
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, xq.data() + m * K, a.data() + m * blocks,
                                                sums.data() + m * blocks);
   for_each_panel(M, N, bias, y, ldy, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
     const uint8_t* panel = panels + p * panel_bytes;
+    int64_t tiled = 0;  // the task's first rows that run on AMX: whole tiles of 16, and a last one of 8 or more
+#if defined(GRAPHDECODE_QLINEAR_AMX)
+    if (amx) {
+      tiled = rows / 16 * 16 + (rows % 16 >= AMX_MIN_ROWS ? rows % 16 : 0);
+      if (tiled) amx_configure_int8();
+    }
+#endif
     for (int64_t g = 0; g < groups; ++g) {
       const float* s = scales + (p * groups + g) * PANEL;
       const float* z = zs + (p * groups + g) * PANEL;
-      for (int64_t m = 0; m < rows; m += VNNI_MR) {
+#if defined(GRAPHDECODE_QLINEAR_AMX)
+      if (tiled)
+        amx_rows<KIND>(tiled, xq.data() + m0 * K, K, a.data() + m0 * blocks, sums.data() + m0 * blocks, blocks,
+                       panel, g * per_group, (g + 1) * per_group, s, z, out);
+#endif
+      for (int64_t m = tiled; m < rows; m += VNNI_MR) {
         const int64_t r = rows - m < VNNI_MR ? rows - m : VNNI_MR;
         vnni_rows<KIND>(r, xq.data() + (m0 + m) * K, K, a.data() + (m0 + m) * blocks, sums.data() + (m0 + m) * blocks,
                         blocks, panel, g * per_group, (g + 1) * per_group, s, z, out + m * PANEL);
       }
     }
+#if defined(GRAPHDECODE_QLINEAR_AMX)
+    if (tiled) _tile_release();
+#endif
   });
 }
 #else
