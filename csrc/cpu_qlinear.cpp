@@ -6,9 +6,9 @@
 // float32's, int4 an eighth. The panels are cpu_linear.cpp's ([ceil(N / 64)][K][64], one sequential stream
 // each), of bytes: int8 and FP8 one byte a weight, int4 two k rows a byte (low nibble the even k, high the
 // odd, unsigned: q + 8). Each weight is widened to float32 as it is read (int8: sign-extend and convert; int4:
-// mask or shift; FP8: its exponent and mantissa moved into a float32's, scaled by 2^120, exact), scaled by its
-// group's scale and offset, w = q s - zs (zs = (z + 8) s for int4's unsigned storage, z s for int8 with zero
-// points, none otherwise), and summed in float32 in ascending k:
+// mask or shift; FP8: its bits moved into a half's and converted, exact, the half's 2^-8 undone by the scale),
+// scaled by its group's scale and offset, w = q s - zs (zs = (z + 8) s for int4's unsigned storage, z s for int8
+// with zero points, none otherwise), and summed in float32 in ascending k:
 //
 // * up to DIRECT_ROWS (3) rows: each k row's 64 weights dequantized in registers, once for all the rows;
 // * more rows: blocks of KB (64) k rows dequantized once into an L1 buffer, then 6-row register tiles over it
