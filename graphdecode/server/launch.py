@@ -21,13 +21,14 @@ import httpx
 from ..device.tp_rank import free_port
 
 
-def start_server(args: list[str], log_path: str, timeout_s: float = 600.0,
-                 env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """Run `python -m graphdecode.server.openai_api --port <free port> *args`; return (process, base url)."""
+def start_server(args: list[str], log_path: str, timeout_s: float = 600.0, env: dict | None = None,
+                 poll_s: float = 0.2, cwd: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Run `python -m graphdecode.server.openai_api --port <free port> *args` (in `cwd`, which `-m` puts first on
+    the import path); return (process, base url) once /health answers (asked every poll_s seconds)."""
     port = free_port()
     cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--port", str(port), *args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -38,7 +39,7 @@ def start_server(args: list[str], log_path: str, timeout_s: float = 600.0,
                 return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     proc.kill()
     proc.wait()
     raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n{_read(log_path)}")
