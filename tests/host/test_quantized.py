@@ -138,7 +138,8 @@ def _int8_activation_reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Te
 def test_integer_dot_product_panels_are_their_quantized_arithmetic(bits, group, zero):
     """The vnni kinds (csrc/cpu_qlinear.cpp) equal the float64 product of the int8-quantized activations and the
     exact weights to float32 rounding, for float32 and bf16 inputs, with and without zero points, any number of
-    rows (a row's result alone, on AMX's int8 tiles or not); the float-activation panels of the same weight stay within that quantization."""
+    rows (a row's result alone, on AMX's int8 tiles or not); the float-activation panels of the same weight stay
+    within that quantization."""
     from graphdecode.kernels.cpu import cpu_kernels
 
     if cpu_kernels() is None or not cpu_kernels().vnni:
@@ -156,7 +157,7 @@ def test_integer_dot_product_panels_are_their_quantized_arithmetic(bits, group, 
     plain = QuantizedWeight(qt, torch.float32, torch.device("cpu"), "panels", kind=f"int{bits}")
     assert vnni.kind == f"int{bits}_vnni" and plain.kind == f"int{bits}"
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (1, 3, 7, 24, 70):  # 24, 70: AMX's int8 tiles where the CPU has them, vnni tiles for the rest
+        for rows in (1, 3, 7, 12, 24, 70):  # 12, 24, 70: AMX's int8 tiles where the CPU has them, vnni for the rest
             x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
             x[0, :32] = 0  # an all-zero block: scale 0
             got = vnni(x).double()
