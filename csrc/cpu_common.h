@@ -112,23 +112,29 @@ inline f32x16 load16(const uint16_t* p) {
   return f;
 }
 
-// 16 E4M3 values widened to float32 (exact): each moved into a half's bits (its value * 2^-8; E4M3's subnormals
-// land on the half's, which the conversion takes as they are), converted, times 256
-inline f32x16 load16(const e4m3* p) {
+// 16 E4M3 values widened to float32 times 2^-8 (exact): each byte moved into a half's bits (the magnitude's 7
+// bits at bit 7, the sign from bit 14 carried into bit 15), which read as its value * 2^-8, then converted.
+// E4M3's subnormals land on the half's, which the conversion takes at full speed (no float32 subnormal on the
+// way: those cost a microcode assist a vector at the next multiply). The quantized panels fold the 2^8 into
+// their scales (cpu_qlinear.cpp); load16 multiplies it back.
+inline f32x16 load16_over_256(const e4m3* p) {
 #if defined(__AVX512F__)
-  const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), 7),
-                                       _mm256_slli_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x80)), 8));
-  const __m512 f = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, half), _mm512_set1_ps(256.f));  // maskz: GCC 12 warns on the plain form
+  const __m256i shifted =
+      _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+  const __m256i half = _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
+  const __m512 f = _mm512_maskz_cvtph_ps(0xffff, half);  // maskz: GCC 12 warns on the plain form
   f32x16 r;
   std::memcpy(&r, &f, sizeof r);
   return r;
 #else
   f32x16 r;
-  for (int i = 0; i < 16; ++i) r[i] = load(p + i);
+  for (int i = 0; i < 16; ++i) r[i] = load(p + i) * 0x1p-8f;
   return r;
 #endif
 }
+
+// 16 E4M3 values widened to float32 (exact)
+inline f32x16 load16(const e4m3* p) { return load16_over_256(p) * 256.f; }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 

@@ -67,24 +67,10 @@ inline void widen_int4(const uint8_t* p, f32x16& lo, f32x16& hi) {
   }
 }
 #endif
-// FP8 E4M3 (fn: no infinities; the loader refuses NaN weights) -> float32 times 2^-8, exact: the byte moved into a
-// half's bits (the magnitude's 7 bits at bit 7, the sign from bit 14 carried into bit 15), converted. E4M3's
-// subnormals are the half's subnormals, which the conversion takes at full speed (a float32 subnormal times a
-// scale takes a microcode assist a vector). The 2^8 goes into the scales (FP8_SCALE): q 2^-8 (s 2^8) is q s.
+// FP8 E4M3 (fn: no infinities; the loader refuses NaN weights) -> float32 times 2^-8, exact (cpu_common.h's
+// load16_over_256); the 2^8 goes into the scales (FP8_SCALE): q 2^-8 (s 2^8) is q s.
 constexpr float FP8_SCALE = 256.f;
-#if defined(__AVX512F__)
-inline f32x16 widen_fp8(const uint8_t* p) {
-  const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load_bytes(p)), 7);
-  const __m256i half = _mm256_add_epi16(shifted, _mm256_and_si256(shifted, _mm256_set1_epi16(0x4000)));
-  return as_f32x16(_mm512_maskz_cvtph_ps(0xffff, half));  // maskz: GCC 12 warns on the plain form
-}
-#else
-inline f32x16 widen_fp8(const uint8_t* p) {
-  f32x16 r;
-  for (int i = 0; i < 16; ++i) r[i] = load(reinterpret_cast<const e4m3*>(p + i)) / FP8_SCALE;
-  return r;
-}
-#endif
+inline f32x16 widen_fp8(const uint8_t* p) { return load16_over_256(reinterpret_cast<const e4m3*>(p)); }
 
 // One k row's 64 weights (4 vectors) as float32 with their group's scale and offset applied: w = q s - zs.
 // Both paths below compute every weight by this one expression and add x w in ascending k, so a result does
