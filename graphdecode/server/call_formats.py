@@ -30,6 +30,7 @@ special tokens in the text for such formats, so the parser sees them).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -126,7 +127,10 @@ def _python_source(value) -> str:
     return json.dumps(value)
 
 
+@functools.cache
 def _any_literal(depth: int) -> str:
+    """Any Python literal the pythonic parser reads, containers nested up to `depth` deep (the same for every
+    call: built once)."""
     scalar = f"(?:{_regex('tools', {'type': 'string'})}|{_regex('tools', {'type': 'number'})}|True|False|None)"
     if depth <= 0:
         return scalar
@@ -181,7 +185,7 @@ def pythonic_call(function: dict) -> str:
     properties, required = _properties(function)
     name = function["name"]
     items = [(f"{key}={python_value(schema, f'{name}.{key}')}", key in required) for key, schema in properties.items()]
-    return f"{escape_literal(function['name'])}\\({listing(items, ', ')}\\)"
+    return f"{escape_literal(name)}\\({listing(items, ', ')}\\)"
 
 
 # ------------------------------------------------------------------ the formats

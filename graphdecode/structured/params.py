@@ -131,7 +131,8 @@ class StructuredOutputsParams:
             )
         specials = self.special_tokens
         if isinstance(specials, (str, bytes)) or not isinstance(specials, (list, tuple)):
-            raise TypeError(f"structured_outputs.special_tokens: expected a list of strings, got {type(specials).__name__}")
+            raise TypeError("structured_outputs.special_tokens: expected a list of strings, got "
+                            f"{type(specials).__name__}")
         for i, token in enumerate(specials):
             if not isinstance(token, str) or not token:
                 raise TypeError(f"structured_outputs.special_tokens[{i}]: expected a non-empty string, got {token!r}")
