@@ -338,3 +338,30 @@ def test_another_call_format_by_its_parser_name(agent_model, tmp_path_factory, p
             for call in sampled.message.tool_calls:
                 assert call.function.name == "get_weather"
                 jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+@pytest.mark.parametrize("parser, opener", [("llama3_json", "{"), ("pythonic", "[")])
+def test_whole_reply_call_formats_are_constrained_once_they_start(agent_model, tmp_path_factory, parser, opener):
+    """`--tool-call-parser llama3_json` / `pythonic`, whose calls are the whole reply: a reply that starts with the
+    format's opener ("x" or calls, the opener pushed) is the tools' calls, sampled at temperature 1, valid against
+    their schema, streamed as whole; a reply that starts otherwise ("x" pushed) is content."""
+    tokenizer = AutoTokenizer.from_pretrained(agent_model)
+    (first,), (x,) = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in (opener, "x"))
+    with live_server(agent_model, tmp_path_factory.mktemp(f"server_{parser}"), MODEL, "--max-model-len", "512",
+                     "--tool-call-parser", parser) as url, \
+            OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        text = client.chat.completions.create(model=MODEL, messages=HI, tools=CHAT_TOOLS, temperature=0, max_tokens=8,
+                                              logit_bias={str(x): 100}, extra_body={"guided_regex": "x"}).choices[0]
+        assert text.message.content == "x" and not text.message.tool_calls
+        for seed in (5, 6):
+            kwargs = dict(model=MODEL, messages=HI, tools=CHAT_TOOLS, max_tokens=200, temperature=1.0, seed=seed,
+                          logit_bias={str(first): 100}, extra_body={"guided_regex": "x"})
+            whole = client.chat.completions.create(**kwargs).choices[0]
+            assert whole.message.tool_calls and whole.finish_reason in ("tool_calls", "length"), whole
+            for call in whole.message.tool_calls:
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+            assert [d.function.arguments for d in streamed if d.function.arguments] == \
+                [c.function.arguments for c in whole.message.tool_calls]
