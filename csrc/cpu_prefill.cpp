@@ -33,8 +33,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define GRAPHDECODE_PREFILL_LAZY 1
+#else
+#define GRAPHDECODE_PREFILL_LAZY 0
+#endif
+#if defined(__AVX512BF16__)
 #define GRAPHDECODE_PREFILL_DP 1
 #else
 #define GRAPHDECODE_PREFILL_DP 0
@@ -120,6 +125,35 @@ void by_columns(int64_t D, F&& f) {
   }
 }
 
+#if GRAPHDECODE_PREFILL_LAZY
+// 2^t lane by lane for the probabilities, t <= LAZY (up to rounding): 2^n (vscalefps) times 2^f, f = t - n in
+// [-1/2, 1/2] by a polynomial: for float32 probabilities Cephes' exp2f minimax of degree 6 (relative error under
+// 2e-7, about exp16's), for probabilities rounded to bf16 next the degree-5 Taylor one (under 3e-6, far below
+// that rounding); 0 below -126, -inf included
+template <bool Precise>
+inline __m512 exp2_probability(__m512 t) {
+  const __m512 n = _mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p;
+  if constexpr (Precise) {
+    p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  } else {
+    p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  }
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, n);
+}
+#endif
+
 #if GRAPHDECODE_PREFILL_DP
 // bf16 with avx512_bf16: both GEMMs as vdpbf16ps over pairs, two products per lane per instruction.
 // s[R][64] = q[R][D] @ K^T (unscaled: the softmax scales), K packed as [D / 2][64][2] (pairs of d), q bf16
@@ -146,21 +180,6 @@ void qk_tile_dp(const uint16_t* __restrict q, int64_t D, const uint16_t* __restr
   }
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + m * KEYS + 16 * v, acc[m][v]);
-}
-
-// 2^t lane by lane for the probabilities, t <= 0 (up to rounding): 2^n (vscalefps) times 2^f, f = t - n in
-// [-1/2, 1/2], by its degree-5 Taylor polynomial (relative error under 3e-6, far below the bf16 rounding that
-// follows); 0 below -126, -inf included
-inline __m512 exp2_probability(__m512 t) {
-  const __m512 n = _mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, n);
 }
 
 // o[R][c0 : c0 + 16 NV] = o * alpha + p[R][0:64] @ V[0:64][c0 : ...], p bf16 rows of 64 (0 past the block's
@@ -300,17 +319,20 @@ class Prefill {
   // pairs: the queries and the probabilities rounded to bf16 first, as transformers' bf16 attention rounds
   // them (its scores and probabilities are bf16 tensors), the sums float32
   static constexpr bool dp() { return GRAPHDECODE_PREFILL_DP && sizeof(T) == 2; }
+  // AVX-512: softmax_lazy's exp2 of scores in log2 units (the queries unscaled), else exp16 of scaled queries'
+  static constexpr bool lazy() { return GRAPHDECODE_PREFILL_LAZY; }
 
   int64_t first_pos(int64_t b) const { return a_.kv_lens[b] - a_.q_lens[b]; }
 
-#if GRAPHDECODE_PREFILL_DP
-  // One row's block of 64 unscaled scores (-inf where masked) -> its bf16 probabilities p16, with its running max
-  // m (log2 units: scale * log2(e) * score), its running sum l (16 lanes) and the factor alpha its output so far
-  // takes. The max moves lazily: while no score of the block is more than LAZY above m, m stays (the
-  // probabilities up to 2^LAZY, alpha 1: no rescale of the output); past it, m becomes the exact max. The sum is
-  // of the probabilities before their bf16 rounding, as transformers' float32 softmax normalises them. Every
-  // step depends on this row's scores alone.
-  static void softmax_dp(const float* row, uint16_t* p16, float unit, float& m, float* l, float& alpha) {
+#if GRAPHDECODE_PREFILL_LAZY
+  // One row's block of 64 unscaled scores (-inf where masked) -> its probabilities p (float32: in place of the
+  // scores; bf16 for dp()), with its running max m (log2 units: scale * log2(e) * score), its running sum l (16
+  // lanes) and the factor alpha its output so far takes. The max moves lazily: while no score of the block is
+  // more than LAZY above m, m stays (the probabilities up to 2^LAZY, alpha 1: no rescale of the output); past
+  // it, m becomes the exact max. The sum is of the probabilities before any bf16 rounding, as transformers'
+  // float32 softmax normalises them. Every step depends on this row's scores alone.
+  template <typename P>
+  static void softmax_lazy(const float* row, P* p, float unit, float& m, float* l, float& alpha) {
     constexpr float LAZY = 8.f;
     const __m512 u = _mm512_set1_ps(unit);
     __m512 t[4] = {};
@@ -329,7 +351,7 @@ class Prefill {
       const f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
       const float m_new = std::max(m, tree_max(mx) * unit);
       if (m_new == NEG_INF) {  // nothing seen yet: this block adds nothing either
-        std::memset(p16, 0, KEYS * sizeof(uint16_t));
+        std::memset(p, 0, KEYS * sizeof(P));
         return;
       }
       alpha = m == NEG_INF ? 0.f : std::exp2(m - m_new);
@@ -339,9 +361,12 @@ class Prefill {
     }
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha));
     for (int v = 0; v < 4; ++v) {
-      const __m512 p = exp2_probability(t[v]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + 16 * v), (__m256i)_mm512_cvtneps_pbh(p));
-      sum = _mm512_add_ps(sum, p);
+      const __m512 e = exp2_probability<std::is_same_v<P, float>>(t[v]);
+      if constexpr (std::is_same_v<P, float>)
+        _mm512_storeu_ps(p + 16 * v, e);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
+      sum = _mm512_add_ps(sum, e);
     }
     _mm512_storeu_ps(l, sum);
   }
@@ -405,7 +430,7 @@ class Prefill {
     const int64_t b = it.seq, h = it.head, nq = std::min(QBLK, a_.q_lens[b] - it.q0);
     const int64_t rows = G_ * nq, D = D_, kv_len = a_.kv_lens[b];
     const int64_t pos0 = first_pos(b) + it.q0;  // row r: query head h * G + r / nq at position pos0 + r % nq
-    [[maybe_unused]] const float unit = a_.scale * LOG2E;  // dp(): a score's factor into exp2's units
+    [[maybe_unused]] const float unit = a_.scale * LOG2E;  // lazy(): a score's factor into exp2's units
     w.q.resize(rows * D);
     w.o.assign((rows + 15) / 16 * 16 * D, 0.f);  // AMX: whole tiles of rows
     w.m.assign(rows, NEG_INF);
@@ -423,7 +448,7 @@ class Prefill {
       if constexpr (dp())
         std::memcpy(w.q16.data() + r * D, src, D * sizeof(uint16_t));
       else
-        for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = load(src + d) * a_.scale;
+        for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = lazy() ? load(src + d) : load(src + d) * a_.scale;
     }
     const int64_t last = pos0 + nq - 1;
     for (int64_t block = block_lo(b, it.q0); block <= last / KEYS; ++block) {
@@ -464,11 +489,12 @@ class Prefill {
               store16(row + 16 * v, (j < j_lo) | (j >= j_hi) ? neg : load16(row + 16 * v));
             }
           }
-#if GRAPHDECODE_PREFILL_DP
-          if constexpr (dp()) {
-            softmax_dp(row, w.p16.data() + m * KEYS, unit, w.m[r], w.l.data() + 16 * r, w.alpha[r]);
-            continue;
-          }
+#if GRAPHDECODE_PREFILL_LAZY
+          if constexpr (dp())
+            softmax_lazy(row, w.p16.data() + m * KEYS, unit, w.m[r], w.l.data() + 16 * r, w.alpha[r]);
+          else
+            softmax_lazy(row, row, unit, w.m[r], w.l.data() + 16 * r, w.alpha[r]);
+          continue;
 #endif
           f32x16 mx = max16(max16(load16(row), load16(row + 16)), max16(load16(row + 32), load16(row + 48)));
           const float m_new = std::max(w.m[r], tree_max(mx));
@@ -524,7 +550,7 @@ class Prefill {
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = h * G_ + r / nq;
-      float m = dp() ? w.m[r] * LN2 : w.m[r], l = tree_sum(load16(w.l.data() + 16 * r)), factor = 1.f;
+      float m = lazy() ? w.m[r] * LN2 : w.m[r], l = tree_sum(load16(w.l.data() + 16 * r)), factor = 1.f;
       if (a_.sinks) {  // the sink's logit joins the denominator and attends nothing
         const float sink = a_.sinks[head], m2 = std::max(m, sink);
         factor = std::exp(m - m2);
