@@ -269,16 +269,16 @@ constexpr int PANEL_MR = 6;    // rows per register tile: 24 accumulators
 constexpr int64_t LINE = 64;   // bytes per cache line
 
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
-// prefetched, `per_k` of them at each k step
+// prefetched, `per_k` of them at each of the first k steps (the steps that prefetch run as a loop of their own,
+// one line a step where per_k is 1: the steps after them carry no prefetch bookkeeping)
 template <int R, typename TX, typename TW>
 inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
                        float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
   f32x16 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
-  for (int64_t k = k0; k < k1; ++k) {
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
     const TW* w = panel + k * PANEL;
-    for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
     const f32x16 w0 = load16(w), w1 = load16(w + 16), w2 = load16(w + 32), w3 = load16(w + 48);
 #pragma GCC unroll 8
     for (int m = 0; m < R; ++m) {
@@ -288,7 +288,23 @@ inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict
       acc[m][2] += a * w2;
       acc[m][3] += a * w3;
     }
+  };
+  int64_t k = k0;
+  if (lines > 0 && per_k > 0) {
+    const int64_t prefetching = std::min(k1 - k0, (lines + per_k - 1) / per_k);
+    if (per_k == 1) {
+      for (; k < k0 + prefetching; ++k, pf += LINE) {
+        __builtin_prefetch(pf, 0, 3);
+        step(k);
+      }
+    } else {
+      for (; k < k0 + prefetching; ++k) {
+        for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
+        step(k);
+      }
+    }
   }
+  for (; k < k1; ++k) step(k);
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
 }
