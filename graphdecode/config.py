@@ -518,9 +518,9 @@ class EngineConfig:
         if device.type != "cpu":
             raise ValueError("pipeline_parallel_size: pipeline stages run on CPU ranks (gloo) so far; on CUDA use "
                              "tensor_parallel_size")
-        if speculative["speculative_method"] not in (None, "ngram"):  # a draft reads the target's layers or its own
+        if speculative["speculative_method"] not in (None, "ngram", "draft_model"):  # a head reads the target's layers
             raise ValueError(f"pipeline_parallel_size: speculative decoding with {speculative['speculative_method']!r} "
-                             f"drafts does not run over pipeline stages yet (n-gram drafts do)")
+                             f"drafts does not run over pipeline stages yet (n-gram drafts and draft models do)")
         if cfg.linear is not None:
             raise ValueError("pipeline_parallel_size: a hybrid model's recurrent layers do not run over pipeline "
                              "stages yet; use tensor_parallel_size")

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU (gloo): PP=2 and TP=2 x PP=2 give TP=1's tokens (greedy, seeded, n > 1, logprobs,
-chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin), each stage holds
-only its layers' weights and KV pages, a partition is honoured, and what stages cannot run yet is refused by
-name."""
+chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin, n-gram and draft-model
+speculation), each stage holds only its layers' weights and KV pages, a partition is honoured, and what stages
+cannot run yet is refused by name."""
 
 from __future__ import annotations
 
@@ -141,6 +141,20 @@ def test_ngram_speculation_over_stages(three_layers):
         assert llm.stats()["spec_draft_tokens"] > 0
 
 
+def test_draft_model_speculation_over_stages(three_layers):
+    """A draft model replicated on every stage (each rank drafts the same tokens from the same shared logits), its
+    target verified over the stages: single-rank plain decoding's tokens, greedy and seeded; a self-draft's greedy
+    drafts all accepted."""
+    prompts = token_prompts(random_prompts(6, [1, 17, 40, 90]))
+    spec = {"method": "draft_model", "model": three_layers, "num_speculative_tokens": 2}
+    want = [outputs(LLM(three_layers, **SMALL_ENGINE), prompts, params) for params in CASES[:2]]
+    with LLM(three_layers, pipeline_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as llm:
+        greedy = outputs(llm, prompts, CASES[0])
+        stats = llm.stats()
+        assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
+        assert [greedy, outputs(llm, prompts, CASES[1])] == want
+
+
 def test_a_dead_stage_is_named(three_layers):
     llm = LLM(three_layers, pipeline_parallel_size=2, **SMALL_ENGINE)
     (pid,) = llm.engine.executor.worker_pids
@@ -155,8 +169,6 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
         (dict(pipeline_parallel_size=2, pp_layer_partition=[3]), "pp_layer_partition"),
         (dict(pipeline_parallel_size=2, pp_layer_partition="0,3"), "pp_layer_partition"),
         (dict(pipeline_parallel_size=2, pp_layer_partition="a,b"), "pp_layer_partition"),
-        (dict(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": three_layers,
-                                                             "num_speculative_tokens": 2}), "'draft_model' drafts"),
         (dict(pipeline_parallel_size=2, nnodes=4), "nnodes"),
         (dict(pipeline_parallel_size=3, pp_micro_batches=2), "pp_micro_batches"),
         (dict(pipeline_parallel_size=2, pp_micro_batches=0), "pp_micro_batches"),
@@ -166,5 +178,7 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
             LLM(three_layers, **kwargs)
     with pytest.raises(ValueError, match="hybrid"):
         LLM(tiny_models["nemotron_h"], pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="'eagle3' drafts"):  # a head reads hidden states of every stage
+        LLM(three_layers, pipeline_parallel_size=2, speculative_config={"method": "eagle3", "model": three_layers})
     with pytest.raises(ValueError, match="layer loop of its own"):  # Phi-3's longrope switch
         LLM(tiny_models["phi3_longrope"], pipeline_parallel_size=2, **SMALL_ENGINE)
