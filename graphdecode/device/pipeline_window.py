@@ -12,13 +12,41 @@ unit u - G (its micro-batch's previous step) before it starts unit u, so every s
 
 Each micro-batch's rows are sampled, recorded and advanced as the whole bucket's are in decode_window (the same
 sample_into, advance_step's per-row part on the rows, the bounds checks): a row's tokens are the same as
-without micro-batches. CPU ranks (gloo), backends that read block tables directly (no CSR metadata).
+without micro-batches. Only the last stage samples (the sampler is stateless: its noise is keyed by seed and
+position): what goes to every rank is the micro-batch's tokens and, where the window reports them, their
+logprobs (`shared_sample`), not its [rows, vocab] logits. CPU ranks (gloo), backends that read block tables
+directly (no CSR metadata).
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..attention.backend import ForwardContext
+from .sampler import LogprobsOut
 from .window import sample_into
+
+
+def shared_sample(stage, sampled: tuple | None, rows: int, num_logprobs: int, device: torch.device) -> tuple:
+    """The last stage's (tokens [R], LogprobsOut or None) on every rank (`sampled`: the last stage's; None
+    elsewhere), as one broadcast of float64 rows [token, logprob, rank, N top ids, N top logprobs] (ids and
+    ranks exact in float64, logprobs float32 values)."""
+    width = 1 + (2 + 2 * num_logprobs if num_logprobs else 0)
+    if sampled is None:
+        packed = torch.empty(rows, width, dtype=torch.float64, device=device)
+    else:
+        tokens, logprobs = sampled
+        parts = [tokens[:, None]]
+        if num_logprobs:
+            parts += [logprobs.sampled[:, None], logprobs.rank[:, None], logprobs.top_ids, logprobs.top_logprobs]
+        packed = torch.cat([part.to(torch.float64) for part in parts], dim=1)
+    stage.share(packed)
+    tokens = packed[:, 0].to(torch.int64)
+    if not num_logprobs:
+        return tokens, None
+    n = num_logprobs
+    return tokens, LogprobsOut(packed[:, 1].to(torch.float32), packed[:, 2].to(torch.int64),
+                               packed[:, 3:3 + n].to(torch.int64), packed[:, 3 + n:].to(torch.float32))
 
 
 def micro_batches(bucket: int, count: int) -> list[tuple[int, int]]:
@@ -41,9 +69,12 @@ def pipelined_window(model, sampler, backend, state, bucket: int, num_decode_ste
         step, g = units[u]
         r0, r1 = groups[g]
         rows = slice(r0, r1)
-        logits = model.shared_logits(held.pop(u), r1 - r0)
         next_pos = state.positions[rows] + 1
-        tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])
+
+        def share(sampled):
+            return shared_sample(stage, sampled, r1 - r0, variant.num_logprobs, next_pos.device)
+
+        tokens = sample_into(state, sampler, held.pop(u), rows, step + 1, next_pos, variant, state.done[rows], share)
         state.advance_rows(r0, r1, tokens, page_size)
 
     lag = stage.size - 1 - stage.index  # units this stage runs ahead of the broadcasts

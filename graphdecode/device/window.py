@@ -26,11 +26,14 @@ def sample_into(
     next_pos: torch.Tensor,  # [R] int64: index of the token being sampled
     variant: SamplerVariant,
     done_before: torch.Tensor | None,  # [R] bool, or None when all rows are live
+    share=None,  # (tokens, logprobs) or None -> the same on every rank: one rank sampled (pipeline_window.py)
 ) -> torch.Tensor:
     """Sample R rows, write output column `column` and the done flags; returns tokens [R].
-    Each feature the variant uses records the sampled token (device/features/)."""
+    Each feature the variant uses records the sampled token (device/features/). With `share`, only the ranks
+    given logits sample; every rank records what `share` hands it."""
     params = state.sampling_rows(rows, variant.penalties, variant.structured)
-    tokens, logprobs = sampler(logits, params, next_pos, variant)
+    sampled = sampler(logits, params, next_pos, variant) if logits is not None else None
+    tokens, logprobs = sampled if share is None else share(sampled)
     if done_before is None:
         done_before = torch.zeros_like(tokens, dtype=torch.bool)
     else:

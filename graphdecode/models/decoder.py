@@ -366,16 +366,16 @@ class DecoderForCausalLM(nn.Module):
 
     def stage_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sends: list) -> torch.Tensor | None:
         """A pipeline stage's part of one decode step of these rows (device/pipeline_window.py): the last stage's
-        logits [R, vocab] float32, not yet shared; elsewhere None, the hidden states sent on without waiting (the
-        send's handle appended to `sends`)."""
+        logits [R, vocab] float32, which only it samples; elsewhere None, the hidden states sent on without waiting
+        (the send's handle appended to `sends`)."""
         hidden, _ = self.forward_aux(input_ids, positions, ctx, sends=sends)
         return self._logits(hidden).contiguous() if self.stage.last else None
 
     def shared_logits(self, logits: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """stage_logits' result on every rank: the last stage's logits (None elsewhere: received into [rows, V])."""
+        """The last stage's logits on every rank (None elsewhere: received into [rows, V])."""
         if logits is None:
             logits = torch.empty(rows, self.config.vocab_size, dtype=torch.float32, device=self.anchor().device)
-        return self.stage.share_logits(logits)
+        return self.stage.share(logits)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""

@@ -8,9 +8,9 @@ tensor-parallel group of its own, and stage s's tensor rank t hands its hidden s
 Every rank runs the same plan (the driver broadcasts it to all), so each forward is the same on every stage:
 the first stage embeds and runs its layers, each later stage receives the hidden states [T, hidden] (`recv`)
 instead of embedding, runs its own layers and sends them on (`send`); the last stage applies the final norm and
-the LM head, and its logits go to every rank (`share_logits`, from the last stage's tensor rank 0), so that
-every rank samples the same tokens with the same noise and advances the same decode state, as tensor-parallel
-ranks do from their gathered logits. A stage holds only its layers' weights (others are `MissingLayer`s: no
+the LM head, and its logits go to every rank (`share`, from the last stage's tensor rank 0), so that every rank
+samples the same tokens with the same noise and advances the same decode state, as tensor-parallel ranks do from
+their gathered logits (micro-batched windows share the last stage's sampled tokens instead: pipeline_window.py). A stage holds only its layers' weights (others are `MissingLayer`s: no
 parameters, their checkpoint tensors skipped) and only their KV cache; the embedding lives on the first stage
 (and on the last where a tied head reads it), the LM head on the last.
 """
@@ -80,10 +80,11 @@ class PipelineStage:
             return None
         return dist.isend(hidden.contiguous(), self.next_rank)
 
-    def share_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The last stage's logits on every rank (in place: others pass an empty tensor of the shape)."""
-        dist.broadcast(logits, self.logits_rank)
-        return logits
+    def share(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's tensor on every rank (in place: others pass an empty tensor of the shape): its logits,
+        or a micro-batch's sampled tokens (device/pipeline_window.py)."""
+        dist.broadcast(tensor, self.logits_rank)
+        return tensor
 
 
 class MissingLayer(nn.Module):
