@@ -11,8 +11,9 @@
 // query heads of the KV head stacked as its rows, so every K and V block it reads serves G heads.
 // For each key block the item visits, tiles of MR (6) rows compute their 6 x 64 scores in 24 vector
 // registers (per d: four loads of the packed keys, one broadcast a row), mask the block's edge
-// (causal diagonal, sliding window), update each row's running max and sum, and add P @ V into the
-// row's output: 6 rows x 64 of D in 24 registers, per key four loads of its V row (widened from bf16
+// (causal diagonal, sliding window), update each row's running max and sum (with AVX-512: softmax_lazy, scores
+// in log2 units, the max moved only when a block passes it by more than 8, 2^t by exp2_probability), and add
+// P @ V into the row's output: 6 rows x 64 of D in 24 registers, per key four loads of its V row (widened from bf16
 // where the cache is bf16) and one broadcast of each row's probability. Arithmetic is float32, except
 // bf16 on a CPU with avx512_bf16: both GEMMs as vdpbf16ps over K and V packed in pairs, the queries and
 // each tile's probabilities taken as bf16 (as transformers' bf16 attention rounds them), sums float32, the
