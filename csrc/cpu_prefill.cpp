@@ -320,7 +320,8 @@ class Prefill {
   // pairs: the queries and the probabilities rounded to bf16 first, as transformers' bf16 attention rounds
   // them (its scores and probabilities are bf16 tensors), the sums float32
   static constexpr bool dp() { return GRAPHDECODE_PREFILL_DP && sizeof(T) == 2; }
-  // AVX-512: softmax_lazy's exp2 of scores in log2 units (the queries unscaled), else exp16 of scaled queries'
+  // AVX-512: softmax_lazy over scores in log2 units (the queries unscaled); else exp16 over the scaled queries'
+  // scores
   static constexpr bool lazy() { return GRAPHDECODE_PREFILL_LAZY; }
 
   int64_t first_pos(int64_t b) const { return a_.kv_lens[b] - a_.q_lens[b]; }

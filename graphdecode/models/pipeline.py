@@ -10,9 +10,10 @@ the first stage embeds and runs its layers, each later stage receives the hidden
 instead of embedding, runs its own layers and sends them on (`send`); the last stage applies the final norm and
 the LM head, and its logits go to every rank (`share`, from the last stage's tensor rank 0), so that every rank
 samples the same tokens with the same noise and advances the same decode state, as tensor-parallel ranks do from
-their gathered logits (micro-batched windows share the last stage's sampled tokens instead: pipeline_window.py). A stage holds only its layers' weights (others are `MissingLayer`s: no
-parameters, their checkpoint tensors skipped) and only their KV cache; the embedding lives on the first stage
-(and on the last where a tied head reads it), the LM head on the last.
+their gathered logits (micro-batched windows share the last stage's sampled tokens instead: pipeline_window.py).
+A stage holds only its layers' weights (others are `MissingLayer`s: no parameters, their checkpoint tensors
+skipped) and only their KV cache; the embedding lives on the first stage (and on the last where a tied head reads
+it), the LM head on the last.
 """
 
 from __future__ import annotations
