@@ -368,7 +368,7 @@ class EngineConfig:
         dtype = self._resolve_dtype(cfg, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
         self._check_tensor_parallel(cfg, device)
-        partition = self._check_pipeline(cfg, device, speculative)
+        partition = self._check_pipeline(cfg, device)
         if cfg.linear is not None:
             _check_hybrid(cfg, speculative, self.tensor_parallel_size)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
@@ -493,7 +493,7 @@ class EngineConfig:
         """The engine's ranks: tensor_parallel_size in each of pipeline_parallel_size stages."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-    def _check_pipeline(self, cfg: ModelConfig, device: torch.device, speculative: dict) -> tuple[int, ...] | None:
+    def _check_pipeline(self, cfg: ModelConfig, device: torch.device) -> tuple[int, ...] | None:
         """pp_layer_partition as a tuple (None: the even split); ValueError naming what pipeline stages cannot run."""
         pp, layers, partition = self.pipeline_parallel_size, cfg.decoder_layers, self.pp_layer_partition
         if partition is not None:
@@ -518,9 +518,6 @@ class EngineConfig:
         if device.type != "cpu":
             raise ValueError("pipeline_parallel_size: pipeline stages run on CPU ranks (gloo) so far; on CUDA use "
                              "tensor_parallel_size")
-        if speculative["speculative_method"] not in (None, "ngram", "draft_model"):  # a head reads the target's layers
-            raise ValueError(f"pipeline_parallel_size: speculative decoding with {speculative['speculative_method']!r} "
-                             f"drafts does not run over pipeline stages yet (n-gram drafts and draft models do)")
         if cfg.linear is not None:
             raise ValueError("pipeline_parallel_size: a hybrid model's recurrent layers do not run over pipeline "
                              "stages yet; use tensor_parallel_size")

@@ -458,6 +458,25 @@ def assert_head_state_follows(spec, reference) -> None:
             torch.testing.assert_close(head.prenorm[row], out, atol=2e-4, rtol=1e-4)
 
 
+def assert_head_drafts_over_stages(model: str, spec: dict, prompts: list[dict], cases: list, **engine) -> list:
+    """A draft head over two pipeline stages (replicated on every rank, reading hidden states carried across the
+    hand-off and shared by the last stage) drafts what it drafts on one rank: speculating in every window, the
+    same completions and the same draft and accepted counts, with drafts accepted (a hot seeded case). Returns
+    the completions of each case."""
+    from graphdecode import LLM
+
+    runs = []
+    for pp in (1, 2):
+        with LLM(model, pipeline_parallel_size=pp, speculative_config=spec, **engine) as llm:
+            llm.engine.spec_policy.speculate = lambda bucket: True
+            got = [completions(llm.generate(prompts, params)) for params in cases]
+            stats = llm.stats()
+            runs.append((got, stats["spec_draft_tokens"], stats["spec_accepted_tokens"]))
+    assert runs[1] == runs[0]
+    assert runs[1][1] > runs[1][2] > 0
+    return runs[1][0]
+
+
 def with_tokenizer(model_dir: str, tokenizer_dir: str, path) -> str:
     """A copy of `model_dir` at `path` with `tokenizer_dir`'s tokenizer files (for text prompts and constraints)."""
     shutil.copytree(model_dir, path)

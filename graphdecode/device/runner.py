@@ -133,8 +133,9 @@ class ModelRunner:
             use_graphs=config.cuda_graphs, writes=self.window_writes,
             drafter=drafter,
             commit_states=self.model.commit_verified if self.states is not None else None,
-            pipeline=(self.model, config.pp_micro_batches) if tp.stage.size > 1 and config.pp_micro_batches > 1
-            else None,
+            # micro-batched plain windows, but where a draft head follows every plain step (draft_head.py)
+            pipeline=(self.model, config.pp_micro_batches)
+            if tp.stage.size > 1 and config.pp_micro_batches > 1 and self.head is None else None,
         )
         self.pythonizer = Pythonizer(self.state, self.device)
         with torch.inference_mode():

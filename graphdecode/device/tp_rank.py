@@ -141,5 +141,6 @@ def parallel_groups(rank: int, config) -> TPGroup:
     index, tensor_rank = divmod(rank, tp)
     layers = partition_layers(config.model_config.decoder_layers, pp, config.pp_layer_partition)
     stage = PipelineStage(index, pp, layers[index], prev_rank=rank - tp if index else -1,
-                          next_rank=rank + tp if index < pp - 1 else -1, logits_rank=(pp - 1) * tp)
+                          next_rank=rank + tp if index < pp - 1 else -1, logits_rank=(pp - 1) * tp,
+                          every_embedding=config.speculative_method in ("eagle3", "mtp"))
     return TPGroup(tensor_rank, tp, groups[index], stage)

@@ -228,7 +228,8 @@ class DecoderForCausalLM(nn.Module):
                              f"pipeline stages do not split yet; use tensor_parallel_size")
         layers = [self.make_layer(i, tp) if stage.holds(i) else MissingLayer(self.layer_spec(i))
                   for i in range(cfg.decoder_layers)]
-        embeds = stage.first or (cfg.tie_word_embeddings and stage.last)  # the embedding, or the tied head's weight
+        # the embedding, the tied head's weight, or a draft head's embedding
+        embeds = stage.first or (cfg.tie_word_embeddings and stage.last) or stage.every_embedding
         self.model = DecoderModel(cfg, tp, layers, self.norm_offset, embeds)
         if not cfg.tie_word_embeddings:  # the logits are the last stage's
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp) if stage.last else None
@@ -336,14 +337,14 @@ class DecoderForCausalLM(nn.Module):
                     sends: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final hidden states [T, hidden], the hidden states entering each of `aux_layers` (ascending),
         concatenated [T, len(aux_layers) x hidden], what an EAGLE-3 head reads; None without aux_layers).
-        A pipeline stage but the last sends its hidden states on and returns them un-normed: at once, the send's
-        handle appended to `sends`, where it is given; else waiting for the send.
+        A pipeline stage but the last sends its hidden states on (with the inputs of `aux_layers` seen so far
+        beside them: models/pipeline.py) and returns them un-normed: at once, the send's handle appended to
+        `sends`, where it is given; else waiting for the send.
         A family with its own layer loop overrides this, not forward()."""
-        hidden = self._stage_input(input_ids)
+        hidden, saved = self._stage_input(input_ids, aux_layers)
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
             return self.model.norm(hidden), aux
-        saved = []
         for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
             if not self.stage.holds(i):
                 continue
@@ -351,18 +352,23 @@ class DecoderForCausalLM(nn.Module):
                 saved.append(hidden)  # each layer returns a new tensor: nothing writes it later
             hidden = layer(positions, hidden, rotary, ctx)
         if not self.stage.last:  # the next stage goes on; this one's rows only shape the logits it will receive
-            handle = self.stage.send(hidden, wait=sends is None)
+            handle = self.stage.send(torch.cat([hidden, *saved], dim=-1) if saved else hidden, wait=sends is None)
             if sends is not None:
                 sends.append(handle)
             return hidden, None
         return self.model.norm(hidden), torch.cat(saved, dim=-1) if saved else None
 
-    def _stage_input(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The hidden states entering this stage's layers: the embedding (first stage), or the previous stage's."""
+    def _stage_input(self, input_ids: torch.Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list]:
+        """(The hidden states entering this stage's layers, the inputs of the `aux_layers` before them): the
+        embedding (first stage), or the previous stage's hand-off."""
         if self.stage.first:
-            return self.embed(input_ids)
-        weight = self.anchor()
-        return self.stage.recv(input_ids.shape[0], self.config.hidden_size, weight.dtype, weight.device)
+            return self.embed(input_ids), []
+        weight, width = self.anchor(), self.config.hidden_size
+        carried = sum(1 for i in aux_layers if i < self.stage.layers.start)
+        received = self.stage.recv(input_ids.shape[0], width * (1 + carried), weight.dtype, weight.device)
+        if not carried:
+            return received, []
+        return received[:, :width].contiguous(), list(received[:, width:].split(width, dim=-1))
 
     def stage_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx, sends: list) -> torch.Tensor | None:
         """A pipeline stage's part of one decode step of these rows (device/pipeline_window.py): the last stage's
@@ -386,7 +392,11 @@ class DecoderForCausalLM(nn.Module):
         """(final hidden states, the hidden states a draft head reads): the inputs of `aux_layers`
         [T, 3 x hidden] (an EAGLE-3 head), or with None the final hidden states [T, hidden] (an MTP layer)."""
         hidden, aux = self.forward_aux(input_ids, positions, ctx, aux_layers or ())
-        return hidden, hidden if aux_layers is None else aux
+        read = hidden if aux_layers is None else aux
+        if self.stage.size > 1:  # the last stage's, on every rank (each runs the head)
+            width = self.config.hidden_size * (1 if aux_layers is None else len(aux_layers))
+            read = self.stage.share(read if self.stage.last else hidden.new_empty(hidden.shape[0], width))
+        return hidden, read
 
     def logits_and_aux(self, aux_layers: tuple[int, ...] | None):
         """A window's forward that also returns the hidden states a draft head reads (forward_for_head):

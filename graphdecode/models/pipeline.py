@@ -14,6 +14,12 @@ their gathered logits (micro-batched windows share the last stage's sampled toke
 A stage holds only its layers' weights (others are `MissingLayer`s: no parameters, their checkpoint tensors
 skipped) and only their KV cache; the embedding lives on the first stage (and on the last where a tied head reads
 it), the LM head on the last.
+
+A draft head (EAGLE-3, MTP: device/draft_head.py) runs replicated on every rank, as a draft model does: the hidden
+states it reads are the inputs of layers on several stages (EAGLE-3) or the final ones (MTP), so each hand-off
+carries, beside the hidden states, the head's layers' inputs seen so far ([T, hidden x (1 + carried)]), and the
+last stage shares what the head reads with every rank; every stage then holds the embedding (the head embeds its
+tokens with the target's).
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ def partition_layers(num_layers: int, stages: int, partition: tuple[int, ...] | 
 class PipelineStage:
     """This rank's stage (the default: the only one, every layer). layers: the decoder layers it holds (None:
     all); ranks: the global ranks of the previous and next stages' same tensor rank, and of the rank whose logits
-    every rank takes (the last stage's tensor rank 0)."""
+    every rank takes (the last stage's tensor rank 0). every_embedding: every stage holds the embedding (a draft
+    head on every rank embeds its tokens with the target's)."""
 
     index: int = 0
     size: int = 1
@@ -55,6 +62,7 @@ class PipelineStage:
     prev_rank: int = -1
     next_rank: int = -1
     logits_rank: int = -1
+    every_embedding: bool = False
 
     @property
     def first(self) -> bool:
@@ -83,7 +91,7 @@ class PipelineStage:
 
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's tensor on every rank (in place: others pass an empty tensor of the shape): its logits,
-        or a micro-batch's sampled tokens (device/pipeline_window.py)."""
+        a micro-batch's sampled tokens (device/pipeline_window.py), or the hidden states a draft head reads."""
         dist.broadcast(tensor, self.logits_rank)
         return tensor
 

@@ -22,6 +22,7 @@ from graphdecode.models.moe import MoEConfig, route
 from tests.helpers import (
     add_nextn_layer,
     assert_graph_twin_gives_plain_tokens,
+    assert_head_drafts_over_stages,
     assert_head_state_follows,
     assert_hf_tokens_on_every_path,
     assert_same_outputs,
@@ -197,3 +198,13 @@ def test_graph_twin_bounds_and_mtp_give_the_plain_tokens(glm):
     """The family's layers and its MTP layer in captured windows (the CPU graph twin, bounds-checked), chunked
     prefill, speculative and plain windows alternating: plain decoding's tokens."""
     assert_graph_twin_gives_plain_tokens(glm["mtp"], MTP, token_prompts(random_prompts(5, [4, 30, 70], seed=9)))
+
+
+def test_mtp_drafts_over_pipeline_stages(glm):
+    """The MTP layer over two stages (it reads the last stage's final hidden states, shared with every rank, and
+    embeds with the target's embedding, which every stage then holds): one rank's drafts and acceptance, and
+    plain decoding's tokens."""
+    batch = token_prompts(prompts(4, seed=9))
+    hot = SamplingParams(temperature=1.5, seed=5, max_tokens=16, ignore_eos=True)
+    got = assert_head_drafts_over_stages(glm["mtp"], MTP, batch, [GREEDY, hot], **ENGINE)
+    assert got == [completions(LLM(glm["plain"], **ENGINE).generate(batch, params)) for params in (GREEDY, hot)]

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU (gloo): PP=2 and TP=2 x PP=2 give TP=1's tokens (greedy, seeded, n > 1, logprobs,
-chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin, n-gram and draft-model
-speculation), each stage holds only its layers' weights and KV pages, a partition is honoured, and what stages
-cannot run yet is refused by name."""
+chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin, n-gram, draft-model
+and EAGLE-3 speculation), each stage holds only its layers' weights and KV pages, a partition is honoured, and
+what stages cannot run yet is refused by name."""
 
 from __future__ import annotations
 
@@ -14,9 +14,17 @@ from transformers import LlamaConfig
 
 from graphdecode import LLM, SamplingParams
 from graphdecode.default_model import save_random_model
+from graphdecode.models.eagle3_checkpoint import random_eagle3_head
 from graphdecode.models.pipeline import partition_layers
 from graphdecode.structured import StructuredOutputsParams
-from tests.helpers import SMALL_ENGINE, assert_rank_loss_named, random_prompts, token_prompts
+from tests.helpers import (
+    SMALL_ENGINE,
+    assert_head_drafts_over_stages,
+    assert_rank_loss_named,
+    completions,
+    random_prompts,
+    token_prompts,
+)
 
 CASES = [
     SamplingParams(temperature=0, max_tokens=16),
@@ -155,6 +163,18 @@ def test_draft_model_speculation_over_stages(three_layers):
         assert [greedy, outputs(llm, prompts, CASES[1])] == want
 
 
+def test_eagle3_head_over_stages(three_layers, tmp_path):
+    """An EAGLE-3 head reading a layer of each stage (layers 0 and 1 on the first, 2 on the second), through
+    chunked prefills: one rank's drafts, acceptance and tokens, which are plain decoding's."""
+    head = random_eagle3_head(str(tmp_path / "head"), three_layers, draft_vocab_size=200, aux_layers=(0, 1, 2))
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+    prompts = token_prompts(random_prompts(6, [1, 17, 40, 90]))
+    hot = SamplingParams(n=2, temperature=1.5, seed=5, max_tokens=16, ignore_eos=True)
+    engine = dict(SMALL_ENGINE, max_num_batched_tokens=32)
+    got = assert_head_drafts_over_stages(three_layers, spec, prompts, [CASES[0], hot], **engine)
+    assert got == [completions(LLM(three_layers, **engine).generate(prompts, params)) for params in (CASES[0], hot)]
+
+
 def test_a_dead_stage_is_named(three_layers):
     llm = LLM(three_layers, pipeline_parallel_size=2, **SMALL_ENGINE)
     (pid,) = llm.engine.executor.worker_pids
@@ -178,7 +198,5 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
             LLM(three_layers, **kwargs)
     with pytest.raises(ValueError, match="hybrid"):
         LLM(tiny_models["nemotron_h"], pipeline_parallel_size=2)
-    with pytest.raises(ValueError, match="'eagle3' drafts"):  # a head reads hidden states of every stage
-        LLM(three_layers, pipeline_parallel_size=2, speculative_config={"method": "eagle3", "model": three_layers})
     with pytest.raises(ValueError, match="layer loop of its own"):  # Phi-3's longrope switch
         LLM(tiny_models["phi3_longrope"], pipeline_parallel_size=2, **SMALL_ENGINE)
