@@ -518,9 +518,6 @@ class EngineConfig:
         if device.type != "cpu":
             raise ValueError("pipeline_parallel_size: pipeline stages run on CPU ranks (gloo) so far; on CUDA use "
                              "tensor_parallel_size")
-        if cfg.linear is not None:
-            raise ValueError("pipeline_parallel_size: a hybrid model's recurrent layers do not run over pipeline "
-                             "stages yet; use tensor_parallel_size")
         from .models.decoder import DecoderForCausalLM
         from .models.registry import model_class
 

@@ -458,16 +458,18 @@ def assert_head_state_follows(spec, reference) -> None:
             torch.testing.assert_close(head.prenorm[row], out, atol=2e-4, rtol=1e-4)
 
 
-def assert_head_drafts_over_stages(model: str, spec: dict, prompts: list[dict], cases: list, **engine) -> list:
+def assert_head_drafts_over_stages(model: str, spec: dict, prompts: list[dict], cases: list, partition=None,
+                                   **engine) -> list:
     """A draft head over two pipeline stages (replicated on every rank, reading hidden states carried across the
     hand-off and shared by the last stage) drafts what it drafts on one rank: speculating in every window, the
     same completions and the same draft and accepted counts, with drafts accepted (a hot seeded case). Returns
-    the completions of each case."""
+    the completions of each case. partition: the stages' pp_layer_partition."""
     from graphdecode import LLM
 
     runs = []
     for pp in (1, 2):
-        with LLM(model, pipeline_parallel_size=pp, speculative_config=spec, **engine) as llm:
+        stages = dict(pipeline_parallel_size=2, pp_layer_partition=partition) if pp == 2 else {}
+        with LLM(model, speculative_config=spec, **stages, **engine) as llm:
             llm.engine.spec_policy.speculate = lambda bucket: True
             got = [completions(llm.generate(prompts, params)) for params in cases]
             stats = llm.stats()

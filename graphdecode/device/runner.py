@@ -76,12 +76,12 @@ class ModelRunner:
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
-            config.kv_torch_dtype, self.device, tp.stage.layers,  # a pipeline stage: its layers' pages only
+            config.kv_torch_dtype, self.device, cfg.kv_layers_of(tp.stage.layers),  # a stage: its layers' pages
         )
         # a hybrid's recurrent states: a slot per admitted sequence (every one holds a row or a reserved row)
         self.states = None
         if cfg.linear is not None:
-            self.states = StateCache(cfg.linear.local(tp.size), len(cfg.linear_layers),
+            self.states = StateCache(cfg.linear.local(tp.size), len(self.model.linear_layers),  # a stage's own
                                      config.max_batch_size + 1 + config.num_state_snapshots, config.torch_dtype,
                                      self.device)
             self.model.bind_states(self.states)

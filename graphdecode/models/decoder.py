@@ -217,6 +217,7 @@ class DecoderForCausalLM(nn.Module):
     norm_offset = False  # (1 + weight) RMSNorms (Gemma)
     sandwich_norms = False  # norms after attention and around the MLP (Gemma)
     embed_scale = False  # embeddings times sqrt(hidden_size) (Gemma)
+    skipped_parts: tuple[str, ...] = ()  # checkpoint name prefixes of parts the family never runs (a vision tower)
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -226,7 +227,7 @@ class DecoderForCausalLM(nn.Module):
         if stage.size > 1 and type(self).forward_aux is not DecoderForCausalLM.forward_aux:
             raise ValueError(f"pipeline_parallel_size: {type(self).__name__} runs a layer loop of its own, which "
                              f"pipeline stages do not split yet; use tensor_parallel_size")
-        layers = [self.make_layer(i, tp) if stage.holds(i) else MissingLayer(self.layer_spec(i))
+        layers = [self.make_layer(i, tp) if stage.holds(i) else MissingLayer(self.layer_spec(i), cfg.attends(i))
                   for i in range(cfg.decoder_layers)]
         # the embedding, the tied head's weight, or a draft head's embedding
         embeds = stage.first or (cfg.tie_word_embeddings and stage.last) or stage.every_embedding
@@ -241,10 +242,10 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def checkpoint_skipped(self) -> tuple[str, ...]:
-        """The MTP layers stored after the decoder's (DeepSeek-V3's layout, ModelConfig.nextn_layers): read by
-        speculative decoding's "mtp" (models/mtp.py), not by the model."""
-        first = self.config.decoder_layers
-        skipped = tuple(f"model.layers.{i}." for i in range(first, first + self.config.nextn_layers))
+        """The family's skipped parts, and the MTP layers stored after the decoder's (DeepSeek-V3's layout,
+        ModelConfig.nextn_layers): read by speculative decoding's "mtp" (models/mtp.py), not by the model."""
+        first, nextn = self.config.decoder_layers, self.config.nextn_layers
+        skipped = self.skipped_parts + tuple(f"model.layers.{i}." for i in range(first, first + nextn))
         if self.stage.size > 1:  # the other stages' layers, the LM head but on the last stage, the embedding where
             skipped += tuple(f"model.layers.{i}." for i in range(first) if not self.stage.holds(i))
             skipped += () if self.stage.last else ("lm_head.",)
@@ -286,10 +287,16 @@ class DecoderForCausalLM(nn.Module):
 
     def anchor(self) -> torch.Tensor:
         """A weight of the model's dtype on its device: the embedding's, or (a pipeline stage without one) its first
-        layer's o_proj."""
+        attention layer's o_proj, or where it holds none (a hybrid's stage of recurrent layers) its first recurrent
+        layer's out_proj."""
         if self.model.embed_tokens is not None:
             return self.model.embed_tokens.weight
-        return next(layer for layer in self.model.layers if not isinstance(layer, MissingLayer)).self_attn.o_proj.weight
+        held = [layer for layer in self.model.layers if not isinstance(layer, MissingLayer)]
+        for layer in held:
+            attention = getattr(layer, "attention", None) or getattr(layer, "self_attn", None)
+            if attention is not None:
+                return attention.o_proj.weight
+        return next(layer.state_mixer for layer in held if layer.state_mixer is not None).out_proj.weight
 
     def post_load(self, max_positions: int) -> None:
         """Device state made once the weights are in: rope tables, the experts' counters and kernels."""

@@ -170,8 +170,9 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     packed = cls.packed_modules
     tied = model.config.tie_word_embeddings
     extras = getattr(cls, "checkpoint_extras", ())  # tensors the class reads itself (an EAGLE-3 head's id maps)
-    # name prefixes of parts it does not run (a vision tower; the MTP layers after GLM-4.5's decoder), asked of the
-    # model: they may follow its config
+    # name prefixes of parts it does not run (a vision tower; the MTP layers after GLM-4.5's decoder; another
+    # pipeline stage's layers), as the checkpoint or this engine names them, asked of the model: they may follow
+    # its config
     skipped = getattr(model, "checkpoint_skipped", ())
     kept = getattr(model, "checkpoint_only", None)  # the one name prefix it reads, where it reads no other
     params = dict(model.named_parameters())
@@ -188,7 +189,8 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         with _open(path) as f:
             for key in f.keys():
                 if (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras
-                        or key.startswith(skipped) or (kept is not None and not key.startswith(kept))):
+                        or key.startswith(skipped) or _renamed(key, cls).startswith(skipped)
+                        or (kept is not None and not key.startswith(kept))):
                     continue
                 kv_scale = _kv_scale_entry(path, f, key, cls, modules)
                 if kv_scale is not None:

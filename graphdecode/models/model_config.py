@@ -121,6 +121,15 @@ class ModelConfig:
         """The decoder layers that are linear attention (a hybrid's), ascending."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR) if self.linear is not None else ()
 
+    def attends(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a KV cache (an attention layer, not a hybrid's recurrent or MLP-only
+        one)."""
+        return self.linear is None or self.layer_types[layer] in (FULL, SLIDING)
+
+    def kv_layers_of(self, layers: range | None) -> set[int] | None:
+        """The KV-cache layers of these decoder layers (a pipeline stage's); None: all."""
+        return None if layers is None else {self.kv_layer(i) for i in layers if self.attends(i)}
+
     def kv_layer(self, layer: int) -> int:
         """Decoder layer `layer`'s KV-cache layer (a hybrid's attention layers are numbered among themselves)."""
         if self.linear is None:

@@ -98,13 +98,19 @@ class PipelineStage:
 
 class MissingLayer(nn.Module):
     """A decoder layer another stage holds: no parameters, never run. It keeps the layer's index in
-    `model.layers` (checkpoint names stay `model.layers.N.`) and its attention variant (one spec per KV layer)."""
+    `model.layers` (checkpoint names stay `model.layers.N.`) and, where it attends, its attention variant (one spec
+    per KV layer); a hybrid's recurrent layer here has no state (this stage's StateCache holds its own layers')."""
 
     sparse = False
+    state_mixer = None
 
-    def __init__(self, spec: AttentionSpec):
+    def __init__(self, spec: AttentionSpec, attends: bool = True):
         super().__init__()
-        self.self_attn = _MissingAttention(spec)
+        self.self_attn = _MissingAttention(spec) if attends else None
+
+    @property
+    def attention(self):
+        return self.self_attn
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a decoder layer of another pipeline stage was run")

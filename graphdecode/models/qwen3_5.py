@@ -32,14 +32,14 @@ from .rope_config import RopeRules
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     norm_offset = True
-    checkpoint_skipped = ("mtp.",)  # the multi-token-prediction layer: read by models/mtp.py (method "mtp")
+    skipped_parts = ("mtp.",)  # the multi-token-prediction layer: read by models/mtp.py (method "mtp")
 
 
 class Qwen3_5ConditionalForCausalLM(Qwen3_5ForCausalLM):
     """The text part of a Qwen3_5ForConditionalGeneration checkpoint."""
 
     checkpoint_renames = {"model.language_model.": "model."}
-    checkpoint_skipped = ("model.visual.", "mtp.")
+    skipped_parts = ("model.visual.", "mtp.")
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -50,7 +50,7 @@ class Qwen3_5MoeConditionalForCausalLM(Qwen3_5MoeForCausalLM):
     """The text part of a Qwen3_5MoeForConditionalGeneration checkpoint."""
 
     checkpoint_renames = {"model.language_model.": "model."}
-    checkpoint_skipped = ("model.visual.", "mtp.")
+    skipped_parts = ("model.visual.", "mtp.")
 
 
 class Qwen3_5Family(Family):

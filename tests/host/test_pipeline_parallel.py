@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU (gloo): PP=2 and TP=2 x PP=2 give TP=1's tokens (greedy, seeded, n > 1, logprobs,
-chunked prefill, prefix-cache hits, structured outputs, an MoE family, the CPU graph twin, n-gram, draft-model
-and EAGLE-3 speculation), each stage holds only its layers' weights and KV pages, a partition is honoured, and
-what stages cannot run yet is refused by name."""
+chunked prefill, prefix-cache hits, structured outputs, an MoE family, hybrids, the CPU graph twin, n-gram,
+draft-model and EAGLE-3 speculation), each stage holds only its layers' weights and KV pages, a partition is
+honoured, and what stages cannot run yet is refused by name."""
 
 from __future__ import annotations
 
@@ -138,6 +138,33 @@ def test_structured_outputs_over_stages(text_model):
         assert set(json.loads(text)) == {"name", "age"}
 
 
+@pytest.mark.parametrize("name, partition", [("qwen3_5", None), ("nemotron_h", "4,2")])
+def test_hybrids_over_stages(tiny_models, tmp_path, name, partition):
+    """A hybrid's recurrent states split with its layers (each stage's StateCache holds its own recurrent layers,
+    its KV cache its own attention layers): Qwen3.5's three Gated DeltaNet layers on the first stage and its
+    attention layer on the second; Nemotron-H's last stage a Mamba2 and an MLP block, no attention. Chunked
+    prefills, prefix-cache hits (the states' snapshots) and n > 1 give the single rank's tokens; an EAGLE-3 head
+    over layers of both stages, the single rank's drafts and acceptance (verifies that hold and commit the
+    states)."""
+    path = tiny_models[name]
+    prompts = token_prompts(random_prompts(5, [1, 17, 40, 70]))
+    engine = dict(SMALL_ENGINE, dtype="float32", max_num_batched_tokens=32)
+    single = LLM(path, **engine)
+    want = [outputs(single, prompts, params) for params in CASES[:2]]
+    with LLM(path, pipeline_parallel_size=2, pp_layer_partition=partition, **engine) as llm:
+        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+        longer = [{"prompt_token_ids": p["prompt_token_ids"] + [11, 12, 13]} for p in prompts]
+        assert outputs(llm, longer, CASES[0]) == outputs(single, longer, CASES[0])
+        assert llm.stats()["prefix_cache_hits"] > 0
+        sizes = [llm.engine.runner.memory_sizes(), *llm.engine.executor.gather_from_workers("sizes")[1:]]
+    states = [s["state_cache_bytes"] for s in sizes]  # each stage's recurrent layers' slots, no other's
+    assert min(states) > 0 and sum(states) == single.engine.runner.memory_sizes()["state_cache_bytes"]
+    head = random_eagle3_head(str(tmp_path / "head"), path, draft_vocab_size=200, aux_layers=(0, 2, 4))
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+    hot = SamplingParams(n=2, temperature=1.5, seed=5, max_tokens=16, ignore_eos=True)
+    assert_head_drafts_over_stages(path, spec, prompts[:3], [hot], partition, **engine)
+
+
 def test_ngram_speculation_over_stages(three_layers):
     """Drafts verified over the stages (every rank verifies the same logits): plain decoding's tokens."""
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12, 13] * 9},
@@ -196,7 +223,5 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             LLM(three_layers, **kwargs)
-    with pytest.raises(ValueError, match="hybrid"):
-        LLM(tiny_models["nemotron_h"], pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="layer loop of its own"):  # Phi-3's longrope switch
         LLM(tiny_models["phi3_longrope"], pipeline_parallel_size=2, **SMALL_ENGINE)
