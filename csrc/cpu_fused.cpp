@@ -224,4 +224,31 @@ int graphdecode_cpu_rope(const void* q, const void* k, void* q_out, void* k_out,
   return 0;
 }
 
+// out [n, row_bytes] = rows ids[i] of a weight packed in column panels (cpu_linear.cpp: [P][R][64] units of `unit`
+// bytes, a bf16 pair or a float32 / bf16 element; a row's units 64 apart): an embedding lookup in a tied LM head's
+// panels, where torch's strided gather runs element by element on one thread. The first row_bytes bytes of each
+// row's units (pairs padded past K: the padding is not copied). 3: an id outside the panels' rows.
+int graphdecode_cpu_panel_rows(const void* panels, int64_t num_panels, int64_t rows_per_panel, int64_t unit,
+                               const int64_t* ids, int64_t n, void* out, int64_t row_bytes, int32_t threads) {
+  if ((unit != 2 && unit != 4) || n < 0 || row_bytes <= 0 || row_bytes > rows_per_panel * unit || threads < 1 ||
+      (n > 0 && (!panels || !ids || !out)))
+    return 1;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= num_panels * PANEL) return 3;
+  const char* src = static_cast<const char*>(panels);
+  char* dst = static_cast<char*>(out);
+  const int64_t whole = row_bytes / unit, tail = row_bytes - whole * unit, stride = PANEL * unit;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n * whole >= PARALLEL_MIN)
+  for (int64_t i = 0; i < n; ++i) {
+    const char* s = src + ((ids[i] / PANEL) * rows_per_panel * PANEL + ids[i] % PANEL) * unit;
+    char* d = dst + i * row_bytes;
+    if (unit == 4)
+      for (int64_t r = 0; r < whole; ++r) std::memcpy(d + 4 * r, s + r * stride, 4);
+    else
+      for (int64_t r = 0; r < whole; ++r) std::memcpy(d + 2 * r, s + r * stride, 2);
+    if (tail) std::memcpy(d + whole * unit, s + whole * stride, tail);
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -29,7 +29,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 21
+ABI_VERSION = 22
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -59,6 +59,9 @@ class CpuKernels:
         self._swiglu = self._lib.graphdecode_cpu_swiglu
         self._swiglu.restype = ctypes.c_int
         self._swiglu.argtypes = [_P, _I64, _I64, _P, _I32, _I32]
+        self._panel_rows = self._lib.graphdecode_cpu_panel_rows
+        self._panel_rows.restype = ctypes.c_int
+        self._panel_rows.argtypes = [_P] + [_I64] * 3 + [_P, _I64, _P, _I64, _I32]
         self._mask = self._lib.graphdecode_cpu_mask_words
         self._mask.restype = ctypes.c_int
         self._mask.argtypes = [_P, _P, _P] + [_I64] * 4
@@ -254,6 +257,19 @@ class CpuKernels:
         if width % 2 or not gate_up.is_contiguous() or gate_up.dtype not in DTYPE_CODES or self._swiglu(
                 gate_up.data_ptr(), rows, width // 2, out.data_ptr(), DTYPE_CODES[gate_up.dtype], _threads(threads)):
             raise ValueError(f"graphdecode_cpu_swiglu rejected gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
+        return out
+
+    def panel_rows(self, panels: torch.Tensor, ids: torch.Tensor, k: int, threads: int | None = None):
+        """W[ids] -> new [n, k] of the panels' dtype, read from W's column panels ([P, R, 64] or bf16 pairs [P, R,
+        64, 2]; ids [n] int64 in 0 .. 64 P - 1, checked): an embedding lookup in a tied head's panels."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.shape[0], k), dtype=panels.dtype)
+        unit = panels.element_size() * (panels.shape[3] if panels.dim() == 4 else 1)
+        if not panels.is_contiguous() or self._panel_rows(
+                panels.data_ptr(), panels.shape[0], panels.shape[1], unit, ids.data_ptr(), ids.shape[0],
+                out.data_ptr(), k * panels.element_size(), _threads(threads)):
+            raise ValueError(f"graphdecode_cpu_panel_rows rejected panels {tuple(panels.shape)} {panels.dtype}, "
+                             f"{ids.shape[0]} ids (each in 0 .. {panels.shape[0] * 64 - 1}), k {k}")
         return out
 
     def pair_rows_for(self, k: int) -> int:

@@ -125,9 +125,8 @@ class PanelWeight(PackedWeight):
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """W[index] ([..., K], a copy) read from the panels: an embedding lookup in a tied head's weight."""
-        flat = index.reshape(-1)
-        rows = self.panels[flat // PANEL, :, flat % PANEL]  # [n, K] (pairs: [n, ceil(K / 2), 2])
-        return rows.reshape(len(flat), -1)[:, : self.in_features].reshape(*index.shape, self.in_features)
+        rows = self.kernels.panel_rows(self.panels, index.reshape(-1), self.in_features)
+        return rows.view(*index.shape, self.in_features)
 
     @property
     def extra_bytes(self) -> int:

@@ -77,6 +77,28 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype)
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 37])
+def test_panel_rows_are_the_weight_rows(dtype, k):
+    """An embedding lookup in a tied head's panels (graphdecode_cpu_panel_rows): W[ids] bit for bit, for K odd
+    (bf16 pairs padded past K) and even, one id or a prefill's thousands over two threads, repeats and the last
+    panel's rows; an id past the panels' rows is refused, not read."""
+    g = torch.Generator().manual_seed(k)
+    n = 200
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
+    for ids in (torch.tensor([7]), torch.randint(0, n, (3000,), generator=g), torch.tensor([n - 1, 0, n - 1])):
+        assert torch.equal(panel.weight_rows(ids), weight[ids])
+    grid = torch.tensor([[3, 4], [5, 199]])
+    assert torch.equal(panel.weight_rows(grid), weight[grid])
+    kernels = panel.kernels
+    assert torch.equal(kernels.panel_rows(panel.panels, torch.arange(n), k, threads=2), weight)
+    for bad in (-1, 4 * 64):  # 200 rows fill 4 panels of 64
+        with pytest.raises(ValueError, match="panel_rows"):
+            kernels.panel_rows(panel.panels, torch.tensor([1, bad]), k)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", [1, 7, 48, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_panel_kernel_gives_the_same_bits_on_any_number_of_threads(rows, dtype):
