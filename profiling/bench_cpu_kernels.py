@@ -6,8 +6,8 @@ Each case alternates the kernel and its baseline `--rounds` times in one process
   tiles) against `F.linear` (oneDNN) on each projection's shape (qkv, o, gate_up, down) at `--rows`;
 * swiglu: `CpuKernels.swiglu` against `F.silu(gate) * up`;
 * gated one pass (where the intermediate size is a whole number of 64-column panels):
-  `CpuKernels.panel_linear_swiglu` (the gate_up projection and its SwiGLU in one pass; the engine takes it up to
-  `one_pass_rows`) against the two passes it replaces (`PanelWeight.run`, then `CpuKernels.swiglu`): its
+  `CpuKernels.panel_linear_swiglu` (the gate_up projection and its SwiGLU in one pass, as the engine runs it)
+  against the two passes it replaces (`PanelWeight.run`, then `CpuKernels.swiglu`): its
   baseline is graphdecode's own, not torch's;
 * down + residual (one pass): `CpuKernels.panel_linear_add` (down_proj and the layer's residual add in one pass)
   against `residual + PanelWeight.run(x)`, graphdecode's own two ops;

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
 
 import torch
@@ -310,12 +309,6 @@ class CpuKernels:
             raise ValueError(f"graphdecode_cpu_panel_linear_add rejected x {tuple(x.shape)} {x.dtype}, panels "
                              f"{tuple(panels.shape)}, add {tuple(add.shape)} {add.dtype}, {out_features} outputs")
         return y.view(*lead, out_features)
-
-    def one_pass_rows(self, dtype) -> float:
-        """The rows up to which panel_linear_swiglu beats the two passes it replaces (BENCHMARKS.md 18g): every
-        row count, except bf16 on AMX past decode's 64 rows, where the SwiGLU's division in the units' epilogue
-        costs what the pass saves (1.04-1.05x the two passes' time at 512-2,048 rows)."""
-        return 64 if dtype == torch.bfloat16 and self.bf16_pair_rows == 16 else math.inf
 
     def panel_linear_swiglu(self, x, panels, inter: int, threads: int | None = None):
         """silu(gate) * up of x [..., K] @ [gate | up]^T -> new [..., inter] in one pass: the panels of the fused

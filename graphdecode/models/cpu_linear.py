@@ -151,10 +151,7 @@ class PanelWeight(PackedWeight):
 
     def run_swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection of x (gated_one_pass): in one pass, without writing the
-        projection, up to the kernels' one_pass_rows; past them run, then the SwiGLU pass. The same bits either
-        way."""
-        if x.numel() > self.kernels.one_pass_rows(x.dtype) * self.in_features:
-            return self.kernels.swiglu(self.run(x).reshape(-1, self.out_features)).view(*x.shape[:-1], -1)
+        projection (the bits of run, then the SwiGLU pass, at less time at every row count: BENCHMARKS.md 18i)."""
         return self.kernels.panel_linear_swiglu(x, self.panels, self.out_features // 2)
 
 
