@@ -125,7 +125,7 @@ class PanelWeight(PackedWeight):
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """W[index] ([..., K], a copy) read from the panels: an embedding lookup in a tied head's weight."""
-        rows = self.kernels.panel_rows(self.panels, index.reshape(-1), self.in_features)
+        rows = panel_rows(self.panels, index.reshape(-1), self.in_features)
         return rows.view(*index.shape, self.in_features)
 
     @property
@@ -166,6 +166,20 @@ def packed_linear(x: torch.Tensor, bias: torch.Tensor | None, handle: int, out_f
 @packed_linear.register_fake
 def _(x, bias, handle, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("graphdecode::panel_rows", mutates_args=())
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows `ids` [n] of a weight in column panels -> [n, k] (CpuKernels.panel_rows; an op compiled windows trace
+    through)."""
+    from ..kernels.cpu import cpu_kernels
+
+    return cpu_kernels().panel_rows(panels, ids, k)
+
+
+@panel_rows.register_fake
+def _(panels, ids, k):
+    return panels.new_empty((ids.shape[0], k))
 
 
 def prepack_cpu_linears(model: nn.Module, batch_invariant: bool = True) -> None:
