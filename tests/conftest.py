@@ -26,6 +26,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.helpers import GPU_CHECK_DRY_RUN_TEST
+
+    last = [item for item in items if item.name == GPU_CHECK_DRY_RUN_TEST]
+    items[:] = [item for item in items if item.name != GPU_CHECK_DRY_RUN_TEST] + last
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

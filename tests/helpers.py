@@ -17,6 +17,10 @@ import pytest
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]  # the checkout: graphdecode/, profiling/, tests/
+# tests/gpu/test_gpu_check.py's full dry run runs in the background from that module on (a minute and a half, one
+# stage's process at a time); its test, which waits for it, runs last in the session (tests/conftest.py), so that
+# the rest of the suite runs beside it rather than the suite waiting for it
+GPU_CHECK_DRY_RUN_TEST = "test_dry_run_rehearses_every_stage"
 
 # The small engine the CPU tests build; a file that needs more says what differs:
 # dict(SMALL_ENGINE, max_batch_size=16).

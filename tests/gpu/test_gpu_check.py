@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import GPU_CHECK_DRY_RUN_TEST, REPO
 
 SCRIPT = os.path.join(REPO, "profiling", "gpu_check.sh")
 CORE = ["env", "kit", "build", "pytest_advance_step", "pytest_flashinfer", "pytest_hf_parity", "pytest_graphs"]
@@ -49,16 +49,13 @@ def _check(out, *args, timeout=120, **extra) -> tuple[subprocess.CompletedProces
     return proc, summary
 
 
-DRY_RUN_TEST = "test_dry_run_rehearses_every_stage"
-
-
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def dry_run_started(request, tmp_path_factory):
     """The full dry run takes over a minute, one stage's process at a time, so it starts with the
-    module, in the background: the other tests here (mostly waiting on hooked stages) run beside it,
-    and test_dry_run_rehearses_every_stage, last in the file, waits for it. Not started when that
-    test is not selected."""
-    if not any(item.name == DRY_RUN_TEST for item in request.session.items):
+    module, in the background: the rest of the suite runs beside it, and test_dry_run_rehearses_every_stage,
+    which tests/conftest.py moves to the session's end, waits for it. Not started when that test is not
+    selected."""
+    if not any(item.name == GPU_CHECK_DRY_RUN_TEST for item in request.session.items):
         yield None
         return
     out, logs = tmp_path_factory.mktemp("gpu_check_dry"), tmp_path_factory.mktemp("gpu_check_dry_output")
@@ -78,7 +75,7 @@ def dry_run_started(request, tmp_path_factory):
                 proc.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dry_run(dry_run_started):
     """(OUT, the finished process with its stdout and stderr, summary.json) of the full dry run."""
     out, logs, proc = dry_run_started["out"], dry_run_started["logs"], dry_run_started["proc"]
