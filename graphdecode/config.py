@@ -518,6 +518,10 @@ class EngineConfig:
         if device.type != "cpu":
             raise ValueError("pipeline_parallel_size: pipeline stages run on CPU ranks (gloo) so far; on CUDA use "
                              "tensor_parallel_size")
+        if self.compile:
+            raise ValueError("pipeline_parallel_size: compile=True does not run over pipeline stages yet "
+                             "(torch.compile cannot trace their point-to-point hand-offs); leave compile off (the CPU "
+                             "default)")
         from .models.decoder import DecoderForCausalLM
         from .models.registry import model_class
 

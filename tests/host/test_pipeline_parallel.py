@@ -219,6 +219,7 @@ def test_what_stages_cannot_run_is_refused_by_name(three_layers, tiny_models):
         (dict(pipeline_parallel_size=2, nnodes=4), "nnodes"),
         (dict(pipeline_parallel_size=3, pp_micro_batches=2), "pp_micro_batches"),
         (dict(pipeline_parallel_size=2, pp_micro_batches=0), "pp_micro_batches"),
+        (dict(pipeline_parallel_size=2, compile=True), "compile=True does not run over pipeline stages"),
     ]
     for kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
