@@ -142,5 +142,6 @@ def parallel_groups(rank: int, config) -> TPGroup:
     layers = partition_layers(config.model_config.decoder_layers, pp, config.pp_layer_partition)
     stage = PipelineStage(index, pp, layers[index], prev_rank=rank - tp if index else -1,
                           next_rank=rank + tp if index < pp - 1 else -1, logits_rank=(pp - 1) * tp,
-                          every_embedding=config.speculative_method in ("eagle3", "mtp"))
+                          every_embedding=config.speculative_method == "mtp" or (
+                              config.eagle3_config is not None and not config.eagle3_config.own_embedding))
     return TPGroup(tensor_rank, tp, groups[index], stage)
