@@ -18,8 +18,8 @@ it), the LM head on the last.
 A draft head (EAGLE-3, MTP: device/draft_head.py) runs replicated on every rank, as a draft model does: the hidden
 states it reads are the inputs of layers on several stages (EAGLE-3) or the final ones (MTP), so each hand-off
 carries, beside the hidden states, the head's layers' inputs seen so far ([T, hidden x (1 + carried)]), and the
-last stage shares what the head reads with every rank; every stage then holds the embedding (the head embeds its
-tokens with the target's).
+last stage shares what the head reads with every rank; every stage then holds the embedding where the head embeds
+its tokens with the target's (MTP, an EAGLE-3 head without an embedding of its own).
 """
 
 from __future__ import annotations
