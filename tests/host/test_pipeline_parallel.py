@@ -192,13 +192,15 @@ def test_draft_model_speculation_over_stages(three_layers):
 
 def test_eagle3_head_over_stages(three_layers, tmp_path):
     """An EAGLE-3 head reading a layer of each stage (layers 0 and 1 on the first, 2 on the second), through
-    chunked prefills: one rank's drafts, acceptance and tokens, which are plain decoding's."""
+    chunked prefills and the CPU graph twin: one rank's drafts, acceptance and tokens, which are plain
+    decoding's."""
     head = random_eagle3_head(str(tmp_path / "head"), three_layers, draft_vocab_size=200, aux_layers=(0, 1, 2))
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
     prompts = token_prompts(random_prompts(6, [1, 17, 40, 90]))
     hot = SamplingParams(n=2, temperature=1.5, seed=5, max_tokens=16, ignore_eos=True)
     engine = dict(SMALL_ENGINE, max_num_batched_tokens=32)
-    got = assert_head_drafts_over_stages(three_layers, spec, prompts, [CASES[0], hot], **engine)
+    # the CPU graph twin: windows captured lazily with live rows, the head's broadcast inside them
+    got = assert_head_drafts_over_stages(three_layers, spec, prompts, [CASES[0], hot], cuda_graphs=True, **engine)
     assert got == [completions(LLM(three_layers, **engine).generate(prompts, params)) for params in (CASES[0], hot)]
 
 
