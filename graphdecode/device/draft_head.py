@@ -50,7 +50,7 @@ from ..attention.metadata import DecodeMetadata
 from ..models.eagle3 import load_eagle3_head
 from ..models.mtp import load_mtp_head
 from .drafters import Drafter, DraftSampling, one_query
-from .sampler import SamplerVariant
+from .sampler import SamplerMode, SamplerVariant
 from .speculative import verify_metadata
 
 
@@ -143,10 +143,13 @@ class HeadDrafter(Drafter):
         d = state.spec_tokens
         position = state.positions[:bucket]
         sample = DraftSampling(self.sampler, state, bucket, variant)
+        # greedy rows under no automaton: the argmax over the head's own vocabulary is all a draft needs
+        argmax = variant.mode == SamplerMode.GREEDY and not variant.structured
         hidden = eagle.prenorm[:bucket]  # the head's output at p - 1
         drafts = []
         for j in range(d):
-            draft = sample(eagle.head.logits(hidden), j)  # the token at p + j + 1
+            # the token at p + j + 1
+            draft = eagle.head.greedy(hidden) if argmax else sample(eagle.head.logits(hidden), j)
             drafts.append(draft)
             if j + 1 < d:  # the head at p + j, reading that draft and its own output before it
                 start = position + j

@@ -210,6 +210,13 @@ class Eagle3Head(OneLayerHead):
         full = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.draft_to_target, small)
 
+    def greedy(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R] int64: logits(prenorm).argmax(-1) without the vocabulary-wide logits (the draft ids
+        ascend with the target's, so ties break alike)."""
+        small = ParallelLMHead.logits(self.norm(prenorm), self.lm_head.weight, self.tp, self.eagle.draft_vocab_size,
+                                      self.packed_head).argmax(dim=-1)
+        return small if self.draft_to_target is None else self.draft_to_target[small]
+
 
 def load_eagle3_head(path: str, eagle: Eagle3Config, dtype: torch.dtype, device: torch.device,
                      max_positions: int) -> Eagle3Head:

@@ -168,6 +168,10 @@ class MTPHead(OneLayerHead):
         """[R, H] -> [R, vocab] float32, through the target's LM head."""
         return self.target_logits(out)
 
+    def greedy(self, out: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R] int64: the greedy draft."""
+        return self.logits(out).argmax(dim=-1)
+
 
 class NextNHead(MTPHead):
     """The MTP layer in DeepSeek-V3's layout (GLM-4.5): enorm, hnorm, eh_proj, a decoder layer of the target's

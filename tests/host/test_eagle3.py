@@ -81,6 +81,12 @@ def test_eagle3_gives_the_plain_tokens(text_model, heads, plain):
             assert_same_outputs(spec.generate(batch, params), plain.generate(batch, params))
         stats = spec.stats()
         assert stats["spec_windows"] > 0 and stats["spec_draft_tokens"] > 0
+        # greedy drafts skip the vocabulary-wide logits: the same argmax, ties (a zero row) broken alike
+        model = spec.engine.runner.head.head
+        x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        x[0] = 0
+        x = x.to(model.norm.weight.dtype)
+        assert torch.equal(model.greedy(x), model.logits(x).argmax(-1))
 
 
 def test_graph_twin_bounds_preemption_prefix_hits_and_chunks(text_model, heads):
