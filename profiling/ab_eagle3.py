@@ -32,6 +32,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", help="the target's (and head's) dtype: float32 or bfloat16")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model is None:
@@ -40,7 +41,7 @@ def main(argv=None) -> dict:
         args.model = smollm2_dir()
     batch = 1 if args.mode == "forced" else args.batch
     common = dict(max_model_len=1024, max_batch_size=max(batch, 4), num_decode_steps=8, enable_prefix_caching=False,
-                  cpu_threads=args.threads)
+                  cpu_threads=args.threads, dtype=args.dtype)
     engines = {"plain": LLM(args.model, **common)}
     if args.mode == "forced":
         for d in (int(x) for x in args.ds.split(",")):

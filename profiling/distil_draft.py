@@ -39,12 +39,17 @@ TASKS = ["Write a short story about {t}.", "Explain {t} to a ten-year-old.", "Li
          "Give me some advice related to {t}.", "Write a friendly email to a colleague about {t}."]
 
 
-def chat_prompts(tokenizer) -> list[list[int]]:
-    """Every (task, topic) pair as a chat-templated prompt, in a fixed shuffled order."""
-    texts = [task.format(t=topic) for task, topic in itertools.product(TASKS, TOPICS)]
+def chat_texts(tasks: list[str] = TASKS, topics: list[str] = TOPICS) -> list[str]:
+    """Every (task, topic) pair, in a fixed shuffled order."""
+    texts = [task.format(t=topic) for task, topic in itertools.product(tasks, topics)]
     random.Random(0).shuffle(texts)
+    return texts
+
+
+def chat_prompts(tokenizer, texts: list[str] | None = None) -> list[list[int]]:
+    """`texts` (default: chat_texts()) as chat-templated prompts."""
     out = []
-    for text in texts:
+    for text in chat_texts() if texts is None else texts:
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                  add_generation_prompt=True)
