@@ -328,6 +328,7 @@ class Engine:
             setattr(s, name, device.pop(name))
         out = dict(vars(s))
         out["windows_per_bucket"] = dict(sorted(s.windows_per_bucket.items()))
+        out["spec_accepted_per_position"] = list(s.spec_accepted_per_position)  # a snapshot, not the live list
         steps = max(s.steps, 1)
         for part in ("schedule", "launch", "pythonize"):
             out[f"host_ms_per_step_{part}"] = 1e3 * out[f"host_seconds_{part}"] / steps

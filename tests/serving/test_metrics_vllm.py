@@ -203,6 +203,10 @@ def test_speculation_counts_under_vllms_spec_decode_names(tiny_models):
     per_position = [samples[str(j)] for j in range(3)]
     assert per_position == list(stats["spec_accepted_per_position"])
     assert sum(per_position) == stats["spec_accepted_tokens"] and per_position == sorted(per_position, reverse=True)
+    # stats() is a snapshot: more accepted drafts later leave it as it was
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert stats["spec_accepted_per_position"] == per_position
+    assert sum(llm.stats()["spec_accepted_per_position"]) > sum(per_position)
 
 
 @pytest.mark.parametrize("prefix", ["9lives:", "vllm-", "my prefix"])
