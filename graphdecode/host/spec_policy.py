@@ -6,16 +6,23 @@ time) / (plain window time) at the same bucket. It pays when 1 + a >= c. Both ar
 measured, not assumed: the speculative windows report their acceptance one window late,
 and every decode window reports its own time (device time from CUDA events on a GPU,
 where a verify of d + 1 tokens costs about what one decode step does, so c is near 1;
-wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.5 to 5).
+wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.1 to 5).
 
 The policy keeps exponential averages of a and of each (bucket, kind) window time. With
 no acceptance report yet it launches one speculative window (a probe) and then plain
 ones until that report arrives; afterwards it speculates while
 a >= max(min_accepted, c - 1) (c where both times are known for the bucket), and
-otherwise runs plain windows, probing again after `probe_every` plain ones to notice
-when copying starts to pay. A probe that does not pay doubles the interval (up to
-`max_probe_every`); one that pays resets it. A prompt with nothing to copy therefore
-pays for a vanishing share of speculative windows.
+otherwise runs plain windows with a probe now and then, to notice when drafting starts to
+pay. A probe at a bucket whose cost ratio is measured loses (c - 1 - a) plain windows of
+that bucket's time; it runs once the plain time since the last probe, times
+`probe_budget` (2%), covers that loss: losing probes take at most about 2% of the time,
+a probe that nearly paid comes back within a few windows and one that would lose a whole
+window after 50. Acceptance is the requests' property, not the engine's: a stretch of text
+a head cannot predict must not keep speculation off for whatever comes next. Where the
+ratio is not measured yet (a bucket's first window of each kind is not timed), the next
+probe comes after `probe_every` plain windows, twice that after each probe that did not
+pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
+`max_probe_every` plain windows, always.
 """
 
 from __future__ import annotations
@@ -23,19 +30,20 @@ from __future__ import annotations
 
 class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
-                 max_probe_every: int = 256, smoothing: float = 0.5):
+                 max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02):
         self.enabled = enabled
         self.min_accepted = min_accepted
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.smoothing = smoothing
+        self.probe_budget = probe_budget
         self.accepted_per_verify: float | None = None  # unknown until a speculative window reports
         self.window_seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> average
         self._seen: set[tuple[int, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
-        self.interval = probe_every
         self._probing = False  # a probe window is in flight: wait for its report
-        self._plain_since = 0
-        self._bucket = 0  # the bucket of the last decision
+        self._plain_since = 0  # plain windows since the last probe
+        self._plain_seconds = 0.0  # their measured time
+        self.interval = probe_every  # plain windows between probes while the cost is not measured
 
     def cost_ratio(self, bucket: int) -> float | None:
         """A speculative window's time over a plain one's at this bucket, once both are measured."""
@@ -51,19 +59,33 @@ class SpecPolicy:
         need = self.min_accepted if ratio is None else max(self.min_accepted, ratio - 1.0)
         return self.accepted_per_verify >= need
 
+    def probe_loss(self, bucket: int) -> float | None:
+        """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured)."""
+        ratio = self.cost_ratio(bucket)
+        if ratio is None or self.accepted_per_verify is None:
+            return None
+        return max(ratio - 1.0 - self.accepted_per_verify, 0.0) * self.window_seconds[(bucket, False)]
+
+    def probe_due(self, bucket: int) -> bool:
+        if self._plain_since >= self.max_probe_every:
+            return True
+        loss = self.probe_loss(bucket)
+        if loss is None:
+            return self._plain_since >= self.interval
+        return self._plain_seconds * self.probe_budget >= loss
+
     def speculate(self, bucket: int) -> bool:
         if not self.enabled:
             return False
-        self._bucket = bucket
         if self.pays(bucket):
             return True
         if self._probing:
             return False
         if self.accepted_per_verify is not None:
             self._plain_since += 1
-            if self._plain_since < self.interval:
+            if not self.probe_due(bucket):
                 return False
-        self._plain_since = 0
+        self._plain_since, self._plain_seconds = 0, 0.0
         self._probing = True
         return True
 
@@ -77,9 +99,9 @@ class SpecPolicy:
             self.accepted_per_verify = rate
         else:
             self.accepted_per_verify = self.smoothing * self.accepted_per_verify + (1 - self.smoothing) * rate
-        if self.pays(self._bucket):
+        if self.accepted_per_verify >= self.min_accepted:
             self.interval = self.probe_every
-        elif probe:
+        elif probe:  # while the cost is not measured, each probe that did not pay doubles the wait
             self.interval = min(2 * self.interval, self.max_probe_every)
 
     def withdraw(self) -> None:
@@ -92,5 +114,7 @@ class SpecPolicy:
         if key not in self._seen:
             self._seen.add(key)
             return
+        if not speculative:
+            self._plain_seconds += seconds
         old = self.window_seconds.get(key)
         self.window_seconds[key] = seconds if old is None else self.smoothing * old + (1 - self.smoothing) * seconds

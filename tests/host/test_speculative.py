@@ -208,10 +208,11 @@ def test_spec_policy_probes_and_waits_for_reports():
     policy = SpecPolicy(enabled=True, min_accepted=0.5, probe_every=4)
     assert policy.speculate(8) and not policy.speculate(8)  # one probe, then plain until it reports
     policy.observe(verifies=8, accepted=0)
-    assert [policy.speculate(8) for _ in range(9)] == [False] * 7 + [True, False]  # the interval doubled: 8
+    # no cost measured: the wait doubles (4 -> 8) with each probe that did not pay, up to max_probe_every
+    assert [policy.speculate(8) for _ in range(9)] == [False] * 7 + [True, False]
     policy.observe(verifies=8, accepted=24)  # copying pays now (average 1.5)
     assert all(policy.speculate(8) for _ in range(3))
-    assert policy.interval == 4  # a paying report resets the probe interval
+    assert policy.interval == 4  # and the wait starts over
     assert not SpecPolicy(enabled=False).speculate(8)
 
 
@@ -231,20 +232,41 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
     assert policy.speculate(8)
 
 
-def test_spec_policy_backs_off_and_withdraws():
+def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
+    """A probe runs once probe_budget of the plain time since the last one covers what it is expected to lose at
+    its bucket, (c - 1 - a) plain windows: one that nearly pays comes back soon, an expensive one rarely, and
+    after max_probe_every plain windows always. A probe withdrawn (it ran plain) frees the next window."""
     from graphdecode.host.spec_policy import SpecPolicy
 
-    policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=8)
+    policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=300, probe_budget=0.02)
     assert policy.speculate(1)
     policy.withdraw()  # it ran plain: no report, so the next window may probe again
     assert policy.speculate(1)
-    intervals = []
-    for _ in range(5):
-        policy.observe(verifies=4, accepted=0)
-        intervals.append(policy.interval)
-        while not policy.speculate(1):
-            pass
-    assert intervals == [4, 8, 8, 8, 8]  # each failed probe doubles the interval, up to the cap
+    policy.observe(verifies=4, accepted=0)
+    assert policy.interval == 4  # the cost not measured: the wait doubled
+    for bucket, plain, spec in [(1, 1.0, 1.25), (16, 4.0, 8.0)]:  # each kind's first window is a warm-up
+        for speculative, seconds in [(False, 9.0), (False, plain), (True, 9.0), (True, spec)]:
+            policy.observe_window(bucket, speculative, seconds)
+    assert policy.cost_ratio(1) == 1.25 and policy.cost_ratio(16) == 2.0
+
+    def plain_windows_before_a_probe(bucket: int, seconds: float) -> int:
+        count = 0
+        while not policy.speculate(bucket):
+            policy.observe_window(bucket, False, seconds)
+            count += 1
+        return count
+
+    # the plain time so far: 5 s (the timed windows above); a probe at bucket 1 loses 0.25 s: due at 12.5 s
+    assert plain_windows_before_a_probe(1, 1.0) == 8
+    policy.observe(verifies=4, accepted=1)  # 0.125 accepted on average: a probe loses 0.125 s at bucket 1
+    assert plain_windows_before_a_probe(1, 1.0) == 7  # 6.25 s
+    policy.observe(verifies=4, accepted=1)  # 0.1875: bucket 16 loses (2 - 1 - 0.1875) x 4 s = 3.25 s: 162.5 s
+    assert plain_windows_before_a_probe(16, 4.0) == 41
+    policy.observe(verifies=4, accepted=0)
+    policy.observe_window(16, True, 1000.0)  # an expensive bucket: its probes would never be due by time
+    assert plain_windows_before_a_probe(16, 4.0) == 299  # max_probe_every
+    policy.observe(verifies=4, accepted=40)  # a report that pays: speculating again
+    assert policy.speculate(1)
 
 
 def always_speculate(llm: LLM) -> LLM:
