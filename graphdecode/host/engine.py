@@ -90,7 +90,9 @@ class Engine:
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.structured = StructuredStore(config.structured_max_states, config.structured_max_exceptions)
         self.scheduler = Scheduler(config, self.pool, self.structured)
-        self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0)  # speculative or plain, per window
+        # speculative or plain, per window; eager CPU windows do no first-time work, so their first is timed too
+        self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0, first_window_untimed=(
+            config.torch_device.type != "cpu" or bool(config.compile) or bool(config.cuda_graphs)))
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id

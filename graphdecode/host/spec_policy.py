@@ -19,7 +19,8 @@ that bucket's time; it runs once the plain time since the last probe, times
 a probe that nearly paid comes back within a few windows and one that would lose a whole
 window after 50. Acceptance is the requests' property, not the engine's: a stretch of text
 a head cannot predict must not keep speculation off for whatever comes next. Where the
-ratio is not measured yet (a bucket's first window of each kind is not timed), the next
+ratio is not measured yet (a bucket's first window of each kind is not timed where it may
+capture a graph or compile: on a GPU, with compile=True or the CPU graph twin), the next
 probe comes after `probe_every` plain windows, twice that after each probe that did not
 pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
 `max_probe_every` plain windows, always.
@@ -30,8 +31,12 @@ from __future__ import annotations
 
 class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
-                 max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02):
+                 max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
+                 first_window_untimed: bool = True):
         self.enabled = enabled
+        # a bucket's first window of each kind may capture a graph or compile: not a measure of its cost (eager
+        # CPU windows have no first-time work, and their first window is timed)
+        self.first_window_untimed = first_window_untimed
         self.min_accepted = min_accepted
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
@@ -109,9 +114,9 @@ class SpecPolicy:
         self._probing = False
 
     def observe_window(self, bucket: int, speculative: bool, seconds: float) -> None:
-        """A decode window's measured time (the first of each kind and bucket is skipped: it may compile)."""
+        """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile)."""
         key = (bucket, speculative)
-        if key not in self._seen:
+        if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)
             return
         if not speculative:

@@ -166,6 +166,9 @@ def test_penalty_windows_run_plain_and_do_not_stall_the_policy(tiny_models):
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     assert completions(spec.generate(prompts, greedy)) == completions(plain.generate(prompts, greedy))
     assert spec.stats()["spec_windows"] > 0  # the probe chosen during the penalty windows did not stay pending
+    policy = spec.engine.spec_policy
+    assert policy.first_window_untimed is bool(spec.config.cuda_graphs or spec.config.compile)  # eager CPU: timed
+    assert all(policy.cost_ratio(bucket) is not None for bucket, _ in policy.window_seconds)  # both kinds timed
 
 
 def test_speculative_config_is_validated(tiny_models):
@@ -224,6 +227,10 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
     for speculative, seconds in [(False, 9.0), (False, 1.0), (True, 9.0), (True, 3.0)]:  # the first of each: warm-up
         policy.observe_window(8, speculative, seconds)
     assert policy.cost_ratio(8) == pytest.approx(3.0) and policy.cost_ratio(16) is None
+    eager = SpecPolicy(enabled=True, first_window_untimed=False)  # an eager CPU engine: its first window counts
+    eager.observe_window(8, False, 2.0)
+    eager.observe_window(8, True, 3.0)
+    assert eager.cost_ratio(8) == pytest.approx(1.5)
     assert policy.speculate(8)
     policy.observe(verifies=10, accepted=15)  # 1.5 accepted: 2.5 tokens per verify, for 3x the cost
     assert not policy.speculate(8)
