@@ -14,8 +14,8 @@ ones until that report arrives; afterwards it speculates while
 a >= max(min_accepted, c - 1) (c where both times are known for the bucket), and
 otherwise runs plain windows with a probe now and then, to notice when drafting starts to
 pay. A probe at a bucket whose cost ratio is measured loses (c - 1 - a) plain windows of
-that bucket's time; it runs once the plain time since the last probe, times
-`probe_budget` (2%), covers that loss: losing probes take at most about 2% of the time,
+that bucket's time; it runs once the bucket's plain time since its last probe, times
+`probe_budget` (2%), covers that loss: losing probes take about 2% of each bucket's time,
 a probe that nearly paid comes back within a few windows and one that would lose a whole
 window after 50. Acceptance is the requests' property, not the engine's: a stretch of text
 a head cannot predict must not keep speculation off for whatever comes next. Where the
@@ -47,7 +47,7 @@ class SpecPolicy:
         self._seen: set[tuple[int, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
         self._probing = False  # a probe window is in flight: wait for its report
         self._plain_since = 0  # plain windows since the last probe
-        self._plain_seconds = 0.0  # their measured time
+        self._plain_seconds: dict[int, float] = {}  # per bucket: the plain time since its last probe
         self.interval = probe_every  # plain windows between probes while the cost is not measured
 
     def cost_ratio(self, bucket: int) -> float | None:
@@ -77,7 +77,7 @@ class SpecPolicy:
         loss = self.probe_loss(bucket)
         if loss is None:
             return self._plain_since >= self.interval
-        return self._plain_seconds * self.probe_budget >= loss
+        return self._plain_seconds.get(bucket, 0.0) * self.probe_budget >= loss
 
     def speculate(self, bucket: int) -> bool:
         if not self.enabled:
@@ -90,7 +90,8 @@ class SpecPolicy:
             self._plain_since += 1
             if not self.probe_due(bucket):
                 return False
-        self._plain_since, self._plain_seconds = 0, 0.0
+        self._plain_since = 0
+        self._plain_seconds[bucket] = 0.0
         self._probing = True
         return True
 
@@ -120,6 +121,6 @@ class SpecPolicy:
             self._seen.add(key)
             return
         if not speculative:
-            self._plain_seconds += seconds
+            self._plain_seconds[bucket] = self._plain_seconds.get(bucket, 0.0) + seconds
         old = self.window_seconds.get(key)
         self.window_seconds[key] = seconds if old is None else self.smoothing * old + (1 - self.smoothing) * seconds

@@ -240,9 +240,10 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
 
 
 def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
-    """A probe runs once probe_budget of the plain time since the last one covers what it is expected to lose at
-    its bucket, (c - 1 - a) plain windows: one that nearly pays comes back soon, an expensive one rarely, and
-    after max_probe_every plain windows always. A probe withdrawn (it ran plain) frees the next window."""
+    """A probe runs once probe_budget of its bucket's plain time since its last probe there covers what it is
+    expected to lose, (c - 1 - a) of the bucket's plain windows: one that nearly pays comes back soon, an expensive
+    one rarely, and after max_probe_every plain windows always. A probe withdrawn (it ran plain) frees the next
+    window."""
     from graphdecode.host.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, probe_every=2, max_probe_every=300, probe_budget=0.02)
@@ -263,12 +264,14 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
             count += 1
         return count
 
-    # the plain time so far: 5 s (the timed windows above); a probe at bucket 1 loses 0.25 s: due at 12.5 s
-    assert plain_windows_before_a_probe(1, 1.0) == 8
+    # bucket 1's plain time so far: 1 s (its timed window above); a probe there loses 0.25 s: due at 12.5 s
+    assert plain_windows_before_a_probe(1, 1.0) == 12
     policy.observe(verifies=4, accepted=1)  # 0.125 accepted on average: a probe loses 0.125 s at bucket 1
     assert plain_windows_before_a_probe(1, 1.0) == 7  # 6.25 s
-    policy.observe(verifies=4, accepted=1)  # 0.1875: bucket 16 loses (2 - 1 - 0.1875) x 4 s = 3.25 s: 162.5 s
-    assert plain_windows_before_a_probe(16, 4.0) == 41
+    # 0.1875: bucket 16 loses (2 - 1 - 0.1875) x 4 s = 3.25 s, due at 162.5 s of its own plain time (4 s so far:
+    # bucket 1's probes leave its account alone)
+    policy.observe(verifies=4, accepted=1)
+    assert plain_windows_before_a_probe(16, 4.0) == 40
     policy.observe(verifies=4, accepted=0)
     policy.observe_window(16, True, 1000.0)  # an expensive bucket: its probes would never be due by time
     assert plain_windows_before_a_probe(16, 4.0) == 299  # max_probe_every
