@@ -71,13 +71,13 @@ MORE_TASKS = [
 ANSWER_TEMPERATURES = (0.0, 0.8)  # greedy (what the acceptance is measured on) and a seeded sampled answer
 
 
-def training_texts() -> list[str]:
-    """distil_draft.py's prompts past the held-out ones, then every other (task, topic) pair of both lists."""
-    held = distil_draft.chat_texts()
-    seen = set(held)
+def training_texts(held_out: int) -> list[str]:
+    """distil_draft.py's prompts past the first `held_out`, then every other (task, topic) pair of both lists."""
+    base = distil_draft.chat_texts()
+    seen = set(base)
     more = [t for t in distil_draft.chat_texts(distil_draft.TASKS + MORE_TASKS, distil_draft.TOPICS + MORE_TOPICS)
             if t not in seen]
-    return held[distil_draft.EVAL_PROMPTS :] + more
+    return base[held_out:] + more
 
 
 def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[tuple]:
@@ -301,8 +301,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     if os.path.isfile(report_path):
         return path, json.load(open(report_path))
     torch.set_num_threads(threads)
-    texts = training_texts() if held_out == distil_draft.EVAL_PROMPTS else distil_draft.chat_texts()[held_out:]
-    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), texts[:train_prompts])
+    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:train_prompts])
     start = time.perf_counter()
     sequences = target_answers(target, prompts, max_tokens, threads)
     generate_s = time.perf_counter() - start

@@ -142,9 +142,9 @@ class HeadDrafter(Drafter):
         eagle = self.eagle
         d = state.spec_tokens
         position = state.positions[:bucket]
-        sample = DraftSampling(self.sampler, state, bucket, variant)
         # greedy rows under no automaton: the argmax over the head's own vocabulary is all a draft needs
         argmax = variant.mode == SamplerMode.GREEDY and not variant.structured
+        sample = None if argmax else DraftSampling(self.sampler, state, bucket, variant)
         hidden = eagle.prenorm[:bucket]  # the head's output at p - 1
         drafts = []
         for j in range(d):
@@ -158,7 +158,7 @@ class HeadDrafter(Drafter):
                     state.bounds.verify(state, bucket, meta, start=start)
                 ctx = ForwardContext(eagle.backend, decode=one_query(meta, state, bucket))
                 hidden = eagle.step(draft, hidden, meta.query_positions[:, 0], ctx)
-        return torch.stack(drafts, dim=1), torch.full_like(position, d), sample.proposal()
+        return torch.stack(drafts, dim=1), torch.full_like(position, d), None if argmax else sample.proposal()
 
     def begin_window(self, state, bucket: int, live: torch.Tensor, kv_width: int, page_size: int) -> None:
         """Rows whose last window ran plain: the head's full step at p - 1 from `pending` (its K/V there

@@ -200,11 +200,14 @@ class Eagle3Head(OneLayerHead):
         _, k, v, _ = layer.self_attn.project(positions, x, self.rotary)
         backend.write(0, k, v, slots)
 
+    def draft_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R, draft_vocab] float32: the logits over the head's own vocabulary."""
+        return ParallelLMHead.logits(self.norm(prenorm), self.lm_head.weight, self.tp, self.eagle.draft_vocab_size,
+                                     self.packed_head)
+
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R, vocab] float32 over the target's vocabulary: -inf outside the draft vocabulary."""
-        eagle = self.eagle
-        small = ParallelLMHead.logits(self.norm(prenorm), self.lm_head.weight, self.tp, eagle.draft_vocab_size,
-                                      self.packed_head)
+        small = self.draft_logits(prenorm)
         if self.draft_to_target is None:
             return small
         full = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
@@ -213,8 +216,7 @@ class Eagle3Head(OneLayerHead):
     def greedy(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[R, H] -> [R] int64: logits(prenorm).argmax(-1) without the vocabulary-wide logits (the draft ids
         ascend with the target's, so ties break alike)."""
-        small = ParallelLMHead.logits(self.norm(prenorm), self.lm_head.weight, self.tp, self.eagle.draft_vocab_size,
-                                      self.packed_head).argmax(dim=-1)
+        small = self.draft_logits(prenorm).argmax(dim=-1)
         return small if self.draft_to_target is None else self.draft_to_target[small]
 
 
