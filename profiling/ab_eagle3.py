@@ -47,14 +47,14 @@ def main(argv=None) -> dict:
         for d in (int(x) for x in args.ds.split(",")):
             e = LLM(args.model, speculative_config={"method": "eagle3", "model": args.head,
                                                     "num_speculative_tokens": d}, **common)
-            e.engine.spec_policy.speculate = lambda bucket: True
+            e.engine.spec_policy.speculate = lambda bucket, rows=(): True
             engines[f"eagle3 d={d}"] = e
     else:
         engines["plain again"] = LLM(args.model, **common)
         for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 4}),
                            ("eagle3", {"method": "eagle3", "model": args.head, "num_speculative_tokens": 4})):
             e = LLM(args.model, speculative_config=spec, **common)
-            e.engine.spec_policy.speculate = lambda bucket: False
+            e.engine.spec_policy.speculate = lambda bucket, rows=(): False
             engines[f"{name}, plain windows"] = e
     texts = script_module(__file__.replace("ab_eagle3.py", "bench_spec.py")).OPEN_ENDED
     tokenizer = engines["plain"].get_tokenizer()

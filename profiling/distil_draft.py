@@ -139,7 +139,7 @@ def acceptance(target: str, draft: str, prompts: list[list[int]], d: int, max_to
 
     llm = LLM(target, max_model_len=1024, max_batch_size=64, cpu_threads=threads,
               speculative_config={"method": method, "model": draft, "num_speculative_tokens": d})
-    llm.engine.spec_policy.speculate = lambda bucket: True  # measure the draft, not the policy
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True  # measure the draft, not the policy
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     s = llm.stats()
     verifies = max(s["spec_verifies"], 1)

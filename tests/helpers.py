@@ -328,7 +328,7 @@ def assert_graph_twin_gives_plain_tokens(path: str, speculative_config: dict, pr
         want = [completions(plain.generate(prompts, p, use_tqdm=False)) for p in cases]
     with LLM(path, speculative_config=speculative_config, cuda_graphs=True, check_bounds=True, **engine) as spec:
         turn = iter(range(1 << 30))
-        spec.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+        spec.engine.spec_policy.speculate = lambda bucket, rows=(): next(turn) % 2 == 0
         got = [completions(spec.generate(prompts, p, use_tqdm=False)) for p in cases]
         stats = spec.stats()
     assert got == want
@@ -445,7 +445,7 @@ def assert_head_state_follows(spec, reference) -> None:
     import torch
 
     turn = iter(range(1 << 30))
-    spec.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): next(turn) % 2 == 0
     kinds = hot_mid_generation(spec)
     state, head = spec.engine.runner.state, spec.engine.runner.head
     stats = spec.stats()
@@ -474,7 +474,7 @@ def assert_head_drafts_over_stages(model: str, spec: dict, prompts: list[dict], 
     for pp in (1, 2):
         stages = dict(pipeline_parallel_size=2, pp_layer_partition=partition) if pp == 2 else {}
         with LLM(model, speculative_config=spec, **stages, **engine) as llm:
-            llm.engine.spec_policy.speculate = lambda bucket: True
+            llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
             got = [completions(llm.generate(prompts, params)) for params in cases]
             stats = llm.stats()
             runs.append((got, stats["spec_draft_tokens"], stats["spec_accepted_tokens"]))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..device.executor import make_executor
-from ..plan import StepPlan
+from ..plan import Readout, StepPlan
 from ..ranges import annotate
 from .inputs import InputProcessor
 from .output_processor import OutputProcessor
@@ -185,7 +185,7 @@ class Engine:
         with torch.inference_mode():
             t0 = time.perf_counter()
             with annotate("graphdecode.schedule"):
-                speculative = self.spec_policy.speculate(self.scheduler.bucket)
+                speculative = self.spec_policy.speculate(self.scheduler.bucket, self.scheduler.running.values())
                 plan = self.scheduler.schedule(speculative)
                 if speculative and not (plan.window is not None and plan.window.decode):
                     self.spec_policy.withdraw()  # no decode window this step
@@ -235,11 +235,11 @@ class Engine:
         if decode and plan.window.speculative and not pending.speculative:
             self.spec_policy.withdraw()  # it ran plain (penalty rows): no report will come
         if result.spec is not None:
-            self._account_speculation(result.spec, result.spec_positions)
+            self._account_speculation(result.spec, result.spec_positions, plan.readout)
         self.scheduler.cache_decoded(changed)
         return changed
 
-    def _account_speculation(self, spec, positions) -> None:
+    def _account_speculation(self, spec, positions, readout: list[Readout]) -> None:
         drafted, accepted, rounds = (int(x) for x in spec.sum(axis=1))
         s = self._stats
         if not s.spec_accepted_per_position:
@@ -250,7 +250,8 @@ class Engine:
         s.spec_draft_tokens += drafted
         s.spec_accepted_tokens += accepted
         s.spec_verifies += rounds
-        self.spec_policy.observe(rounds, accepted)
+        rows = ((r.seq, int(spec[2, r.row]), int(spec[1, r.row])) for r in readout if r.row < spec.shape[1])
+        self.spec_policy.observe(rounds, accepted, rows)
 
     def _on_finish(self, seq: Sequence) -> None:
         if seq.detokenizer is not None:

@@ -85,6 +85,7 @@ class Sequence:
     stop_reason: int | str | None = None
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
+    spec_acceptance: float | None = None  # accepted drafts per verify, averaged over its speculative windows
     # streaming cursors: what has been handed out as deltas so far
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0

@@ -18,7 +18,11 @@ that bucket's time; it runs once the bucket's plain time since its last probe, t
 `probe_budget` (2%), covers that loss: losing probes take about 2% of each bucket's time,
 a probe that nearly paid comes back within a few windows and one that would lose a whole
 window after 50. Acceptance is the requests' property, not the engine's: a stretch of text
-a head cannot predict must not keep speculation off for whatever comes next. Where the
+a head cannot predict must not keep speculation off for whatever comes next, and one
+request's copying must not make its batch company speculate. So each sequence keeps its own
+average (`Sequence.spec_acceptance`, from its rows of the speculative windows' reports), and a
+window's expected acceptance is the mean over the rows it holds; a row with no report yet counts
+as the engine-wide average (the prior). Where the
 ratio is not measured yet (a bucket's first window of each kind is not timed where it may
 capture a graph or compile: on a GPU, with compile=True or the CPU graph twin), the next
 probe comes after `probe_every` plain windows, twice that after each probe that did not
@@ -27,6 +31,12 @@ pay (the cost unknown, up to 8% of the windows could be losing probes otherwise)
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 
 class SpecPolicy:
@@ -57,58 +67,76 @@ class SpecPolicy:
             return None
         return spec / plain
 
-    def pays(self, bucket: int) -> bool:
-        if self.accepted_per_verify is None:
+    def expected_acceptance(self, rows: Iterable[Sequence] = ()) -> float | None:
+        """Accepted drafts per verify a window of these rows should see: each row's own average, the
+        engine-wide one (the prior) for rows without a report and for a window of no rows."""
+        prior = self.accepted_per_verify
+        if prior is None:
+            return None
+        total = count = 0
+        for seq in rows:
+            own = seq.spec_acceptance
+            total += prior if own is None else own
+            count += 1
+        return total / count if count else prior
+
+    def pays(self, bucket: int, accepted: float | None) -> bool:
+        if accepted is None:
             return False
         ratio = self.cost_ratio(bucket)
         need = self.min_accepted if ratio is None else max(self.min_accepted, ratio - 1.0)
-        return self.accepted_per_verify >= need
+        return accepted >= need
 
-    def probe_loss(self, bucket: int) -> float | None:
+    def probe_loss(self, bucket: int, accepted: float | None) -> float | None:
         """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured)."""
         ratio = self.cost_ratio(bucket)
-        if ratio is None or self.accepted_per_verify is None:
+        if ratio is None or accepted is None:
             return None
-        return max(ratio - 1.0 - self.accepted_per_verify, 0.0) * self.window_seconds[(bucket, False)]
+        return max(ratio - 1.0 - accepted, 0.0) * self.window_seconds[(bucket, False)]
 
-    def probe_due(self, bucket: int) -> bool:
+    def probe_due(self, bucket: int, accepted: float | None) -> bool:
         if self._plain_since >= self.max_probe_every:
             return True
-        loss = self.probe_loss(bucket)
+        loss = self.probe_loss(bucket, accepted)
         if loss is None:
             return self._plain_since >= self.interval
         return self._plain_seconds.get(bucket, 0.0) * self.probe_budget >= loss
 
-    def speculate(self, bucket: int) -> bool:
+    def speculate(self, bucket: int, rows: Iterable[Sequence] = ()) -> bool:
+        """Whether the next decode window, at this bucket and over these running sequences, speculates."""
         if not self.enabled:
             return False
-        if self.pays(bucket):
+        accepted = self.expected_acceptance(rows)
+        if self.pays(bucket, accepted):
             return True
         if self._probing:
             return False
-        if self.accepted_per_verify is not None:
+        if accepted is not None:
             self._plain_since += 1
-            if not self.probe_due(bucket):
+            if not self.probe_due(bucket, accepted):
                 return False
         self._plain_since = 0
         self._plain_seconds[bucket] = 0.0
         self._probing = True
         return True
 
-    def observe(self, verifies: int, accepted: int) -> None:
-        """A speculative window's report: row-rounds verified and drafts accepted."""
+    def observe(self, verifies: int, accepted: int, rows: Iterable[tuple[Sequence, int, int]] = ()) -> None:
+        """A speculative window's report: row-rounds verified and drafts accepted, in all and per sequence
+        (rows: each sequence with its own verifies and accepted drafts)."""
         probe, self._probing = self._probing, False
+        for seq, row_verifies, row_accepted in rows:
+            if row_verifies > 0:
+                seq.spec_acceptance = self._average(seq.spec_acceptance, row_accepted / row_verifies)
         if verifies <= 0:
             return
-        rate = accepted / verifies
-        if self.accepted_per_verify is None:
-            self.accepted_per_verify = rate
-        else:
-            self.accepted_per_verify = self.smoothing * self.accepted_per_verify + (1 - self.smoothing) * rate
+        self.accepted_per_verify = self._average(self.accepted_per_verify, accepted / verifies)
         if self.accepted_per_verify >= self.min_accepted:
             self.interval = self.probe_every
         elif probe:  # while the cost is not measured, each probe that did not pay doubles the wait
             self.interval = min(2 * self.interval, self.max_probe_every)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
 
     def withdraw(self) -> None:
         """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
@@ -122,5 +150,4 @@ class SpecPolicy:
             return
         if not speculative:
             self._plain_seconds[bucket] = self._plain_seconds.get(bucket, 0.0) + seconds
-        old = self.window_seconds.get(key)
-        self.window_seconds[key] = seconds if old is None else self.smoothing * old + (1 - self.smoothing) * seconds
+        self.window_seconds[key] = self._average(self.window_seconds.get(key), seconds)

@@ -112,7 +112,7 @@ def test_through_llm_the_old_end_of_context_metadata_is_an_error(tiny_models, mo
     monkeypatch.setattr(speculative, "verify_metadata", _old_verify_metadata)
     llm = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, max_model_len=64, max_batch_size=4,
               speculative_config={"method": "ngram", "num_speculative_tokens": 6}, check_bounds=True)
-    llm.engine.spec_policy.speculate = lambda bucket: True
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     prompt = {"prompt_token_ids": (random_prompts(1, [3], seed=1)[0] * 30)[:60]}
     with pytest.raises(BoundsError, match="verify"):
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))

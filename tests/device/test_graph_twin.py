@@ -157,7 +157,7 @@ def test_everything_a_window_writes_is_registered(tiny_models, family, speculati
     llm = LLM(tiny_models[family], **ENGINE, **extra)
     runner = llm.engine.runner
     if speculative:
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     found: dict[str, torch.Tensor] = {}
     _tensors_of(runner, set(), found, "runner")
     kv = {t.untyped_storage().data_ptr() for t in runner.kv_caches}
@@ -194,7 +194,7 @@ def test_twin_speculative_structured_and_penalty_windows_replay_the_eager_tokens
     graphed = LLM(text_model, cuda_graphs=True, **ENGINE, **spec)
     eager = LLM(text_model, cuda_graphs=False, **ENGINE, **spec)
     for llm in (graphed, eager):
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     texts = ["one two one two one two", "ab ab ab ab", "The capital of France is"]
     cases = [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

@@ -334,7 +334,7 @@ def test_gpu_eagle3_graphs_give_the_plain_tokens(model_dirs, recorder, tmp_path)
     del plain
     free_memory()
     spec = LLM(path, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3}, **common)
-    spec.engine.spec_policy.speculate = lambda bucket: True
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): True
     assert [[o.outputs[0].token_ids for o in spec.generate(prompts, c)] for c in cases] == want
     unseeded = spec.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 24 and max(o.outputs[0].token_ids) < GPU_D64.vocab_size

@@ -64,7 +64,7 @@ def test_gpu_hybrid_graphs_give_the_eager_float32_tokens(hybrid, record_testsuit
     def run(**engine):
         llm = LLM(hybrid, **common, **engine)
         if engine.get("speculative_config"):
-            llm.engine.spec_policy.speculate = lambda bucket: True
+            llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         hits = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in shared]
         stats = llm.stats()

@@ -72,7 +72,7 @@ def test_gpu_moe_family_graphs_give_the_eager_float32_tokens(family, record_test
     def run(**engine):
         llm = LLM(path, **common, **engine)
         if engine.get("speculative_config"):
-            llm.engine.spec_policy.speculate = lambda bucket: True
+            llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.stats()
         routers = {str(p.dtype) for n, p in llm.engine.runner.model.named_parameters() if "gate.e_score" in n}

@@ -113,7 +113,7 @@ def test_tp2_gives_the_tp1_tokens(deepseek):
     single = generate_tokens(LLM(path, **engine), batch, GREEDY)
     assert single == hf_greedy(deepseek["lora_interleaved"], batch, 24)
     with LLM(path, tensor_parallel_size=2, speculative_config=MTP, **engine) as tp2:
-        tp2.engine.spec_policy.speculate = lambda bucket: True
+        tp2.engine.spec_policy.speculate = lambda bucket, rows=(): True
         assert generate_tokens(tp2, batch, GREEDY) == single
         assert tp2.stats()["spec_draft_tokens"] > 0
 
@@ -125,7 +125,7 @@ def test_mtp_gives_the_plain_tokens_and_follows_every_path(deepseek):
     batch = token_prompts(random_prompts(5, [4, 30, 70], seed=3))
     plain = LLM(path, **ENGINE)
     spec = LLM(path, speculative_config=MTP, **ENGINE)
-    spec.engine.spec_policy.speculate = lambda bucket: True
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): True
     for params in (GREEDY, SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=20, ignore_eos=True)):
         assert_same_outputs(spec.generate(batch, params, use_tqdm=False), plain.generate(batch, params,
                                                                                          use_tqdm=False))

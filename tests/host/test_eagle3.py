@@ -59,7 +59,7 @@ def prompts(count: int = 6, seed: int = 3) -> list[dict]:
 def alternate(llm: LLM) -> None:
     """Speculate in every other window, whatever the policy would choose: both kinds of window run."""
     turn = iter(range(1 << 30))
-    llm.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): next(turn) % 2 == 0
 
 
 def test_eagle3_gives_the_plain_tokens(text_model, heads, plain):
@@ -74,7 +74,7 @@ def test_eagle3_gives_the_plain_tokens(text_model, heads, plain):
     for name, head in heads.items():
         spec = LLM(text_model, speculative_config=spec_config(head), **ENGINE)
         if name == "reduced":
-            spec.engine.spec_policy.speculate = lambda bucket: True
+            spec.engine.spec_policy.speculate = lambda bucket, rows=(): True
         else:
             alternate(spec)
         for params in cases:
@@ -193,7 +193,7 @@ def test_structured_outputs_with_an_eagle3_head(text_model, heads, plain):
         json=schema))
     batch = ["Describe a pet:", "Once upon a time", "JSON please"]
     spec = LLM(text_model, speculative_config=spec_config(heads["reduced"]), **ENGINE)
-    spec.engine.spec_policy.speculate = lambda bucket: True
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): True
     got = spec.generate(batch, params)
     assert completions(got) == completions(plain.generate(batch, params))
     finished = [out.outputs[0] for out in got if out.outputs[0].finish_reason == "stop"]

@@ -138,7 +138,7 @@ def test_nemotron_h_speculation_and_prefix_hits(tiny_models):
     prompts = _echo_prompts(path)
     with LLM(path, dtype="float32", cpu_threads=1,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         got = _tokens(llm, prompts, SamplingParams(max_tokens=30, temperature=0))
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
         shared = [SYSTEM + q for q in QUESTIONS[:3]]
@@ -153,7 +153,7 @@ def test_ngram_speculation_on_qwen3_next(tiny_models):
     prompts = _echo_prompts(path)
     with LLM(path, dtype="float32", cpu_threads=1,
              speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         got = _tokens(llm, prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
         assert llm.engine.stats()["spec_accepted_tokens"] > 0
     assert got == hf_greedy(path, prompts, 40)
@@ -244,7 +244,7 @@ def test_ngram_speculation_keeps_only_the_accepted_positions_in_the_states(qwen3
     prompts = _echo_prompts(qwen35)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with LLM(qwen35, dtype="float32", cpu_threads=1, speculative_config=spec, **engine) as llm:
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         assert _tokens(llm, prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)) == \
             hf_greedy(qwen35, prompts, 40)
         stats = llm.engine.stats()
@@ -259,7 +259,7 @@ def test_a_dense_draft_model_drafts_for_a_hybrid(qwen35, tiny_models):
     prompts = _echo_prompts(qwen35)
     spec = {"method": "draft_model", "model": tiny_models["llama_gqa_llama3"], "num_speculative_tokens": 2}
     with LLM(qwen35, dtype="float32", cpu_threads=1, speculative_config=spec) as llm:
-        llm.engine.spec_policy.speculate = lambda bucket: True
+        llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
         got = _tokens(llm, prompts[:2], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         assert llm.engine.stats()["spec_draft_tokens"] > 0
     assert got == hf_greedy(qwen35, prompts[:2], 24)

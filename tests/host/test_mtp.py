@@ -54,13 +54,13 @@ def prompts(count: int = 5, seed: int = 3) -> list[dict]:
 
 
 def always(llm: LLM) -> LLM:
-    llm.engine.spec_policy.speculate = lambda bucket: True
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     return llm
 
 
 def alternate(llm: LLM) -> LLM:
     turn = iter(range(1 << 30))
-    llm.engine.spec_policy.speculate = lambda bucket: next(turn) % 2 == 0
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): next(turn) % 2 == 0
     return llm
 
 

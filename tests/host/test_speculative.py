@@ -279,9 +279,58 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     assert policy.speculate(1)
 
 
+def test_spec_policy_weighs_the_rows_a_window_holds():
+    """Each sequence keeps its own acceptance from its rows of the reports; a window expects the mean over its
+    rows, with the engine-wide average standing in for rows not yet measured: one request's copying does not
+    make its batch company speculate, and a cohort that drafts badly stops after its first window."""
+    from types import SimpleNamespace
+
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, max_probe_every=10**6, probe_budget=0.0, smoothing=0.9)
+    for speculative, seconds in [(False, 1.0), (False, 1.0), (True, 2.0), (True, 2.0)]:
+        policy.observe_window(4, speculative, seconds)  # a speculative window costs 2 plain ones: pays from a = 1
+    copier, chat, fresh = (SimpleNamespace(spec_acceptance=None) for _ in range(3))
+    assert policy.speculate(4, [copier, chat])  # no report yet: a probe
+    policy.observe(verifies=16, accepted=24, rows=[(copier, 8, 22), (chat, 8, 2), (fresh, 0, 0)])
+    assert (copier.spec_acceptance, chat.spec_acceptance, fresh.spec_acceptance) == (2.75, 0.25, None)
+    assert policy.accepted_per_verify == 1.5
+    assert policy.expected_acceptance([copier, chat]) == 1.5 and policy.speculate(4, [copier, chat])
+    assert policy.speculate(4, [copier]) and not policy.speculate(4, [chat])
+    assert policy.expected_acceptance([chat, fresh]) == pytest.approx((0.25 + 1.5) / 2)  # fresh: the prior
+    assert policy.expected_acceptance([]) == 1.5
+    # a new cohort speculates on the prior once; its own report turns it off, though the prior still pays
+    cohort = [SimpleNamespace(spec_acceptance=None) for _ in range(4)]
+    assert policy.speculate(4, cohort)
+    policy.observe(verifies=32, accepted=4, rows=[(seq, 8, 1) for seq in cohort])
+    assert policy.accepted_per_verify == pytest.approx(0.9 * 1.5 + 0.1 * 0.125) and policy.speculate(4, [])
+    assert not policy.speculate(4, cohort)
+
+
+def test_the_engine_keeps_acceptance_per_sequence(tiny_models):
+    """The engine hands each sequence its own rows of a speculative window's report."""
+    path = tiny_models["llama_head_dim"]
+    spec = always_speculate(LLM(path, speculative_config=SPEC, **SMALL_ENGINE))
+    engine = spec.engine
+    seen = []
+    observe = engine.spec_policy.observe
+
+    def record(verifies, accepted, rows=()):
+        rows = list(rows)
+        seen.append((verifies, accepted, [(seq.seq_id, v, a) for seq, v, a in rows]))
+        observe(verifies, accepted, rows)
+
+    engine.spec_policy.observe = record
+    spec.generate(repetitive_prompts(3), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert seen and all(len(rows) == 3 for _, _, rows in seen[:1])
+    for verifies, accepted, rows in seen:
+        assert sum(v for _, v, _ in rows) == verifies and sum(a for _, _, a in rows) == accepted
+    assert len({seq_id for _, _, rows in seen for seq_id, _, _ in rows}) == 3
+
+
 def always_speculate(llm: LLM) -> LLM:
     """Every decode window speculates (the policy would otherwise choose by measured cost)."""
-    llm.engine.spec_policy.speculate = lambda bucket: True
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     return llm
 
 

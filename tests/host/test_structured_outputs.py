@@ -98,7 +98,7 @@ def test_a_complete_constraint_wins_over_min_tokens(text_model, llm):
         out = llm.generate("hi", params)[0].outputs[0]
         assert out.text == "ab" and out.finish_reason == "stop"
     spec = LLM(text_model, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    spec.engine.spec_policy.speculate = lambda bucket: True
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): True
     for temperature in (0, 1.0):
         params = constrained(regex="(ab){3}", min_tokens=12, max_tokens=16, temperature=temperature, seed=2)
         out = spec.generate("ab ab ab", params)[0].outputs[0]

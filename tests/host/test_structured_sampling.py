@@ -177,7 +177,7 @@ def test_speculation_changes_no_constrained_token(smollm2, seeded):
     """n-gram drafts inside JSON (keys and values repeat) are verified under the automaton; the
     tokens are the plain engine's, seed for seed."""
     spec = LLM(smollm2, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    spec.engine.spec_policy.speculate = lambda bucket: True  # every window drafts and verifies
+    spec.engine.spec_policy.speculate = lambda bucket, rows=(): True  # every window drafts and verifies
     got = check_outputs(spec, spec.generate([PROMPT] * 3, seeded_params(range(3))), CITY)
     assert got == seeded[:3]
     assert spec.stats()["spec_accepted_tokens"] > 0

@@ -107,7 +107,7 @@ def test_tp2_hybrids_split_their_recurrent_heads(tiny_models, tmp_path, model):
     want = [outputs(single, prompts[:1], cases[0])] + [outputs(single, prompts, params) for params in cases]
     states = single.engine.runner.memory_sizes()["state_cache_bytes"]
     with LLM(path, tensor_parallel_size=2, **engine) as tp2:
-        tp2.engine.spec_policy.speculate = lambda bucket: True  # the driver's choice travels in the plan
+        tp2.engine.spec_policy.speculate = lambda bucket, rows=(): True  # the driver's choice travels in the plan
         got = [outputs(tp2, prompts[:1], cases[0])] + [outputs(tp2, prompts, params) for params in cases]
         assert tp2.engine.stats()["prefix_cache_hits"] > 0 and tp2.engine.stats()["spec_draft_tokens"] > 0
         driver = tp2.engine.runner.memory_sizes()

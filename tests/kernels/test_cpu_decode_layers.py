@@ -180,7 +180,7 @@ def test_speculative_windows_verify_through_one_call(tiny_models, panels, method
         {"method": "draft_model", "model": tiny_models["qwen2_tied"], "num_speculative_tokens": 3}
     engine = dict(max_model_len=96, max_batch_size=2)
     llm = LLM(path, speculative_config=spec, **engine)
-    llm.engine.spec_policy.speculate = lambda bucket: True
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     prompts = [(b * 8)[:30] for b in random_prompts(2, [3, 5], seed=12)]  # repetitive: n-gram drafts exist
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got = generate_tokens(llm, prompts, sp)

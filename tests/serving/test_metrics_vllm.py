@@ -188,7 +188,7 @@ def test_speculation_counts_under_vllms_spec_decode_names(tiny_models):
 
     llm = LLM(tiny_models["llama_gqa_llama3"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               **SMALL_ENGINE)
-    llm.engine.spec_policy.speculate = lambda bucket: True
+    llm.engine.spec_policy.speculate = lambda bucket, rows=(): True
     prompts = [{"prompt_token_ids": (b * 12)[:30]} for b in random_prompts(3, [3, 5], seed=2)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.stats()
