@@ -64,6 +64,12 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN's blocked layout exists for this dtype on this CPU: bf16's needs avx512bw/vl/dq or avx_ne_convert
+    (an AVX2-only CPU, e.g. AMD's Zen 2 / 3, has neither: the reorder raises)."""
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class CpuWeight:
     """A linear's weight in a CPU layout: y = x W^T (+ b) through `run`, named by a handle for the opaque op
     a compiled forward calls instead (inductor can take neither an oneDNN tensor nor a ctypes call)."""
@@ -105,10 +111,13 @@ class PackedWeight(CpuWeight):
 class PanelWeight(PackedWeight):
     """float32 or bf16: W in column panels [ceil(N / 64), K, 64] (bf16 with avx512_bf16: pairs, [ceil(N / 64),
     ceil(K / 2) (AMX: padded to 16), 64, 2]) for up to PANEL_ROWS rows (the CPU kernel), and in oneDNN's layout
-    for more. Batch-invariant (`invariant`): the panels for every row count, and no oneDNN copy."""
+    for more. Batch-invariant (`invariant`), or where oneDNN cannot lay out the dtype on this CPU: the panels for
+    every row count, and no oneDNN copy."""
 
     def __init__(self, weight: torch.Tensor, kernels, rows: int | None = None, invariant: bool = False):
-        super().__init__(weight, pack=not invariant)
+        # no oneDNN copy where oneDNN has no such dtype here (bf16 on an AVX2-only CPU): the panels at every row
+        pack = not invariant and onednn_packs(weight.dtype)
+        super().__init__(weight, pack=pack)
         weight = weight.detach()
         panels = -(-self.out_features // PANEL)
         # bf16 with avx512_bf16: [P, ceil(K / 2) padded to the kernel's multiple, 64, 2] (vdpbf16ps or AMX)
@@ -121,7 +130,7 @@ class PanelWeight(PackedWeight):
         else:
             self.panels = padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
         self.kernels = kernels
-        self.rows = math.inf if invariant else PANEL_ROWS[weight.dtype] if rows is None else rows
+        self.rows = math.inf if not pack else PANEL_ROWS[weight.dtype] if rows is None else rows
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """W[index] ([..., K], a copy) read from the panels: an embedding lookup in a tied head's weight."""
@@ -213,11 +222,14 @@ def prepack_cpu_linears(model: nn.Module, batch_invariant: bool = True) -> None:
         """The linear's CPU weight (`rows`: its panels' row limit on a variant engine), or None where the fp32
         parameter stays, column-major."""
         panels = kernels is not None and weight.dtype in kernels.supported_dtypes
+        packs = onednn_packs(weight.dtype)
         if batch_invariant and panels:
             return PanelWeight(weight, kernels, invariant=True)
         if weight.dtype == torch.float32 and not streams:
             return None
-        return PanelWeight(weight, kernels, rows) if streams and panels else PackedWeight(weight)
+        if panels and (streams or not packs):  # (where oneDNN has no bf16, a PanelWeight's panels take every row)
+            return PanelWeight(weight, kernels, rows)
+        return PackedWeight(weight) if packs else None  # bf16 with neither: aten's dense linear
 
     for module in linears:
         if module.packed is not None:  # a quantized weight (quant/linear.py), run as it is

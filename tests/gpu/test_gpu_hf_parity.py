@@ -251,8 +251,8 @@ def test_cpu_bf16_teacher_forced_on_transformers(model_dirs, recorder, linears, 
                                   batch_invariant=linears == "as_loaded")
     # the recipe's point: the greedy token leads by a clear margin wherever we compare
     assert report["margin_gap_q01"] > 0.05, report
-    if linears == "panels":
-        assert layer_calls and not all(panel_runs)  # decode steps through the panels (one call), prefill oneDNN
+    if linears == "panels":  # decode steps through the panels (one call), prefill oneDNN (where it has bf16)
+        assert layer_calls and (not all(panel_runs) or not cpu_linear.onednn_packs(torch.bfloat16))
 
 
 # ----------------------------------------------------------------- speculative decoding

@@ -6,6 +6,7 @@ packed models drop their dense weights), and memory accounting counts the extra 
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from graphdecode.kernels import cpu as cpu_kernels_module
 from graphdecode.models import cpu_linear
-from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack
+from graphdecode.models.cpu_linear import PackedWeight, PanelWeight, can_prepack, onednn_packs
 from tests.helpers import first_tokens, generate_tokens, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch")
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_weight_equals_dense_linear(dtype, rows, bias):
+    if not onednn_packs(dtype):
+        pytest.skip("oneDNN has no bf16 on this CPU (the engine takes the panels instead)")
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype) if bias else None
@@ -54,9 +57,14 @@ def test_panel_weight_equals_dense_linear_at_every_row_count(shape, bias, dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     panel = PanelWeight(weight, cpu_kernels_module.cpu_kernels())
     size = weight.element_size()
-    packed_bytes = panel.packed.numel() * panel.packed.element_size()
+    if onednn_packs(dtype):
+        packed_bytes = panel.packed.numel() * panel.packed.element_size()
+        assert packed_bytes >= n * k * size
+    else:  # bf16 without oneDNN's (AVX2 only): no oneDNN copy, the panels at every row count
+        packed_bytes = 0
+        assert panel.packed is None and panel.rows == math.inf
     k_panel = 2 * panel.kernels.pair_rows_for(k) if panel.pairs else k  # bf16 pair panels pad K (AMX: to 32)
-    assert packed_bytes >= n * k * size and panel.extra_bytes == -(-n // 64) * 64 * k_panel * size + packed_bytes
+    assert panel.extra_bytes == -(-n // 64) * 64 * k_panel * size + packed_bytes
     x = torch.randn(70, k, generator=g).to(dtype)
     limit = cpu_linear.PANEL_ROWS[dtype]
     for rows in sorted({0, 1, 2, 5, 6, 7, 13, limit, limit + 1, 70}):
@@ -249,20 +257,31 @@ def test_small_fp32_weights_are_column_major_in_place(tiny_models, name):
         assert model.lm_head.weight.t().is_contiguous()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,onednn_bf16", [("float32", True), ("bfloat16", True), ("bfloat16", False)])
+def test_a_cpu_model_is_packed_at_load(tiny_models, dtype, onednn_bf16, monkeypatch):
+    """batch_invariant=False: panels for few rows and oneDNN's packed weights for more; where oneDNN has no bf16
+    (an AVX2-only CPU), bf16 takes the panels at every row count and keeps no oneDNN copy."""
     from graphdecode import LLM
 
+    panels = cpu_kernels_module.cpu_kernels() is not None  # fp32 and bf16 alike, else PackedWeight only
+    if dtype == "bfloat16" and onednn_bf16 and not onednn_packs(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 on this CPU (the onednn_bf16=False case covers it)")
+    if not onednn_bf16:
+        if not panels:
+            pytest.skip("no C++ compiler for the CPU kernels")
+        monkeypatch.setattr(cpu_linear, "onednn_packs", lambda dt: dt != torch.bfloat16)
     monkeypatch.setattr(cpu_linear, "STREAM_BYTES", 0)  # the tiny model's fp32 weights count as streaming
-    """batch_invariant=False: panels for few rows and oneDNN's packed weights for more."""
     llm = LLM(tiny_models["qwen2_tied"], dtype=dtype, max_model_len=64, max_batch_size=4, batch_invariant=False)
     model = llm.engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.down_proj.packed is not None
-    panels = cpu_kernels_module.cpu_kernels() is not None  # fp32 and bf16 alike, else PackedWeight only
     assert (type(layer.mlp.gate_up_proj.packed) is PanelWeight) == panels
     head, embedding = model.packed_head, model.model.embed_tokens
-    assert head is not None and (type(head) is PanelWeight) == panels and head.rows == cpu_linear.HEAD_PANEL_ROWS
+    assert head is not None and (type(head) is PanelWeight) == panels
+    if onednn_bf16:
+        assert head.rows == cpu_linear.HEAD_PANEL_ROWS
+    else:
+        assert head.rows == math.inf and head.packed is None and layer.mlp.gate_up_proj.packed.packed is None
     if panels:  # tied: the embedding's lookups read the head's panels, the row-major copy released
         assert embedding.rows_from is head and embedding.weight.numel() == 0
         from safetensors.torch import load_file
