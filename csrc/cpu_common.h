@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -273,6 +273,7 @@ constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16
 constexpr int PANEL_MR = 6;    // rows per register tile: 24 accumulators
 constexpr int64_t LINE = 64;   // bytes per cache line
 
+#if defined(__AVX512F__)
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
 // prefetched, `per_k` of them at each of the first k steps (the steps that prefetch run as a loop of their own,
 // one line a step where per_k is 1: the steps after them carry no prefetch bookkeeping)
@@ -313,6 +314,89 @@ inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
 }
+#else
+// The same tile where vectors are 8 floats and 16 registers (AVX2, SSE): R rows x 16 columns at a time (2R
+// accumulators: 12 at R = 6, with the two weight vectors and the broadcast 15), over the panel's four 16-column
+// quarters one after another, in native 8-float vectors: GCC lowers the 16-float vector type without AVX-512
+// through memory, piece by piece, and a tile of 64 columns would need 8R accumulators anyway (that form ran 5-20x
+// slower than oneDNN on a 2-core Zen 3). Each output still sums its k in order from the same start: the same bits
+// at any row count. The prefetches go out during the first quarter's steps. (f32x8, load8 and store8 serve the
+// other kernels' tiles without AVX-512 too.)
+typedef float f32x8 __attribute__((vector_size(32)));
+
+// a * b + c rounded once where the CPU has FMA (written out: whether GCC contracts a * b + c depends on the
+// context it inlines into, and two tiles that must give the same bits must not differ in it)
+inline f32x8 fma8(f32x8 a, f32x8 b, f32x8 c) {
+#if defined(__FMA__)
+  const __m256 r = _mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+  return (f32x8)r;
+#else
+  return a * b + c;
+#endif
+}
+
+inline f32x8 splat8(float a) { return f32x8{a, a, a, a, a, a, a, a}; }
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x8 load8(const uint16_t* p) {  // 8 bf16 values widened to float32 (exact)
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline f32x8 load8(const e4m3* p) {  // 8 E4M3 values widened to float32 (exact)
+  f32x8 f;
+  for (int i = 0; i < 8; ++i) f[i] = load(p + i);
+  return f;
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
+template <int R, typename TX, typename TW>
+inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
+                       float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+  for (int q = 0; q < 4; ++q) {
+    f32x8 acc[R][2];
+    for (int m = 0; m < R; ++m) {
+      acc[m][0] = load8(sums + m * PANEL + 16 * q);
+      acc[m][1] = load8(sums + m * PANEL + 16 * q + 8);
+    }
+    auto step = [&](int64_t k) __attribute__((always_inline)) {
+      const TW* w = panel + k * PANEL + 16 * q;
+      const f32x8 w0 = load8(w), w1 = load8(w + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        const f32x8 a = splat8(load(x + m * ldx + k));
+        acc[m][0] = fma8(a, w0, acc[m][0]);
+        acc[m][1] = fma8(a, w1, acc[m][1]);
+      }
+    };
+    int64_t k = k0;
+    if (q == 0 && lines > 0 && per_k > 0) {
+      const int64_t prefetching = std::min(k1 - k0, (lines + per_k - 1) / per_k);
+      for (; k < k0 + prefetching; ++k) {
+        for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
+        step(k);
+      }
+    }
+    for (; k < k1; ++k) step(k);
+    for (int m = 0; m < R; ++m) {
+      store8(sums + m * PANEL + 16 * q, acc[m][0]);
+      store8(sums + m * PANEL + 16 * q + 8, acc[m][1]);
+    }
+  }
+}
+#endif
 
 template <typename TX, typename TW>
 inline void panel_tile_rows(int64_t rows, const TX* x, int64_t ldx, const TW* panel, int64_t k0, int64_t k1,

@@ -27,6 +27,8 @@
 // GCC 12's own AVX-512 headers trip its -Wmaybe-uninitialized (their _mm512_undefined_* idiom)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#elif defined(__AVX2__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -95,6 +97,7 @@ inline const uint8_t* row_bytes(const uint8_t* panel, int64_t k, bool int4) {
   return panel + (int4 ? k / 2 : k) * PANEL;
 }
 
+#if defined(__AVX512F__) || !defined(__AVX2__)
 // Few rows: out[R][PANEL] += x[R][k0:k1] @ W[k0:k1], each k row's weights dequantized in registers once for
 // the R rows (the group's scales held in registers too)
 template <int R, int KIND, typename T>
@@ -121,6 +124,58 @@ void tile_direct(const T* __restrict x, int64_t ldx, const uint8_t* __restrict p
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) store16(out + m * PANEL + 16 * v, acc[m][v]);
 }
+#else
+// The same with AVX2 (16 registers of 8 floats; GCC lowers the 16-float vector type through memory there): the
+// panel's eight 8-column strips one after another, R accumulators, the strip's scale, offset and weights (R + 4
+// registers), each weight dequantized as q s - zs (q exact) by strip_weights, which the dequantized blocks use too,
+// and summed in ascending k by written-out FMAs, as the panel tile sums: the direct and block paths give the same
+// bits.
+inline f32x8 as_f32x8(__m256 v) {
+  f32x8 r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
+
+template <int KIND>
+inline f32x8 widen8(const uint8_t* row, int64_t strip, bool high) {
+  if (KIND == kInt4) {  // row: 64 bytes, k even in the low nibbles, k odd in the high ones
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * strip));
+    const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0f));
+    return as_f32x8(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)));
+  } else if (KIND == kInt8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * strip));
+    return as_f32x8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  } else {
+    return load8(reinterpret_cast<const e4m3*>(row) + 8 * strip) * 0x1p-8f;  // as widen_fp8: q 2^-8, exact
+  }
+}
+
+// a strip's 8 weights, q s - zs (q exact; the FMA written out, as the panel tile's)
+template <int KIND>
+inline f32x8 strip_weights(const uint8_t* row, int64_t strip, bool high, f32x8 s, f32x8 z, bool offsets) {
+  const f32x8 q = widen8<KIND>(row, strip, high);
+  return offsets ? fma8(q, s, -z) : q * s;
+}
+
+template <int R, int KIND, typename T>
+void tile_direct(const T* __restrict x, int64_t ldx, const uint8_t* __restrict panel, int64_t k0, int64_t k1,
+                 const float* __restrict scale, const float* __restrict zs, float* __restrict out) {
+  for (int64_t v = 0; v < PANEL / 8; ++v) {
+    f32x8 acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = load8(out + m * PANEL + 8 * v);
+    const f32x8 s = load8(scale + 8 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
+    const f32x8 z = zs ? load8(zs + 8 * v) : f32x8{};
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* row = row_bytes(panel, k, KIND == kInt4);
+      if (v == 0 && (KIND != kInt4 || !(k & 1))) __builtin_prefetch(row + 8 * PANEL, 0, 3);
+      const f32x8 w = strip_weights<KIND>(row, v, k & 1, s, z, zs != nullptr);
+#pragma GCC unroll 4
+      for (int m = 0; m < R; ++m) acc[m] = fma8(splat8(load(x + m * ldx + k)), w, acc[m]);
+    }
+    for (int m = 0; m < R; ++m) store8(out + m * PANEL + 8 * v, acc[m]);
+  }
+}
+#endif
 
 constexpr int DIRECT_ROWS = 3;  // up to this many rows: dequantize in registers; more: into an L1 block
 constexpr int MR = PANEL_MR;    // rows per register tile over a dequantized block (cpu_common.h's panel tile)
@@ -174,16 +229,27 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
         direct_rows<KIND>(rows, x + m0 * ldx, ldx, panel, g * group, (g + 1) * group, scale, offsets, out);
         continue;
       }
+#if defined(__AVX512F__) || !defined(__AVX2__)
       f32x16 s[4], z[4];
       for (int v = 0; v < 4; ++v) {
         s[v] = load16(scale + 16 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
         z[v] = offsets ? load16(offsets + 16 * v) : f32x16{};
       }
+#endif
       for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kb) {
         for (int64_t k = k0; k < k0 + kb; ++k) {
+#if defined(__AVX512F__) || !defined(__AVX2__)
           f32x16 w[4];
           dequant_row<KIND>(row_bytes(panel, k, KIND == kInt4), k & 1, s, z, offsets != nullptr, w);
           for (int v = 0; v < 4; ++v) store16(block + (k - k0) * PANEL + 16 * v, w[v]);
+#else  // AVX2: tile_direct's strips and expression, so that both paths give the same weights
+          const uint8_t* row = row_bytes(panel, k, KIND == kInt4);
+          for (int64_t v = 0; v < PANEL / 8; ++v) {
+            const f32x8 sv = load8(scale + 8 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
+            const f32x8 z = offsets ? load8(offsets + 8 * v) : f32x8{};
+            store8(block + (k - k0) * PANEL + 8 * v, strip_weights<KIND>(row, v, k & 1, sv, z, offsets != nullptr));
+          }
+#endif
         }
         for (int64_t m = 0; m < rows; m += MR) {
           const int64_t r = rows - m < MR ? rows - m : MR;
