@@ -69,6 +69,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // key t). 32 floats of D at a time are held in registers for all NG queries, so each V row is
 // read once; with fewer than four queries, KEYS keys at a time go to separate accumulators
 // (added in a fixed order at the end) to keep the FMA pipes busy.
+#if defined(__AVX512F__)
 template <int NG>
 void pv_group(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
               float* const* o, int64_t D) {
@@ -117,6 +118,56 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
       o[g][d] = acc;
     }
 }
+#else
+// The same sums with 8-float vectors (AVX2: GCC lowers the 16-float type through memory there, and 2 x 16 floats
+// for NG queries and KEYS keys spilled): 16 floats of D at a time, each element summed as above (per key slot,
+// then the slots in the same order), the FMAs written out.
+template <int NG>
+void pv_group(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
+              float* const* o, int64_t D) {
+  constexpr int KEYS = NG >= 4 ? 1 : (NG >= 2 ? 2 : 4);
+  const int64_t full = D - D % LANES;
+  for (int64_t c0 = 0; c0 < full; c0 += LANES) {
+    f32x8 acc[KEYS][NG][2] = {};
+    int64_t t = lo;
+    for (; t + KEYS - 1 <= hi; t += KEYS)
+      for (int k = 0; k < KEYS; ++k) {
+        if (t + k + AHEAD <= hi) __builtin_prefetch(rows[t + k + AHEAD] + offset + c0, 0, 3);
+        const float* v = rows[t + k] + offset + c0;
+        const f32x8 v0 = load8(v), v1 = load8(v + 8);
+        for (int g = 0; g < NG; ++g) {
+          const f32x8 pg = splat8(p[g][t + k]);
+          acc[k][g][0] = fma8(pg, v0, acc[k][g][0]);
+          acc[k][g][1] = fma8(pg, v1, acc[k][g][1]);
+        }
+      }
+    for (; t <= hi; ++t) {
+      const float* v = rows[t] + offset + c0;
+      const f32x8 v0 = load8(v), v1 = load8(v + 8);
+      for (int g = 0; g < NG; ++g) {
+        const f32x8 pg = splat8(p[g][t]);
+        acc[0][g][0] = fma8(pg, v0, acc[0][g][0]);
+        acc[0][g][1] = fma8(pg, v1, acc[0][g][1]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      f32x8 r0 = acc[0][g][0], r1 = acc[0][g][1];
+      for (int k = 1; k < KEYS; ++k) {
+        r0 += acc[k][g][0];
+        r1 += acc[k][g][1];
+      }
+      store8(o[g] + c0, r0);
+      store8(o[g] + c0 + 8, r1);
+    }
+  }
+  for (int64_t d = full; d < D; ++d)
+    for (int g = 0; g < NG; ++g) {
+      float acc = 0.f;
+      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
+      o[g][d] = acc;
+    }
+}
+#endif
 
 // n elements of a bf16 or FP8 row as float32 (exact), 16 at a time
 template <typename KV>
