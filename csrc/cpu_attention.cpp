@@ -64,6 +64,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return tree_sum(part) + tail;
 }
 
+// pv_group's columns past the last whole vector, one at a time
+template <int NG>
+void pv_tail(const float* const* p, const float* const* rows, int64_t offset, int64_t lo, int64_t hi,
+             float* const* o, int64_t full, int64_t D) {
+  for (int64_t d = full; d < D; ++d)
+    for (int g = 0; g < NG; ++g) {
+      float acc = 0.f;
+      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
+      o[g][d] = acc;
+    }
+}
+
 // The output of a KV head's few queries (decode: its G query heads): o[g][0:D] = sum over
 // t in [lo, hi] of p[g][t] * rows[t][offset : offset + D] (p is 0 where query g does not see
 // key t). 32 floats of D at a time are held in registers for all NG queries, so each V row is
@@ -111,12 +123,7 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
       if (two) store16(o[g] + c0 + LANES, r1);
     }
   }
-  for (int64_t d = full; d < D; ++d)
-    for (int g = 0; g < NG; ++g) {
-      float acc = 0.f;
-      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
-      o[g][d] = acc;
-    }
+  pv_tail<NG>(p, rows, offset, lo, hi, o, full, D);
 }
 #else
 // The same sums with 8-float vectors (AVX2: GCC lowers the 16-float type through memory there, and 2 x 16 floats
@@ -160,12 +167,7 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
       store8(o[g] + c0 + 8, r1);
     }
   }
-  for (int64_t d = full; d < D; ++d)
-    for (int g = 0; g < NG; ++g) {
-      float acc = 0.f;
-      for (int64_t t = lo; t <= hi; ++t) acc += p[g][t] * rows[t][offset + d];
-      o[g][d] = acc;
-    }
+  pv_tail<NG>(p, rows, offset, lo, hi, o, full, D);
 }
 #endif
 
