@@ -146,7 +146,7 @@ inline f32x8 widen8(const uint8_t* row, int64_t strip, bool high) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * strip));
     return as_f32x8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
   } else {
-    return load8(reinterpret_cast<const e4m3*>(row) + 8 * strip) * 0x1p-8f;  // as widen_fp8: q 2^-8, exact
+    return load8_over_256(reinterpret_cast<const e4m3*>(row) + 8 * strip);  // as widen_fp8: q 2^-8, exact
   }
 }
 
