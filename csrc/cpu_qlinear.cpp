@@ -130,24 +130,24 @@ void tile_direct(const T* __restrict x, int64_t ldx, const uint8_t* __restrict p
 // registers), each weight dequantized as q s - zs (q exact) by strip_weights, which the dequantized blocks use too,
 // and summed in ascending k by written-out FMAs, as the panel tile sums: the direct and block paths give the same
 // bits.
-inline f32x8 as_f32x8(__m256 v) {
-  f32x8 r;
-  std::memcpy(&r, &v, sizeof r);
-  return r;
-}
-
 template <int KIND>
 inline f32x8 widen8(const uint8_t* row, int64_t strip, bool high) {
   if (KIND == kInt4) {  // row: 64 bytes, k even in the low nibbles, k odd in the high ones
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * strip));
     const __m128i nibbles = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(0x0f));
-    return as_f32x8(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles)));
+    return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
   } else if (KIND == kInt8) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * strip));
-    return as_f32x8(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
   } else {
     return load8_over_256(reinterpret_cast<const e4m3*>(row) + 8 * strip);  // as widen_fp8: q 2^-8, exact
   }
+}
+
+// a strip's 8 scales, FP8's with the 2^8 its widening leaves out
+template <int KIND>
+inline f32x8 strip_scale(const float* scale, int64_t strip) {
+  return load8(scale + 8 * strip) * (KIND == kFp8 ? FP8_SCALE : 1.f);
 }
 
 // a strip's 8 weights, q s - zs (q exact; the FMA written out, as the panel tile's)
@@ -163,7 +163,7 @@ void tile_direct(const T* __restrict x, int64_t ldx, const uint8_t* __restrict p
   for (int64_t v = 0; v < PANEL / 8; ++v) {
     f32x8 acc[R];
     for (int m = 0; m < R; ++m) acc[m] = load8(out + m * PANEL + 8 * v);
-    const f32x8 s = load8(scale + 8 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
+    const f32x8 s = strip_scale<KIND>(scale, v);
     const f32x8 z = zs ? load8(zs + 8 * v) : f32x8{};
     for (int64_t k = k0; k < k1; ++k) {
       const uint8_t* row = row_bytes(panel, k, KIND == kInt4);
@@ -235,6 +235,12 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
         s[v] = load16(scale + 16 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
         z[v] = offsets ? load16(offsets + 16 * v) : f32x16{};
       }
+#else
+      f32x8 s[PANEL / 8], z[PANEL / 8];
+      for (int64_t v = 0; v < PANEL / 8; ++v) {
+        s[v] = strip_scale<KIND>(scale, v);
+        z[v] = offsets ? load8(offsets + 8 * v) : f32x8{};
+      }
 #endif
       for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += kb) {
         for (int64_t k = k0; k < k0 + kb; ++k) {
@@ -244,11 +250,9 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
           for (int v = 0; v < 4; ++v) store16(block + (k - k0) * PANEL + 16 * v, w[v]);
 #else  // AVX2: tile_direct's strips and expression, so that both paths give the same weights
           const uint8_t* row = row_bytes(panel, k, KIND == kInt4);
-          for (int64_t v = 0; v < PANEL / 8; ++v) {
-            const f32x8 sv = load8(scale + 8 * v) * (KIND == kFp8 ? FP8_SCALE : 1.f);
-            const f32x8 z = offsets ? load8(offsets + 8 * v) : f32x8{};
-            store8(block + (k - k0) * PANEL + 8 * v, strip_weights<KIND>(row, v, k & 1, sv, z, offsets != nullptr));
-          }
+          for (int64_t v = 0; v < PANEL / 8; ++v)
+            store8(block + (k - k0) * PANEL + 8 * v,
+                   strip_weights<KIND>(row, v, k & 1, s[v], z[v], offsets != nullptr));
 #endif
         }
         for (int64_t m = 0; m < rows; m += MR) {
