@@ -273,6 +273,48 @@ constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16
 constexpr int PANEL_MR = 6;    // rows per register tile: 24 accumulators
 constexpr int64_t LINE = 64;   // bytes per cache line
 
+// A linear's M rows in `count` blocks of at most `most` rows each, as even as register tiles of `tile` rows allow
+// (80 rows as 42 + 38, not 64 + 16: the thread holding the 64 would take twice as long as the split needs); block b
+// holds rows [b * rows, min((b + 1) * rows, M)), never empty.
+struct RowBlocks {
+  int64_t count, rows;
+  RowBlocks(int64_t M, int64_t most, int64_t tile) : count((M + most - 1) / most), rows(0) {
+    if (count > 0) rows = std::min(most, ((M + count - 1) / count + tile - 1) / tile * tile);
+  }
+};
+
+// The work of a linear as units of (row block, panel), rows_blocks x num_panels of them, taken in blocks of about
+// `per_block` panels (a block's panels stay in L2 while every row block runs over them: the weights are read from
+// memory once, the rows once per block) and split evenly over the threads in that order:
+// unit(row_block, panel) for each, inside an OpenMP parallel region (begin() and end() bracket each thread's
+// units there).
+template <typename Unit, typename Begin, typename End>
+void for_units(int64_t row_blocks, int64_t num_panels, int64_t per_block, int32_t threads, Unit&& unit,
+               Begin&& begin, End&& end) {
+  const int64_t blocks = (num_panels + per_block - 1) / per_block, units = row_blocks * num_panels;
+  auto block_start = [&](int64_t block) { return block * num_panels / blocks; };
+#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
+  {
+    begin();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < units; ++i) {
+      int64_t block = i / row_blocks * blocks / num_panels;  // the block holding unit i: an estimate, corrected
+      while (row_blocks * block_start(block + 1) <= i) ++block;
+      while (row_blocks * block_start(block) > i) --block;
+      const int64_t p0 = block_start(block), width = block_start(block + 1) - p0, j = i - row_blocks * p0;
+      unit(j / width, p0 + j % width);
+    }
+    end();
+  }
+}
+
+// Panels per block of for_units: about 1 MB of them (half the L2 of a core with AMX; an L3 slice elsewhere), at least
+// one.
+inline int64_t panels_per_block(int64_t panel_bytes) {
+  return panel_bytes < (int64_t(1) << 20) ? (int64_t(1) << 20) / panel_bytes : 1;
+}
+
+
 #if defined(__AVX512F__)
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
 // prefetched, `per_k` of them at each of the first k steps (the steps that prefetch run as a loop of their own,

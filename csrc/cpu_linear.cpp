@@ -76,7 +76,8 @@ inline void emit(const Out<T>& out, int64_t m, int64_t col0, const float* g, con
 }
 
 // The work of one linear over panels of `steps` k steps each (k, or k pairs), `step_elems` panel elements per step:
-// tasks of (up to ROWS_MAX rows, a panel) over `threads` threads; a task's sums start from the bias's columns,
+// units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads (for_units: even row blocks, panels in
+// L2-sized blocks); a task's sums start from the bias's columns,
 // take tile(rows, row offset, s0, s1, sums, prefetch, lines, per step) for blocks of `block` steps and register
 // tiles of MR rows (meanwhile the next block's panel bytes are prefetched, spread over the tiles' steps), and go
 // to `out` (emit). Gated, a task runs a gate panel and its up panel, up * PANEL output columns in all.
@@ -86,13 +87,12 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
   const T* bias = out.bias;
   const int64_t up = out.up;
   const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
-  const int64_t blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
-  const int64_t tasks = blocks * outs, panel_elems = steps * step_elems;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
+  const int64_t panel_elems = steps * step_elems;
+  const RowBlocks blocks(M, ROWS_MAX, MR);
+  const int64_t per_block = blocks.count > 1 ? panels_per_block(group * panel_elems * int64_t(sizeof(T))) : 1;
+  for_units(blocks.count, outs, per_block, threads, [&](int64_t b, int64_t o) {
     alignas(64) float sums[2][ROWS_MAX * PANEL];
-    const int64_t m0 = (t / outs) * ROWS_MAX, o = t % outs;
-    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    const int64_t m0 = b * blocks.rows, rows = std::min(blocks.rows, M - m0);
     const int64_t cols = N - o * PANEL < PANEL ? N - o * PANEL : PANEL;
     alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
     for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + o * PANEL + j) : 0.f;
@@ -122,7 +122,7 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
     }
     for (int64_t m = 0; m < rows; ++m)  // the bias is in the sums already
       emit(out, m0 + m, o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, up ? PANEL : cols, nullptr);
-  }
+  }, [] {}, [] {});
 }
 
 template <typename T>
@@ -201,36 +201,6 @@ void panel_linear_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t ldx, co
 
 #if defined(GRAPHDECODE_AMX)
 constexpr int64_t AMX_PAIRS = 16;  // k pairs per step (32 k): one tile of x [16][32], four of the panel [16][16][2]
-
-// The work of a linear as units of (row block, panel), rows_blocks x num_panels of them, taken in blocks of about
-// `per_block` panels (a block's panels stay in L2 while every row block runs over them: the weights are read from
-// memory once, the rows once per block) and split evenly over the threads in that order:
-// unit(row_block, panel) for each, inside an OpenMP parallel region (begin() and end() bracket each thread's
-// units there).
-template <typename Unit, typename Begin, typename End>
-void for_units(int64_t row_blocks, int64_t num_panels, int64_t per_block, int32_t threads, Unit&& unit,
-               Begin&& begin, End&& end) {
-  const int64_t blocks = (num_panels + per_block - 1) / per_block, units = row_blocks * num_panels;
-  auto block_start = [&](int64_t block) { return block * num_panels / blocks; };
-#pragma omp parallel num_threads(threads) if (threads > 1 && units > 1)
-  {
-    begin();
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < units; ++i) {
-      int64_t block = i / row_blocks * blocks / num_panels;  // the block holding unit i: an estimate, corrected
-      while (row_blocks * block_start(block + 1) <= i) ++block;
-      while (row_blocks * block_start(block) > i) --block;
-      const int64_t p0 = block_start(block), width = block_start(block + 1) - p0, j = i - row_blocks * p0;
-      unit(j / width, p0 + j % width);
-    }
-    end();
-  }
-}
-
-// Panels per block of for_units for the AMX kernel: about 1 MB of them (half the L2 of a core with AMX), at least one.
-inline int64_t panels_per_block(int64_t panel_bytes) {
-  return panel_bytes < (int64_t(1) << 20) ? (int64_t(1) << 20) / panel_bytes : 1;
-}
 
 // panel_linear's bf16 form on AMX, W in pair panels [ceil(N / 64)][P][64][2] with P = ceil(K / 2) rounded up to
 // 16 (zero past K and past N), its units (32 rows, panel) over for_units. A unit runs its panel in halves of 32

@@ -191,25 +191,26 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
   }
 }
 
-// The work of one linear: tasks of (a block of up to ROWS_MAX rows, a panel) over `threads` threads. A task's
-// output rows start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products
-// into them, then their first columns are stored to y.
+// The work of one linear: units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads (for_units:
+// even row blocks in multiples of `tile` rows, panels of `panel_bytes` in L2-sized blocks). A unit's output rows
+// start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products into them, then
+// their first columns are stored to y.
 template <typename T, typename Body>
-void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int32_t threads, Body&& body) {
+void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int64_t tile, int64_t panel_bytes,
+                    int32_t threads, Body&& body) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
-  const int64_t tasks = (M + ROWS_MAX - 1) / ROWS_MAX * num_panels;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) {
+  const RowBlocks blocks(M, ROWS_MAX, tile);
+  const int64_t per_block = blocks.count > 1 ? panels_per_block(panel_bytes) : 1;
+  for_units(blocks.count, num_panels, per_block, threads, [&](int64_t b, int64_t p) {
     alignas(64) float out[ROWS_MAX * PANEL];
-    const int64_t m0 = (t / num_panels) * ROWS_MAX, p = t % num_panels;
-    const int64_t rows = M - m0 < ROWS_MAX ? M - m0 : ROWS_MAX;
+    const int64_t m0 = b * blocks.rows, rows = std::min(blocks.rows, M - m0);
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     alignas(64) float start[PANEL];
     for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
     for (int64_t m = 0; m < rows; ++m) std::memcpy(out + m * PANEL, start, sizeof start);
     body(out, m0, rows, p);
     for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, out + m * PANEL, cols);
-  }
+  }, [] {}, [] {});
 }
 
 template <int KIND, typename T>
@@ -219,7 +220,7 @@ void qpanel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t*
   const int64_t panel_bytes = (KIND == kInt4 ? K / 2 : K) * PANEL;
   int64_t kb = KB;  // a block lies in one group
   while (group % kb) kb /= 2;
-  for_each_panel(M, N, bias, y, ldy, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
+  for_each_panel(M, N, bias, y, ldy, MR, panel_bytes, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
     alignas(64) float block[KB * PANEL];
     const uint8_t* panel = panels + p * panel_bytes;
     for (int64_t g = 0; g < groups; ++g) {
@@ -464,7 +465,8 @@ void vnni_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* p
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && M > 1)
   for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, xq.data() + m * K, a.data() + m * blocks,
                                                sums.data() + m * blocks);
-  for_each_panel(M, N, bias, y, ldy, threads, [&](float* out, int64_t m0, int64_t rows, int64_t p) {
+  for_each_panel(M, N, bias, y, ldy, 16, panel_bytes, threads,
+                 [&](float* out, int64_t m0, int64_t rows, int64_t p) {
     const uint8_t* panel = panels + p * panel_bytes;
     int64_t tiled = 0;  // the task's first rows that run on AMX: whole tiles of 16, and a last one of 8 or more
 #if defined(GRAPHDECODE_QLINEAR_AMX)
