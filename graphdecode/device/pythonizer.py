@@ -12,7 +12,10 @@ w - 2 (same buffer) before window w is launched.
 Window timing: `start_window()` just before a decode window runs and `enqueue()` right
 after bracket it; `wait()` then reports the window's time (CUDA timing events around the
 graph replay on a GPU, so it is device time and costs no sync; wall time on a CPU, where
-the window runs eagerly inside the launch). The speculation policy reads it.
+the window runs eagerly inside the launch). The speculation policy reads it. A step's
+prefill is timed the same way (`start_prefill()` / `end_prefill(tokens)` around it), when
+that step enqueues (a prefill chunk that samples nothing is not): the policy reads the
+target's many-row rate from it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class WindowResult:
     spec: np.ndarray | None = None  # [3, bucket] int32 after a speculative window: drafted, accepted, rounds
     spec_positions: np.ndarray | None = None  # [d] int64: ... drafts accepted at each draft position
     window_seconds: float | None = None  # the decode window's own time, when one ran
+    prefill_tokens: int = 0  # tokens the step's prefill ran (0: none timed)
+    prefill_seconds: float | None = None  # ... and its time
 
 
 @dataclass
@@ -49,6 +54,8 @@ class PendingCopy:
     speculative: bool = False
     timed: bool = False  # a decode window ran between start_window() and enqueue()
     cpu_seconds: float | None = None  # its wall time on a CPU (CUDA: the slot's timing events)
+    prefill_tokens: int = 0  # the step's prefill, timed: its tokens
+    prefill_cpu_seconds: float | None = None  # ... and its wall time on a CPU
     pythonizer: "Pythonizer | None" = field(default=None, repr=False)  # whose slot holds it
 
     def result(self) -> "WindowResult":
@@ -72,8 +79,29 @@ class Pythonizer:
         self.seconds_blocked = 0.0
         self._timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         for _ in range(2)] if self.cuda else None
+        self._prefill_timing = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                                for _ in range(2)] if self.cuda else None
         self._window_start: float | None = None  # perf_counter at start_window(), CPU
         self._window_open = False
+        self._prefill_start: float | None = None  # perf_counter at start_prefill(), CPU
+        self._prefill_tokens = 0  # tokens of the prefill timed since the last enqueue
+        self._prefill_seconds: float | None = None  # its wall time, CPU
+
+    def start_prefill(self) -> None:
+        """Mark the start of a step's prefill (end_prefill() its end)."""
+        if self.cuda:
+            self._prefill_timing[self._next][0].record()
+        else:
+            self._prefill_start = time.perf_counter()
+
+    def end_prefill(self, tokens: int) -> None:
+        """The prefill started by start_prefill() ran these tokens; the next enqueue() reports it (a step
+        that enqueues nothing drops it: the next start_prefill() records over it)."""
+        self._prefill_tokens = tokens
+        if self.cuda:
+            self._prefill_timing[self._next][1].record()
+        else:
+            self._prefill_seconds = time.perf_counter() - self._prefill_start
 
     def start_window(self) -> None:
         """Mark the start of a decode window (the next enqueue() marks its end)."""
@@ -90,6 +118,8 @@ class Pythonizer:
         slot = self._slots[slot_index]
         timed, cpu_seconds = self._window_open, None
         self._window_open = False
+        prefill_tokens, prefill_seconds = self._prefill_tokens, self._prefill_seconds
+        self._prefill_tokens, self._prefill_seconds = 0, None
         if timed:  # the window's end, before the copies
             if self.cuda:
                 self._timing[slot_index][1].record()
@@ -105,7 +135,7 @@ class Pythonizer:
             event = torch.cuda.Event()
             event.record()
         return PendingCopy(slot_index, bucket, with_logprobs, event, host_extras, speculative, timed, cpu_seconds,
-                           self)
+                           prefill_tokens, prefill_seconds, self)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -134,4 +164,11 @@ class Pythonizer:
                 result.window_seconds = start.elapsed_time(end) / 1000.0  # both completed: the event above
             else:
                 result.window_seconds = pending.cpu_seconds
+        if pending.prefill_tokens:
+            result.prefill_tokens = pending.prefill_tokens
+            if self.cuda:
+                start, end = self._prefill_timing[pending.slot]
+                result.prefill_seconds = start.elapsed_time(end) / 1000.0
+            else:
+                result.prefill_seconds = pending.prefill_cpu_seconds
         return result

@@ -149,7 +149,9 @@ class ModelRunner:
         self.staging.flush(self.state)
         if plan.prefill_chunks:
             with annotate("graphdecode.prefill"):
+                self.pythonizer.start_prefill()
                 self.prefill(plan.prefill_chunks)
+                self.pythonizer.end_prefill(sum(len(c.token_ids) for c in plan.prefill_chunks))
         window, prompt_results = plan.window, self._prompt_results
         self._prompt_results = []
         if window is None and not prompt_results:

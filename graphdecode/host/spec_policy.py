@@ -23,10 +23,17 @@ request's copying must not make its batch company speculate. So each sequence ke
 average (`Sequence.spec_acceptance`, from its rows of the speculative windows' reports), and a
 window's expected acceptance is the mean over the rows it holds; a row with no report yet counts
 as the engine-wide average (the prior). Where the
-ratio is not measured yet (a bucket's first window of each kind is not timed where it may
-capture a graph or compile: on a GPU, with compile=True or the CPU graph twin), the next
-probe comes after `probe_every` plain windows, twice that after each probe that did not
-pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
+ratio is not measured yet at a bucket, it is estimated, so that the first speculative window at a
+bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
+weights' read, b a row's arithmetic), so a speculative window at bucket B costs a plain one plus
+k B d b (its verifies run B (d + 1) rows where plain steps run B). b comes from the prefills
+(t = m + P b over P prompt tokens) and m from the smallest bucket's measured plain window; a bucket
+without a plain measure takes k (m + B b) as its plain window. On two AVX2 cores this says a
+verify at batch 16 and d = 4 costs about four plain windows, as measured; on a GPU b is small and
+the estimate near 1. Without an estimate either (no prefill timed yet; a first window of each kind
+is not timed where it may capture a graph or compile: on a GPU, with compile=True or the CPU graph
+twin), the next probe comes after `probe_every` plain windows, twice that after each probe that
+did not pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
 `max_probe_every` plain windows, always.
 """
 
@@ -42,8 +49,10 @@ if TYPE_CHECKING:
 class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
-                 first_window_untimed: bool = True):
+                 first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1):
         self.enabled = enabled
+        self.draft_tokens = draft_tokens  # d: a verify runs d + 1 rows per row (0: no estimate of the cost)
+        self.steps_per_window = steps_per_window  # k: steps (rounds) a window runs
         # a bucket's first window of each kind may capture a graph or compile: not a measure of its cost (eager
         # CPU windows have no first-time work, and their first window is timed)
         self.first_window_untimed = first_window_untimed
@@ -59,13 +68,51 @@ class SpecPolicy:
         self._plain_since = 0  # plain windows since the last probe
         self._plain_seconds: dict[int, float] = {}  # per bucket: the plain time since its last probe
         self.interval = probe_every  # plain windows between probes while the cost is not measured
+        self._prefill: tuple[float, float] | None = None  # averages of a timed prefill's tokens and seconds
 
     def cost_ratio(self, bucket: int) -> float | None:
-        """A speculative window's time over a plain one's at this bucket, once both are measured."""
-        spec, plain = self.window_seconds.get((bucket, True)), self.window_seconds.get((bucket, False))
-        if spec is None or plain is None or plain <= 0:
+        """A speculative window's time over a plain one's at this bucket: measured once both are, else
+        estimated (None: neither)."""
+        spec, plain = self.window_seconds.get((bucket, True)), self.plain_seconds(bucket)
+        if plain is None or plain <= 0:
             return None
-        return spec / plain
+        if spec is not None and (bucket, False) in self.window_seconds:
+            return spec / plain
+        line = self.row_costs()
+        if line is None or not self.draft_tokens:
+            return None
+        return 1.0 + self.steps_per_window * bucket * self.draft_tokens * line[1] / plain
+
+    def plain_seconds(self, bucket: int) -> float | None:
+        """A plain window's time at this bucket: measured, else estimated from the row costs."""
+        measured = self.window_seconds.get((bucket, False))
+        if measured is not None:
+            return measured
+        line = self.row_costs()
+        return None if line is None else self.steps_per_window * (line[0] + bucket * line[1])
+
+    def row_costs(self) -> tuple[float, float] | None:
+        """(m, b): seconds a target forward costs per step and per row, from the prefills' average
+        (t = m + P b) and the smallest measured plain bucket's window (k (m + B b)); None before both."""
+        plain = [bucket for bucket, speculative in self.window_seconds if not speculative]
+        if self._prefill is None or not plain:
+            return None
+        tokens, seconds = self._prefill
+        smallest = min(plain)
+        step = self.window_seconds[(smallest, False)] / self.steps_per_window
+        if tokens <= smallest:
+            return None  # the prefills ran no more rows than the window: no slope
+        per_row = max((seconds - step) / (tokens - smallest), 0.0)
+        return max(step - smallest * per_row, 0.0), per_row
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step's prefill: its tokens and time (the target's rate over many rows)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self._prefill is None:
+            self._prefill = (float(tokens), seconds)
+        else:
+            self._prefill = (self._average(self._prefill[0], tokens), self._average(self._prefill[1], seconds))
 
     def expected_acceptance(self, rows: Iterable[Sequence] = ()) -> float | None:
         """Accepted drafts per verify a window of these rows should see: each row's own average, the
@@ -92,7 +139,7 @@ class SpecPolicy:
         ratio = self.cost_ratio(bucket)
         if ratio is None or accepted is None:
             return None
-        return max(ratio - 1.0 - accepted, 0.0) * self.window_seconds[(bucket, False)]
+        return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket)
 
     def probe_due(self, bucket: int, accepted: float | None) -> bool:
         if self._plain_since >= self.max_probe_every:

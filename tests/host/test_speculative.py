@@ -4,6 +4,7 @@ logprobs, preemption and the prefix cache)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -277,6 +278,67 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     assert plain_windows_before_a_probe(16, 4.0) == 299  # max_probe_every
     policy.observe(verifies=4, accepted=40)  # a report that pays: speculating again
     assert policy.speculate(1)
+
+
+def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
+    """Before a bucket's speculative window is measured, its cost ratio is estimated from the prefills' per-row
+    time and the smallest bucket's plain window (a forward over R rows costs m + R b; a verify runs B (d + 1) rows
+    where a plain step runs B): acceptance that pays at a small bucket does not speculate at a large one whose
+    verify would cost several plain windows, and the first probe there waits until the probe budget covers the
+    estimated loss. Measures replace the estimate."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    k, d, m, b = 8, 4, 0.025, 0.002  # steps per window, drafts, a step's fixed and per-row seconds
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, first_window_untimed=False, draft_tokens=d,
+                        steps_per_window=k, max_probe_every=10**6)
+    policy.observe_window(1, False, k * (m + 1 * b))
+    assert policy.cost_ratio(16) is None and policy.row_costs() is None  # no prefill timed yet
+    policy.observe_prefill(400, m + 400 * b)
+    policy.observe_prefill(600, m + 600 * b)  # averages: 500 tokens, m + 500 b
+    assert policy.row_costs() == pytest.approx((m, b))
+    plain_16 = k * (m + 16 * b)
+    assert policy.plain_seconds(16) == pytest.approx(plain_16)
+    assert policy.cost_ratio(16) == pytest.approx(1 + k * 16 * d * b / plain_16)  # 3.25
+    assert policy.cost_ratio(1) == pytest.approx(1 + k * d * b / (k * (m + b)))  # 1.30
+    policy.observe(verifies=10, accepted=15)  # 1.5 accepted per verify: pays where c <= 2.5
+    assert policy.speculate(1) and not policy.speculate(16)
+    # the probe at bucket 16 loses (3.25 - 1 - 1.5) plain windows: due once 2% of its plain time covers that
+    due = (policy.cost_ratio(16) - 2.5) * plain_16 / policy.probe_budget
+    windows = 0
+    while not policy.speculate(16):
+        policy.observe_window(16, False, plain_16)
+        windows += 1
+    assert windows == math.ceil(due / plain_16)  # 38 plain windows, then the probe
+    policy.observe(verifies=10, accepted=15)
+    policy.observe_window(16, False, 0.5)  # measured plain: the estimate's denominator
+    assert policy.cost_ratio(16) == pytest.approx(1 + k * 16 * d * b / (0.5 * 0.5 + 0.5 * plain_16))
+    policy.observe_window(16, True, 1.0)  # measured both: the measure
+    assert policy.cost_ratio(16) == pytest.approx(1.0 / policy.window_seconds[(16, False)])
+    assert SpecPolicy(enabled=True, first_window_untimed=False).row_costs() is None
+    plain_only = SpecPolicy(enabled=True, first_window_untimed=False)  # no draft_tokens: no estimate
+    plain_only.observe_window(1, False, 1.0)
+    plain_only.observe_prefill(500, 2.0)
+    assert plain_only.cost_ratio(16) is None
+
+
+def test_the_engine_times_its_prefills_for_the_policy(tiny_models):
+    """Each step that prefills and samples reports its prefill's tokens and time to the policy."""
+    path = tiny_models["llama_head_dim"]
+    spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
+    engine = spec.engine
+    seen = []
+    observe = engine.spec_policy.observe_prefill
+
+    def record(tokens, seconds):
+        seen.append((tokens, seconds))
+        observe(tokens, seconds)
+
+    engine.spec_policy.observe_prefill = record
+    prompts = repetitive_prompts(3)
+    spec.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert sum(tokens for tokens, _ in seen) == sum(len(p["prompt_token_ids"]) for p in prompts)
+    assert all(seconds > 0 for _, seconds in seen)
+    assert engine.spec_policy.row_costs() is not None
 
 
 def test_spec_policy_weighs_the_rows_a_window_holds():
