@@ -1,7 +1,7 @@
 """Engine: the step loop. Each step is schedule -> run -> postprocess.
 
     plan    = scheduler.schedule(spec)    rows in/out, lookahead pages, prefill chunks, the window's bucket
-                                          (spec: the speculation policy's choice for this window)
+                                          (spec: the speculation policy, asked about the window's rows)
     pending = executor.execute(plan)      stage rows, prefill, launch the window, copy out
                                           (with tensor parallelism the plan goes to every rank first)
     changed = postprocess(previous)       pythonize the PREVIOUS window while this one runs
@@ -186,10 +186,7 @@ class Engine:
         with torch.inference_mode():
             t0 = time.perf_counter()
             with annotate("graphdecode.schedule"):
-                speculative = self.spec_policy.speculate(self.scheduler.bucket, self.scheduler.running.values())
-                plan = self.scheduler.schedule(speculative)
-                if speculative and not (plan.window is not None and plan.window.decode):
-                    self.spec_policy.withdraw()  # no decode window this step
+                plan = self.scheduler.schedule(self._speculate if self.spec_policy.enabled else None)
             t1 = time.perf_counter()
             with annotate("graphdecode.launch"):
                 pending = self.executor.execute(plan)
@@ -207,6 +204,12 @@ class Engine:
             changed = self._aborted + changed
             self._aborted = []
         return changed
+
+    def _speculate(self, bucket: int, rows: list[Sequence]) -> bool:
+        """The policy's choice for a window of these rows, asked by the scheduler once they are known; the
+        requests still waiting for a row decide what a row finishing early is worth."""
+        self.spec_policy.observe_queue(len(self.scheduler.waiting))
+        return self.spec_policy.speculate(bucket, rows)
 
     @property
     def runner(self):

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
@@ -137,28 +138,31 @@ class Scheduler:
         """The bucket the running rows occupy now (0 when none run): the next window's, unless rows join."""
         return self._bucket_of[max(s.row for s in self.running.values()) + 1] if self.running else 0
 
-    def schedule(self, speculative: bool = False) -> StepPlan:
-        """speculative: the engine's choice for this step's window; a plain window reserves
-        lookahead for k tokens per row, a speculative one for k (d + 1)."""
+    def schedule(self, speculate: Callable[[int, list[Sequence]], bool] | None = None) -> StepPlan:
+        """speculate: the speculation policy, asked once the window's bucket and rows are known (rows
+        joining this step included) whether the window speculates (None: it does not). With a policy,
+        the lookahead covers k (d + 1) tokens a row, as the window may speculate; the counters
+        advance by what the chosen window can add."""
         plan = StepPlan()
         if self.states is not None:
             self.states.commit()
         if self.tables is not None:  # constraints placed since the last plan, uploaded before their rows start
             plan.table_uploads = self.tables.take_uploads()
-        window_tokens = self.window_tokens if speculative else self.num_decode_steps
         self._retire_drained()
-        if not self._reserve_lookahead(plan, window_tokens):
+        if not self._reserve_lookahead(plan, self.window_tokens if speculate else self.num_decode_steps):
             self._schedule_prefills(plan)
         decode = any(not s.is_draining for s in self.running.values())
-        if decode:
-            for seq in self.running.values():
-                seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + window_tokens, seq.max_len)
-                seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
         started = {start.row for start in plan.started_rows}
         if decode or started:
             top = max(s.row for s in self.running.values()) + 1
-            plan.window = WindowSpec(bucket=self._bucket_of[top], decode=decode, speculative=speculative and decode)
+            bucket = self._bucket_of[top]
+            speculative = decode and speculate is not None and speculate(bucket, list(self.running.values()))
+            plan.window = WindowSpec(bucket=bucket, decode=decode, speculative=speculative)
             if decode:
+                window_tokens = self.window_tokens if speculative else self.num_decode_steps
+                for seq in self.running.values():
+                    seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + window_tokens, seq.max_len)
+                    seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
                 plan.readout += [Readout(s.row, s, s.epoch, 1) for s in self.running.values() if s.row not in started]
         plan.cleared_rows, self._cleared = self._cleared, []
         # what later steps allocate is written after this step's copies, in stream order

@@ -11,7 +11,8 @@ wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.1 to 5
 The policy keeps exponential averages of a and of each (bucket, kind) window time. With
 no acceptance report yet it launches one speculative window (a probe) and then plain
 ones until that report arrives; afterwards it speculates while
-a >= max(min_accepted, c - 1) (c where both times are known for the bucket), and
+a >= max(min_accepted, c (1 + headroom) - 1) (headroom 10%: a near-even bet is not worth the noise
+of its measures), and
 otherwise runs plain windows with a probe now and then, to notice when drafting starts to
 pay. A probe at a bucket whose cost ratio is measured loses (c - 1 - a) plain windows of
 that bucket's time; it runs once the bucket's plain time since its last probe, times
@@ -21,16 +22,20 @@ window after 50. Acceptance is the requests' property, not the engine's: a stret
 a head cannot predict must not keep speculation off for whatever comes next, and one
 request's copying must not make its batch company speculate. So each sequence keeps its own
 average (`Sequence.spec_acceptance`, from its rows of the speculative windows' reports), and a
-window's expected acceptance is the mean over the rows it holds; a row with no report yet counts
-as the engine-wide average (the prior). Where the
-ratio is not measured yet at a bucket, it is estimated, so that the first speculative window at a
+window weighs the rows it holds; a row with no report yet counts as the engine-wide average (the
+prior). With requests waiting for a row, the mean (a row finishing early makes room for one: the
+window's tokens are what count); with none waiting, the batch lasts as long as its longest row, and
+speculating must not make that row later: the acceptance of the rows that bound the batch (with
+equal remaining tokens, the least accepting one). The window is chosen once its rows are known
+(the scheduler asks after admitting this step's joiners). Where the ratio is not measured yet at a
+bucket, it is estimated, so that the first speculative window at a
 bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
 weights' read, b a row's arithmetic), so a speculative window at bucket B costs a plain one plus
 k B d b (its verifies run B (d + 1) rows where plain steps run B). b comes from the prefills
 (t = m + P b over P prompt tokens) and m from the smallest bucket's measured plain window; a bucket
-without a plain measure takes k (m + B b) as its plain window. On two AVX2 cores this says a
-verify at batch 16 and d = 4 costs about four plain windows, as measured; on a GPU b is small and
-the estimate near 1. Without an estimate either (no prefill timed yet; a first window of each kind
+without a plain measure takes k (m + B b) as its plain window. On two AVX2 cores it puts a batch-16
+window with d = 4 at 2.9-3.0 plain ones, where 3.3-3.4 were measured; on a GPU b is small and the
+estimate near 1. Without an estimate either (no prefill timed yet; a first window of each kind
 is not timed where it may capture a graph or compile: on a GPU, with compile=True or the CPU graph
 twin), the next probe comes after `probe_every` plain windows, twice that after each probe that
 did not pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
@@ -49,8 +54,10 @@ if TYPE_CHECKING:
 class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
-                 first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1):
+                 first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1,
+                 headroom: float = 0.1):
         self.enabled = enabled
+        self.headroom = headroom  # speculate where 1 + a >= c (1 + headroom): a near-even bet is not worth its noise
         self.draft_tokens = draft_tokens  # d: a verify runs d + 1 rows per row (0: no estimate of the cost)
         self.steps_per_window = steps_per_window  # k: steps (rounds) a window runs
         # a bucket's first window of each kind may capture a graph or compile: not a measure of its cost (eager
@@ -69,6 +76,7 @@ class SpecPolicy:
         self._plain_seconds: dict[int, float] = {}  # per bucket: the plain time since its last probe
         self.interval = probe_every  # plain windows between probes while the cost is not measured
         self._prefill: tuple[float, float] | None = None  # averages of a timed prefill's tokens and seconds
+        self.waiting = 0  # requests waiting for a row when the window is chosen
 
     def cost_ratio(self, bucket: int) -> float | None:
         """A speculative window's time over a plain one's at this bucket: measured once both are, else
@@ -105,6 +113,10 @@ class SpecPolicy:
         per_row = max((seconds - step) / (tokens - smallest), 0.0)
         return max(step - smallest * per_row, 0.0), per_row
 
+    def observe_queue(self, waiting: int) -> None:
+        """Requests waiting for a row as the next window is chosen (expected_acceptance weighs rows by it)."""
+        self.waiting = waiting
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step's prefill: its tokens and time (the target's rate over many rows)."""
         if tokens <= 0 or seconds <= 0:
@@ -115,23 +127,28 @@ class SpecPolicy:
             self._prefill = (self._average(self._prefill[0], tokens), self._average(self._prefill[1], seconds))
 
     def expected_acceptance(self, rows: Iterable[Sequence] = ()) -> float | None:
-        """Accepted drafts per verify a window of these rows should see: each row's own average, the
-        engine-wide one (the prior) for rows without a report and for a window of no rows."""
+        """Accepted drafts per verify a window of these rows should count on: each row's own average (the
+        engine-wide one, the prior, for rows without a report and for a window of no rows). With requests
+        waiting for a row, a row that finishes early makes room for one, so the window's tokens are what
+        count: the mean. With none waiting, the batch lasts as long as its longest row: the acceptance at
+        which plain windows would finish the batch as soon as speculative ones, its rows' remaining tokens
+        n at 1 + a a round (max n / max(n / (1 + a)) - 1; with equal n the least accepting row's a)."""
         prior = self.accepted_per_verify
         if prior is None:
             return None
-        total = count = 0
-        for seq in rows:
-            own = seq.spec_acceptance
-            total += prior if own is None else own
-            count += 1
-        return total / count if count else prior
+        rows = [(prior if seq.spec_acceptance is None else seq.spec_acceptance, seq) for seq in rows]
+        if not rows:
+            return prior
+        if self.waiting:
+            return sum(a for a, _ in rows) / len(rows)
+        left = [max(seq.max_len - seq.num_tokens, 1) for _, seq in rows]
+        return max(left) / max(n / (1.0 + a) for n, (a, _) in zip(left, rows)) - 1.0
 
     def pays(self, bucket: int, accepted: float | None) -> bool:
         if accepted is None:
             return False
         ratio = self.cost_ratio(bucket)
-        need = self.min_accepted if ratio is None else max(self.min_accepted, ratio - 1.0)
+        need = self.min_accepted if ratio is None else max(self.min_accepted, ratio * (1.0 + self.headroom) - 1.0)
         return accepted >= need
 
     def probe_loss(self, bucket: int, accepted: float | None) -> float | None:

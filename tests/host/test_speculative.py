@@ -350,6 +350,7 @@ def test_spec_policy_weighs_the_rows_a_window_holds():
     from graphdecode.host.spec_policy import SpecPolicy
 
     policy = SpecPolicy(enabled=True, min_accepted=0.5, max_probe_every=10**6, probe_budget=0.0, smoothing=0.9)
+    policy.observe_queue(3)  # requests wait for rows: a window's tokens count (the mean over its rows)
     for speculative, seconds in [(False, 1.0), (False, 1.0), (True, 2.0), (True, 2.0)]:
         policy.observe_window(4, speculative, seconds)  # a speculative window costs 2 plain ones: pays from a = 1
     copier, chat, fresh = (SimpleNamespace(spec_acceptance=None) for _ in range(3))
@@ -367,6 +368,35 @@ def test_spec_policy_weighs_the_rows_a_window_holds():
     policy.observe(verifies=32, accepted=4, rows=[(seq, 8, 1) for seq in cohort])
     assert policy.accepted_per_verify == pytest.approx(0.9 * 1.5 + 0.1 * 0.125) and policy.speculate(4, [])
     assert not policy.speculate(4, cohort)
+
+
+def test_with_nothing_waiting_speculation_must_not_delay_the_batchs_longest_row():
+    """With no request waiting for a row, a batch lasts as long as its longest row: a window counts on the
+    acceptance at which plain windows would end the batch as soon (max n / max(n / (1 + a)) - 1 over the rows'
+    remaining tokens n), so copying rows do not make a row that drafts badly, and bounds the batch, slower."""
+    from types import SimpleNamespace
+
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    def row(acceptance, left):
+        return SimpleNamespace(spec_acceptance=acceptance, max_len=1000, num_tokens=1000 - left)
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, max_probe_every=10**6, probe_budget=0.0)
+    for speculative, seconds in [(False, 1.0), (False, 1.0), (True, 2.0), (True, 2.0)]:
+        policy.observe_window(4, speculative, seconds)  # c = 2: pays from a = 1
+    policy.observe(verifies=4, accepted=8)  # the prior: 2
+    copiers, slow = [row(3.0, 100), row(3.0, 100), row(3.0, 100)], row(0.5, 100)
+    assert policy.expected_acceptance(copiers + [slow]) == pytest.approx(0.5)  # equal n: the least accepting row
+    assert not policy.speculate(4, copiers + [slow])
+    policy.observe_queue(2)  # requests waiting: the mean (2.375) pays
+    assert policy.expected_acceptance(copiers + [slow]) == pytest.approx(2.375) and policy.speculate(4, copiers + [slow])
+    policy.observe_queue(0)
+    nearly_done = row(0.0, 5)  # 5 tokens left at 1 a round ends before the copiers' 100 at 4 a round
+    assert policy.expected_acceptance(copiers + [nearly_done]) == pytest.approx(3.0)
+    assert policy.speculate(4, copiers + [nearly_done])
+    # a longer row that drafts a little: max n / max(n / (1 + a)) - 1 = 200 / max(25, 200 / 2.5) - 1 = 1.5
+    assert policy.expected_acceptance(copiers + [row(1.5, 200)]) == pytest.approx(1.5)
+    assert policy.expected_acceptance([row(None, 100)]) == pytest.approx(2.0)  # no report: the prior
 
 
 def test_the_engine_keeps_acceptance_per_sequence(tiny_models):
