@@ -194,7 +194,7 @@ class Engine:
             changed: list[Sequence] = []
             if self._inflight is not None:
                 with annotate("graphdecode.pythonize"):
-                    changed = self._postprocess(*self._inflight)
+                    changed = self._postprocess(*self._inflight, launched=plan)
             t3 = time.perf_counter()
         self._inflight = (plan, pending) if pending is not None else None
         self._account(plan, t1 - t0, t2 - t1, t3 - t2)
@@ -228,7 +228,8 @@ class Engine:
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.shutdown()
 
-    def _postprocess(self, plan: StepPlan, pending) -> list[Sequence]:
+    def _postprocess(self, plan: StepPlan, pending, launched: StepPlan) -> list[Sequence]:
+        """Pythonize the window of `plan` (`launched`: the step's plan, whose window is in flight)."""
         result = pending.result()
         if pending.extras:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
@@ -242,7 +243,7 @@ class Engine:
             self.spec_policy.withdraw()  # it ran plain (penalty rows): no report will come
         if result.spec is not None:
             self._account_speculation(result.spec, result.spec_positions, plan.readout)
-        self.scheduler.cache_decoded(changed)
+        self.scheduler.cache_decoded(changed, launched)
         return changed
 
     def _account_speculation(self, spec, positions, readout: list[Readout]) -> None:

@@ -385,12 +385,24 @@ class Scheduler:
             parent = self._keys(seq, full)[full - 1] if full else seq.request.cache_root
             self.pool.list_child(seq.pages[full], parent, seq.token_ids[full * size : seq.num_tokens])
 
-    def cache_decoded(self, seqs) -> None:
+    def cache_decoded(self, seqs, launched: StepPlan | None = None) -> None:
         """After pythonizing: a token's K/V is written once it is fed back, so every token but
-        the last one the host holds is computed."""
+        the last one the host holds is computed. launched: the plan launched since, whose window
+        every running row that did not start in it is in: the device will hold at most what that
+        window can add to what the host now holds, so the upper bound comes down to that (a
+        speculative window reserved k (d + 1) tokens a row and may have kept k: pages are
+        reserved against the bound)."""
+        adds, started = None, set()
+        if launched is not None:
+            window = launched.window
+            adds = 0 if window is None or not window.decode else \
+                self.window_tokens if window.speculative else self.num_decode_steps
+            started = {start.row for start in launched.started_rows}
         for seq in seqs:
             if seq.pages and seq.is_running:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
+                if adds is not None and seq.row not in started:
+                    seq.num_scheduled_tokens = min(seq.num_scheduled_tokens, seq.num_tokens + adds)
                 self._cache_pages(seq)
 
     # ------------------------------------------------------- leaving the batch

@@ -26,7 +26,8 @@ window weighs the rows it holds; a row with no report yet counts as the engine-w
 prior). With requests waiting for a row, the mean (a row finishing early makes room for one: the
 window's tokens are what count); with none waiting, the batch lasts as long as its longest row, and
 speculating must not make that row later: the acceptance of the rows that bound the batch (with
-equal remaining tokens, the least accepting one). The window is chosen once its rows are known
+equal remaining tokens, the least accepting one), where f rows not yet measured count on the least
+of f draws from the recent rows' acceptance (its 1 / (f + 1) quantile), not on its mean. The window is chosen once its rows are known
 (the scheduler asks after admitting this step's joiners). Where the ratio is not measured yet at a
 bucket, it is estimated, so that the first speculative window at a
 bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
@@ -44,6 +45,7 @@ did not pay (the cost unknown, up to 8% of the windows could be losing probes ot
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -77,6 +79,8 @@ class SpecPolicy:
         self.interval = probe_every  # plain windows between probes while the cost is not measured
         self._prefill: tuple[float, float] | None = None  # averages of a timed prefill's tokens and seconds
         self.waiting = 0  # requests waiting for a row when the window is chosen
+        self._row_samples: deque[float] = deque(maxlen=256)  # recent rows' acceptance in a window, one per report
+        self.min_samples = 8  # ... before their quantiles stand in for rows without a report
 
     def cost_ratio(self, bucket: int) -> float | None:
         """A speculative window's time over a plain one's at this bucket: measured once both are, else
@@ -132,17 +136,25 @@ class SpecPolicy:
         waiting for a row, a row that finishes early makes room for one, so the window's tokens are what
         count: the mean. With none waiting, the batch lasts as long as its longest row: the acceptance at
         which plain windows would finish the batch as soon as speculative ones, its rows' remaining tokens
-        n at 1 + a a round (max n / max(n / (1 + a)) - 1; with equal n the least accepting row's a)."""
+        n at 1 + a a round (max n / max(n / (1 + a)) - 1; with equal n the least accepting row's a). There
+        the f rows without a report count on the least of f draws, not on the mean: the 1 / (f + 1)
+        quantile of the rows' recent per-window acceptance (the prior while there are few)."""
         prior = self.accepted_per_verify
         if prior is None:
             return None
-        rows = [(prior if seq.spec_acceptance is None else seq.spec_acceptance, seq) for seq in rows]
+        rows = list(rows)
         if not rows:
             return prior
         if self.waiting:
-            return sum(a for a, _ in rows) / len(rows)
-        left = [max(seq.max_len - seq.num_tokens, 1) for _, seq in rows]
-        return max(left) / max(n / (1.0 + a) for n, (a, _) in zip(left, rows)) - 1.0
+            return sum(prior if seq.spec_acceptance is None else seq.spec_acceptance for seq in rows) / len(rows)
+        fresh = sum(seq.spec_acceptance is None for seq in rows)
+        unknown = prior
+        if fresh and len(self._row_samples) >= self.min_samples:
+            ranked = sorted(self._row_samples)
+            unknown = ranked[len(ranked) // (fresh + 1)]
+        left = [max(seq.max_len - seq.num_tokens, 1) for seq in rows]
+        return max(left) / max(n / (1.0 + (unknown if seq.spec_acceptance is None else seq.spec_acceptance))
+                               for n, seq in zip(left, rows)) - 1.0
 
     def pays(self, bucket: int, accepted: float | None) -> bool:
         if accepted is None:
@@ -191,6 +203,7 @@ class SpecPolicy:
         for seq, row_verifies, row_accepted in rows:
             if row_verifies > 0:
                 seq.spec_acceptance = self._average(seq.spec_acceptance, row_accepted / row_verifies)
+                self._row_samples.append(row_accepted / row_verifies)
         if verifies <= 0:
             return
         self.accepted_per_verify = self._average(self.accepted_per_verify, accepted / verifies)

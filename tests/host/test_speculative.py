@@ -373,7 +373,8 @@ def test_spec_policy_weighs_the_rows_a_window_holds():
 def test_with_nothing_waiting_speculation_must_not_delay_the_batchs_longest_row():
     """With no request waiting for a row, a batch lasts as long as its longest row: a window counts on the
     acceptance at which plain windows would end the batch as soon (max n / max(n / (1 + a)) - 1 over the rows'
-    remaining tokens n), so copying rows do not make a row that drafts badly, and bounds the batch, slower."""
+    remaining tokens n), so copying rows do not make a row that drafts badly, and bounds the batch, slower; rows
+    not yet measured count on the least of as many draws from the rows' recent acceptance."""
     from types import SimpleNamespace
 
     from graphdecode.host.spec_policy import SpecPolicy
@@ -397,6 +398,40 @@ def test_with_nothing_waiting_speculation_must_not_delay_the_batchs_longest_row(
     # a longer row that drafts a little: max n / max(n / (1 + a)) - 1 = 200 / max(25, 200 / 2.5) - 1 = 1.5
     assert policy.expected_acceptance(copiers + [row(1.5, 200)]) == pytest.approx(1.5)
     assert policy.expected_acceptance([row(None, 100)]) == pytest.approx(2.0)  # no report: the prior
+    # once rows have reported, f rows without one count on the least of f draws from the rows' recent acceptance
+    # (its 1 / (f + 1) quantile): one new row on the median, a cohort of 16 near the lowest
+    reports = [row(None, 100) for _ in range(12)]
+    policy.observe(verifies=48, accepted=96, rows=[(seq, 4, 4 * a) for seq, a in zip(reports, [4] * 9 + [0] * 3)])
+    assert policy.expected_acceptance([row(None, 100)]) == pytest.approx(4.0)
+    assert policy.expected_acceptance([row(None, 100) for _ in range(16)]) == pytest.approx(0.0)
+    assert policy.speculate(4, [row(None, 100)]) and not policy.speculate(4, [row(None, 100) for _ in range(16)])
+    policy.observe_queue(1)  # with requests waiting, the mean: the prior
+    assert policy.expected_acceptance([row(None, 100) for _ in range(16)]) == policy.accepted_per_verify
+
+
+def test_speculating_rows_hold_pages_for_what_they_hold_not_for_every_draft(tiny_models):
+    """A speculative window reserves pages for k (d + 1) tokens a row and may keep k of them: once its tokens are
+    pythonized the row's upper bound comes down to what it holds plus the window in flight, so rows whose drafts
+    are rejected do not creep up to max_model_len's pages window by window."""
+    path = tiny_models["llama_head_dim"]
+    spec = always_speculate(LLM(path, speculative_config=SPEC, **dict(SMALL_ENGINE, max_model_len=512)))
+    scheduler = spec.engine.scheduler
+    window, page = spec.config.window_tokens, spec.config.page_size
+    slack = []
+    schedule = scheduler.schedule
+
+    def record(speculate=None):
+        plan = schedule(speculate)
+        slack.extend(len(seq.pages) * page - seq.num_tokens for seq in scheduler.running.values())
+        return plan
+
+    scheduler.schedule = record
+    prompts = token_prompts(random_prompts(4, [24, 40], vocab=200))  # little to copy: most drafts rejected
+    outs = spec.generate(prompts, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 160 for o in outs)
+    assert spec.engine.stats()["spec_accepted_tokens"] < spec.engine.stats()["spec_draft_tokens"] / 2
+    # the host lags one window, another is in flight and the next reserved: at most three windows and a page
+    assert max(slack) <= 3 * window + page, (max(slack), window)
 
 
 def test_the_engine_keeps_acceptance_per_sequence(tiny_models):
