@@ -27,8 +27,8 @@ prior). With requests waiting for a row, the mean (a row finishing early makes r
 window's tokens are what count); with none waiting, the batch lasts as long as its longest row, and
 speculating must not make that row later: the acceptance of the rows that bound the batch (with
 equal remaining tokens, the least accepting one), where f rows not yet measured count on the least
-of f draws from the recent rows' acceptance (its 1 / (f + 1) quantile), not on its mean. The window is chosen once its rows are known
-(the scheduler asks after admitting this step's joiners). Where the ratio is not measured yet at a
+of f draws from the recent rows' acceptance (its 1 / (f + 1) quantile), not on its mean. The window
+is chosen once its rows are known (the scheduler asks after admitting this step's joiners). Where the ratio is not measured yet at a
 bucket, it is estimated, so that the first speculative window at a
 bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
 weights' read, b a row's arithmetic), so a speculative window at bucket B costs a plain one plus
