@@ -133,11 +133,6 @@ class Scheduler:
         return group_pages(num_tokens, n, max_len, self.page_size, self.window_tokens)
 
     # -------------------------------------------------------------- schedule
-    @property
-    def bucket(self) -> int:
-        """The bucket the running rows occupy now (0 when none run): the next window's, unless rows join."""
-        return self._bucket_of[max(s.row for s in self.running.values()) + 1] if self.running else 0
-
     def schedule(self, speculate: Callable[[int, list[Sequence]], bool] | None = None) -> StepPlan:
         """speculate: the speculation policy, asked once the window's bucket and rows are known (rows
         joining this step included) whether the window speculates (None: it does not). With a policy,

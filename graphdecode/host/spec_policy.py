@@ -28,9 +28,9 @@ window's tokens are what count); with none waiting, the batch lasts as long as i
 speculating must not make that row later: the acceptance of the rows that bound the batch (with
 equal remaining tokens, the least accepting one), where f rows not yet measured count on the least
 of f draws from the recent rows' acceptance (its 1 / (f + 1) quantile), not on its mean. The window
-is chosen once its rows are known (the scheduler asks after admitting this step's joiners). Where the ratio is not measured yet at a
-bucket, it is estimated, so that the first speculative window at a
-bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
+is chosen once its rows are known (the scheduler asks after admitting this step's joiners). Where
+the ratio is not measured yet at a bucket, it is estimated, so that the first speculative window at
+a bucket does not lose what a measure would have spared: a forward over R rows costs m + R b (m the
 weights' read, b a row's arithmetic), so a speculative window at bucket B costs a plain one plus
 k B d b (its verifies run B (d + 1) rows where plain steps run B). b comes from the prefills
 (t = m + P b over P prompt tokens) and m from the smallest bucket's measured plain window; a bucket
