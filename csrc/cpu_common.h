@@ -273,16 +273,6 @@ constexpr int64_t PANEL = 64;  // output columns per panel: 4 vectors of 16
 constexpr int PANEL_MR = 6;    // rows per register tile: 24 accumulators
 constexpr int64_t LINE = 64;   // bytes per cache line
 
-// A linear's M rows in `count` blocks of at most `most` rows each, as even as register tiles of `tile` rows allow
-// (80 rows as 42 + 38, not 64 + 16: the thread holding the 64 would take twice as long as the split needs); block b
-// holds rows [b * rows, min((b + 1) * rows, M)), never empty.
-struct RowBlocks {
-  int64_t count, rows;
-  RowBlocks(int64_t M, int64_t most, int64_t tile) : count((M + most - 1) / most), rows(0) {
-    if (count > 0) rows = std::min(most, ((M + count - 1) / count + tile - 1) / tile * tile);
-  }
-};
-
 // The work of a linear as units of (row block, panel), rows_blocks x num_panels of them, taken in blocks of about
 // `per_block` panels (a block's panels stay in L2 while every row block runs over them: the weights are read from
 // memory once, the rows once per block) and split evenly over the threads in that order:
@@ -314,6 +304,22 @@ inline int64_t panels_per_block(int64_t panel_bytes) {
   return panel_bytes < (int64_t(1) << 20) ? (int64_t(1) << 20) / panel_bytes : 1;
 }
 
+// for_units over a linear's M rows and its panels of `panel_bytes` each: unit(m0, rows, panel) for every block of
+// rows [m0, m0 + rows) and panel. The rows go in as few blocks of at most `most` as cover them, as even as register
+// tiles of `tile` rows allow (80 rows as 42 + 38, not 64 + 16: the thread holding the 64 would take twice as long as
+// the split needs); no block is empty. With more than one block, the panels go in L2-sized blocks (panels_per_block).
+template <typename Unit>
+void for_row_blocks(int64_t M, int64_t most, int64_t tile, int64_t num_panels, int64_t panel_bytes, int32_t threads,
+                    Unit&& unit) {
+  const int64_t count = (M + most - 1) / most;
+  if (count == 0) return;
+  const int64_t rows = std::min(most, ((M + count - 1) / count + tile - 1) / tile * tile);
+  const int64_t per_block = count > 1 ? panels_per_block(panel_bytes) : 1;
+  for_units(count, num_panels, per_block, threads, [&](int64_t b, int64_t p) {
+    const int64_t m0 = b * rows;
+    unit(m0, std::min(rows, M - m0), p);
+  }, [] {}, [] {});
+}
 
 #if defined(__AVX512F__)
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
@@ -402,10 +408,7 @@ inline f32x8 load8_over_256(const e4m3* p) {
 #if defined(__F16C__)
   const __m128i shifted = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
   const __m128i half = _mm_add_epi16(shifted, _mm_and_si128(shifted, _mm_set1_epi16(0x4000)));
-  const __m256 f = _mm256_cvtph_ps(half);
-  f32x8 r;
-  std::memcpy(&r, &f, sizeof r);
-  return r;
+  return (f32x8)_mm256_cvtph_ps(half);
 #else
   f32x8 f;
   for (int i = 0; i < 8; ++i) f[i] = load(p + i) * 0x1p-8f;

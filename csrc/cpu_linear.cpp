@@ -76,8 +76,8 @@ inline void emit(const Out<T>& out, int64_t m, int64_t col0, const float* g, con
 }
 
 // The work of one linear over panels of `steps` k steps each (k, or k pairs), `step_elems` panel elements per step:
-// units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads (for_units: even row blocks, panels in
-// L2-sized blocks); a task's sums start from the bias's columns,
+// units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads (for_row_blocks: even row blocks, panels
+// in L2-sized blocks); a task's sums start from the bias's columns,
 // take tile(rows, row offset, s0, s1, sums, prefetch, lines, per step) for blocks of `block` steps and register
 // tiles of MR rows (meanwhile the next block's panel bytes are prefetched, spread over the tiles' steps), and go
 // to `out` (emit). Gated, a task runs a gate panel and its up panel, up * PANEL output columns in all.
@@ -88,11 +88,9 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
   const int64_t up = out.up;
   const int64_t num_panels = (N + PANEL - 1) / PANEL, outs = up ? up : num_panels, group = up ? 2 : 1;
   const int64_t panel_elems = steps * step_elems;
-  const RowBlocks blocks(M, ROWS_MAX, MR);
-  const int64_t per_block = blocks.count > 1 ? panels_per_block(group * panel_elems * int64_t(sizeof(T))) : 1;
-  for_units(blocks.count, outs, per_block, threads, [&](int64_t b, int64_t o) {
+  for_row_blocks(M, ROWS_MAX, MR, outs, group * panel_elems * int64_t(sizeof(T)), threads,
+                 [&](int64_t m0, int64_t rows, int64_t o) {
     alignas(64) float sums[2][ROWS_MAX * PANEL];
-    const int64_t m0 = b * blocks.rows, rows = std::min(blocks.rows, M - m0);
     const int64_t cols = N - o * PANEL < PANEL ? N - o * PANEL : PANEL;
     alignas(64) float start[PANEL];  // each output's sum starts at its bias (zero past N)
     for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + o * PANEL + j) : 0.f;
@@ -122,7 +120,7 @@ void panel_tasks(int64_t M, int64_t N, int64_t steps, int64_t block, int64_t ste
     }
     for (int64_t m = 0; m < rows; ++m)  // the bias is in the sums already
       emit(out, m0 + m, o * PANEL, sums[0] + m * PANEL, sums[1] + m * PANEL, up ? PANEL : cols, nullptr);
-  }, [] {}, [] {});
+  });
 }
 
 template <typename T>

@@ -191,26 +191,23 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
   }
 }
 
-// The work of one linear: units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads (for_units:
-// even row blocks in multiples of `tile` rows, panels of `panel_bytes` in L2-sized blocks). A unit's output rows
+// The work of one linear: units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads
+// (for_row_blocks: even row blocks in multiples of `tile` rows, panels of `panel_bytes` in L2-sized blocks). A unit's output rows
 // start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products into them, then
 // their first columns are stored to y.
 template <typename T, typename Body>
 void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int64_t tile, int64_t panel_bytes,
                     int32_t threads, Body&& body) {
   const int64_t num_panels = (N + PANEL - 1) / PANEL;
-  const RowBlocks blocks(M, ROWS_MAX, tile);
-  const int64_t per_block = blocks.count > 1 ? panels_per_block(panel_bytes) : 1;
-  for_units(blocks.count, num_panels, per_block, threads, [&](int64_t b, int64_t p) {
+  for_row_blocks(M, ROWS_MAX, tile, num_panels, panel_bytes, threads, [&](int64_t m0, int64_t rows, int64_t p) {
     alignas(64) float out[ROWS_MAX * PANEL];
-    const int64_t m0 = b * blocks.rows, rows = std::min(blocks.rows, M - m0);
     const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     alignas(64) float start[PANEL];
     for (int64_t j = 0; j < PANEL; ++j) start[j] = bias && j < cols ? load(bias + p * PANEL + j) : 0.f;
     for (int64_t m = 0; m < rows; ++m) std::memcpy(out + m * PANEL, start, sizeof start);
     body(out, m0, rows, p);
     for (int64_t m = 0; m < rows; ++m) store_sums(y + (m0 + m) * ldy + p * PANEL, out + m * PANEL, cols);
-  }, [] {}, [] {});
+  });
 }
 
 template <int KIND, typename T>
