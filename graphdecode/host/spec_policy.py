@@ -85,15 +85,14 @@ class SpecPolicy:
     def cost_ratio(self, bucket: int) -> float | None:
         """A speculative window's time over a plain one's at this bucket: measured once both are, else
         estimated (None: neither)."""
-        spec, plain = self.window_seconds.get((bucket, True)), self.plain_seconds(bucket)
-        if plain is None or plain <= 0:
-            return None
-        if spec is not None and (bucket, False) in self.window_seconds:
-            return spec / plain
+        spec, plain = self.window_seconds.get((bucket, True)), self.window_seconds.get((bucket, False))
+        if spec is not None and plain is not None:
+            return spec / plain if plain > 0 else None
         line = self.row_costs()
         if line is None or not self.draft_tokens:
             return None
-        return 1.0 + self.steps_per_window * bucket * self.draft_tokens * line[1] / plain
+        plain = self._plain_estimate(bucket, line) if plain is None else plain
+        return 1.0 + self.steps_per_window * bucket * self.draft_tokens * line[1] / plain if plain > 0 else None
 
     def plain_seconds(self, bucket: int) -> float | None:
         """A plain window's time at this bucket: measured, else estimated from the row costs."""
@@ -101,7 +100,10 @@ class SpecPolicy:
         if measured is not None:
             return measured
         line = self.row_costs()
-        return None if line is None else self.steps_per_window * (line[0] + bucket * line[1])
+        return None if line is None else self._plain_estimate(bucket, line)
+
+    def _plain_estimate(self, bucket: int, line: tuple[float, float]) -> float:
+        return self.steps_per_window * (line[0] + bucket * line[1])
 
     def row_costs(self) -> tuple[float, float] | None:
         """(m, b): seconds a target forward costs per step and per row, from the prefills' average
