@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
@@ -325,9 +326,9 @@ void for_row_blocks(int64_t M, int64_t most, int64_t tile, int64_t num_panels, i
 // sums[R][PANEL] += x[R rows][k0:k1] @ panel[k0:k1][PANEL]; meanwhile `lines` cache lines from pf on are
 // prefetched, `per_k` of them at each of the first k steps (the steps that prefetch run as a loop of their own,
 // one line a step where per_k is 1: the steps after them carry no prefetch bookkeeping)
-template <int R, typename TX, typename TW>
-inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
-                       float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+template <int R, typename TW>
+inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0,
+                           int64_t k1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
   f32x16 acc[R][4];
   for (int m = 0; m < R; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = load16(sums + m * PANEL + 16 * v);
@@ -420,9 +421,9 @@ inline f32x8 load8(const e4m3* p) { return load8_over_256(p) * 256.f; }  // 8 E4
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
-template <int R, typename TX, typename TW>
-inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
-                       float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+template <int R, typename TW>
+inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0,
+                           int64_t k1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
   for (int q = 0; q < 4; ++q) {
     f32x8 acc[R][2];
     for (int m = 0; m < R; ++m) {
@@ -455,6 +456,27 @@ inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict
   }
 }
 #endif
+
+// panel_tile_f32 over rows of float32, or of bf16 widened to float32 once per tile (exact: the same bits). Read a
+// bf16 value at a time, each row's x[k] was widened once per k and 16-column quarter (AVX2) or per k (AVX-512):
+// a load, shift and broadcast for every two or four FMAs, more instructions than the FMAs themselves.
+template <int R, typename TX, typename TW>
+inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
+                       float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+  if constexpr (std::is_same<TX, float>::value) {
+    panel_tile_f32<R>(x, ldx, panel, k0, k1, sums, pf, lines, per_k);
+  } else {
+    constexpr int64_t CHUNK = 128;  // k a pass (panel_linear's blocks are 64 or 128): R x 512 bytes of stack
+    alignas(64) float wide[R * CHUNK];
+    for (int64_t c0 = k0; c0 < k1; c0 += CHUNK) {
+      const int64_t n = std::min(CHUNK, k1 - c0);
+      for (int m = 0; m < R; ++m)
+        for (int64_t j = 0; j < n; ++j) wide[m * CHUNK + j] = load(x + m * ldx + c0 + j);
+      // the prefetches go out with the first pass's steps
+      panel_tile_f32<R>(wide, CHUNK, panel + c0 * PANEL, 0, n, sums, pf, c0 == k0 ? lines : 0, per_k);
+    }
+  }
+}
 
 template <typename TX, typename TW>
 inline void panel_tile_rows(int64_t rows, const TX* x, int64_t ldx, const TW* panel, int64_t k0, int64_t k1,

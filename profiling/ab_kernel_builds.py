@@ -5,6 +5,8 @@ projections (gate_up, qkv, down, o), alternating calls, best of `--rounds`, each
     g++ -O3 -march=native -fno-math-errno -std=c++17 -shared -fPIC -fopenmp -o /tmp/old.so <old csrc>/cpu_*.cpp
     python profiling/ab_kernel_builds.py --libraries /tmp/old.so,/tmp/new.so --rows 1,16,64,512,2048 --threads 2
 
+`--dtype bfloat16` runs bf16 weights and rows (the panels widen them; oneDNN's bf16 GEMM beside them).
+
 (BENCHMARKS.md 18h.) The builds must carry this checkout's kernel ABI.
 """
 
@@ -23,6 +25,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="1,16,64,512,2048")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' and rows' dtype")
     args = p.parse_args(argv)
 
     import torch
@@ -38,7 +41,8 @@ def main(argv=None) -> dict:
     for rows in (int(r) for r in args.rows.split(",")):
         total = dict.fromkeys([*builds, "oneDNN"], 0.0)
         for n, k in SHAPES:
-            w, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(rows, k, generator=g)
+            dtype = getattr(torch, args.dtype)
+            w, x = (torch.randn(n, k, generator=g) * 0.05).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
             fns = {name: (lambda p=PanelWeight(w, kernels, invariant=True), x=x: p.run(x))
                    for name, kernels in builds.items()}
             fns["oneDNN"] = lambda w=w, x=x: F.linear(x, w)
