@@ -457,9 +457,9 @@ inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __r
 }
 #endif
 
-// panel_tile_f32 over rows of float32, or of bf16 widened to float32 once per tile (exact: the same bits). Read a
-// bf16 value at a time, each row's x[k] was widened once per k and 16-column quarter (AVX2) or per k (AVX-512):
-// a load, shift and broadcast for every two or four FMAs, more instructions than the FMAs themselves.
+// panel_tile_f32 over rows of float32, or of bf16 widened to float32 once per k block (exact: the same bits); read
+// inside the tile, a bf16 x[k] costs a load, a shift and a broadcast for every two FMAs (AVX2: per k, 16-column
+// quarter and row) or four (AVX-512), more instructions than the FMAs themselves.
 template <int R, typename TX, typename TW>
 inline void panel_tile(const TX* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
                        float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
