@@ -44,6 +44,18 @@ namespace {
 using namespace graphdecode_cpu;
 
 constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
+// ... of panel_linear's float32 / bf16 panels: KB, or where vectors are 8 floats, 8 KB of panel (fp32: 32 k, bf16:
+// 64). There the tile walks a block four times, once per 16-column quarter, so the block must stay in L1 beside
+// the next one coming in by prefetch: 16 KB blocks left 1-4 rows reading at 15-19 GB/s of this 2-core Zen 3's
+// 26, 8 KB ones at 17-21 (BENCHMARKS.md 18m).
+template <typename T>
+constexpr int64_t panel_block() {
+#if defined(__AVX512F__)
+  return KB;
+#else
+  return 8192 / (PANEL * int64_t(sizeof(T)));
+#endif
+}
 constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
@@ -127,7 +139,7 @@ template <typename T>
 void panel_linear(const T* x, int64_t M, int64_t K, int64_t ldx, const T* panels, int64_t N, const Out<T>& out,
                   int32_t threads) {
   // more rows than one task's: twice the k a block, half the round trips of the sums through memory
-  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * KB : KB, PANEL, panels, out, threads,
+  panel_tasks(M, N, K, M > ROWS_MAX ? 2 * panel_block<T>() : panel_block<T>(), PANEL, panels, out, threads,
               [=](int64_t r, int64_t m, const T* panel, int64_t k0, int64_t k1, float* sums, const char* pf,
                   int64_t lines, int64_t per_k) {
                 panel_tile_rows(r, x + m * ldx, ldx, panel, k0, k1, sums, pf, lines, per_k);
