@@ -22,5 +22,6 @@ say "installing FlashInfer's Python package for the CPU dry runs (flashinfer-pyt
 # a module's tests on one worker, where its module fixtures (servers, engines) are built once. `-n 0` after the
 # script's name runs them in this process.
 WORKERS=${GRAPHDECODE_TEST_WORKERS:-$("$PY" -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")}
-say "running the tests on $WORKERS workers (the first run also builds the tiny test models and converts SmolLM2 once, ~20 s)..."
+say "running the tests on $WORKERS workers (the first run also builds the tiny test models and converts SmolLM2" \
+    "once, ~20 s)..."
 exec "$PY" -m pytest -q -n "$WORKERS" --dist loadscope "$@"
