@@ -144,7 +144,7 @@ class Scheduler:
         if self.tables is not None:  # constraints placed since the last plan, uploaded before their rows start
             plan.table_uploads = self.tables.take_uploads()
         self._retire_drained()
-        if not self._reserve_lookahead(plan, self.window_tokens if speculate else self.num_decode_steps):
+        if not self._reserve_lookahead(plan, self._adds(speculate is not None)):
             self._schedule_prefills(plan)
         decode = any(not s.is_draining for s in self.running.values())
         started = {start.row for start in plan.started_rows}
@@ -154,7 +154,7 @@ class Scheduler:
             speculative = decode and speculate is not None and speculate(bucket, list(self.running.values()))
             plan.window = WindowSpec(bucket=bucket, decode=decode, speculative=speculative)
             if decode:
-                window_tokens = self.window_tokens if speculative else self.num_decode_steps
+                window_tokens = self._adds(speculative)
                 for seq in self.running.values():
                     seq.num_scheduled_tokens = min(seq.num_scheduled_tokens + window_tokens, seq.max_len)
                     seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
@@ -175,6 +175,10 @@ class Scheduler:
         """
         for seq in [s for s in self.running.values() if s.is_draining]:
             self._release(seq)
+
+    def _adds(self, speculative: bool) -> int:
+        """The most tokens a decode window adds to a row: k (d + 1) speculating, else k."""
+        return self.window_tokens if speculative else self.num_decode_steps
 
     def _reserve_lookahead(self, plan: StepPlan, window_tokens: int) -> int:
         """Pages for one more window (window_tokens per row) for every running sequence; returns
@@ -390,8 +394,7 @@ class Scheduler:
         adds, started = None, set()
         if launched is not None:
             window = launched.window
-            adds = 0 if window is None or not window.decode else \
-                self.window_tokens if window.speculative else self.num_decode_steps
+            adds = self._adds(window.speculative) if window is not None and window.decode else 0
             started = {start.row for start in launched.started_rows}
         for seq in seqs:
             if seq.pages and seq.is_running:
