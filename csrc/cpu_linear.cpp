@@ -44,10 +44,12 @@ namespace {
 using namespace graphdecode_cpu;
 
 constexpr int64_t KB = 64;        // k rows per block: 16 KB of fp32 panel
-// ... of panel_linear's float32 / bf16 panels: KB, or where vectors are 8 floats, 8 KB of panel (fp32: 32 k, bf16:
-// 64). There the tile walks a block four times, once per 16-column quarter, so the block must stay in L1 beside
-// the next one coming in by prefetch: 16 KB blocks left 1-4 rows reading at 15-19 GB/s of this 2-core Zen 3's
-// 26, 8 KB ones at 17-21 (BENCHMARKS.md 18m).
+constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
+constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
+
+// k rows per block of panel_linear's float32 / bf16 panels: KB, or where vectors are 8 floats, 8 KB of panel (fp32:
+// 32 k, bf16: 64). There the tile walks a block four times, once per 16-column quarter, so the block must stay in
+// L1 beside the next one coming in by prefetch (16 KB blocks read 10-15% slower at 1-16 rows; BENCHMARKS.md 18m).
 template <typename T>
 constexpr int64_t panel_block() {
 #if defined(__AVX512F__)
@@ -56,8 +58,6 @@ constexpr int64_t panel_block() {
   return 8192 / (PANEL * int64_t(sizeof(T)));
 #endif
 }
-constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
-constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
 // Where a linear's rows go: y (row stride ldy) with the bias's columns (or null); gated (up > 0: a [gate | up]
 // projection, gate column c's up at column c + up * PANEL, no bias): silu(gate) * up of the two (swiglu_sums);

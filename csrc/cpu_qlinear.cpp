@@ -192,9 +192,9 @@ void direct_rows(int64_t rows, const T* x, int64_t ldx, const uint8_t* panel, in
 }
 
 // The work of one linear: units of (a block of up to ROWS_MAX rows, a panel) over `threads` threads
-// (for_row_blocks: even row blocks in multiples of `tile` rows, panels of `panel_bytes` in L2-sized blocks). A unit's output rows
-// start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products into them, then
-// their first columns are stored to y.
+// (for_row_blocks: even row blocks in multiples of `tile` rows, panels of `panel_bytes` in L2-sized blocks). A
+// unit's output rows start from the bias's columns (0 without one), body(out, m0, rows, p) adds the panel's products
+// into them, then their first columns are stored to y.
 template <typename T, typename Body>
 void for_each_panel(int64_t M, int64_t N, const T* bias, T* y, int64_t ldy, int64_t tile, int64_t panel_bytes,
                     int32_t threads, Body&& body) {

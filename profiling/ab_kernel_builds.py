@@ -37,11 +37,11 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     builds = {os.path.basename(path): CpuKernels(path) for path in args.libraries.split(",")}
     g = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
         total = dict.fromkeys([*builds, "oneDNN"], 0.0)
         for n, k in SHAPES:
-            dtype = getattr(torch, args.dtype)
             w, x = (torch.randn(n, k, generator=g) * 0.05).to(dtype), torch.randn(rows, k, generator=g).to(dtype)
             fns = {name: (lambda p=PanelWeight(w, kernels, invariant=True), x=x: p.run(x))
                    for name, kernels in builds.items()}
