@@ -364,13 +364,12 @@ inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __r
     for (int v = 0; v < 4; ++v) store16(sums + m * PANEL + 16 * v, acc[m][v]);
 }
 #else
-// The same tile where vectors are 8 floats and 16 registers (AVX2, SSE): R rows x 16 columns at a time (2R
-// accumulators: 12 at R = 6, with the two weight vectors and the broadcast 15), over the panel's four 16-column
-// quarters one after another, in native 8-float vectors: GCC lowers the 16-float vector type without AVX-512
-// through memory, piece by piece, and a tile of 64 columns would need 8R accumulators anyway (that form ran 5-20x
-// slower than oneDNN on a 2-core Zen 3). Each output still sums its k in order from the same start: the same bits
-// at any row count. The prefetches go out during the first quarter's steps. (f32x8, load8 and store8 serve the
-// other kernels' tiles without AVX-512 too.)
+// The same tile where vectors are 8 floats and 16 registers (AVX2, SSE): R rows x 8 G columns at a time, in passes
+// over the panel's columns (panel_pass: G = 8 at one row, 4 at two, 2 from three on; 12 accumulators at R = 6,
+// with the two weight vectors and the broadcast 15), in native 8-float vectors: GCC lowers the 16-float vector type
+// without AVX-512 through memory, piece by piece, and a tile of 64 columns would need 8R accumulators anyway (that
+// form ran 5-20x slower than oneDNN on a 2-core Zen 3). Each output still sums its k in order from the same start:
+// the same bits at any row count. (f32x8, load8 and store8 serve the other kernels' tiles without AVX-512 too.)
 typedef float f32x8 __attribute__((vector_size(32)));
 
 // a * b + c rounded once where the CPU has FMA (written out: whether GCC contracts a * b + c depends on the
@@ -421,38 +420,81 @@ inline f32x8 load8(const e4m3* p) { return load8_over_256(p) * 256.f; }  // 8 E4
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
-template <int R, typename TW>
-inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0,
-                           int64_t k1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
-  for (int q = 0; q < 4; ++q) {
-    f32x8 acc[R][2];
-    for (int m = 0; m < R; ++m) {
-      acc[m][0] = load8(sums + m * PANEL + 16 * q);
-      acc[m][1] = load8(sums + m * PANEL + 16 * q + 8);
-    }
-    auto step = [&](int64_t k) __attribute__((always_inline)) {
-      const TW* w = panel + k * PANEL + 16 * q;
-      const f32x8 w0 = load8(w), w1 = load8(w + 8);
+// an 8-float vector held in a register from here on (the compiler folds a vector it can reload into each FMA that
+// uses it as a memory operand)
+inline void pin8(f32x8& v) {
+#if defined(__AVX__)
+  __asm__("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// R rows x 8 G columns a pass (R G accumulators), 8 / G passes over the panel: G = 8 at one row (the whole panel in
+// one pass: eight independent FMA chains, where one 16-column quarter's two chains would wait on the FMA's latency),
+// 4 at two rows, 2 from three on. Where R > 1 each step loads its G weight vectors into registers once (pin8):
+// folded into every row's FMA they would cost 3 R loads a step for 2 R FMAs at R = 2-4, more than the two 256-bit
+// loads a cycle a Zen 3 takes.
+template <int R, int G, typename TW>
+inline void panel_pass(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
+                       float* __restrict sums, int64_t col, const char* pf, int64_t lines, int64_t per_k) {
+  static_assert((R == 1 && G == 8) || (R > 1 && (G == 2 || G == 4)), "a pass shape panel_tile_f32 chooses");
+  f32x8 acc[R][G];
+  for (int m = 0; m < R; ++m)
+    for (int g = 0; g < G; ++g) acc[m][g] = load8(sums + m * PANEL + col + 8 * g);
+  auto step = [&](int64_t k) __attribute__((always_inline)) {
+    const TW* w = panel + k * PANEL + col;
+    if constexpr (G == 8) {
+      const f32x8 a = splat8(load(x + k));
+      for (int g = 0; g < 8; ++g) acc[0][g] = fma8(a, load8(w + 8 * g), acc[0][g]);
+    } else if constexpr (G == 4) {
+      f32x8 w0 = load8(w), w1 = load8(w + 8), w2 = load8(w + 16), w3 = load8(w + 24);
+      pin8(w0), pin8(w1), pin8(w2), pin8(w3);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        const f32x8 a = splat8(load(x + m * ldx + k));
+        acc[m][0] = fma8(a, w0, acc[m][0]);
+        acc[m][1] = fma8(a, w1, acc[m][1]);
+        acc[m][2] = fma8(a, w2, acc[m][2]);
+        acc[m][3] = fma8(a, w3, acc[m][3]);
+      }
+    } else {
+      f32x8 w0 = load8(w), w1 = load8(w + 8);
+      pin8(w0), pin8(w1);
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) {
         const f32x8 a = splat8(load(x + m * ldx + k));
         acc[m][0] = fma8(a, w0, acc[m][0]);
         acc[m][1] = fma8(a, w1, acc[m][1]);
       }
-    };
-    int64_t k = k0;
-    if (q == 0 && lines > 0 && per_k > 0) {
-      const int64_t prefetching = std::min(k1 - k0, (lines + per_k - 1) / per_k);
-      for (; k < k0 + prefetching; ++k) {
-        for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
-        step(k);
-      }
     }
-    for (; k < k1; ++k) step(k);
-    for (int m = 0; m < R; ++m) {
-      store8(sums + m * PANEL + 16 * q, acc[m][0]);
-      store8(sums + m * PANEL + 16 * q + 8, acc[m][1]);
+  };
+  int64_t k = k0;
+  if (lines > 0 && per_k > 0) {
+    const int64_t prefetching = std::min(k1 - k0, (lines + per_k - 1) / per_k);
+    for (; k < k0 + prefetching; ++k) {
+      for (int64_t l = 0; l < per_k && lines > 0; ++l, --lines, pf += LINE) __builtin_prefetch(pf, 0, 3);
+      step(k);
     }
+  }
+  for (; k < k1; ++k) step(k);
+  for (int m = 0; m < R; ++m)
+    for (int g = 0; g < G; ++g) store8(sums + m * PANEL + col + 8 * g, acc[m][g]);
+}
+
+template <int R, typename TW>
+inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0,
+                           int64_t k1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
+  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 2, PASSES = 8 / G;
+  // the tile's prefetches spread over every pass's steps (all in the first pass, they held up its FMAs: 4 rows
+  // took a third longer than 1)
+  const int64_t share = (lines + PASSES - 1) / PASSES, steps = std::max<int64_t>(k1 - k0, 1);
+  (void)per_k;
+  for (int64_t col = 0; col < PANEL; col += 8 * G) {
+    const int64_t mine = std::min(lines, share);
+    panel_pass<R, G>(x, ldx, panel, k0, k1, sums, col, pf, mine, (mine + steps - 1) / steps);
+    pf += mine * LINE;
+    lines -= mine;
   }
 }
 #endif

@@ -48,8 +48,9 @@ constexpr int MR = PANEL_MR;      // rows per register tile: 24 accumulators
 constexpr int64_t ROWS_MAX = 64;  // rows per pass: their sums for one panel are 16 KB
 
 // k rows per block of panel_linear's float32 / bf16 panels: KB, or where vectors are 8 floats, 8 KB of panel (fp32:
-// 32 k, bf16: 64). There the tile walks a block four times, once per 16-column quarter, so the block must stay in
-// L1 beside the next one coming in by prefetch (16 KB blocks read 10-15% slower at 1-16 rows; BENCHMARKS.md 18m).
+// 32 k, bf16: 64). There the tile walks a block in up to four passes over its columns (panel_pass), so the block
+// must stay in L1 beside the next one coming in by prefetch (16 KB blocks read 10-15% slower at 1-16 rows when
+// every tile took four passes; BENCHMARKS.md 18m).
 template <typename T>
 constexpr int64_t panel_block() {
 #if defined(__AVX512F__)
