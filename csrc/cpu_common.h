@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__FMA__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -392,6 +392,12 @@ inline f32x8 load8(const float* p) {
 }
 
 inline f32x8 load8(const uint16_t* p) {  // 8 bf16 values widened to float32 (exact)
+#if defined(__AVX2__)
+  // one vpmovzxwd from memory and a shift (GCC writes the generic form below as two 128-bit widenings, a byte shift
+  // and an insert: 4 instructions where this is 2, in every bf16 panel step)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (f32x8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
   typedef uint16_t u16x8 __attribute__((vector_size(16)));
   typedef uint32_t u32x8 __attribute__((vector_size(32)));
   u16x8 h;
@@ -400,6 +406,7 @@ inline f32x8 load8(const uint16_t* p) {  // 8 bf16 values widened to float32 (ex
   f32x8 f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+#endif
 }
 
 // 8 E4M3 values widened to float32 times 2^-8 (exact), as load16_over_256: with F16C each byte moved into a
