@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..attention.kv_cache import FP8
+from ..device.advance_step import SCRATCH_SLOT
 from ..kernels.cpu import DTYPE_CODES, FP8_CODE
 from .cpu_linear import PANEL_ROWS, PanelWeight
 from .layers import GatedActivation, RMSNorm
@@ -148,9 +149,18 @@ class CpuDecodeLayers:
             queries = verify.query_positions.shape[1]
             seq_lens = (verify.query_positions.reshape(-1) + 1).to(torch.int32)
             slots, table = verify.slot_mapping, verify.block_table.repeat_interleave(queries, dim=0)
+        # Inert rows (done in the window, or a bucket's padding) write and read only the scratch slot: the call
+        # runs the live rows alone (each row's bits do not depend on the others), and the inert ones come out as
+        # zeros. A batch drained down to its one last row at row 3 is a 4-row bucket, a third dearer a step here.
+        bucket = hidden.shape[0]
+        live = (slots != SCRATCH_SLOT).nonzero().squeeze(1)  # a host read: this driver runs on the CPU only
+        if live.numel() == bucket:
+            live = None
+        else:
+            hidden, positions, seq_lens, slots, table = (t[live] for t in (hidden, positions, seq_lens, slots, table))
         x = hidden.contiguous().clone()
         rows = x.shape[0]
-        need = self.kernels.layers_scratch(rows, *self.dims)
+        need = self.kernels.layers_scratch(max(rows, 1), *self.dims)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
@@ -161,8 +171,18 @@ class CpuDecodeLayers:
         words[:, SAVE] = 0
         for j, layer in enumerate(stops):
             words[layer, SAVE] = saved[j].data_ptr()
-        self.kernels.decoder_layers(
-            self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions, seq_lens,
-            slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
-            kv.shape[2], kv.shape[0], self.eps)
-        return x, saved.transpose(0, 1).reshape(rows, -1) if stops else None
+        if rows:
+            self.kernels.decoder_layers(
+                self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions,
+                seq_lens, slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
+                kv.shape[2], kv.shape[0], self.eps)
+        aux = saved.transpose(0, 1).reshape(rows, len(stops) * x.shape[1]) if stops else None
+        if live is None:
+            return x, aux
+        out = x.new_zeros((bucket, x.shape[1]))
+        out[live] = x
+        if aux is not None:
+            full = aux.new_zeros((bucket, aux.shape[1]))
+            full[live] = aux
+            aux = full
+        return out, aux

@@ -4,6 +4,7 @@
   and a tied head, a sliding window), the same tokens as its eager forward, in fp32 and bf16, also with its
   windows captured and replayed by the CPU graph twin in the bounds-checked mode, and the call really ran;
 * one decode forward through it equals the eager forward's logits and KV writes;
+* inert rows (done, or a bucket's padding: the scratch slot) are left out of the call, the live rows' bits unchanged;
 * a speculative verify (Q queries a sequence) runs through it as Q rows a sequence: the eager verify's logits and
   K/V, and in an engine (n-gram and a draft model) the plain tokens;
 * it is built only for the layers it runs (not for qk-norm, Gemma's norms, MoE, or weights without panels);
@@ -113,6 +114,41 @@ def test_one_call_equals_the_eager_forward(tiny_models, panels, dtype):
     assert torch.equal(fast_caches[0], eager_caches[0])  # layer 0's K/V: the same kernels on the same inputs
     for f, e in zip(fast_caches, eager_caches):
         torch.testing.assert_close(f.float(), e.float(), **tol)
+
+
+def test_inert_rows_are_left_out_of_the_call(tiny_models, panels):
+    """A bucket of 4 rows whose rows 0 and 2 are inert (done or padding: the scratch slot, page 0): the call runs
+    rows 1 and 3 alone, whose logits, K/V and hidden states are the bits the two give as a batch of their own;
+    the inert rows come out as zeros (finite logits) and write nothing."""
+    path = tiny_models["llama_gqa_llama3"]
+    cfg = load_model_config(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), 256)
+
+    def step(ids, seq_lens, table, live):
+        caches, backend = _random_cache(model, cfg, torch.float32, 5)
+        table = table * live[:, None].int()
+        positions = (seq_lens - 1).long()
+        slots = table[torch.arange(len(ids)), positions // PAGE].long() * PAGE + positions % PAGE
+        meta = DecodeMetadata(seq_lens=seq_lens, block_table=table, slot_mapping=slots * live, kv_indptr=None,
+                              kv_indices=None, kv_last_page_len=None)
+        with torch.inference_mode():
+            out = model.forward_aux(ids, positions, ForwardContext(backend, decode=meta), (0, 1))
+        return out, caches
+
+    ids, seq_lens = torch.tensor([3, 5, 4, 9]), torch.tensor([1, 17, 1, 30], dtype=torch.int32)
+    table = torch.arange(1, 17, dtype=torch.int32).view(4, 4)
+    (logits, aux), caches = step(ids, seq_lens, table, torch.tensor([0, 1, 0, 1]))
+    assert panels == [2]  # the live rows alone
+    live = [1, 3]
+    (alone, alone_aux), alone_caches = step(ids[live], seq_lens[live], table[live], torch.ones(2, dtype=torch.int64))
+    assert panels == [2, 2]
+    assert torch.equal(logits[live], alone) and torch.equal(aux[live], alone_aux)
+    assert torch.count_nonzero(aux[[0, 2]]) == 0 and torch.isfinite(logits).all()
+    for c, a in zip(caches, alone_caches):
+        assert torch.equal(c, a)  # the same K/V written, nothing for the inert rows (not even the scratch page)
+    panels.clear()
+    step(ids, seq_lens, table, torch.zeros(4, dtype=torch.int64))  # every row inert: no call at all
+    assert panels == []
 
 
 def _verify_step(model, cfg, dtype, ids, starts, forward=None):
