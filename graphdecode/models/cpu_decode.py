@@ -16,7 +16,8 @@ graphs, with the CPU attention kernel. A verify of Q queries per sequence runs a
 sequence's block table, each with its own position, slot and KV length (position + 1): each layer writes every
 row's K/V before any row attends, so query i sees the K/V of the queries before it, as the causal verify does,
 and each position runs the layer kernels plain decoding runs (SmolLM2's logprobs agree with plain decoding's to
-about 1e-5: the LM head takes another kernel above two rows).
+about 1e-5: the LM head takes another kernel above two rows). Only live rows go into the call: a bucket's
+padding and rows done in the window hold the scratch slot, and come out as zeros.
 Everything else runs the eager forward. `DecoderForCausalLM.forward_aux` (forward() runs it) asks `applies`
 each step.
 """
