@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from ..attention.kv_cache import FP8
-from ..device.advance_step import SCRATCH_SLOT
 from ..kernels.cpu import DTYPE_CODES, FP8_CODE
 from .cpu_linear import PANEL_ROWS, PanelWeight
 from .layers import GatedActivation, RMSNorm
@@ -154,7 +153,7 @@ class CpuDecodeLayers:
         # runs the live rows alone (each row's bits do not depend on the others), and the inert ones come out as
         # zeros. A batch drained down to its one last row at row 3 is a 4-row bucket, a third dearer a step here.
         bucket = hidden.shape[0]
-        live = (slots != SCRATCH_SLOT).nonzero().squeeze(1)  # a host read: this driver runs on the CPU only
+        live = ctx.live_tokens().nonzero().squeeze(1)  # a host read: this driver runs on the CPU only
         if live.numel() == bucket:
             live = None
         else:
