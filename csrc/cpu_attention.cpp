@@ -171,25 +171,6 @@ void pv_group(const float* const* p, const float* const* rows, int64_t offset, i
 }
 #endif
 
-// n elements of a bf16 or FP8 row as float32 (exact), a vector at a time
-template <typename KV>
-inline void widen(const KV* src, float* dst, int64_t n) {
-#if defined(__AVX512F__)
-  constexpr int64_t W = LANES;
-#else
-  constexpr int64_t W = 8;  // AVX2's own vectors (load8): GCC writes a 16-float widening there in 128-bit pieces
-#endif
-  const int64_t full = n - n % W;
-  for (int64_t i = 0; i < full; i += W) {
-#if defined(__AVX512F__)
-    store16(dst + i, load16(src + i));
-#else
-    store8(dst + i, load8(src + i));
-#endif
-  }
-  for (int64_t i = full; i < n; ++i) dst[i] = load(src + i);
-}
-
 struct Args {
   const void* q;
   const void* kv;
