@@ -160,7 +160,7 @@ class CpuDecodeLayers:
             hidden, positions, seq_lens, slots, table = (t[live] for t in (hidden, positions, seq_lens, slots, table))
         x = hidden.contiguous().clone()
         rows = x.shape[0]
-        need = self.kernels.layers_scratch(max(rows, 1), *self.dims)
+        need = self.kernels.layers_scratch(rows, *self.dims)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
