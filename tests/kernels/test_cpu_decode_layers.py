@@ -58,6 +58,8 @@ def test_an_engine_decodes_through_one_call_per_step(tiny_models, panels, name, 
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = generate_tokens(llm, prompts, sp)
     assert panels and max(panels) <= 4  # every decode step (its bucket of up to 4 rows) ran the call
+    assert llm.engine.config.buckets[-1] == 4 and 3 not in llm.engine.config.buckets
+    assert max(panels) == 3  # ... over its live rows: the 4-row bucket's padding row left out
     assert not twin or llm.stats()["graphs_captured"] > 0
     layers, model.cpu_decode = model.cpu_decode, None
     try:
