@@ -365,11 +365,12 @@ inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __r
 }
 #else
 // The same tile where vectors are 8 floats and 16 registers (AVX2, SSE): R rows x 8 G columns at a time, in passes
-// over the panel's columns (panel_pass: G = 8 at one row, 4 at two, 2 from three on; 12 accumulators at R = 6,
-// with the two weight vectors and the broadcast 15), in native 8-float vectors: GCC lowers the 16-float vector type
-// without AVX-512 through memory, piece by piece, and a tile of 64 columns would need 8R accumulators anyway (that
-// form ran 5-20x slower than oneDNN on a 2-core Zen 3). Each output still sums its k in order from the same start:
-// the same bits at any row count. (f32x8, load8 and store8 serve the other kernels' tiles without AVX-512 too.)
+// over the panel's columns (panel_pass: G = 8 at one row, 4 at two (and three, fp32), else 2; 12 accumulators at
+// R = 3 and 6, with the weight vectors and the broadcast 15-17), in native 8-float vectors: GCC lowers the 16-float
+// vector type without AVX-512 through memory, piece by piece, and a tile of 64 columns would need 8R accumulators
+// anyway (that form ran 5-20x slower than oneDNN on a 2-core Zen 3). Each output still sums its k in order from the
+// same start: the same bits at any row count. (f32x8, load8 and store8 serve the other kernels' tiles without
+// AVX-512 too.)
 typedef float f32x8 __attribute__((vector_size(32)));
 
 // a * b + c rounded once where the CPU has FMA (written out: whether GCC contracts a * b + c depends on the
@@ -439,9 +440,11 @@ inline void pin8(f32x8& v) {
 
 // R rows x 8 G columns a pass (R G accumulators), 8 / G passes over the panel: G = 8 at one row (the whole panel in
 // one pass: eight independent FMA chains, where one 16-column quarter's two chains would wait on the FMA's latency),
-// 4 at two rows, 2 from three on. Where R > 1 each step loads its G weight vectors into registers once (pin8):
-// folded into every row's FMA they would cost 3 R loads a step for 2 R FMAs at R = 2-4, more than the two 256-bit
-// loads a cycle a Zen 3 takes.
+// 4 at two rows and at three of float32 weights (three rows at G = 2 ran six chains; G = 4, 12 accumulators beside
+// the 4 weight vectors and the broadcast, made an fp32 decode step at batch 3 1.07x faster, a bf16 one, whose
+// weights widen in registers too, 0.88x), 2 from four on (four rows at G = 4: the same decode, 0.92x prefill).
+// Where R > 1 each step loads its G weight vectors into registers once (pin8): folded into every row's FMA they
+// would cost 3 R loads a step for 2 R FMAs at R = 2-4, more than the two 256-bit loads a cycle a Zen 3 takes.
 template <int R, int G, typename TW>
 inline void panel_pass(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0, int64_t k1,
                        float* __restrict sums, int64_t col, const char* pf, int64_t lines, int64_t per_k) {
@@ -492,7 +495,7 @@ inline void panel_pass(const float* __restrict x, int64_t ldx, const TW* __restr
 template <int R, typename TW>
 inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __restrict panel, int64_t k0,
                            int64_t k1, float* __restrict sums, const char* pf, int64_t lines, int64_t per_k) {
-  constexpr int G = R == 1 ? 8 : R == 2 ? 4 : 2, PASSES = 8 / G;
+  constexpr int G = R == 1 ? 8 : R == 2 || (R == 3 && std::is_same<TW, float>::value) ? 4 : 2, PASSES = 8 / G;
   // the tile's prefetches spread over every pass's steps (all in the first pass, they held up its FMAs: 4 rows
   // took a third longer than 1)
   const int64_t share = (lines + PASSES - 1) / PASSES, steps = std::max<int64_t>(k1 - k0, 1);
