@@ -51,8 +51,10 @@ using namespace graphdecode_cpu;
 // SAVE: where x is copied before the layer runs (0: nowhere), [M, hidden]: the hidden states an EAGLE-3 head reads
 // KV_DTYPE: the layer's cache's dtype code (x's, or FP8 E4M3 written as k * K_MUL, v * V_MUL, its attention's
 // output times OUT_SCALE and SCALE the query's scale times the K scale)
+// IN, IN_WIDTH: where the qkv projection reads its rows instead of the normed x ([M, IN_WIDTH], 0: the normed x; x
+// stays the residual): an EAGLE-3 head's layer, whose q/k/v read [normed embedding | normed hidden state]
 enum Word : int64_t {
-  IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, KV_DTYPE, WORDS
+  IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, KV_DTYPE, IN, IN_WIDTH, WORDS
 };
 enum Real : int64_t { SCALE, SOFT_CAP, K_MUL, V_MUL, OUT_SCALE, REALS };
 // Each projection's (qkv, o, gate_up, down) entries in the caller's quantization table: KIND -1 for float panels
@@ -106,10 +108,11 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
     const int64_t* qt = quant + l * PROJECTIONS * QUANT_WORDS;
     const float* r = reals + l * REALS;
     if (w[SAVE]) std::memcpy(reinterpret_cast<T*>(static_cast<intptr_t>(w[SAVE])), x, M * H * sizeof(T));
-    err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
-                                        s.threads);
-    err |= project(qt + P_QKV * QUANT_WORDS, normed, M, H, ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv,
-                   s.threads, s.dtype);
+    if (!w[IN])
+      err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
+                                          s.threads);
+    err |= project(qt + P_QKV * QUANT_WORDS, w[IN] ? ptr<T>(w[IN]) : normed, M, w[IN] ? w[IN_WIDTH] : H,
+                   ptr<T>(w[QKV]), qkv_n, ptr<T>(w[QKV_BIAS]), qkv, s.threads, s.dtype);
     err |= graphdecode_cpu_rope(qkv, qkv + qn, q, k, cos, sin, positions, M, s.heads, s.kv_heads, HD, qkv_n, qkv_n,
                                 s.dtype, s.threads);
     void* kv = reinterpret_cast<void*>(static_cast<intptr_t>(w[KV]));
@@ -152,8 +155,9 @@ int64_t graphdecode_cpu_layers_scratch(int64_t M, int64_t hidden, int64_t heads,
 
 // x [M, hidden] contiguous: the embeddings in, the last layer's output (before the final norm) out.
 // words [num_layers, WORDS] int64 and reals [num_layers, REALS] float: each layer's weights (qkv and
-// gate_up as panels, qkv_bias 0 for none); quant [num_layers, PROJECTIONS, QUANT_WORDS] int64: how each
-// projection's panels hold it (KIND -1: float panels; else quantized panels, cpu_qlinear.cpp); KV cache [num_pages, 2, page_size, kv_heads, head_dim], sinks (0:
+// gate_up as panels, qkv_bias 0 for none; IN, where set, the qkv projection's rows [M, IN_WIDTH]); quant
+// [num_layers, PROJECTIONS, QUANT_WORDS] int64: how each projection's panels hold it (KIND -1: float panels;
+// else quantized panels, cpu_qlinear.cpp); KV cache [num_pages, 2, page_size, kv_heads, head_dim], sinks (0:
 // none), window_left, scale, soft_cap (0: none). positions [M] int64 (rotary table rows, each checked against
 // max_positions), seq_lens [M] int32 and slots [M] int64 as the paged kernels take them; cos / sin
 // [max_positions, head_dim]. Returns 0, or nonzero (x then undefined) for bad arguments; positions and
@@ -172,6 +176,8 @@ int graphdecode_cpu_decoder_layers(const int64_t* words, const int64_t* quant, c
   for (int64_t m = 0; m < M; ++m)
     if (positions[m] < 0 || positions[m] >= max_positions || slots[m] < 0 || slots[m] >= num_pages * page_size)
       return 1;
+  for (int64_t l = 0; l < num_layers; ++l)
+    if (words[l * WORDS + IN] && words[l * WORDS + IN_WIDTH] < 1) return 1;
   const Dims s{hidden, heads, kv_heads, head_dim, inter, page_size, num_pages, eps, dtype, threads};
   if (dtype == kFloat32)
     return layers(s, words, quant, reals, num_layers, static_cast<float*>(x), M, positions, seq_lens, slots, block_table,

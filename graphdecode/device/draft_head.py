@@ -128,7 +128,7 @@ class DraftHead:
         copy_page(self.kv_caches, src, dst)
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale}
+        return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale, **self.head.window_tensors()}
 
 
 class HeadDrafter(Drafter):

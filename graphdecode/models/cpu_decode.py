@@ -18,7 +18,10 @@ row's K/V before any row attends, so query i sees the K/V of the queries before 
 and each position runs the layer kernels plain decoding runs (SmolLM2's logprobs agree with plain decoding's to
 about 1e-5: the LM head takes another kernel above two rows). Only live rows go into the call: a bucket's
 padding and rows done in the window hold the scratch slot, and come out as zeros.
-Everything else runs the eager forward. `DecoderForCausalLM.forward_aux` (forward() runs it) asks `applies`
+An EAGLE-3 head's one layer runs through the same call (`build_head`): its qkv projection reads the
+[normed embedding | normed hidden state] rows the head makes (`run`'s `pre`, the IN words), the hidden state
+is the residual. Everything else runs the eager forward.
+`DecoderForCausalLM.forward_aux` (forward() runs it) asks `applies`
 each step.
 """
 
@@ -37,9 +40,10 @@ from .quant.linear import QuantizedWeight
 # panels from 8 rows in the layer-by-layer forward, but by less than the one call saves there (SmolLM2 bf16, two
 # threads, one call with panels against the eager forward with oneDNN: 1.18x at batch 8, 0.89x at batch 16).
 MIN_ROWS = {torch.bfloat16: 8}
-WORDS = 12  # csrc/cpu_layers.cpp's Word entries per layer
+WORDS = 14  # csrc/cpu_layers.cpp's Word entries per layer
 SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
-KV_DTYPE = 11  # ... and its cache's dtype code
+KV_DTYPE = 11  # ... its cache's dtype code
+IN, IN_WIDTH = 12, 13  # ... and where its qkv projection reads its rows instead of the normed input (0: there)
 REALS = 5  # and its Real entries: scale, soft-cap, and an FP8 cache's K / V multipliers and output factor
 QUANT_WORDS = 4  # csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group
 
@@ -59,10 +63,10 @@ def _quant_words(weight) -> list[int]:
 
 
 class CpuDecodeLayers:
-    def __init__(self, model: nn.Module, kernels):
-        layers = model.model.layers
-        rotary = model.rotaries[0]
-        cfg = model.config
+    def __init__(self, layers, rotary, cfg, kernels, in_width: int = 0):
+        """`layers` (plain Llama layers, every projection on panels), their rotary table and config; `in_width`: the
+        width of the rows the first layer's qkv projection reads in place of its normed input (`run`'s `pre`; an
+        EAGLE-3 head: 2 x hidden), or 0."""
         first = layers[0].self_attn
         self.kernels = kernels
         panel_rows = getattr(first.qkv_proj.packed, "rows", PANEL_ROWS[torch.float32])  # quantized: float32's
@@ -72,7 +76,9 @@ class CpuDecodeLayers:
         self.eps = cfg.rms_norm_eps
         self.dtype = rotary.cos.dtype
         self.num_layers = len(layers)
+        self.in_width = in_width
         self.words = torch.zeros(len(layers), WORDS, dtype=torch.int64)
+        self.words[0, IN_WIDTH] = in_width
         self.quant = torch.tensor([[_quant_words(p.packed) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
                                    for layer in layers], dtype=torch.int64)
@@ -102,18 +108,35 @@ class CpuDecodeLayers:
     @classmethod
     def build(cls, model: nn.Module, kernels) -> CpuDecodeLayers | None:
         """The driver for `model`, or None where a layer is not the plain Llama layer it runs."""
-        from .decoder import Attention, DecoderForCausalLM, GatedMLP
+        from .decoder import DecoderForCausalLM
 
+        if getattr(model, "one_call_reads_concat", False):
+            return cls.build_head(model, kernels)
         own_loop = getattr(type(model), "forward_aux", None) is not DecoderForCausalLM.forward_aux
         hybrid = model.config.linear is not None  # recurrent layers beside attention: not the plain layer
         if (kernels is None or own_loop or hybrid or model.tp.size != 1
                 or model.norm_offset or model.sandwich_norms or model.embed_scale or not model.rotaries
                 or len({id(r) for r in model.rotaries}) != 1):
             return None
-        rotary = model.rotaries[0]
-        if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in DTYPE_CODES:
+        if not cls._runs(model.model.layers, model.rotaries[0]):
             return None
-        for layer in model.model.layers:
+        return cls(model.model.layers, model.rotaries[0], model.config, kernels)
+
+    @classmethod
+    def build_head(cls, head: nn.Module, kernels) -> CpuDecodeLayers | None:
+        """The driver for an EAGLE-3 head's layer (models/eagle3.py: q/k/v over 2 x hidden), or None."""
+        if kernels is None or head.tp.size != 1 or head.rotary is None or not cls._runs(head.layers, head.rotary):
+            return None
+        return cls(head.layers, head.rotary, head.config, kernels, in_width=2 * head.config.hidden_size)
+
+    @staticmethod
+    def _runs(layers, rotary) -> bool:
+        """Whether every layer is the plain Llama layer the driver runs, its projections on panels."""
+        from .decoder import Attention, GatedMLP
+
+        if rotary.kernels is None or rotary.rotary_dim != rotary.head_dim or rotary.cos.dtype not in DTYPE_CODES:
+            return False
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if (not isinstance(attn, Attention) or attn.qk_norm or not isinstance(mlp, GatedMLP)
@@ -121,8 +144,8 @@ class CpuDecodeLayers:
                     or any(not isinstance(n, RMSNorm) or n.kernels is None for n in norms)
                     or any(not _runs_here(p.packed) for p in
                            (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
-                return None
-        return cls(model, kernels)
+                return False
+        return True
 
     def applies(self, ctx, tokens: int) -> bool:
         """Whether this forward is a decode step (or a speculative verify) the driver takes."""
@@ -135,10 +158,15 @@ class CpuDecodeLayers:
         """hidden [M, hidden] embeddings -> the last layer's output (before the final norm), new tensor."""
         return self.run(hidden, positions, ctx)[0]
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx,
-            stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx, stops: tuple[int, ...] = (),
+            pre: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the last layer's output, the hidden states entering each layer in `stops` (ascending), concatenated
-        [M, len(stops) x hidden], or None without stops): one call, which copies each stop layer's input."""
+        [M, len(stops) x hidden], or None without stops): one call, which copies each stop layer's input. `pre`
+        [M, in_width]: the rows the first layer's qkv projection reads (a driver built with `in_width`), `hidden`
+        then its residual."""
+        if (pre is None) != (self.in_width == 0) or (pre is not None and pre.shape != (hidden.shape[0], self.in_width)):
+            raise ValueError(f"pre {None if pre is None else tuple(pre.shape)}: this driver's first layer reads "
+                             f"{f'[{hidden.shape[0]}, {self.in_width}]' if self.in_width else 'its normed input'}")
         caches = ctx.backend.kv_caches  # read each step: a pool rebuilt in place moves them
         self.words.numpy()[:, 7] = [c.data_ptr() for c in caches[: self.num_layers]]  # host words, no tensor op
         meta = ctx.decode
@@ -158,7 +186,10 @@ class CpuDecodeLayers:
             live = None
         else:
             hidden, positions, seq_lens, slots, table = (t[live] for t in (hidden, positions, seq_lens, slots, table))
+            pre = pre[live] if pre is not None else None
         x = hidden.contiguous().clone()
+        if pre is not None:
+            pre = pre.to(self.dtype).contiguous()
         rows = x.shape[0]
         need = self.kernels.layers_scratch(rows, *self.dims)
         if self._scratch.numel() < need:
@@ -171,6 +202,7 @@ class CpuDecodeLayers:
         words[:, SAVE] = 0
         for j, layer in enumerate(stops):
             words[layer, SAVE] = saved[j].data_ptr()
+        words[0, IN] = pre.data_ptr() if pre is not None else 0
         if rows:
             self.kernels.decoder_layers(
                 self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions,

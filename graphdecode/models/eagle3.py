@@ -154,6 +154,7 @@ class Eagle3Head(OneLayerHead):
     checkpoint_renames = {"midlayer.": "layers.0."}
     checkpoint_extras = ("d2t", "t2d")  # integer maps, read by load_eagle3_head (t2d unused)
     expert_format = None
+    one_call_reads_concat = True
 
     def __init__(self, eagle: Eagle3Config, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -188,6 +189,8 @@ class Eagle3Head(OneLayerHead):
         else:
             residual, hidden = hidden, layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(embeds), hidden], dim=-1)
+        if self.cpu_decode is not None and self.cpu_decode.applies(ctx, x.shape[0]):  # the layer in one C++ call
+            return self.cpu_decode.run(residual, positions, ctx, pre=x)[0]
         attn = layer.self_attn(positions, x, self.rotary, ctx)
         residual, normed = layer.post_attention_layernorm.add_and_norm(residual, attn)
         return residual + layer.mlp(normed)

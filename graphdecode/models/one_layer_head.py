@@ -16,6 +16,8 @@ class OneLayerHead(nn.Module):
 
     rotary: RotaryEmbedding | None = None
     streams_weights = True  # run between the target's layers, which evict its weights (cpu_linear.py: panels)
+    cpu_decode = None  # a cpu_decode.CpuDecodeLayers where its layer's steps run in one C++ call (the loader's)
+    one_call_reads_concat = False  # its layer's q/k/v read [normed embedding | normed hidden] (an EAGLE-3 head's)
 
     @property
     def attention_specs(self) -> list[AttentionSpec]:
@@ -25,7 +27,8 @@ class OneLayerHead(nn.Module):
         return [self.rotary]
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {}
+        """The one call's argument words (cache pointers and its input's, rewritten by each call)."""
+        return {"cpu_decode.words": self.cpu_decode.words} if self.cpu_decode is not None else {}
 
     def post_load(self, max_positions: int) -> None:
         weight = self.norm.weight

@@ -159,9 +159,15 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     head = heads["reduced"]
     spec = LLM(text_model, speculative_config=spec_config(head), max_num_batched_tokens=24, **ENGINE)
     alternate(spec)
-    kinds = hot_mid_generation(spec)
     runner = spec.engine.runner
     state, eagle = runner.state, runner.head
+    driver = eagle.head.cpu_decode  # the head's layer in one C++ call (models/cpu_decode.py), where it runs
+    calls = []
+    if driver is not None:
+        real = driver.run
+        driver.run = lambda hidden, positions, ctx, **kw: (calls.append("decode" if ctx.verify is None else "verify"),
+                                                           real(hidden, positions, ctx, **kw))[1]
+    kinds = hot_mid_generation(spec)
     stats = spec.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # rounds accepting part of their drafts
     assert 0 < stats["spec_window_share"] < 1
@@ -183,6 +189,10 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
         else:
             torch.testing.assert_close(eagle.prenorm[row], out, atol=2e-4, rtol=1e-4)
     assert kinds == {True, False}  # windows ended plain (stale rows) and speculative
+    from graphdecode.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is not None:  # with the kernels, the head's steps took the one call: drafts and verifies
+        assert driver is not None and set(calls) == {"decode", "verify"}
 
 
 

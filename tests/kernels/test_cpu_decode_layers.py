@@ -7,6 +7,8 @@
 * inert rows (done, or a bucket's padding: the scratch slot) are left out of the call, the live rows' bits unchanged;
 * a speculative verify (Q queries a sequence) runs through it as Q rows a sequence: the eager verify's logits and
   K/V, and in an engine (n-gram and a draft model) the plain tokens;
+* an EAGLE-3 head's layer (q/k/v over the rows the head concatenates) runs through it too: its eager step's
+  output and K/V;
 * it is built only for the layers it runs (not for qk-norm, Gemma's norms, MoE, or weights without panels);
 * a position past the rotary table or a slot outside the cache is refused before any work.
 """
@@ -228,6 +230,57 @@ def test_speculative_windows_verify_through_one_call(tiny_models, panels, method
     assert 2 * 4 in panels  # a verify of 2 rows x 4 queries ran as one call of 8 rows
     assert llm.stats()["spec_windows"] > 0
     assert got == generate_tokens(LLM(path, **engine), prompts, sp)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_an_eagle3_heads_layer_in_one_call_equals_its_eager_step(text_model, panels, tmp_path, queries):
+    """An EAGLE-3 head's layer through the one call, its q/k/v reading the rows the head concatenates ([normed
+    embedding | normed hidden state], the IN words) and the hidden state its residual: the eager step's output
+    and K/V, for a draft step (one query a row) and the forward over a verify's positions (three), with an inert
+    row beside them (zeros out, nothing written)."""
+    from graphdecode.models.eagle3 import load_eagle3_head, read_eagle3_config
+    from graphdecode.models.eagle3_checkpoint import random_eagle3_head
+
+    target = load_model_config(text_model)
+    path = random_eagle3_head(str(tmp_path / "head"), text_model, draft_vocab_size=64, aux_layers=(0, 2, 3))
+    head = load_eagle3_head(path, read_eagle3_config(path, target), torch.float32, torch.device("cpu"), 256)
+    driver = head.cpu_decode
+    assert driver is not None and driver.in_width == 2 * target.hidden_size and driver.num_layers == 1
+    cfg = head.config
+    g = torch.Generator().manual_seed(7)
+    rows = 3
+    embeds, hidden = (torch.randn(rows * queries, cfg.hidden_size, generator=g) for _ in range(2))
+    live = torch.tensor([1, 0, 1]).repeat_interleave(queries)  # row 1 inert: the scratch slot
+    starts = torch.tensor([5, 9, 22])
+
+    def step():
+        caches, backend = _random_cache(head, cfg, torch.float32, 3)
+        table = torch.arange(1, 1 + 4 * rows, dtype=torch.int32).view(rows, 4)
+        positions = starts[:, None] + torch.arange(queries)
+        slots = (table.gather(1, positions // PAGE).long() * PAGE + positions % PAGE).reshape(-1) * live
+        kv_lens = (starts + queries).to(torch.int32)
+        if queries == 1:
+            meta = DecodeMetadata(seq_lens=kv_lens, block_table=table, slot_mapping=slots, kv_indptr=None,
+                                  kv_indices=None, kv_last_page_len=None)
+            ctx = ForwardContext(backend, decode=meta)
+        else:
+            meta = VerifyMetadata(block_table=table, query_positions=positions, slot_mapping=slots,
+                                  live=torch.tensor([True, False, True]), kv_lens=kv_lens, context_lens=kv_lens)
+            ctx = ForwardContext(backend, verify=meta)
+        with torch.inference_mode():
+            return head(embeds, hidden, positions.reshape(-1), ctx), caches
+
+    fast, fast_caches = step()
+    assert panels == [2 * queries]  # one call, the live rows' queries
+    head.cpu_decode = None
+    eager, eager_caches = step()
+    head.cpu_decode = driver
+    kept = live.bool()
+    torch.testing.assert_close(fast[kept], eager[kept], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(fast[~kept]) == 0
+    torch.testing.assert_close(fast_caches[0][1:], eager_caches[0][1:], rtol=1e-5, atol=1e-5)  # page 0: scratch
+    with pytest.raises(ValueError, match="pre"):
+        driver.run(hidden, torch.zeros(hidden.shape[0], dtype=torch.int64), None)  # the head's rows are required
 
 
 @pytest.mark.parametrize("name", ["qwen3_untied", "gemma3_text", "qwen3_moe"])
