@@ -149,6 +149,23 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 inline void store16(uint16_t* p, f32x16 v) {
 #if defined(__AVX512BF16__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  // the same rounding in two 8-lane halves (GCC writes the generic form below lane by lane on AVX2, which has no
+  // unsigned compare: the magnitude's bits fit an int32, so a signed one is the same test), narrowed by vpackusdw
+  // (every value fits 16 bits: nothing saturates) and its 128-bit lanes put back in order
+  __m256i halves[2];
+  std::memcpy(halves, &v, sizeof halves);
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  for (__m256i& bits : halves) {
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, bias), _mm256_and_si256(high, one)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
+    bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
+  }
+  const __m256i packed = _mm256_packus_epi32(halves[0], halves[1]);  // lanes: [0-3, 8-11 | 4-7, 12-15]
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
 #else
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
   typedef uint16_t u16x16 __attribute__((vector_size(32)));
