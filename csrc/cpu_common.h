@@ -144,27 +144,32 @@ inline f32x16 load16(const e4m3* p) { return load16_over_256(p) * 256.f; }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 float32 lanes (their bits) rounded to bf16 as `store` rounds one, each lane's 16 bits in the low half of its
+// int32. GCC writes the generic form (store16's #else) lane by lane on AVX2, which has no unsigned compare: the
+// magnitude's bits fit an int32, so a signed one is the same NaN test.
+inline __m256i bf16_bits8(__m256i bits) {
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), _mm256_and_si256(high, _mm256_set1_epi32(1))),
+      16);
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+#endif
+
 // 16 float32 values rounded to bf16 lane by lane as `store` rounds one (nearest even; NaN stays NaN); with
 // avx512_bf16 in one vcvtneps2bf16, which also flushes float32 subnormals (below 1.2e-38) to zero
 inline void store16(uint16_t* p, f32x16 v) {
 #if defined(__AVX512BF16__)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)v));
 #elif defined(__AVX2__) && !defined(__AVX512F__)
-  // the same rounding in two 8-lane halves (GCC writes the generic form below lane by lane on AVX2, which has no
-  // unsigned compare: the magnitude's bits fit an int32, so a signed one is the same test), narrowed by vpackusdw
-  // (every value fits 16 bits: nothing saturates) and its 128-bit lanes put back in order
+  // in two 8-lane halves (bf16_bits8), narrowed by vpackusdw (every value fits 16 bits: nothing saturates) and its
+  // 128-bit lanes put back in order
   __m256i halves[2];
   std::memcpy(halves, &v, sizeof halves);
-  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), quiet = _mm256_set1_epi32(0x40);
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-  for (__m256i& bits : halves) {
-    const __m256i high = _mm256_srli_epi32(bits, 16);
-    const __m256i rounded =
-        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, bias), _mm256_and_si256(high, one)), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
-    bits = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
-  }
-  const __m256i packed = _mm256_packus_epi32(halves[0], halves[1]);  // lanes: [0-3, 8-11 | 4-7, 12-15]
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(halves[0]), bf16_bits8(halves[1]));  // [0-3 8-11 | 4-7 12-15]
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
 #else
   typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -249,41 +254,6 @@ inline f32x16 exp16(f32x16 x) {
 
 // exp16 of one value (the same bits as its lanes)
 inline float exp1(float x) { return exp16(f32x16{} + x)[0]; }
-
-// o[0:n] = silu(g) * u, torch's roundings (transformers' SwiGLU in the dtype): silu in float rounded to T, the
-// product rounded to T; silu(x) = x / (1 + exp(-x)) with exp16 (about 1 ulp from torch's). Elementwise: a
-// value's bits depend on nothing else. Never inlined nor specialised: every caller (cpu_fused.cpp's pass,
-// cpu_linear.cpp's gated projection) runs this one copy, so the compiler's contractions cannot differ with the
-// caller's context.
-#if defined(__clang__)
-#define GRAPHDECODE_ONE_COPY __attribute__((noinline))
-#else
-#define GRAPHDECODE_ONE_COPY __attribute__((noipa))
-#endif
-template <typename T>
-GRAPHDECODE_ONE_COPY void swiglu_row(const T* g, const T* u, T* o, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const f32x16 x = load16(g + i);
-    alignas(64) T silu[16];
-    store16(silu, x / (1.f + exp16(-x)));
-    store16(o + i, load16(silu) * load16(u + i));
-  }
-  for (; i < n; ++i) {
-    const float x = load(g + i);
-    store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));
-  }
-}
-
-// swiglu_row over float32 sums of a gated projection's gate and up columns (n <= 64), each first rounded to T as
-// the projection's own output would be: the same bits as the projection written out, then swiglu_row
-template <typename T>
-inline void swiglu_sums(T* o, const float* g, const float* u, int64_t n) {
-  alignas(64) T gt[64], ut[64];
-  store_sums(gt, g, n);
-  store_sums(ut, u, n);
-  swiglu_row(gt, ut, o, n);
-}
 
 // Column panels (cpu_linear.cpp's float weights, cpu_qlinear.cpp's dequantized blocks): PANEL output columns,
 // [K][PANEL] contiguous, walked by register tiles of up to PANEL_MR rows.
@@ -445,6 +415,39 @@ inline f32x8 load8(const e4m3* p) { return load8_over_256(p) * 256.f; }  // 8 E4
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
+#if defined(__AVX2__)
+inline void store8(uint16_t* p, f32x8 v) {  // 8 values rounded to bf16 as store16 rounds them
+  const __m256i bits = bf16_bits8((__m256i)v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// a value rounded to the dtype and read back, 8 lanes (bf16: what store8 then load8 give)
+inline f32x8 round8(f32x8 v, const uint16_t*) { return (f32x8)_mm256_slli_epi32(bf16_bits8((__m256i)v), 16); }
+inline f32x8 round8(f32x8 v, const float*) { return v; }
+
+// exp16 on 8 lanes: the same operations, lane for lane
+inline f32x8 exp8(f32x8 x) {
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  const f32x8 lo = f32x8{} - 87.f, hi = f32x8{} + 88.f;
+  const f32x8 c = x < lo ? lo : (x > hi ? hi : x);
+  const f32x8 magic = f32x8{} + 12582912.f;
+  const f32x8 n = (c * 1.44269504088896341f + magic) - magic;
+  const f32x8 r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x8 p = f32x8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < lo ? f32x8{} : p * scale;
+}
+#endif
+
 // an 8-float vector held in a register from here on (the compiler folds a vector it can reload into each FMA that
 // uses it as a memory operand)
 inline void pin8(f32x8& v) {
@@ -525,6 +528,49 @@ inline void panel_tile_f32(const float* __restrict x, int64_t ldx, const TW* __r
   }
 }
 #endif
+
+// o[0:n] = silu(g) * u, torch's roundings (transformers' SwiGLU in the dtype): silu in float rounded to T, the
+// product rounded to T; silu(x) = x / (1 + exp(-x)) with exp16 (about 1 ulp from torch's). Elementwise: a
+// value's bits depend on nothing else. Never inlined nor specialised: every caller (cpu_fused.cpp's pass,
+// cpu_linear.cpp's gated projection) runs this one copy, so the compiler's contractions cannot differ with the
+// caller's context.
+#if defined(__clang__)
+#define GRAPHDECODE_ONE_COPY __attribute__((noinline))
+#else
+#define GRAPHDECODE_ONE_COPY __attribute__((noipa))
+#endif
+template <typename T>
+GRAPHDECODE_ONE_COPY void swiglu_row(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // 8 lanes a step in AVX2's own vectors, the same operations lane for lane (exp8, round8): the 16-float type's
+  // silu went through the stack there (a bf16 decode at batch 16 spent 5-6% of its time in this loop)
+  for (; i + 8 <= n; i += 8) {
+    const f32x8 x = load8(g + i);
+    store8(o + i, round8(x / (1.f + exp8(-x)), o) * load8(u + i));
+  }
+#endif
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 x = load16(g + i);
+    alignas(64) T silu[16];
+    store16(silu, x / (1.f + exp16(-x)));
+    store16(o + i, load16(silu) * load16(u + i));
+  }
+  for (; i < n; ++i) {
+    const float x = load(g + i);
+    store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));
+  }
+}
+
+// swiglu_row over float32 sums of a gated projection's gate and up columns (n <= 64), each first rounded to T as
+// the projection's own output would be: the same bits as the projection written out, then swiglu_row
+template <typename T>
+inline void swiglu_sums(T* o, const float* g, const float* u, int64_t n) {
+  alignas(64) T gt[64], ut[64];
+  store_sums(gt, g, n);
+  store_sums(ut, u, n);
+  swiglu_row(gt, ut, o, n);
+}
 
 // n elements of a bf16 or FP8 row as float32 (exact), a vector at a time: 16 with AVX-512, else 8 (load8; GCC
 // writes a 16-float widening there in 128-bit pieces through the stack)
