@@ -231,25 +231,31 @@ inline float tree_max(f32x16 v) {
 }
 
 // exp(x) lane by lane: 2^n * e^r with |r| <= ln2 / 2 and Cephes' expf polynomial (about 1 ulp), n by the
-// 1.5 * 2^23 rounding trick; x clamped to 88 above, and 0 below -87 (-inf included)
-inline f32x16 exp16(f32x16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  const f32x16 lo = f32x16{} - 87.f, hi = f32x16{} + 88.f;
-  const f32x16 c = x < lo ? lo : (x > hi ? hi : x);
-  const f32x16 magic = f32x16{} + 12582912.f;
-  const f32x16 n = (c * 1.44269504088896341f + magic) - magic;
-  const f32x16 r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
+// 1.5 * 2^23 rounding trick; x clamped to 88 above, and 0 below -87 (-inf included). V a float vector type, I the
+// int32 vector of its width: the same operations at any width (exp16, and exp8 on AVX2), the same bits a lane.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const V lo = V{} - 87.f, hi = V{} + 88.f;
+  const V c = x < lo ? lo : (x > hi ? hi : x);
+  const V magic = V{} + 12582912.f;
+  const V n = (c * 1.44269504088896341f + magic) - magic;
+  const V r = c - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x < lo ? f32x16{} : p * scale;
+  return x < lo ? V{} : p * scale;
+}
+
+inline f32x16 exp16(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  return exp_lanes<f32x16, i32x16>(x);
 }
 
 // exp16 of one value (the same bits as its lanes)
@@ -429,22 +435,7 @@ inline f32x8 round8(f32x8 v, const float*) { return v; }
 // exp16 on 8 lanes: the same operations, lane for lane
 inline f32x8 exp8(f32x8 x) {
   typedef int32_t i32x8 __attribute__((vector_size(32)));
-  const f32x8 lo = f32x8{} - 87.f, hi = f32x8{} + 88.f;
-  const f32x8 c = x < lo ? lo : (x > hi ? hi : x);
-  const f32x8 magic = f32x8{} + 12582912.f;
-  const f32x8 n = (c * 1.44269504088896341f + magic) - magic;
-  const f32x8 r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x8 p = f32x8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  f32x8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < lo ? f32x8{} : p * scale;
+  return exp_lanes<f32x8, i32x8>(x);
 }
 #endif
 
