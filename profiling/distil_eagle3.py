@@ -10,13 +10,13 @@ output one position back at depth s - 1, and it attends the exact (depth-1) K/V 
 and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/draft_head.py).
 
 Data: synthetic chat prompts (distil_draft.py's tasks and topics and more of each, about 2,500 prompts; the
-prompts held out for the acceptance report excluded), each answered by the target through the engine in
-bfloat16 at batch 128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from
-transformers (bfloat16). The head is data-bound: with 150k tokens it memorised (training accuracy twice the
+prompts held out for the acceptance report excluded), each answered by the target through the engine at batch
+128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
+where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The head is data-bound: with 150k tokens it memorised (training accuracy twice the
 held-out one, BENCHMARKS.md 10c), so the data is several times that and costs less per token. The draft
 vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds with the target's
 embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state through. AdamW
-under bfloat16 autocast (AMX: twice fp32's steps) for --minutes, the learning rate warmed up and then cosine-
+(under bfloat16 autocast where bf16 is native: with AMX twice fp32's steps) for --minutes, the learning rate warmed up and then cosine-
 decayed to a tenth over the budget. Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the
 acceptance on held-out prompts (greedy, through the engine with `speculative_config={"method": "eagle3", ...}`,
 speculating every window).
@@ -80,12 +80,24 @@ def training_texts(held_out: int) -> list[str]:
     return base[held_out:] + more
 
 
-def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threads: int) -> list[tuple]:
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 or AMX: the kernel library's pair panels). Elsewhere
+    oneDNN emulates bf16 matmuls: transformers' forward of SmolLM2 on a 2-core AVX2 Zen 3 ran 70 tokens/s in bf16
+    against 401 in fp32 (BENCHMARKS.md 10j), so the data, the features and the training run in fp32 there."""
+    from graphdecode.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.bf16_pairs
+
+
+def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threads: int,
+                   dtype: torch.dtype = torch.bfloat16) -> list[tuple]:
     """(prompt ids, answer ids): an answer per prompt at each of ANSWER_TEMPERATURES, through the engine
-    (bfloat16, batch 128: the data is most of the budget)."""
+    (batch 128: the data is most of the budget)."""
     from graphdecode import LLM, SamplingParams
 
-    llm = LLM(target, max_model_len=1024, max_batch_size=128, cpu_threads=threads, dtype="bfloat16")
+    llm = LLM(target, max_model_len=1024, max_batch_size=128, cpu_threads=threads,
+              dtype=str(dtype).removeprefix("torch."))
     out = []
     for i, temperature in enumerate(ANSWER_TEMPERATURES):
         params = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=max_tokens)
@@ -95,14 +107,14 @@ def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threa
 
 
 def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, ...], top: int = 32,
-                    batch: int = 8) -> list[dict]:
-    """Per sequence: ids [T], aux [T, 3H] (the hidden states entering the aux layers, bfloat16), the target's
+                    batch: int = 8, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Per sequence: ids [T], aux [T, 3H] (the hidden states entering the aux layers, in `dtype`), the target's
     top `top` next-token probabilities and ids at each position [T, top], and the prompt length. Batches of
     similar length, right-padded (causal attention: padding changes nothing before it)."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     model.eval()
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]) + len(sequences[i][1]))
     out: list[dict | None] = [None] * len(sequences)
@@ -223,7 +235,7 @@ def draft_of_size(draft_of: torch.Tensor) -> int:
 
 
 def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minutes: float, batch: int, lr: float,
-          depths: int) -> dict:
+          depths: int, autocast: bool = True) -> dict:
     from tqdm import tqdm
 
     params = list(model.w.parameters())
@@ -254,7 +266,7 @@ def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minute
             done = min((time.monotonic() - started) / (minutes * 60), 1.0)
             for g in optimizer.param_groups:  # warm-up, then a cosine down to a tenth at the deadline
                 g["lr"] = lr * min(1.0, (steps + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * done))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 outs = model(aux.float(), next_ids, depths)
             loss = 0.0
             valid = labels != -100
@@ -293,8 +305,10 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
 
     threads = threads or _resolve_cpu_threads(None, 1)
     held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
+    dtype = torch.bfloat16 if native_bf16() else torch.float32
     settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
-                f"{train_prompts}|soft32|{ANSWER_TEMPERATURES}|more-prompts|bf16")
+                f"{train_prompts}|soft32|{ANSWER_TEMPERATURES}|more-prompts|"
+                f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
     name = f"{os.path.basename(os.path.normpath(target))}-{minutes:g}min-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
     path = os.path.join(cache_root(), "eagle3", name)
     report_path = os.path.join(path, "distil_report.json")
@@ -303,14 +317,14 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     torch.set_num_threads(threads)
     prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:train_prompts])
     start = time.perf_counter()
-    sequences = target_answers(target, prompts, max_tokens, threads)
+    sequences = target_answers(target, prompts, max_tokens, threads, dtype)
     generate_s = time.perf_counter() - start
     layers = load_model_config(target).decoder_layers
     aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
     if len(set(aux_layers)) < 3 or min(aux_layers) < 0:
         aux_layers = (layers - 3, layers - 2, layers - 1)
     start = time.perf_counter()
-    features = target_features(target, sequences, aux_layers)
+    features = target_features(target, sequences, aux_layers, dtype=dtype)
     features_s = time.perf_counter() - start
     counts = torch.bincount(torch.cat([f["top_ids"][f["prompt"]:, 0] for f in features]),
                             minlength=load_model_config(target).vocab_size)
@@ -323,8 +337,8 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     embed = hf.model.embed_tokens.weight.detach().clone()
     del hf
     model = TrainHead(config, embed, draft_ids, config.get("rms_norm_eps", 1e-6))
-    report = train(features, model, draft_of, minutes, batch, lr, depths)
-    report.update(generate_seconds=generate_s, features_seconds=features_s, sequences=len(sequences),
+    report = train(features, model, draft_of, minutes, batch, lr, depths, autocast=dtype == torch.bfloat16)
+    report.update(dtype=str(dtype), generate_seconds=generate_s, features_seconds=features_s, sequences=len(sequences),
                   tokens=sum(len(p) + len(a) for p, a in sequences), answer_tokens=sum(len(a) for _, a in sequences),
                   draft_vocab=draft_vocab, draft_vocab_coverage=coverage, aux_layers=list(aux_layers),
                   minutes=minutes, depths=depths)
