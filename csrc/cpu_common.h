@@ -540,13 +540,14 @@ GRAPHDECODE_ONE_COPY void swiglu_row(const T* g, const T* u, T* o, int64_t n) {
     const f32x8 x = load8(g + i);
     store8(o + i, round8(x / (1.f + exp8(-x)), o) * load8(u + i));
   }
-#endif
+#else
   for (; i + 16 <= n; i += 16) {
     const f32x16 x = load16(g + i);
     alignas(64) T silu[16];
     store16(silu, x / (1.f + exp16(-x)));
     store16(o + i, load16(silu) * load16(u + i));
   }
+#endif
   for (; i < n; ++i) {
     const float x = load(g + i);
     store(o + i, round_to(x / (1.f + exp1(-x)), o) * load(u + i));

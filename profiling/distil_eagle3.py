@@ -12,12 +12,13 @@ and then the deeper K/V on the diagonal, as the window's drafting steps see them
 Data: synthetic chat prompts (distil_draft.py's tasks and topics and more of each, about 2,500 prompts; the
 prompts held out for the acceptance report excluded), each answered by the target through the engine at batch
 128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
-where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The head is data-bound: with 150k tokens it memorised (training accuracy twice the
-held-out one, BENCHMARKS.md 10c), so the data is several times that and costs less per token. The draft
-vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds with the target's
-embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state through. AdamW
-(under bfloat16 autocast where bf16 is native: with AMX twice fp32's steps) for --minutes, the learning rate warmed up and then cosine-
-decayed to a tenth over the budget. Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the
+where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The head is
+data-bound: with 150k tokens it memorised (training accuracy twice the held-out one, BENCHMARKS.md 10c), so the
+data is several times that and costs less per token. The draft vocabulary is the --draft-vocab most frequent
+argmax tokens of the answers. The head embeds with the target's embedding; its LM head starts from the target's
+rows, `fc` from passing the last hidden state through. AdamW (under bfloat16 autocast where bf16 is native: with
+AMX twice fp32's steps) for --minutes, the learning rate warmed up and then cosine-decayed to a tenth over the
+budget. Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the
 acceptance on held-out prompts (greedy, through the engine with `speculative_config={"method": "eagle3", ...}`,
 speculating every window).
 

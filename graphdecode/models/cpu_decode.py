@@ -20,9 +20,8 @@ about 1e-5: the LM head takes another kernel above two rows). Only live rows go 
 padding and rows done in the window hold the scratch slot, and come out as zeros.
 An EAGLE-3 head's one layer runs through the same call (`build_head`): its qkv projection reads the
 [normed embedding | normed hidden state] rows the head makes (`run`'s `pre`, the IN words), the hidden state
-is the residual. Everything else runs the eager forward.
-`DecoderForCausalLM.forward_aux` (forward() runs it) asks `applies`
-each step.
+is the residual. Everything else runs the eager forward. `DecoderForCausalLM.forward_aux` (forward() runs it)
+asks `applies` each step.
 """
 
 from __future__ import annotations
