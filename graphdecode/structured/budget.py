@@ -15,6 +15,10 @@ transitions, ~5 GB, and `{1,100000}` more than the machine had. The bounds, chea
   (compiler.estimate_transitions, walked from the initial state and stopped once over the
   budget: within 5% on SmolLM2), and at the measured ~110 bytes
   each, a compile that would outgrow `memory_bytes` is refused in well under a second.
+  A regex with long counted repetitions (a schema's `maxLength: 5000`) has a byte DFA that
+  itself takes a second to build: its repetitions are capped first (`cap_repetitions`, at 64,
+  then at what the transitions so far extrapolate to the budget), and the first capped
+  version over the budget refuses it (compiler.check_budget_growing).
 * time and memory, while compiling: the compile runs in a worker process
   (compile_worker.py) whose address space is limited to `memory_bytes` above its own
   baseline and which is killed after `seconds` (or when its request is cancelled, or the
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 MAX_ESTIMATED_STATES = 1 << 16  # no constraint needs more; larger ones are refused when made
 _CAP = 1 << 40  # estimates saturate here (a {1,1000000}{1,1000000} must not build a huge integer)
+CAPPED_FROM = 1024  # positions above which the byte DFA is built for capped repetitions first
 _QUANTIFIER = re.compile(r"\{(\d+)(,(\d*))?\}")
 
 
@@ -185,3 +190,29 @@ def check_states(regex: str, field: str, limit: int, option: str, estimate: int 
             f"the limit of {limit} ({option}); lower its repetition counts (maxLength, maxItems, {{m,n}}) "
             "or its number of choices")
     return estimate
+
+
+def cap_repetitions(regex: str, cap: int) -> str:
+    """`regex` with each counted repetition x{n,m} / x{n} / x{n,} counting at most `cap` (escapes
+    and character classes untouched): its automaton is the full one's with each long chain of
+    repeats cut short, so its (state, token) transitions are fewer than the full one's."""
+    out, i, n, copied = [], 0, len(regex), 0
+    while i < n:
+        ch = regex[i]
+        if ch == "\\":
+            i = _escape_end(regex, i)
+        elif ch == "[":
+            i = _class_end(regex, i)
+        elif ch == "{" and (match := _QUANTIFIER.match(regex, i)) is not None:
+            low, high = min(int(match.group(1)), cap), match.group(3)
+            if match.group(2) and not high:
+                counted = f"{{{low},}}"
+            else:
+                counted = f"{{{low},{min(int(high), cap)}}}" if high else f"{{{low}}}"
+            out += [regex[copied:i], counted]
+            i = copied = match.end()
+        else:
+            i += 1
+    return "".join(out) + regex[copied:]
+
+

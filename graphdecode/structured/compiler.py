@@ -62,7 +62,14 @@ from collections import OrderedDict
 import numpy as np
 
 from .automaton import TokenAutomaton
-from .budget import MAX_ESTIMATED_STATES, CompileBudget, check_states
+from .budget import (
+    CAPPED_FROM,
+    MAX_ESTIMATED_STATES,
+    CompileBudget,
+    cap_repetitions,
+    check_states,
+    estimate_states,
+)
 from .params import StructuredOutputsParams
 from .vocabulary import TokenizerVocab, end_token, outlines_vocabulary
 
@@ -375,6 +382,30 @@ def check_budget(index, vocab: TokenizerVocab, field: str, budget: CompileBudget
     return transitions
 
 
+def check_budget_growing(regex: str, vocab: TokenizerVocab, field: str, budget: CompileBudget,
+                         first_cap: int = 64) -> int:
+    """check_budget over byte DFAs of `regex` with its counted repetitions capped (at `first_cap`,
+    then at least twice the last cap, as far as its transitions extrapolate to the budget), then
+    of `regex` itself. Each capped automaton embeds in the next: a long repetition over the
+    budget is refused from a DFA a fraction of the full one's size. Where `regex` has at most
+    CAPPED_FROM positions, its own DFA only. The full regex's build reports what is wrong with
+    it (a capped version that fails to build is passed over)."""
+    limit = budget.memory_bytes // BYTES_PER_TRANSITION
+    cap = first_cap if estimate_states(regex) > CAPPED_FROM else None
+    while True:
+        version = regex if cap is None else cap_repetitions(regex, cap)
+        try:
+            dfa = byte_index(version, field)
+        except ValueError:
+            if version == regex:
+                raise
+            dfa = None
+        transitions = 0 if dfa is None else check_budget(dfa, vocab, field, budget)
+        if version == regex:
+            return transitions
+        cap = max(2 * cap, math.ceil(1.5 * cap * limit / max(transitions, 1)))
+
+
 def compile_automaton(params: StructuredOutputsParams, vocab: TokenizerVocab,
                       budget: CompileBudget | None = None) -> TokenAutomaton:
     """Compile (no caching): params -> regex -> outlines-core Index -> tables. The regex's byte-level
@@ -384,9 +415,9 @@ def compile_automaton(params: StructuredOutputsParams, vocab: TokenizerVocab,
     regex = constraint_regex(params)
     field = params.kind
     check_states(regex, field, MAX_ESTIMATED_STATES, "no constraint may need more")
-    dfa = byte_index(regex, field)  # clear errors for a regex outlines-core rejects or that matches nothing
-    if budget is not None:
-        check_budget(dfa, vocab, field, budget)
-    del dfa
+    if budget is None:
+        byte_index(regex, field)  # clear errors for a regex outlines-core rejects or that matches nothing
+    else:
+        check_budget_growing(regex, vocab, field, budget)
     index = build_index(f"(?:{regex}){END}", vocab, field)
     return automaton_from_index(index, vocab, params.key(), started)

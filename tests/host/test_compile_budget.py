@@ -13,7 +13,12 @@ import pytest
 
 from graphdecode import LLM, SamplingParams, StructuredOutputsParams
 from graphdecode.structured import compiler
-from graphdecode.structured.budget import MAX_ESTIMATED_STATES, CompileBudget, estimate_states
+from graphdecode.structured.budget import (
+    MAX_ESTIMATED_STATES,
+    CompileBudget,
+    cap_repetitions,
+    estimate_states,
+)
 from graphdecode.structured.compile_worker import CompileCancelled, CompileWorkers
 from graphdecode.structured.vocabulary import tokenizer_vocab
 
@@ -63,6 +68,36 @@ def test_transition_estimate_bounds_the_index(vocab):
         exact = sum(len(row) for row in compiler.build_index(regex, vocab).get_transitions().values())
         estimate = compiler.estimate_transitions(compiler.byte_index(regex, "regex"), vocab)
         assert exact <= estimate <= 1.3 * exact + 100, (regex, exact, estimate)
+
+
+def test_capping_repetitions_leaves_escapes_and_classes_and_keeps_the_quantifier_form():
+    assert cap_repetitions(r"\{a{3}[{5000}]\{9999\}(x){4,}(y){2,9000}z{7000,8000}w{9000}", 100) == \
+        r"\{a{3}[{5000}]\{9999\}(x){4,}(y){2,100}z{100,100}w{100}"
+
+
+def test_capped_regexes_bound_the_full_transitions_from_below(vocab):
+    for regex in ('"[^"]{0,300}"', "[a-z]{300}[0-9]", "(ab){3,200}c", "x{150,}y"):
+        capped = cap_repetitions(regex, 16)
+        full = compiler.estimate_transitions(compiler.byte_index(regex, "regex"), vocab)
+        assert compiler.estimate_transitions(compiler.byte_index(capped, "regex"), vocab) <= full, regex
+
+
+def test_a_long_schema_string_is_refused_from_its_capped_dfa(vocab, monkeypatch):
+    """maxLength 5000: the full byte DFA alone takes ~1 s to build; the capped one is enough."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5000}}}
+    built = []
+    real = compiler.byte_index
+    monkeypatch.setattr(compiler, "byte_index", lambda regex, field: built.append(regex) or real(regex, field))
+    with pytest.raises(ValueError, match=r"structured_outputs\.json: .*memory budget of 64 MiB"):
+        compiler.compile_automaton(StructuredOutputsParams(json=schema), vocab, CompileBudget(20.0, 64 << 20))
+    assert "{0,64}" in built[0] and "{0,5000}" not in built[-1], built  # refused before the full DFA
+    built.clear()  # within the budget: a capped version, then the full one
+    small = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 400}}}
+    assert compiler.compile_automaton(StructuredOutputsParams(json=small), vocab, CompileBudget(20.0, 1 << 30))
+    assert ["{0,64}" in regex for regex in built] == [True, False] and "{0,400}" in built[-1], built
+    built.clear()  # a short one: its own DFA only
+    compiler.compile_automaton(StructuredOutputsParams(regex="[a-z]{1,40}"), vocab, CompileBudget(20.0, 1 << 30))
+    assert built == ["[a-z]{1,40}"]
 
 
 def test_worker_compiles_refuses_over_memory_and_stops_over_time(vocab):
