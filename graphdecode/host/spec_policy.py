@@ -40,7 +40,9 @@ estimate near 1. Without an estimate either (no prefill timed yet; a first windo
 is not timed where it may capture a graph or compile: on a GPU, with compile=True or the CPU graph
 twin), the next probe comes after `probe_every` plain windows, twice that after each probe that
 did not pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
-`max_probe_every` plain windows, always.
+`max_probe_every` plain windows, always (this count only where the loss is unknown: a probe
+whose loss is known waits for the budget, however long, so an expensive bucket's probes stay at
+2% of its time and never lose several plain windows at once off schedule).
 """
 
 from __future__ import annotations
@@ -173,8 +175,9 @@ class SpecPolicy:
         return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket)
 
     def probe_due(self, bucket: int, accepted: float | None) -> bool:
-        if self._plain_since >= self.max_probe_every:
-            return True
+        """Where the probe's loss is measured or estimated, once the budget covers it, however long that
+        takes (a forced probe at a bucket whose verify costs several plain windows would lose them in
+        one go); else after `interval` plain windows (at most max_probe_every)."""
         loss = self.probe_loss(bucket, accepted)
         if loss is None:
             return self._plain_since >= self.interval
