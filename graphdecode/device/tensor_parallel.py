@@ -232,6 +232,7 @@ class TPExecutor:
             try:
                 self.check_workers()
                 self._broadcast(None)  # workers leave their loop
+                dist.barrier(group=self._plans)  # ... and every rank tears down with no collective in flight
             except Exception:  # noqa: BLE001 - best effort: dead workers are killed below
                 pass
         if self._local is not None:
@@ -239,8 +240,9 @@ class TPExecutor:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a group with a dead peer may fail to tear down cleanly
-                pass
+            except Exception as exc:  # noqa: BLE001 - a group with a dead peer may fail to tear down cleanly
+                print(f"graphdecode: tearing down torch.distributed: {' '.join(str(exc).split())[:300]}",
+                      file=sys.stderr, flush=True)
 
 
 def _shutdown_at_exit(ref) -> None:

@@ -67,6 +67,7 @@ def serve_rank(rank: int, place: Placement, cpu_threads: int, device: torch.devi
                 dist.broadcast_object_list(box, src=0, group=plans)
                 message = box[0]
                 if message is None:
+                    dist.barrier(group=plans)  # the driver's goodbye: each rank tears down once all are here
                     break
                 if isinstance(message, str):  # a question from the driver
                     dist.gather_object(_answer(runner, message), None, dst=0, group=plans)
