@@ -32,6 +32,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0, help="above 0: sampled, seeded (rejection sampling)")
     p.add_argument("--dtype", default="float32", help="the target's (and head's) dtype: float32 or bfloat16")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -61,7 +62,8 @@ def main(argv=None) -> dict:
     prompts = [{"prompt": tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}],
                                                         add_generation_prompt=True, tokenize=False)}
                for i in range(max(batch, len(texts)) if args.mode == "forced" else batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.mode != "forced")
+    params = SamplingParams(temperature=args.temperature, seed=7 if args.temperature > 0 else None,
+                            max_tokens=args.max_tokens, ignore_eos=args.mode != "forced")
     for e in engines.values():
         e.generate(prompts[:1], params)
     best: dict[str, float] = {}

@@ -47,8 +47,8 @@ def rejection_sample(sampler: Sampler, prepared: Prepared, seed: torch.Tensor, n
     draft_q = proposal.gather(2, drafts[..., None])[..., 0]
     accept = uniform(seed[:, :d] ^ ACCEPT_SALT, next_pos[:, :d]) * draft_q < target_p
     residual = (p - proposal).clamp(min=0)
-    noise = sampler.gumbel((seed[:, :d] ^ RESIDUAL_SALT).reshape(-1), next_pos[:, :d].reshape(-1))
-    resampled = (residual.log() + noise.view(rows, d, vocab)).argmax(dim=-1)
+    resampled = sampler.gumbel_argmax(residual.log().view(rows * d, vocab), (seed[:, :d] ^ RESIDUAL_SALT).reshape(-1),
+                                      next_pos[:, :d].reshape(-1)).view(rows, d)
     # p <= q everywhere (p = q up to rounding): nothing left to resample from; p itself then
     resampled = torch.where(residual.sum(dim=-1) > 0, resampled, plain[:, :d])
     return torch.cat([torch.where(accept, drafts, resampled), plain[:, d:]], dim=1)

@@ -31,7 +31,7 @@ HOST_LIB_NAME = "libgraphdecode_kernels_host.so"  # C++ build: host entry point 
 SOURCES = ("advance_step.cu",)
 CPU_LIB_NAME = "libgraphdecode_cpu.so"
 CPU_SOURCES = ("cpu_attention.cpp", "cpu_fused.cpp", "cpu_linear.cpp", "cpu_prefill.cpp", "cpu_layers.cpp",
-               "cpu_qlinear.cpp", "cpu_recurrent.cpp")
+               "cpu_qlinear.cpp", "cpu_recurrent.cpp", "cpu_sampling.cpp")
 CPU_HEADERS = ("cpu_common.h",)  # included by CPU_SOURCES: hashed and shipped with them, not compiled alone
 # -fopenmp: `omp parallel` loops run on torch's OpenMP pool (the library binds to the libgomp.so.1
 # torch loaded); where the compiler has no OpenMP, -fopenmp-simd (the `omp simd` loops still

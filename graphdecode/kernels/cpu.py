@@ -28,7 +28,7 @@ from ..cache import cache_root
 from . import build as kernel_build
 
 logger = logging.getLogger("graphdecode")
-ABI_VERSION = 23
+ABI_VERSION = 24
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc's DType for activations (cpu_common.h)
 FP8_CODE = 2  # csrc's kFloat8E4M3: an FP8 KV cache (K / k_scale, V / v_scale)
 _P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
@@ -101,6 +101,9 @@ class CpuKernels:
         self._advance = self._lib.graphdecode_cpu_automaton_advance
         self._advance.restype = ctypes.c_int
         self._advance.argtypes = [_P] * 8 + [_I64] * 3
+        self._gumbel_argmax = self._lib.graphdecode_cpu_gumbel_argmax
+        self._gumbel_argmax.restype = ctypes.c_int
+        self._gumbel_argmax.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I32]
 
     def paged_attention(self, out, q, kv, block_table, *, positions=None, seq_lens=None, scale: float,
                         window_left: int = -1, soft_cap: float = 0.0, sinks=None, k_scale: float = 1.0,
@@ -357,6 +360,23 @@ class CpuKernels:
                       logits.stride(0)):
             raise ValueError(f"graphdecode_cpu_mask_words rejected logits {tuple(logits.shape)}, words "
                              f"{tuple(words.shape)}")
+
+    def gumbel_argmax(self, logits, seeds, positions, vocab_keys, threads: int | None = None):
+        """[R] int64: argmax over each row of logits [R, V] float32 plus the sampler's Gumbel noise keyed by its
+        seed and position (seeds, positions [R] int64) and vocab_keys [V] int32 (device/sampler.py), in one pass
+        (csrc/cpu_sampling.cpp)."""
+        rows, vocab = logits.shape
+        seeds, positions = seeds.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        vocab_keys = vocab_keys.contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or vocab_keys.dtype != torch.int32 or \
+                vocab_keys.shape[0] != vocab or seeds.shape != (rows,) or positions.shape != (rows,) or \
+                self._gumbel_argmax(logits.data_ptr(), rows, vocab, logits.stride(0), seeds.data_ptr(),
+                                    positions.data_ptr(), vocab_keys.data_ptr(), out.data_ptr(), _threads(threads)):
+            raise ValueError(f"graphdecode_cpu_gumbel_argmax rejected logits {tuple(logits.shape)} {logits.dtype}, "
+                             f"seeds {tuple(seeds.shape)}, positions {tuple(positions.shape)}, vocab keys "
+                             f"{tuple(vocab_keys.shape)} {vocab_keys.dtype}")
+        return out
 
     def automaton_advance(self, tables, states, tokens):
         """[R] states, [R] tokens -> [R] int32 next states (structured_tables.StructuredTables.advance)."""
