@@ -50,13 +50,13 @@ def main(argv=None) -> dict:
               args.threads), "step_seconds": m, "row_seconds": b, "points": []}
     print(f"a forward: {m * 1e3:.1f} ms + {b * 1e3:.2f} ms a row (prefill averages: {policy._prefill})")
     for batch in batches:
-        spec, plain = policy.window_seconds[(batch, True)], policy.window_seconds[(batch, False)]
+        spec, plain = policy.window_seconds[(batch, True, False)], policy.window_seconds[(batch, False, False)]
         measured = policy.cost_ratio(batch)
-        del policy.window_seconds[(batch, True)]
+        del policy.window_seconds[(batch, True, False)]
         estimated = policy.cost_ratio(batch)  # from the measured plain window
-        del policy.window_seconds[(batch, False)]
+        del policy.window_seconds[(batch, False, False)]
         unrun = policy.cost_ratio(batch)  # as if the bucket had not run either kind
-        policy.window_seconds[(batch, True)], policy.window_seconds[(batch, False)] = spec, plain
+        policy.window_seconds[(batch, True, False)], policy.window_seconds[(batch, False, False)] = spec, plain
         result["points"].append({"batch": batch, "plain_window_s": plain, "spec_window_s": spec,
                                  "measured": measured, "estimated": estimated, "estimated_unrun": unrun})
         print(f"batch {batch:>3}: plain window {plain:.3f} s, speculative {spec:.3f} s: ratio {measured:.2f}, "

@@ -236,7 +236,8 @@ class Engine:
         decode = plan.window is not None and plan.window.decode
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if result.window_seconds is not None:
-            self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds)
+            sampled = any(not r.seq.request.params.is_greedy for r in plan.readout)
+            self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds, sampled)
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:

@@ -8,7 +8,10 @@ and every decode window reports its own time (device time from CUDA events on a 
 where a verify of d + 1 tokens costs about what one decode step does, so c is near 1;
 wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.1 to 5).
 
-The policy keeps exponential averages of a and of each (bucket, kind) window time. With
+The policy keeps exponential averages of a and of each (bucket, kind) window time, the kinds
+plain or speculative and greedy or sampled (a window with a row at temperature > 0 pays for its
+noise and, speculating, for rejection sampling's distributions: its ratio is its own, the greedy
+one standing in until both sampled kinds have run). With
 no acceptance report yet it launches one speculative window (a probe) and then plain
 ones until that report arrives; afterwards it speculates while
 a >= max(min_accepted, c (1 + headroom) - 1) (headroom 10%: a near-even bet is not worth the noise
@@ -73,7 +76,9 @@ class SpecPolicy:
         self.smoothing = smoothing
         self.probe_budget = probe_budget
         self.accepted_per_verify: float | None = None  # unknown until a speculative window reports
-        self.window_seconds: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> average
+        # (bucket, speculative, sampled) -> average: a sampled window (some row at temperature > 0) pays for its
+        # noise and, speculating, for rejection sampling's distributions: its own cost ratio
+        self.window_seconds: dict[tuple[int, bool, bool], float] = {}
         self._seen: set[tuple[int, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
         self._probing = False  # a probe window is in flight: wait for its report
         self._plain_since = 0  # plain windows since the last probe
@@ -84,23 +89,27 @@ class SpecPolicy:
         self._row_samples: deque[float] = deque(maxlen=256)  # recent rows' acceptance in a window, one per report
         self.min_samples = 8  # ... before their quantiles stand in for rows without a report
 
-    def cost_ratio(self, bucket: int) -> float | None:
-        """A speculative window's time over a plain one's at this bucket: measured once both are, else
-        estimated (None: neither)."""
-        spec, plain = self.window_seconds.get((bucket, True)), self.window_seconds.get((bucket, False))
-        if spec is not None and plain is not None:
-            return spec / plain if plain > 0 else None
+    def cost_ratio(self, bucket: int, sampled: bool = False) -> float | None:
+        """A speculative window's time over a plain one's at this bucket, for windows with sampled rows or
+        without: measured once both are (else the other kind's measure), else estimated (None: neither)."""
+        for kind in (sampled, not sampled):
+            spec, plain = self.window_seconds.get((bucket, True, kind)), self.window_seconds.get((bucket, False, kind))
+            if spec is not None and plain is not None:
+                return spec / plain if plain > 0 else None
+        plain = self.window_seconds.get((bucket, False, sampled))
         line = self.row_costs()
         if line is None or not self.draft_tokens:
             return None
         plain = self._plain_estimate(bucket, line) if plain is None else plain
         return 1.0 + self.steps_per_window * bucket * self.draft_tokens * line[1] / plain if plain > 0 else None
 
-    def plain_seconds(self, bucket: int) -> float | None:
-        """A plain window's time at this bucket: measured, else estimated from the row costs."""
-        measured = self.window_seconds.get((bucket, False))
-        if measured is not None:
-            return measured
+    def plain_seconds(self, bucket: int, sampled: bool = False) -> float | None:
+        """A plain window's time at this bucket: measured (this kind's, else the other's), else estimated
+        from the row costs."""
+        for kind in (sampled, not sampled):
+            measured = self.window_seconds.get((bucket, False, kind))
+            if measured is not None:
+                return measured
         line = self.row_costs()
         return None if line is None else self._plain_estimate(bucket, line)
 
@@ -110,12 +119,12 @@ class SpecPolicy:
     def row_costs(self) -> tuple[float, float] | None:
         """(m, b): seconds a target forward costs per step and per row, from the prefills' average
         (t = m + P b) and the smallest measured plain bucket's window (k (m + B b)); None before both."""
-        plain = [bucket for bucket, speculative in self.window_seconds if not speculative]
+        plain = [(bucket, sampled) for bucket, speculative, sampled in self.window_seconds if not speculative]
         if self._prefill is None or not plain:
             return None
         tokens, seconds = self._prefill
-        smallest = min(plain)
-        step = self.window_seconds[(smallest, False)] / self.steps_per_window
+        smallest, sampled = min(plain)  # the smallest bucket's plain windows (greedy ones where both ran)
+        step = self.window_seconds[(smallest, False, sampled)] / self.steps_per_window
         if tokens <= smallest:
             return None  # the prefills ran no more rows than the window: no slope
         per_row = max((seconds - step) / (tokens - smallest), 0.0)
@@ -160,41 +169,44 @@ class SpecPolicy:
         return max(left) / max(n / (1.0 + (unknown if seq.spec_acceptance is None else seq.spec_acceptance))
                                for n, seq in zip(left, rows)) - 1.0
 
-    def pays(self, bucket: int, accepted: float | None) -> bool:
+    def pays(self, bucket: int, accepted: float | None, sampled: bool = False) -> bool:
         if accepted is None:
             return False
-        ratio = self.cost_ratio(bucket)
+        ratio = self.cost_ratio(bucket, sampled)
         need = self.min_accepted if ratio is None else max(self.min_accepted, ratio * (1.0 + self.headroom) - 1.0)
         return accepted >= need
 
-    def probe_loss(self, bucket: int, accepted: float | None) -> float | None:
+    def probe_loss(self, bucket: int, accepted: float | None, sampled: bool = False) -> float | None:
         """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured)."""
-        ratio = self.cost_ratio(bucket)
+        ratio = self.cost_ratio(bucket, sampled)
         if ratio is None or accepted is None:
             return None
-        return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket)
+        return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket, sampled)
 
-    def probe_due(self, bucket: int, accepted: float | None) -> bool:
+    def probe_due(self, bucket: int, accepted: float | None, sampled: bool = False) -> bool:
         """Where the probe's loss is measured or estimated, once the budget covers it, however long that
         takes (a forced probe at a bucket whose verify costs several plain windows would lose them in
         one go); else after `interval` plain windows (at most max_probe_every)."""
-        loss = self.probe_loss(bucket, accepted)
+        loss = self.probe_loss(bucket, accepted, sampled)
         if loss is None:
             return self._plain_since >= self.interval
         return self._plain_seconds.get(bucket, 0.0) * self.probe_budget >= loss
 
     def speculate(self, bucket: int, rows: Iterable[Sequence] = ()) -> bool:
-        """Whether the next decode window, at this bucket and over these running sequences, speculates."""
+        """Whether the next decode window, at this bucket and over these running sequences, speculates (at
+        the cost ratio of sampled windows where some row samples)."""
         if not self.enabled:
             return False
+        rows = list(rows)
+        sampled = any(not seq.request.params.is_greedy for seq in rows)
         accepted = self.expected_acceptance(rows)
-        if self.pays(bucket, accepted):
+        if self.pays(bucket, accepted, sampled):
             return True
         if self._probing:
             return False
         if accepted is not None:
             self._plain_since += 1
-            if not self.probe_due(bucket, accepted):
+            if not self.probe_due(bucket, accepted, sampled):
                 return False
         self._plain_since = 0
         self._plain_seconds[bucket] = 0.0
@@ -224,9 +236,10 @@ class SpecPolicy:
         """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
         self._probing = False
 
-    def observe_window(self, bucket: int, speculative: bool, seconds: float) -> None:
-        """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile)."""
-        key = (bucket, speculative)
+    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False) -> None:
+        """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile);
+        `sampled`: some of its rows at temperature > 0."""
+        key = (bucket, speculative, sampled)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)
             return

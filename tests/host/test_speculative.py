@@ -169,7 +169,7 @@ def test_penalty_windows_run_plain_and_do_not_stall_the_policy(tiny_models):
     assert spec.stats()["spec_windows"] > 0  # the probe chosen during the penalty windows did not stay pending
     policy = spec.engine.spec_policy
     assert policy.first_window_untimed is bool(spec.config.cuda_graphs or spec.config.compile)  # eager CPU: timed
-    assert all(policy.cost_ratio(bucket) is not None for bucket, _ in policy.window_seconds)  # both kinds timed
+    assert all(policy.cost_ratio(bucket) is not None for bucket, _, _ in policy.window_seconds)  # both kinds timed
 
 
 def test_speculative_config_is_validated(tiny_models):
@@ -315,7 +315,7 @@ def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
     policy.observe_window(16, False, 0.5)  # measured plain: the estimate's denominator
     assert policy.cost_ratio(16) == pytest.approx(1 + k * 16 * d * b / (0.5 * 0.5 + 0.5 * plain_16))
     policy.observe_window(16, True, 1.0)  # measured both: the measure
-    assert policy.cost_ratio(16) == pytest.approx(1.0 / policy.window_seconds[(16, False)])
+    assert policy.cost_ratio(16) == pytest.approx(1.0 / policy.window_seconds[(16, False, False)])
     assert SpecPolicy(enabled=True, first_window_untimed=False).row_costs() is None
     plain_only = SpecPolicy(enabled=True, first_window_untimed=False)  # no draft_tokens: no estimate
     plain_only.observe_window(1, False, 1.0)
@@ -343,11 +343,40 @@ def test_the_engine_times_its_prefills_for_the_policy(tiny_models):
     assert engine.spec_policy.row_costs() is not None
 
 
+def _policy_row(acceptance, temperature: float = 0.0, **fields):
+    """What SpecPolicy reads of a running sequence: its acceptance, its request's sampling, its lengths."""
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(is_greedy=temperature == 0)
+    return SimpleNamespace(spec_acceptance=acceptance, request=SimpleNamespace(params=params), **fields)
+
+
+def test_sampled_windows_have_their_own_cost_ratio():
+    """A window with a sampled row pays for its noise and, speculating, for rejection sampling's distributions
+    (on a CPU a sampled EAGLE-3 window cost 1.40 plain ones where a greedy one cost 1.29, BENCHMARKS.md 18s): its
+    ratio is measured on sampled windows, the greedy one standing in until both sampled kinds have run."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.1, first_window_untimed=False, max_probe_every=10**6,
+                        probe_budget=0.0)
+    policy.observe_window(1, False, 1.0)
+    policy.observe_window(1, True, 1.2)  # greedy windows: c = 1.2
+    policy.observe(verifies=4, accepted=2)  # 0.5 accepted per verify: pays where c (1 + 10%) <= 1.5
+    greedy = [_policy_row(None, max_len=100, num_tokens=10)]
+    sampled = [_policy_row(None, temperature=0.7, max_len=100, num_tokens=10)]
+    assert policy.cost_ratio(1, sampled=True) == pytest.approx(1.2)  # not measured: the greedy one stands in
+    assert policy.speculate(1, greedy) and policy.speculate(1, sampled)
+    policy.observe_window(1, False, 1.0, sampled=True)
+    policy.observe_window(1, True, 1.6, sampled=True)
+    assert policy.cost_ratio(1, sampled=True) == pytest.approx(1.6) and policy.cost_ratio(1) == pytest.approx(1.2)
+    assert policy.speculate(1, greedy) and not policy.speculate(1, sampled)
+    assert not policy.speculate(1, greedy + sampled)  # one sampled row makes the window a sampled one
+
+
 def test_spec_policy_weighs_the_rows_a_window_holds():
     """Each sequence keeps its own acceptance from its rows of the reports; a window expects the mean over its
     rows, with the engine-wide average standing in for rows not yet measured: one request's copying does not
     make its batch company speculate, and a cohort that drafts badly stops after its first window."""
-    from types import SimpleNamespace
 
     from graphdecode.host.spec_policy import SpecPolicy
 
@@ -355,7 +384,7 @@ def test_spec_policy_weighs_the_rows_a_window_holds():
     policy.observe_queue(3)  # requests wait for rows: a window's tokens count (the mean over its rows)
     for speculative, seconds in [(False, 1.0), (False, 1.0), (True, 2.0), (True, 2.0)]:
         policy.observe_window(4, speculative, seconds)  # a speculative window costs 2 plain ones: pays from a = 1
-    copier, chat, fresh = (SimpleNamespace(spec_acceptance=None) for _ in range(3))
+    copier, chat, fresh = (_policy_row(None) for _ in range(3))
     assert policy.speculate(4, [copier, chat])  # no report yet: a probe
     policy.observe(verifies=16, accepted=24, rows=[(copier, 8, 22), (chat, 8, 2), (fresh, 0, 0)])
     assert (copier.spec_acceptance, chat.spec_acceptance, fresh.spec_acceptance) == (2.75, 0.25, None)
@@ -365,7 +394,7 @@ def test_spec_policy_weighs_the_rows_a_window_holds():
     assert policy.expected_acceptance([chat, fresh]) == pytest.approx((0.25 + 1.5) / 2)  # fresh: the prior
     assert policy.expected_acceptance([]) == 1.5
     # a new cohort speculates on the prior once; its own report turns it off, though the prior still pays
-    cohort = [SimpleNamespace(spec_acceptance=None) for _ in range(4)]
+    cohort = [_policy_row(None) for _ in range(4)]
     assert policy.speculate(4, cohort)
     policy.observe(verifies=32, accepted=4, rows=[(seq, 8, 1) for seq in cohort])
     assert policy.accepted_per_verify == pytest.approx(0.9 * 1.5 + 0.1 * 0.125) and policy.speculate(4, [])
@@ -377,12 +406,11 @@ def test_with_nothing_waiting_speculation_must_not_delay_the_batchs_longest_row(
     acceptance at which plain windows would end the batch as soon (max n / max(n / (1 + a)) - 1 over the rows'
     remaining tokens n), so copying rows do not make a row that drafts badly, and bounds the batch, slower; rows
     not yet measured count on the least of as many draws from the rows' recent acceptance."""
-    from types import SimpleNamespace
 
     from graphdecode.host.spec_policy import SpecPolicy
 
     def row(acceptance, left):
-        return SimpleNamespace(spec_acceptance=acceptance, max_len=1000, num_tokens=1000 - left)
+        return _policy_row(acceptance, max_len=1000, num_tokens=1000 - left)
 
     policy = SpecPolicy(enabled=True, min_accepted=0.5, max_probe_every=10**6, probe_budget=0.0)
     for speculative, seconds in [(False, 1.0), (False, 1.0), (True, 2.0), (True, 2.0)]:
