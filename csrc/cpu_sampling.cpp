@@ -24,7 +24,7 @@
 namespace {
 
 // 8 lanes: 256-bit vectors, native on AVX2 (GCC lowers 512-bit generic compares and selects lane by lane there)
-typedef float f32x8 __attribute__((vector_size(32)));
+using graphdecode_cpu::f32x8;
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 

@@ -29,7 +29,7 @@ from .output_processor import OutputProcessor
 from .page_pool import PagePool
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
-from .spec_policy import SpecPolicy
+from .spec_policy import SpecPolicy, any_sampled
 from .structured_store import StructuredStore
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -236,8 +236,8 @@ class Engine:
         decode = plan.window is not None and plan.window.decode
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if result.window_seconds is not None:
-            sampled = any(not r.seq.request.params.is_greedy for r in plan.readout)
-            self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds, sampled)
+            self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds,
+                                            any_sampled(r.seq for r in plan.readout))
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:

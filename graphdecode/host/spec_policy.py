@@ -58,6 +58,11 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 
+def any_sampled(rows: Iterable[Sequence]) -> bool:
+    """Whether some of these sequences sample (temperature > 0): a window of them is a sampled one."""
+    return any(not seq.request.params.is_greedy for seq in rows)
+
+
 class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
@@ -79,7 +84,7 @@ class SpecPolicy:
         # (bucket, speculative, sampled) -> average: a sampled window (some row at temperature > 0) pays for its
         # noise and, speculating, for rejection sampling's distributions: its own cost ratio
         self.window_seconds: dict[tuple[int, bool, bool], float] = {}
-        self._seen: set[tuple[int, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
+        self._seen: set[tuple[int, bool, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
         self._probing = False  # a probe window is in flight: wait for its report
         self._plain_since = 0  # plain windows since the last probe
         self._plain_seconds: dict[int, float] = {}  # per bucket: the plain time since its last probe
@@ -198,7 +203,7 @@ class SpecPolicy:
         if not self.enabled:
             return False
         rows = list(rows)
-        sampled = any(not seq.request.params.is_greedy for seq in rows)
+        sampled = any_sampled(rows)
         accepted = self.expected_acceptance(rows)
         if self.pays(bucket, accepted, sampled):
             return True

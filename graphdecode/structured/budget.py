@@ -214,5 +214,3 @@ def cap_repetitions(regex: str, cap: int) -> str:
         else:
             i += 1
     return "".join(out) + regex[copied:]
-
-
