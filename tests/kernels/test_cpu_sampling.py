@@ -102,3 +102,29 @@ def test_the_sampler_and_rejection_sampling_draw_through_it(monkeypatch):
     got = rejection.rejection_sample(sampler, *args)
     assert calls[-1] == (rows * d, vocab)
     assert torch.equal(got, rejection.rejection_sample(reference, *args))
+
+
+@pytest.mark.parametrize("twin", [False, True])
+def test_sampled_generations_through_llm_are_torchs_form_token_for_token(text_model, twin, monkeypatch):
+    """What a user meets: seeded sampled requests (n = 2, top-p on one) through LLM, eager and in the CPU graph
+    twin under bounds checks, give the tokens of the sampler's torch form (the kernel taken away), and the
+    windows did draw through the kernel."""
+    from graphdecode import LLM, SamplingParams
+
+    llm = LLM(text_model, max_model_len=128, max_batch_size=4, cuda_graphs=twin, check_bounds=twin)
+    prompts = ["The cat", "One two three", "Hello"]
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=16, n=2),
+              SamplingParams(temperature=1.2, top_p=0.9, seed=5, max_tokens=16)]
+
+    def run():
+        return [[c.token_ids for c in o.outputs] for p in params for o in llm.generate(prompts, p)]
+
+    sampler = llm.engine.runner.sampler
+    calls = []
+    real = sampler.kernels.gumbel_argmax
+    monkeypatch.setattr(sampler.kernels, "gumbel_argmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with_kernel = run()
+    assert calls  # the windows sampled through the kernel
+    sampler.kernels = None
+    assert run() == with_kernel
+    llm.close()
