@@ -8,8 +8,8 @@ SmolLM2-135M-Instruct (default; --model for another), chat template, batch 1 and
   plain windows; a draft model still drafts).
 Methods (--methods): ngram, draft_model with --draft-model DIR (or --distilled-layers L:
 the draft profiling/distil_draft.py distils for the target, built once and cached), and eagle3
-with --eagle3-head DIR (or, without it, the head profiling/distil_eagle3.py distils, cached). At each
-temperature (--temperatures; above 0 seeded). Per (method, set, temperature, batch): decode
+with --eagle3-head DIR (or, without it, the head profiling/distil_eagle3.py distils with its defaults,
+cached). At each temperature (--temperatures; above 0 seeded). Per (method, set, temperature, batch): decode
 tokens/s with and without speculation, accepted drafts per verify, the share of windows that
 speculated, and the ratio; the outputs must be identical (speculation changes speed, never
 tokens).
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     p.add_argument("--draft-model", default=None, help="the draft_model method's checkpoint directory")
     p.add_argument("--distilled-layers", type=int, default=None,
                    help="draft_model: the draft distil_draft.py builds with this many layers (cached)")
-    p.add_argument("--distil-minutes", type=float, default=20.0)
+    p.add_argument("--distil-minutes", type=float, default=20.0, help="draft_model: distil_draft.py's training time")
     p.add_argument("--eagle3-head", default=None,
                    help="eagle3: the head's directory (default: distil_eagle3.py's for the target, cached)")
     p.add_argument("--eagle3-d", type=int, default=None, help="eagle3's num_speculative_tokens (default: -d)")
@@ -138,8 +138,7 @@ def main(argv=None) -> dict:
             raise SystemExit("--methods draft_model needs --draft-model DIR or --distilled-layers L")
         args.draft_model = _distilled(args)
     if "eagle3" in methods and args.eagle3_head is None:
-        args.eagle3_head, _ = _sibling("distil_eagle3").distilled_head(args.model, args.distil_minutes,
-                                                                       threads=args.threads)
+        args.eagle3_head, _ = _sibling("distil_eagle3").distilled_head(args.model, threads=args.threads)
     plain = LLM(args.model, **common)
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.d},
                "draft_model": {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.d},

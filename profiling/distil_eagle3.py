@@ -9,20 +9,25 @@ engine does (EAGLE-3's training-time test): at depth s > 1 the hidden state a qu
 output one position back at depth s - 1, and it attends the exact (depth-1) K/V up to s - 1 positions back
 and then the deeper K/V on the diagonal, as the window's drafting steps see them (device/draft_head.py).
 
-Data: synthetic chat prompts (distil_draft.py's tasks and topics and more of each, about 2,500 prompts; the
-prompts held out for the acceptance report excluded), each answered by the target through the engine at batch
-128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
-where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The head is
-data-bound: with 150k tokens it memorised (training accuracy twice the held-out one, BENCHMARKS.md 10c), so the
-data is several times that and costs less per token. The draft vocabulary is the --draft-vocab most frequent
-argmax tokens of the answers. The head embeds with the target's embedding; its LM head starts from the target's
-rows, `fc` from passing the last hidden state through. AdamW (under bfloat16 autocast where bf16 is native: with
-AMX twice fp32's steps) for --minutes, the learning rate warmed up and then cosine-decayed to a tenth over the
-budget. Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the
-acceptance on held-out prompts (greedy, through the engine with `speculative_config={"method": "eagle3", ...}`,
-speculating every window).
+Data: synthetic chat prompts (distil_draft.py's tasks and topics and more of each; the first --train-prompts of
+them, the prompts held out for the acceptance report excluded), each answered by the target through the engine at
+batch 128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
+where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The data is most of the
+cost (about 2 s a prompt on two AVX2 cores), so it is cached apart from the head (`target_data`; a run on fewer
+prompts reuses a larger run's). Every --val-every-th prompt's greedy answer is held out: `validate` walks the
+engine's greedy rounds along it, which gives the acceptance per verify at each d without the engine.
 
-    python profiling/distil_eagle3.py --minutes 18 --threads 2 --out profiling/out/distil_eagle3
+Training: the draft vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds
+with the target's embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state
+through. AdamW (under bfloat16 autocast where bf16 is native) for --minutes, on batches of answers of similar
+length (`length_batches`), the learning rate warmed up and then cosine-decayed to a tenth over the budget. On a
+CPU the head is compute-bound, not data-bound (its training accuracy stays at its held-out one), so the defaults
+spend the steps where the engine uses them: depths 1 and 2 for d = 2 (each further depth costs more than the one
+before; two depths take 1.5x three's steps and 2x four's in the same minutes), at 3e-3 (BENCHMARKS.md 10l).
+Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the acceptance on held-out prompts
+(greedy, through the engine with `speculative_config={"method": "eagle3", ...}`, speculating every window).
+
+    python profiling/distil_eagle3.py --threads 2 --out profiling/out/distil_eagle3
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ MORE_TASKS = [
     "Write a product description inspired by {t}.",
 ]
 ANSWER_TEMPERATURES = (0.0, 0.8)  # greedy (what the acceptance is measured on) and a seeded sampled answer
+# about 30 minutes in all for SmolLM2-135M on a 2-core AVX2 box: 20 of data, 12 of training (BENCHMARKS.md 10l)
+MINUTES, TRAIN_PROMPTS, DEPTHS, LR, BATCH = 12.0, 600, 2, 3e-3, 8
 
 
 def training_texts(held_out: int) -> list[str]:
@@ -102,7 +109,7 @@ def target_answers(target: str, prompts: list[list[int]], max_tokens: int, threa
     out = []
     for i, temperature in enumerate(ANSWER_TEMPERATURES):
         params = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=max_tokens)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
         out += [(p, list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
     return out
 
@@ -138,6 +145,47 @@ def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, 
                           "top_ids": top_ids[b, :n].clone(), "prompt": len(sequences[i][0])}
             bar.update(len(chunk))
     return out
+
+
+def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads: int, dtype: torch.dtype,
+                aux_layers: tuple[int, ...]) -> dict:
+    """The target's answers to `prompts` and their features (target_answers, target_features): most of a head's
+    cost, so cached under the cache directory (eagle3-data/) apart from the head. Heads trained with other
+    settings reuse them, and so does a run on the first n prompts of a cached run's (its answers and features
+    for those prompts; the seconds they took scaled by the share of prompts, `scaled_from` saying so)."""
+    from graphdecode.cache import cache_root
+
+    key = hashlib.sha256(json.dumps([os.path.abspath(target), max_tokens, ANSWER_TEMPERATURES, str(dtype),
+                                     list(aux_layers), "top32"]).encode()).hexdigest()[:12]
+    folder = os.path.join(cache_root(), "eagle3-data", f"{os.path.basename(os.path.normpath(target))}-{key}")
+    os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".json"):
+            continue
+        cached = json.load(open(os.path.join(folder, name)))
+        if cached[: len(prompts)] != prompts:
+            continue
+        data = torch.load(os.path.join(folder, name.removesuffix(".json") + ".pt"))
+        n, whole = len(prompts), len(cached)
+        if n < whole:  # each temperature's block of answers, cut to the first n prompts'
+            for field in ("sequences", "features"):
+                data[field] = [x for t in range(len(ANSWER_TEMPERATURES)) for x in data[field][t * whole : t * whole + n]]
+            for field in ("generate_seconds", "features_seconds"):
+                data[field] *= n / whole
+            data["scaled_from"] = whole
+        return data
+    start = time.perf_counter()
+    sequences = target_answers(target, prompts, max_tokens, threads, dtype)
+    generate_s = time.perf_counter() - start
+    start = time.perf_counter()
+    features = target_features(target, sequences, aux_layers, dtype=dtype)
+    data = {"sequences": sequences, "features": features, "generate_seconds": generate_s,
+            "features_seconds": time.perf_counter() - start}
+    path = os.path.join(folder, f"{len(prompts)}-{hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:10]}")
+    torch.save(data, path + ".tmp")
+    os.replace(path + ".tmp", path + ".pt")
+    json.dump(prompts, open(path + ".json", "w"))  # last: a listed entry's data is whole
+    return data
 
 
 class TrainHead(torch.nn.Module):
@@ -231,8 +279,53 @@ class TrainHead(torch.nn.Module):
         return logits
 
 
+@torch.no_grad()
+def validate(model: TrainHead, validation: list[dict], draft_of: torch.Tensor, depths: int) -> dict:
+    """The head on held-out greedy answers, as the engine drafts along them: each depth's accuracy against the
+    target's argmax, and the drafts a greedy verify accepts per round at d = 1..depths, the rounds walked along
+    each answer (draft j of a round at q is depth j's prediction at q + j - 1; the round accepts the drafts
+    before the first wrong one, and the next starts past them and the verify's own token). On greedy answers
+    the unrolled depths compute exactly what the window's drafting steps do, so this is the acceptance the
+    engine measures, without the engine."""
+    right, counted = [0] * depths, [0] * depths
+    accepted, rounds = [0] * depths, [0] * depths
+    for f in validation:
+        n = len(f["ids"]) - 1
+        outs = model(f["aux"][None, :n].float(), f["ids"][None, 1:], depths)
+        labels = draft_of[f["top_ids"][1:, 0]][:n]
+        hit = torch.stack([(o[0].argmax(-1) == labels) & (labels >= 0) for o in outs])  # [depths, n]
+        first = f["prompt"] - 1  # the first round drafts from the prompt's last position
+        for s in range(depths):
+            right[s] += int(hit[s, first + s:].sum())
+            counted[s] += max(n - first - s, 0)
+        hits = hit.tolist()
+        for d in range(1, depths + 1):
+            q = first
+            while q + d <= n:
+                a = 0
+                while a < d and hits[a][q + a]:
+                    a += 1
+                accepted[d - 1] += a
+                rounds[d - 1] += 1
+                q += a + 1
+    return {"depth_accuracy": [round(r / max(c, 1), 4) for r, c in zip(right, counted)],
+            "accepted_per_verify": [round(a / max(r, 1), 4) for a, r in zip(accepted, rounds)],
+            "sequences": len(validation)}
+
+
 def draft_of_size(draft_of: torch.Tensor) -> int:
     return int(draft_of.max()) + 1
+
+
+def length_batches(features: list[dict], batch: int, rng: random.Random):
+    """Endless batches of `batch` sequences of similar length (a step pads to its longest sequence): each epoch
+    the sequences sorted by length (ties broken at random), cut into batches, the batches shuffled."""
+    while True:
+        ranked = sorted(range(len(features)), key=lambda i: (len(features[i]["ids"]), rng.random()))
+        chunks = [ranked[i : i + batch] for i in range(0, len(ranked), batch)]
+        rng.shuffle(chunks)
+        for chunk in chunks:
+            yield [features[i] for i in chunk]
 
 
 def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minutes: float, batch: int, lr: float,
@@ -241,13 +334,13 @@ def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minute
 
     params = list(model.w.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    order = random.Random(1)
+    batches = length_batches(features, batch, random.Random(1))
     steps, losses, accuracy = 0, [], []
     deadline = time.monotonic() + minutes * 60
     with tqdm(total=int(minutes * 60), unit="s", desc="distilling the EAGLE-3 head") as bar:
         started = time.monotonic()
         while time.monotonic() < deadline:
-            chosen = order.sample(features, min(batch, len(features)))
+            chosen = next(batches)
             width = max(len(f["ids"]) for f in chosen) - 1
             aux = torch.zeros(len(chosen), width, chosen[0]["aux"].shape[1], dtype=chosen[0]["aux"].dtype)
             next_ids = torch.zeros(len(chosen), width, dtype=torch.long)
@@ -293,9 +386,10 @@ def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minute
             "depth1_accuracy_last": sum(accuracy[-10:]) / len(accuracy[-10:])}
 
 
-def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_tokens: int = 160, batch: int = 8,
-                   lr: float = 1e-3, depths: int = 4, threads: int | None = None,
-                   eval_prompts: int | None = None, train_prompts: int | None = None) -> tuple[str, dict]:
+def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 4096, max_tokens: int = 160,
+                   batch: int = BATCH, lr: float = LR, depths: int = DEPTHS, threads: int | None = None,
+                   val_every: int = 32, eval_prompts: int | None = None,
+                   train_prompts: int | None = TRAIN_PROMPTS) -> tuple[str, dict]:
     """(the head's directory, its training report); built once per (target, settings)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -308,7 +402,7 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
     dtype = torch.bfloat16 if native_bf16() else torch.float32
     settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
-                f"{train_prompts}|soft32|{ANSWER_TEMPERATURES}|more-prompts|"
+                f"{train_prompts}|soft32|{ANSWER_TEMPERATURES}|more-prompts|val{val_every}|"
                 f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
     name = f"{os.path.basename(os.path.normpath(target))}-{minutes:g}min-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
     path = os.path.join(cache_root(), "eagle3", name)
@@ -316,17 +410,17 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     if os.path.isfile(report_path):
         return path, json.load(open(report_path))
     torch.set_num_threads(threads)
-    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:train_prompts])
-    start = time.perf_counter()
-    sequences = target_answers(target, prompts, max_tokens, threads, dtype)
-    generate_s = time.perf_counter() - start
     layers = load_model_config(target).decoder_layers
     aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
     if len(set(aux_layers)) < 3 or min(aux_layers) < 0:
         aux_layers = (layers - 3, layers - 2, layers - 1)
-    start = time.perf_counter()
-    features = target_features(target, sequences, aux_layers, dtype=dtype)
-    features_s = time.perf_counter() - start
+    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:train_prompts])
+    data = target_data(target, prompts, max_tokens, threads, dtype, aux_layers)
+    sequences, features = data["sequences"], data["features"]
+    # every val_every-th prompt's greedy answer is held out (both its answers leave the training set)
+    held = [i % val_every == val_every - 1 for i in range(len(prompts))] * len(ANSWER_TEMPERATURES)
+    validation = [f for f, h, i in zip(features, held, range(len(features))) if h and i < len(prompts)]
+    features = [f for f, h in zip(features, held) if not h]
     counts = torch.bincount(torch.cat([f["top_ids"][f["prompt"]:, 0] for f in features]),
                             minlength=load_model_config(target).vocab_size)
     draft_ids = counts.topk(draft_vocab).indices.sort().values
@@ -339,7 +433,10 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
     del hf
     model = TrainHead(config, embed, draft_ids, config.get("rms_norm_eps", 1e-6))
     report = train(features, model, draft_of, minutes, batch, lr, depths, autocast=dtype == torch.bfloat16)
-    report.update(dtype=str(dtype), generate_seconds=generate_s, features_seconds=features_s, sequences=len(sequences),
+    report["validation"] = validate(model, validation, draft_of, depths) if validation else None
+    report.update(dtype=str(dtype), generate_seconds=data["generate_seconds"], features_seconds=data["features_seconds"],
+                  data_scaled_from=data.get("scaled_from"),
+                  sequences=len(sequences), training_sequences=len(features),
                   tokens=sum(len(p) + len(a) for p, a in sequences), answer_tokens=sum(len(a) for _, a in sequences),
                   draft_vocab=draft_vocab, draft_vocab_coverage=coverage, aux_layers=list(aux_layers),
                   minutes=minutes, depths=depths)
@@ -352,12 +449,16 @@ def distilled_head(target: str, minutes: float, *, draft_vocab: int = 4096, max_
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="the target's directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--minutes", type=float, default=18.0, help="training time budget")
+    p.add_argument("--minutes", type=float, default=MINUTES, help="training time budget")
     p.add_argument("--draft-vocab", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=160, help="answer length the target generates per prompt")
-    p.add_argument("--depths", type=int, default=4, help="drafting depths unrolled in training")
-    p.add_argument("--train-prompts", type=int, default=None, help="at most this many training prompts (a smoke run)")
-    p.add_argument("-d", type=int, default=4, help="num_speculative_tokens for the acceptance report")
+    p.add_argument("--depths", type=int, default=DEPTHS, help="drafting depths unrolled in training")
+    p.add_argument("--lr", type=float, default=LR, help="AdamW's peak learning rate")
+    p.add_argument("--batch", type=int, default=BATCH, help="sequences per training step")
+    p.add_argument("--val-every", type=int, default=32,
+                   help="every N-th training prompt's greedy answer is held out for the validation report")
+    p.add_argument("--train-prompts", type=int, default=TRAIN_PROMPTS, help="the first this many training prompts")
+    p.add_argument("-d", type=int, default=DEPTHS, help="num_speculative_tokens for the acceptance report")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="profiling/out/distil_eagle3")
     args = p.parse_args(argv)
@@ -368,7 +469,8 @@ def main(argv=None) -> dict:
 
         args.model = smollm2_dir()
     head, report = distilled_head(args.model, args.minutes, draft_vocab=args.draft_vocab, max_tokens=args.max_tokens,
-                                  depths=args.depths, threads=args.threads, train_prompts=args.train_prompts)
+                                  depths=args.depths, threads=args.threads, train_prompts=args.train_prompts,
+                                  lr=args.lr, batch=args.batch, val_every=args.val_every)
     eval_prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(args.model))[: distil_draft.EVAL_PROMPTS]
     threads = args.threads or torch.get_num_threads()
     result = {"bench": "distil_eagle3", "target": args.model, "head": head, "report": report,

@@ -285,7 +285,7 @@ def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHDECODE_CACHE", str(tmp_path / "cache"))
     result = _script("distil_eagle3").main(["--model", text_model, "--minutes", "0.05", "--max-tokens", "8",
                                             "--draft-vocab", "128", "--train-prompts", "6", "-d", "2",
-                                            "--threads", "1", "--out", str(tmp_path / "distil")])
+                                            "--val-every", "3", "--threads", "1", "--out", str(tmp_path / "distil")])
     head = result["head"]
     assert head.startswith(str(tmp_path / "cache" / "eagle3"))
     config = json_.load(open(os.path.join(head, "config.json")))
@@ -294,11 +294,51 @@ def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
     report, acceptance = result["report"], result["acceptance"]
     assert report["steps"] >= 1 and report["sequences"] == 12 and 0 < report["draft_vocab_coverage"] <= 1
     assert 0 <= acceptance["accepted_per_verify"] <= 2 and len(acceptance["accepted_per_position"]) == 2
+    # prompts 2 and 5 of 6 held out: their greedy answers validate, neither of their answers trains
+    validation = report["validation"]
+    assert report["training_sequences"] == 8 and validation["sequences"] == 2
+    assert len(validation["depth_accuracy"]) == len(validation["accepted_per_verify"]) == report["depths"] == 2
+    assert all(0 <= a <= d for d, a in enumerate(validation["accepted_per_verify"], 1))
+    # another head's settings reuse the target's answers and features (cached apart from the head)
+    module = _script("distil_eagle3")
+    monkeypatch.setattr(module, "target_answers", lambda *a, **k: pytest.fail("answers generated again"))
+    other, other_report = module.distilled_head(text_model, 0.05, draft_vocab=128, max_tokens=8, threads=1,
+                                                train_prompts=6, val_every=3, lr=1e-3, depths=3)
+    assert other != head and other_report["validation"]["sequences"] == 2
+    assert len(other_report["validation"]["accepted_per_verify"]) == 3
+    # and a run on the first prompts of theirs, its seconds scaled to its share
+    fewer, fewer_report = module.distilled_head(text_model, 0.05, draft_vocab=128, max_tokens=8, threads=1,
+                                                train_prompts=3, val_every=3)
+    assert fewer_report["sequences"] == 6 and fewer_report["data_scaled_from"] == 6
+    assert fewer_report["generate_seconds"] == pytest.approx(report["generate_seconds"] / 2)
     bench = _script("bench_spec").main(["--model", text_model, "--batches", "1", "--max-tokens", "6", "-k", "2",
                                         "-d", "2", "--repeats", "1", "--methods", "eagle3", "--eagle3-head", head,
                                         "--out", str(tmp_path / "spec")])
     assert [p["method"] for p in bench["points"]] == ["eagle3", "eagle3"]
     assert all(p["same_tokens"] and p["spec_tokens_per_s"] > 0 for p in bench["points"])
+
+
+def test_distil_eagle3_validation_walks_the_engines_greedy_rounds():
+    """validate: a round at q drafts depth j's prediction at q + j - 1, accepts up to the first wrong draft, and
+    the next round starts past the accepted drafts and the verify's own token; depth accuracy from the prompt's
+    last position on."""
+    import torch
+
+    module = _script("distil_eagle3")
+    labels = torch.tensor([0, 1, 2, 3, 0, 1])  # the target's argmax at positions 1..6 (position i predicts i + 1)
+    hits = [[1, 1, 0, 1, 1, 1], [1, 0, 1, 1, 1, 1]]  # depth 1, depth 2: is the head's argmax the target's there
+
+    def model(aux, next_ids, depths):
+        assert aux.shape[:2] == next_ids.shape == (1, 6) and depths == 2
+        return [torch.nn.functional.one_hot(torch.where(torch.tensor(h) == 1, labels, (labels + 1) % 4), 4)[None]
+                .float() for h in hits]
+
+    feature = {"ids": torch.arange(7), "aux": torch.zeros(7, 3), "prompt": 1,
+               "top_ids": torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.stack([labels, labels], 1)])}
+    result = module.validate(model, [feature], torch.arange(4), 2)
+    # d = 1: rounds at 0 (1 accepted), 2 (0), 3 (1), 5 (1); d = 2: at 0 (1), 2 (0), 3 (2)
+    assert result["accepted_per_verify"] == [0.75, 1.0]
+    assert result["depth_accuracy"] == [round(5 / 6, 4), 0.8] and result["sequences"] == 1
 
 
 def test_moe_bench_smoke(tmp_path, monkeypatch):
