@@ -21,9 +21,10 @@ Training: the draft vocabulary is the --draft-vocab most frequent argmax tokens 
 with the target's embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state
 through. AdamW (under bfloat16 autocast where bf16 is native) for --minutes, on batches of answers of similar
 length (`length_batches`), the learning rate warmed up and then cosine-decayed to a tenth over the budget. On a
-CPU the head is compute-bound, not data-bound (its training accuracy stays at its held-out one), so the defaults
-spend the steps where the engine uses them: depths 1 and 2 for d = 2 (each further depth costs more than the one
-before; two depths take 1.5x three's steps and 2x four's in the same minutes), at 3e-3 (BENCHMARKS.md 10l).
+CPU the head is bound by its steps more than its data (four depths at lr 1e-3 ended six minutes with their
+training accuracy at the held-out one), so the defaults spend the steps where the engine uses them: depths 1 and 2
+for d = 2 (each further depth costs more than the one before; two depths take 1.5x three's steps and 2x four's in
+the same minutes), at 3e-3 (BENCHMARKS.md 10l).
 Saved under the cache directory (eagle3/<target>-<hash>) and reused; then the acceptance on held-out prompts
 (greedy, through the engine with `speculative_config={"method": "eagle3", ...}`, speculating every window).
 
