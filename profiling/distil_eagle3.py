@@ -411,7 +411,8 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     if os.path.isfile(report_path):
         return path, json.load(open(report_path))
     torch.set_num_threads(threads)
-    layers = load_model_config(target).decoder_layers
+    target_config = load_model_config(target)
+    layers = target_config.decoder_layers
     aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
     if len(set(aux_layers)) < 3 or min(aux_layers) < 0:
         aux_layers = (layers - 3, layers - 2, layers - 1)
@@ -420,10 +421,10 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     sequences, features = data["sequences"], data["features"]
     # every val_every-th prompt's greedy answer is held out (both its answers leave the training set)
     held = [i % val_every == val_every - 1 for i in range(len(prompts))] * len(ANSWER_TEMPERATURES)
-    validation = [f for f, h, i in zip(features, held, range(len(features))) if h and i < len(prompts)]
+    validation = [f for f, h in zip(features[: len(prompts)], held) if h]  # the first block: greedy answers
     features = [f for f, h in zip(features, held) if not h]
     counts = torch.bincount(torch.cat([f["top_ids"][f["prompt"]:, 0] for f in features]),
-                            minlength=load_model_config(target).vocab_size)
+                            minlength=target_config.vocab_size)
     draft_ids = counts.topk(draft_vocab).indices.sort().values
     coverage = float(counts[draft_ids].sum() / counts.sum())
     draft_of = torch.full((counts.numel(),), -100, dtype=torch.long)
