@@ -37,9 +37,20 @@ def outputs(llm, prompts, params) -> list:
     result = []
     for o in llm.generate(prompts, params):
         for c in o.outputs:
-            logprobs = [sorted((t, round(p.logprob, 4)) for t, p in step.items()) for step in c.logprobs or []]
+            logprobs = [sorted((t, p.logprob) for t, p in step.items()) for step in c.logprobs or []]
             result.append((c.token_ids, c.finish_reason, logprobs))
     return result
+
+
+def same(got, want) -> bool:
+    """Tokens, finish reasons and logprob ids exactly; logprob values to 1e-4, as test_tensor_parallel.py: a TP
+    rank sums its half of a row's products before the all-reduce adds the halves, so a logprob may move in its
+    last bits (2e-6 on an AVX-512 box) while every token stays the single rank's."""
+    if isinstance(got, float) and isinstance(want, float):
+        return abs(got - want) < 1e-4
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(same(a, b) for a, b in zip(got, want))
+    return got == want
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +77,11 @@ def test_stages_give_the_single_rank_tokens(three_layers, tp, pp):
     want = [outputs(single, prompts, params) for params in CASES]
     chunked = dict(SMALL_ENGINE, max_num_batched_tokens=32)  # the 90-token prompts in three chunks
     with LLM(three_layers, tensor_parallel_size=tp, pipeline_parallel_size=pp, **chunked) as llm:
-        assert [outputs(llm, prompts, params) for params in CASES] == want
+        assert same([outputs(llm, prompts, params) for params in CASES], want)
         # prefix-cache hits: the same prompts again, and longer ones that share their pages
         longer = [{"prompt_token_ids": p["prompt_token_ids"] + [11, 12, 13]} for p in prompts]
-        assert outputs(llm, prompts, CASES[0]) == want[0]
-        assert outputs(llm, longer, CASES[0]) == outputs(single, longer, CASES[0])
+        assert same(outputs(llm, prompts, CASES[0]), want[0])
+        assert same(outputs(llm, longer, CASES[0]), outputs(single, longer, CASES[0]))
         assert llm.stats()["prefix_cache_hits"] > 0
         sizes = [llm.engine.runner.memory_sizes(), *llm.engine.executor.gather_from_workers("sizes")[1:]]
     assert len(sizes) == tp * pp
@@ -92,7 +103,7 @@ def test_micro_batches_in_flight_give_the_same_tokens(three_layers, micro, monke
     want = [outputs(LLM(three_layers, **SMALL_ENGINE), prompts, params) for params in CASES]
     with LLM(three_layers, pipeline_parallel_size=2, pp_micro_batches=micro, cuda_graphs=True, check_bounds=True,
              **SMALL_ENGINE) as llm:
-        assert [outputs(llm, prompts, params) for params in CASES] == want
+        assert same([outputs(llm, prompts, params) for params in CASES], want)
     # rank 0's windows: buckets of 4 and 8 rows in flight as micro-batches; none with one micro-batch
     assert (set(windows) >= {4, 8}) if micro > 1 else not windows
 
@@ -113,7 +124,7 @@ def test_each_stage_holds_its_layers(three_layers):
         _, last = llm.engine.executor.gather_from_workers("sizes")
         assert 2 * first["kv_cache_bytes"] == last["kv_cache_bytes"]
         prompts = token_prompts(random_prompts(3, [5, 30]))
-        assert outputs(llm, prompts, CASES[1]) == outputs(LLM(three_layers, **SMALL_ENGINE), prompts, CASES[1])
+        assert same(outputs(llm, prompts, CASES[1]), outputs(LLM(three_layers, **SMALL_ENGINE), prompts, CASES[1]))
 
 
 def test_an_moe_family_and_the_graph_twin_over_stages(tiny_models):
@@ -122,7 +133,7 @@ def test_an_moe_family_and_the_graph_twin_over_stages(tiny_models):
     prompts = token_prompts(random_prompts(4, [3, 30]))
     want = [outputs(LLM(path, **SMALL_ENGINE), prompts, params) for params in CASES[:2]]
     with LLM(path, pipeline_parallel_size=2, cuda_graphs=True, check_bounds=True, **SMALL_ENGINE) as llm:
-        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+        assert same([outputs(llm, prompts, params) for params in CASES[:2]], want)
 
 
 def test_structured_outputs_over_stages(text_model):
@@ -152,9 +163,9 @@ def test_hybrids_over_stages(tiny_models, tmp_path, name, partition):
     single = LLM(path, **engine)
     want = [outputs(single, prompts, params) for params in CASES[:2]]
     with LLM(path, pipeline_parallel_size=2, pp_layer_partition=partition, **engine) as llm:
-        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+        assert same([outputs(llm, prompts, params) for params in CASES[:2]], want)
         longer = [{"prompt_token_ids": p["prompt_token_ids"] + [11, 12, 13]} for p in prompts]
-        assert outputs(llm, longer, CASES[0]) == outputs(single, longer, CASES[0])
+        assert same(outputs(llm, longer, CASES[0]), outputs(single, longer, CASES[0]))
         assert llm.stats()["prefix_cache_hits"] > 0
         sizes = [llm.engine.runner.memory_sizes(), *llm.engine.executor.gather_from_workers("sizes")[1:]]
     states = [s["state_cache_bytes"] for s in sizes]  # each stage's recurrent layers' slots, no other's
@@ -172,7 +183,7 @@ def test_ngram_speculation_over_stages(three_layers):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     want = [outputs(LLM(three_layers, **SMALL_ENGINE), prompts, params) for params in CASES[:2]]
     with LLM(three_layers, pipeline_parallel_size=2, speculative_config=spec, **SMALL_ENGINE) as llm:
-        assert [outputs(llm, prompts, params) for params in CASES[:2]] == want
+        assert same([outputs(llm, prompts, params) for params in CASES[:2]], want)
         assert llm.stats()["spec_draft_tokens"] > 0
 
 
@@ -187,7 +198,7 @@ def test_draft_model_speculation_over_stages(three_layers):
         greedy = outputs(llm, prompts, CASES[0])
         stats = llm.stats()
         assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] == stats["spec_draft_tokens"]
-        assert [greedy, outputs(llm, prompts, CASES[1])] == want
+        assert same([greedy, outputs(llm, prompts, CASES[1])], want)
 
 
 def test_eagle3_head_over_stages(three_layers, tmp_path):

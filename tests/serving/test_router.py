@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -19,7 +20,8 @@ import pytest
 from graphdecode.device.tp_rank import free_port
 from graphdecode.server.launch import start_server, stop_server
 
-ROUTER = shutil.which("vllm-router")
+# on PATH, or beside this interpreter (a venv run by its python without being activated)
+ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=os.path.dirname(sys.executable))
 MODEL = "routed"
 pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is a test dependency (pyproject's [test])")
 
