@@ -14,8 +14,9 @@ them, the prompts held out for the acceptance report excluded), each answered by
 batch 128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
 where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The data is most of the
 cost (about 2 s a prompt on two AVX2 cores), so it is cached apart from the head (`target_data`; a run on fewer
-prompts reuses a larger run's). Every --val-every-th prompt's greedy answer is held out: `validate` walks the
-engine's greedy rounds along it, which gives the acceptance per verify at each d without the engine.
+prompts reuses a larger run's, and a run on more generates only the rest). Every --val-every-th prompt's greedy
+answer is held out: `validate` walks the engine's greedy rounds along it, which gives the acceptance per verify at
+each d without the engine.
 
 Training: the draft vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds
 with the target's embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state
@@ -76,8 +77,11 @@ MORE_TASKS = [
     "Write a product description inspired by {t}.",
 ]
 ANSWER_TEMPERATURES = (0.0, 0.8)  # greedy (what the acceptance is measured on) and a seeded sampled answer
-# about 30 minutes in all for SmolLM2-135M on a 2-core AVX2 box: 20 of data, 12 of training (BENCHMARKS.md 10l)
-MINUTES, TRAIN_PROMPTS, DEPTHS, LR, BATCH = 12.0, 600, 2, 3e-3, 8
+# about 30 minutes in all for SmolLM2-135M on two cores: 12 of training, the rest data (default_train_prompts)
+MINUTES, DEPTHS, LR, BATCH = 12.0, 2, 3e-3, 8
+# the training prompts that take about 18 minutes of data on two cores: fp32 (AVX2, ~2 s a prompt; BENCHMARKS.md
+# 10l), native bf16 (a Zen 4's avx512_bf16, ~0.7 s a prompt; 10m)
+TRAIN_PROMPTS_FP32, TRAIN_PROMPTS_BF16 = 600, 1600
 
 
 def training_texts(held_out: int) -> list[str]:
@@ -87,6 +91,11 @@ def training_texts(held_out: int) -> list[str]:
     more = [t for t in distil_draft.chat_texts(distil_draft.TASKS + MORE_TASKS, distil_draft.TOPICS + MORE_TOPICS)
             if t not in seen]
     return base[held_out:] + more
+
+
+def default_train_prompts() -> int:
+    """The training prompts whose data fits the budget on this CPU: the data's dtype sets its speed."""
+    return TRAIN_PROMPTS_BF16 if native_bf16() else TRAIN_PROMPTS_FP32
 
 
 def native_bf16() -> bool:
@@ -152,40 +161,60 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
                 aux_layers: tuple[int, ...]) -> dict:
     """The target's answers to `prompts` and their features (target_answers, target_features): most of a head's
     cost, so cached under the cache directory (eagle3-data/) apart from the head. Heads trained with other
-    settings reuse them, and so does a run on the first n prompts of a cached run's (its answers and features
-    for those prompts; the seconds they took scaled by the share of prompts, `scaled_from` saying so)."""
+    settings reuse them; a run on the first n prompts of a cached run's takes those prompts' answers and features
+    (the seconds they took scaled by the share of prompts, `scaled_from` saying so), and a run on more prompts
+    than a cached run's first ones generates only the rest (`extended_from`; the larger entry replaces the
+    smaller). An extension is the data one run would have made: the engine's outputs do not depend on their batch
+    company (greedy, and seeded sampling's position-keyed noise)."""
     from graphdecode.cache import cache_root
 
     key = hashlib.sha256(json.dumps([os.path.abspath(target), max_tokens, ANSWER_TEMPERATURES, str(dtype),
                                      list(aux_layers), "top32"]).encode()).hexdigest()[:12]
     folder = os.path.join(cache_root(), "eagle3-data", f"{os.path.basename(os.path.normpath(target))}-{key}")
     os.makedirs(folder, exist_ok=True)
+    blocks = len(ANSWER_TEMPERATURES)
+    prefix, prefix_name = [], None  # the largest cached run whose prompts are the first of these
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".json"):
             continue
         cached = json.load(open(os.path.join(folder, name)))
         if cached[: len(prompts)] != prompts:
+            if len(prefix) < len(cached) < len(prompts) and prompts[: len(cached)] == cached:
+                prefix, prefix_name = cached, name
             continue
         data = torch.load(os.path.join(folder, name.removesuffix(".json") + ".pt"))
         n, whole = len(prompts), len(cached)
         if n < whole:  # each temperature's block of answers, cut to the first n prompts'
             for field in ("sequences", "features"):
-                data[field] = [x for t in range(len(ANSWER_TEMPERATURES)) for x in data[field][t * whole : t * whole + n]]
+                data[field] = [x for t in range(blocks) for x in data[field][t * whole : t * whole + n]]
             for field in ("generate_seconds", "features_seconds"):
                 data[field] *= n / whole
             data["scaled_from"] = whole
         return data
+    rest = prompts[len(prefix):]
     start = time.perf_counter()
-    sequences = target_answers(target, prompts, max_tokens, threads, dtype)
+    sequences = target_answers(target, rest, max_tokens, threads, dtype)
     generate_s = time.perf_counter() - start
     start = time.perf_counter()
     features = target_features(target, sequences, aux_layers, dtype=dtype)
     data = {"sequences": sequences, "features": features, "generate_seconds": generate_s,
             "features_seconds": time.perf_counter() - start}
+    if prefix_name is not None:  # each temperature's block: the cached prompts' answers, then the rest's
+        old_path = os.path.join(folder, prefix_name.removesuffix(".json"))
+        old, had, new = torch.load(old_path + ".pt"), len(prefix), len(rest)
+        for field in ("sequences", "features"):
+            data[field] = [x for t in range(blocks)
+                           for x in old[field][t * had : (t + 1) * had] + data[field][t * new : (t + 1) * new]]
+        for field in ("generate_seconds", "features_seconds"):
+            data[field] += old[field]
+        data["extended_from"] = had
     path = os.path.join(folder, f"{len(prompts)}-{hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:10]}")
     torch.save(data, path + ".tmp")
     os.replace(path + ".tmp", path + ".pt")
     json.dump(prompts, open(path + ".json", "w"))  # last: a listed entry's data is whole
+    if prefix_name is not None:  # its prompts and data are the new entry's first
+        os.remove(old_path + ".json")
+        os.remove(old_path + ".pt")
     return data
 
 
@@ -390,8 +419,9 @@ def train(features: list[dict], model: TrainHead, draft_of: torch.Tensor, minute
 def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 4096, max_tokens: int = 160,
                    batch: int = BATCH, lr: float = LR, depths: int = DEPTHS, threads: int | None = None,
                    val_every: int = 32, eval_prompts: int | None = None,
-                   train_prompts: int | None = TRAIN_PROMPTS) -> tuple[str, dict]:
-    """(the head's directory, its training report); built once per (target, settings)."""
+                   train_prompts: int | None = None) -> tuple[str, dict]:
+    """(the head's directory, its training report); built once per (target, settings). `train_prompts`: the
+    first this many training prompts (default_train_prompts when None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from graphdecode.cache import cache_root
@@ -400,6 +430,7 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     from graphdecode.models.model_config import load_model_config
 
     threads = threads or _resolve_cpu_threads(None, 1)
+    train_prompts = train_prompts or default_train_prompts()
     held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
     dtype = torch.bfloat16 if native_bf16() else torch.float32
     settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
@@ -437,7 +468,7 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     report = train(features, model, draft_of, minutes, batch, lr, depths, autocast=dtype == torch.bfloat16)
     report["validation"] = validate(model, validation, draft_of, depths) if validation else None
     report.update(dtype=str(dtype), generate_seconds=data["generate_seconds"], features_seconds=data["features_seconds"],
-                  data_scaled_from=data.get("scaled_from"),
+                  data_scaled_from=data.get("scaled_from"), data_extended_from=data.get("extended_from"),
                   sequences=len(sequences), training_sequences=len(features),
                   tokens=sum(len(p) + len(a) for p, a in sequences), answer_tokens=sum(len(a) for _, a in sequences),
                   draft_vocab=draft_vocab, draft_vocab_coverage=coverage, aux_layers=list(aux_layers),
@@ -459,7 +490,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=BATCH, help="sequences per training step")
     p.add_argument("--val-every", type=int, default=32,
                    help="every N-th training prompt's greedy answer is held out for the validation report")
-    p.add_argument("--train-prompts", type=int, default=TRAIN_PROMPTS, help="the first this many training prompts")
+    p.add_argument("--train-prompts", type=int, default=None,
+                   help=f"the first this many training prompts (default: {TRAIN_PROMPTS_FP32} where the data runs in "
+                        f"float32, {TRAIN_PROMPTS_BF16} where bf16 is native)")
     p.add_argument("-d", type=int, default=DEPTHS, help="num_speculative_tokens for the acceptance report")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="profiling/out/distil_eagle3")

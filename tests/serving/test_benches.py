@@ -301,6 +301,7 @@ def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
     assert all(0 <= a <= d for d, a in enumerate(validation["accepted_per_verify"], 1))
     # another head's settings reuse the target's answers and features (cached apart from the head)
     module = _script("distil_eagle3")
+    answers = module.target_answers
     monkeypatch.setattr(module, "target_answers", lambda *a, **k: pytest.fail("answers generated again"))
     other, other_report = module.distilled_head(text_model, 0.05, draft_vocab=128, max_tokens=8, threads=1,
                                                 train_prompts=6, val_every=3, lr=1e-3, depths=3)
@@ -311,6 +312,25 @@ def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
                                                 train_prompts=3, val_every=3)
     assert fewer_report["sequences"] == 6 and fewer_report["data_scaled_from"] == 6
     assert fewer_report["generate_seconds"] == pytest.approx(report["generate_seconds"] / 2)
+    # a run on more prompts generates only the rest; its data begins with the cached run's
+    import torch
+    from transformers import AutoTokenizer
+
+    def data(n):
+        texts = module.training_texts(module.distil_draft.EVAL_PROMPTS)[:n]
+        prompts = module.distil_draft.chat_prompts(AutoTokenizer.from_pretrained(text_model), texts)
+        dtype = torch.bfloat16 if module.native_bf16() else torch.float32
+        return module.target_data(text_model, prompts, 8, 1, dtype, (1, 2, 3)), prompts
+
+    (before, _), asked = data(6), []
+    monkeypatch.setattr(module, "target_answers", lambda target, prompts, *a: asked.append(prompts) or answers(
+        target, prompts, *a))
+    _, more_report = module.distilled_head(text_model, 0.05, draft_vocab=128, max_tokens=8, threads=1,
+                                           train_prompts=9, val_every=3)
+    more, prompts = data(9)
+    assert asked == [prompts[6:]] and more_report["sequences"] == 18 and more_report["data_extended_from"] == 6
+    assert [p for p, _ in more["sequences"][:9]] == prompts and more["sequences"][:6] == before["sequences"][:6]
+    assert data(6)[0]["sequences"] == before["sequences"]  # now cut from the larger entry
     bench = _script("bench_spec").main(["--model", text_model, "--batches", "1", "--max-tokens", "6", "-k", "2",
                                         "-d", "2", "--repeats", "1", "--methods", "eagle3", "--eagle3-head", head,
                                         "--out", str(tmp_path / "spec")])
