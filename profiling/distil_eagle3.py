@@ -13,10 +13,10 @@ Data: synthetic chat prompts (distil_draft.py's tasks and topics and more of eac
 them, the prompts held out for the acceptance report excluded), each answered by the target through the engine at
 batch 128, greedy and at T=0.8; the target's hidden states and top-32 probabilities from transformers. In bfloat16
 where the CPU computes it natively (avx512_bf16 or AMX), else in float32 (`native_bf16`). The data is most of the
-cost (about 2 s a prompt on two AVX2 cores), so it is cached apart from the head (`target_data`; a run on fewer
-prompts reuses a larger run's, and a run on more generates only the rest). Every --val-every-th prompt's greedy
-answer is held out: `validate` walks the engine's greedy rounds along it, which gives the acceptance per verify at
-each d without the engine.
+cost (about 2 s a prompt on two AVX2 cores in fp32, 0.7 s on two Zen 4 cores in bf16), so it is cached apart from
+the head (`target_data`; a run on fewer prompts reuses a larger run's, and a run on more generates only the rest).
+Every --val-every-th prompt's greedy answer is held out: `validate` walks the engine's greedy rounds along it, which
+gives the acceptance per verify at each d without the engine.
 
 Training: the draft vocabulary is the --draft-vocab most frequent argmax tokens of the answers. The head embeds
 with the target's embedding; its LM head starts from the target's rows, `fc` from passing the last hidden state
@@ -77,11 +77,11 @@ MORE_TASKS = [
     "Write a product description inspired by {t}.",
 ]
 ANSWER_TEMPERATURES = (0.0, 0.8)  # greedy (what the acceptance is measured on) and a seeded sampled answer
-# about 30 minutes in all for SmolLM2-135M on two cores: 12 of training, the rest data (default_train_prompts)
+# at most about 30 minutes in all for SmolLM2-135M on two cores: 12 of training, the rest data (the prompts by the
+# data's speed: fp32 on AVX2, ~2 s a prompt, BENCHMARKS.md 10l; native bf16 on a Zen 4, ~0.7 s a prompt, where
+# 1,600 prompts did no better than 1,100 in 12 minutes of training, 10m)
 MINUTES, DEPTHS, LR, BATCH = 12.0, 2, 3e-3, 8
-# the training prompts that take about 18 minutes of data on two cores: fp32 (AVX2, ~2 s a prompt; BENCHMARKS.md
-# 10l), native bf16 (a Zen 4's avx512_bf16, ~0.7 s a prompt; 10m)
-TRAIN_PROMPTS_FP32, TRAIN_PROMPTS_BF16 = 600, 1600
+TRAIN_PROMPTS_FP32, TRAIN_PROMPTS_BF16 = 600, 1100
 
 
 def training_texts(held_out: int) -> list[str]:
@@ -207,7 +207,6 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
                            for x in old[field][t * had : (t + 1) * had] + data[field][t * new : (t + 1) * new]]
         for field in ("generate_seconds", "features_seconds"):
             data[field] += old[field]
-        data["extended_from"] = had
     path = os.path.join(folder, f"{len(prompts)}-{hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:10]}")
     torch.save(data, path + ".tmp")
     os.replace(path + ".tmp", path + ".pt")
@@ -215,6 +214,7 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
     if prefix_name is not None:  # its prompts and data are the new entry's first
         os.remove(old_path + ".json")
         os.remove(old_path + ".pt")
+        data["extended_from"] = len(prefix)  # this run's, not the entry's
     return data
 
 
