@@ -93,6 +93,18 @@ def training_texts(held_out: int) -> list[str]:
     return base[held_out:] + more
 
 
+def training_prompts(target: str, held_out: int, count: int) -> list[list[int]]:
+    """The first `count` training prompts (training_texts past `held_out`), chat-templated and tokenized."""
+    from transformers import AutoTokenizer
+
+    return distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:count])
+
+
+def data_dtype() -> torch.dtype:
+    """The dtype of the target's answers and features and of the training: bf16 where native, else fp32."""
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
 def default_train_prompts() -> int:
     """The training prompts whose data fits the budget on this CPU: the data's dtype sets its speed."""
     return TRAIN_PROMPTS_BF16 if native_bf16() else TRAIN_PROMPTS_FP32
@@ -157,6 +169,12 @@ def target_features(target: str, sequences: list[tuple], aux_layers: tuple[int, 
     return out
 
 
+def temperature_blocks(items: list, prompts: int) -> list[list]:
+    """Per-answer lists (one answer per prompt at each of ANSWER_TEMPERATURES, in that order) cut into each
+    temperature's block of `prompts` answers."""
+    return [items[t * prompts : (t + 1) * prompts] for t in range(len(ANSWER_TEMPERATURES))]
+
+
 def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads: int, dtype: torch.dtype,
                 aux_layers: tuple[int, ...]) -> dict:
     """The target's answers to `prompts` and their features (target_answers, target_features): most of a head's
@@ -172,7 +190,6 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
                                      list(aux_layers), "top32"]).encode()).hexdigest()[:12]
     folder = os.path.join(cache_root(), "eagle3-data", f"{os.path.basename(os.path.normpath(target))}-{key}")
     os.makedirs(folder, exist_ok=True)
-    blocks = len(ANSWER_TEMPERATURES)
     prefix, prefix_name = [], None  # the largest cached run whose prompts are the first of these
     for name in sorted(os.listdir(folder)):
         if not name.endswith(".json"):
@@ -186,7 +203,7 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
         n, whole = len(prompts), len(cached)
         if n < whole:  # each temperature's block of answers, cut to the first n prompts'
             for field in ("sequences", "features"):
-                data[field] = [x for t in range(blocks) for x in data[field][t * whole : t * whole + n]]
+                data[field] = [x for block in temperature_blocks(data[field], whole) for x in block[:n]]
             for field in ("generate_seconds", "features_seconds"):
                 data[field] *= n / whole
             data["scaled_from"] = whole
@@ -201,10 +218,10 @@ def target_data(target: str, prompts: list[list[int]], max_tokens: int, threads:
             "features_seconds": time.perf_counter() - start}
     if prefix_name is not None:  # each temperature's block: the cached prompts' answers, then the rest's
         old_path = os.path.join(folder, prefix_name.removesuffix(".json"))
-        old, had, new = torch.load(old_path + ".pt"), len(prefix), len(rest)
+        old = torch.load(old_path + ".pt")
         for field in ("sequences", "features"):
-            data[field] = [x for t in range(blocks)
-                           for x in old[field][t * had : (t + 1) * had] + data[field][t * new : (t + 1) * new]]
+            pairs = zip(temperature_blocks(old[field], len(prefix)), temperature_blocks(data[field], len(rest)))
+            data[field] = [x for cached, added in pairs for x in cached + added]
         for field in ("generate_seconds", "features_seconds"):
             data[field] += old[field]
     path = os.path.join(folder, f"{len(prompts)}-{hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:10]}")
@@ -422,7 +439,7 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
                    train_prompts: int | None = None) -> tuple[str, dict]:
     """(the head's directory, its training report); built once per (target, settings). `train_prompts`: the
     first this many training prompts (default_train_prompts when None)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from graphdecode.cache import cache_root
     from graphdecode.config import _resolve_cpu_threads
@@ -432,7 +449,7 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     threads = threads or _resolve_cpu_threads(None, 1)
     train_prompts = train_prompts or default_train_prompts()
     held_out = distil_draft.EVAL_PROMPTS if eval_prompts is None else eval_prompts
-    dtype = torch.bfloat16 if native_bf16() else torch.float32
+    dtype = data_dtype()
     settings = (f"{os.path.abspath(target)}|{minutes}|{draft_vocab}|{max_tokens}|{batch}|{lr}|{depths}|{held_out}|"
                 f"{train_prompts}|soft32|{ANSWER_TEMPERATURES}|more-prompts|val{val_every}|"
                 f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}")
@@ -447,7 +464,7 @@ def distilled_head(target: str, minutes: float = MINUTES, *, draft_vocab: int = 
     aux_layers = (2, layers // 2, layers - 3)  # vLLM's default; a shallow target's last three instead
     if len(set(aux_layers)) < 3 or min(aux_layers) < 0:
         aux_layers = (layers - 3, layers - 2, layers - 1)
-    prompts = distil_draft.chat_prompts(AutoTokenizer.from_pretrained(target), training_texts(held_out)[:train_prompts])
+    prompts = training_prompts(target, held_out, train_prompts)
     data = target_data(target, prompts, max_tokens, threads, dtype, aux_layers)
     sequences, features = data["sequences"], data["features"]
     # every val_every-th prompt's greedy answer is held out (both its answers leave the training set)

@@ -313,14 +313,9 @@ def test_distil_eagle3_and_its_bench_smoke(text_model, tmp_path, monkeypatch):
     assert fewer_report["sequences"] == 6 and fewer_report["data_scaled_from"] == 6
     assert fewer_report["generate_seconds"] == pytest.approx(report["generate_seconds"] / 2)
     # a run on more prompts generates only the rest; its data begins with the cached run's
-    import torch
-    from transformers import AutoTokenizer
-
     def data(n):
-        texts = module.training_texts(module.distil_draft.EVAL_PROMPTS)[:n]
-        prompts = module.distil_draft.chat_prompts(AutoTokenizer.from_pretrained(text_model), texts)
-        dtype = torch.bfloat16 if module.native_bf16() else torch.float32
-        return module.target_data(text_model, prompts, 8, 1, dtype, (1, 2, 3)), prompts
+        prompts = module.training_prompts(text_model, module.distil_draft.EVAL_PROMPTS, n)
+        return module.target_data(text_model, prompts, 8, 1, module.data_dtype(), (1, 2, 3)), prompts
 
     (before, _), asked = data(6), []
     monkeypatch.setattr(module, "target_answers", lambda target, prompts, *a: asked.append(prompts) or answers(
