@@ -268,6 +268,10 @@ class EngineConfig:
     # beyond the idle cores make every small matmul wait for a descheduled thread (2 threads on a 2-core
     # machine with a busy neighbour: small matmuls up to 100x slower than 1, the API at 2 tok/s instead of 38).
     cpu_threads: int | None = None
+    # a CPU engine's weights on 2 MiB pages: collapsed in place once loaded (models/huge_pages.py; Linux 6.1+,
+    # elsewhere a no-op), in a thread beside the rest of start-up. Decode streams every weight, and on 4 KiB
+    # pages every read misses the TLB: 8% faster at batch 1 on a 2-core Zen 4 (BENCHMARKS.md 18u)
+    cpu_huge_pages: bool = True
     # the bounds-checked mode (device/bounds.py): every window step checks the indices its kernels follow
     # (positions, KV slots and lengths, automaton states); None: on when GRAPHDECODE_CHECK_BOUNDS=1
     check_bounds: bool | None = None
@@ -359,6 +363,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if not isinstance(self.cpu_huge_pages, bool):
+            raise ValueError(f"cpu_huge_pages must be True or False, got {self.cpu_huge_pages!r}")
         for name in ("compile", "cuda_graphs", "check_bounds"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

@@ -186,6 +186,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-batch-variance", dest="batch_invariant", action="store_false", default=None,
                    help="let a request's tokens depend on which requests share its batch, for oneDNN's faster "
                         "GEMMs at many rows (default: EngineConfig's: batch-invariant)")
+    p.add_argument("--no-cpu-huge-pages", dest="cpu_huge_pages", action="store_false", default=None,
+                   help="leave a CPU engine's weights on the pages they were loaded on (default: EngineConfig's: "
+                        "collapsed onto 2 MiB pages, for fewer TLB misses as decode streams them)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help=f"prefill tokens per engine step; longer prompts are chunked "
                         f"({config('max_num_batched_tokens')})")

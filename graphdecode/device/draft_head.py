@@ -66,13 +66,14 @@ class DraftHead:
             mtp = config.mtp_config
             cfg = mtp.model
             self.reads = None
-            self.head = load_mtp_head(mtp, target, dtype, device, config.max_model_len)
+            self.head = load_mtp_head(mtp, target, dtype, device, config.max_model_len, config.cpu_huge_pages)
             self.embed = target.embed
         else:
             eagle = config.eagle3_config
             cfg = eagle.model
             self.reads = eagle.aux_layers
-            self.head = load_eagle3_head(config.draft_model, eagle, dtype, device, config.max_model_len)
+            self.head = load_eagle3_head(config.draft_model, eagle, dtype, device, config.max_model_len,
+                                         config.cpu_huge_pages)
             self.embed = self.head.embed if eagle.own_embedding else target.embed
         self.kv_caches = allocate_kv_caches(1, config.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim,
                                             dtype, device)

@@ -35,7 +35,7 @@ class DraftModel:
     def __init__(self, config, device: torch.device):
         cfg = config.draft_model_config
         self.model = load_model(config.draft_model, cfg, config.torch_dtype, device, config.max_model_len,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant, huge_pages=config.cpu_huge_pages)
         self.kv_caches = allocate_kv_caches(cfg.num_layers, config.num_pages, config.page_size, cfg.num_kv_heads,
                                             cfg.head_dim, config.torch_dtype, device)
         self.backend = TorchAttentionBackend(self.kv_caches, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

@@ -72,7 +72,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             use_cuda_kernel()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
         self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len, tp,
-                                batch_invariant=config.batch_invariant)
+                                batch_invariant=config.batch_invariant, huge_pages=config.cpu_huge_pages)
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,

@@ -224,9 +224,11 @@ class Eagle3Head(OneLayerHead):
 
 
 def load_eagle3_head(path: str, eagle: Eagle3Config, dtype: torch.dtype, device: torch.device,
-                     max_positions: int) -> Eagle3Head:
-    """The head's weights (the loader's checks: finite values; read_eagle3_config checked the rest), its d2t map."""
-    head = load_model(path, eagle.model, dtype, device, max_positions, build=lambda cfg, tp: Eagle3Head(eagle, tp))
+                     max_positions: int, huge_pages: bool = False) -> Eagle3Head:
+    """The head's weights (the loader's checks: finite values; read_eagle3_config checked the rest), its d2t map;
+    huge_pages: as load_model's."""
+    head = load_model(path, eagle.model, dtype, device, max_positions, build=lambda cfg, tp: Eagle3Head(eagle, tp),
+                      huge_pages=huge_pages)
     if eagle.has_d2t:
         head.draft_to_target = draft_targets(path, eagle).to(device)
     return head

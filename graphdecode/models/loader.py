@@ -37,6 +37,7 @@ from .blocked_linear import block_linears
 from .config_fields import read_json_object
 from .cpu_decode import CpuDecodeLayers
 from .cpu_linear import can_prepack, prepack_cpu_linears
+from .huge_pages import HugePages
 from .layers import FusedLinear, attach_cpu_kernels
 from .model_config import ModelConfig
 from .parallel import ParallelLMHead, RowParallelLinear, ShardSpec, TPGroup
@@ -89,9 +90,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-               tp: TPGroup = TPGroup(), build=None, batch_invariant: bool = True):
+               tp: TPGroup = TPGroup(), build=None, batch_invariant: bool = True, huge_pages: bool = False):
     """build: (cfg, tp) -> the module, for one that is not a registered family's (an EAGLE-3 head);
-    batch_invariant: its CPU linears' rows do not depend on the batch (EngineConfig.batch_invariant)."""
+    batch_invariant: its CPU linears' rows do not depend on the batch (EngineConfig.batch_invariant);
+    huge_pages: a CPU model's weights are collapsed onto 2 MiB pages, in a thread (`model.huge_pages`,
+    huge_pages.py; EngineConfig.cpu_huge_pages)."""
     build = build or model_class(cfg)
     with torch.device("meta"):
         model = build(cfg, tp)
@@ -161,6 +164,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
         attach_cpu_kernels(model, kernels)  # one pass for each plain norm and full rotary
         if tp.stage.size == 1:  # plain layers' decode steps in one call (every layer of the model)
             model.cpu_decode = CpuDecodeLayers.build(model, kernels)
+    if huge_pages and device.type == "cpu":
+        model.huge_pages = HugePages(model, os.path.basename(os.path.normpath(model_dir)))
     return model
 
 

@@ -226,9 +226,11 @@ def mtp_head_class(mtp: MTPConfig) -> type:
     })
 
 
-def load_mtp_head(mtp: MTPConfig, target, dtype: torch.dtype, device: torch.device, max_positions: int) -> MTPHead:
-    """The MTP layer's weights (the loader's checks), sharing the target's LM head."""
+def load_mtp_head(mtp: MTPConfig, target, dtype: torch.dtype, device: torch.device, max_positions: int,
+                  huge_pages: bool = False) -> MTPHead:
+    """The MTP layer's weights (the loader's checks), sharing the target's LM head; huge_pages: as load_model's."""
     cls = mtp_head_class(mtp)
-    head = load_model(mtp.path, mtp.model, dtype, device, max_positions, build=lambda cfg, tp: cls(mtp, tp))
+    head = load_model(mtp.path, mtp.model, dtype, device, max_positions, build=lambda cfg, tp: cls(mtp, tp),
+                      huge_pages=huge_pages)
     head.target_logits = target.compute_logits
     return head

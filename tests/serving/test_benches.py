@@ -495,3 +495,14 @@ def test_kv_fp8_bench_smoke(micro_dir, tmp_path):
         assert [p["batch"] for p in report["decode"][kv]["decode"]] == [1, 2]
         assert all(p["tokens_per_s"] > 0 for p in report["decode"][kv]["decode"])
     assert os.path.isfile(tmp_path / "work" / (os.path.basename(micro_dir) + "-kv-scales") / "config.json")
+
+
+def test_ab_huge_pages_smoke(text_model, tmp_path):
+    """ab_huge_pages: four engines, the two named with huge pages, rotating rounds; a ratio per round and batch."""
+    result = _script("ab_huge_pages").main(["--model", text_model, "--batches", "1,2", "--max-tokens", "4",
+                                            "--repeats", "2", "--threads", "1", "--out", str(tmp_path / "hp")])
+    assert [pt["batch"] for pt in result["points"]] == [1, 2] and len(result["collapsed_bytes"]) == 4
+    for pt in result["points"]:
+        assert len(pt["ratios"]) == 2 and all(r > 0 for r in pt["ratios"]) and pt["huge"] == [1, 2]
+        assert len(pt["engine_medians"]) == 4 and 0 <= pt["wins"] <= 2
+    assert os.path.isfile(tmp_path / "hp.json")
