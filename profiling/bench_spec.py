@@ -10,9 +10,10 @@ Methods (--methods): ngram, draft_model with --draft-model DIR (or --distilled-l
 the draft profiling/distil_draft.py distils for the target, built once and cached), and eagle3
 with --eagle3-head DIR (or, without it, the head profiling/distil_eagle3.py distils with its defaults,
 cached). At each temperature (--temperatures; above 0 seeded). Per (method, set, temperature, batch): decode
-tokens/s with and without speculation, accepted drafts per verify, the share of windows that
-speculated, and the ratio; the outputs must be identical (speculation changes speed, never
-tokens).
+tokens/s with and without speculation (each engine's fastest of --repeats runs), accepted drafts per verify,
+the share of windows that speculated, and the ratio of the fastest runs and the median of each round's ratio
+(the two engines' runs side by side: robust to a box whose speed drifts); the outputs must be identical
+(speculation changes speed, never tokens).
 
     python profiling/bench_spec.py --out profiling/out/bench_spec
     python profiling/bench_spec.py --methods ngram,draft_model,eagle3 --distilled-layers 4 \
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -78,18 +80,23 @@ def _run(llm, prompts, params) -> dict:
 
 
 def measure(engines: dict, prompts, params, repeats: int) -> dict:
-    """Each engine's fastest of `repeats` runs; the engines alternate run by run, so a machine
-    whose speed drifts (a shared host) drifts both alike."""
+    """Each engine's fastest of `repeats` runs, with `rates`, its tokens/s run by run; the engines
+    alternate run by run, the first to run changing each round, so a machine whose speed drifts (a
+    shared host) drifts both alike."""
     for llm in engines.values():
         llm.generate(prompts[:1], params)  # warm-up
     best: dict = {name: None for name in engines}
-    for _ in range(repeats):
-        for name, llm in engines.items():
-            run = _run(llm, prompts, params)
+    rates: dict = {name: [] for name in engines}
+    names = list(engines)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            run = _run(engines[name], prompts, params)
+            rates[name].append(run["tokens"] / run["seconds"])
             if best[name] is None or run["seconds"] < best[name]["seconds"]:
                 best[name] = run
-    for run in best.values():
+    for name, run in best.items():
         run["tokens_per_s"] = run["tokens"] / run["seconds"]
+        run["rates"] = rates[name]
         run["accepted_per_verify"] = run["accepted"] / run["verifies"] if run["verifies"] else 0.0
         run["spec_window_share"] = run["spec_windows"] / run["windows"] if run["windows"] else 0.0
     return best
@@ -106,7 +113,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=8, help="decode steps (rounds) per window")
     p.add_argument("-d", type=int, default=8, help="num_speculative_tokens")
-    p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating); the fastest kept")
+    p.add_argument("--repeats", type=int, default=3, help="runs per engine and point (alternating)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft_model, eagle3")
     p.add_argument("--draft-model", default=None, help="the draft_model method's checkpoint directory")
@@ -161,6 +168,8 @@ def main(argv=None) -> dict:
                         "method": method, "set": name, "temperature": temperature, "batch": batch,
                         "plain_tokens_per_s": base["tokens_per_s"], "spec_tokens_per_s": fast["tokens_per_s"],
                         "speedup": fast["tokens_per_s"] / base["tokens_per_s"],
+                        # each round's ratio (the two engines' runs side by side), their median
+                        "speedup_paired": statistics.median(f / b for f, b in zip(fast["rates"], base["rates"])),
                         "accepted_per_verify": fast["accepted_per_verify"],
                         "spec_window_share": fast["spec_window_share"],
                         "same_tokens": fast["outputs"] == base["outputs"], "tokens": base["tokens"],
@@ -168,15 +177,17 @@ def main(argv=None) -> dict:
                     result["points"].append(point)
                     print(f"[spec] {method} {name} T={temperature:g} batch {batch}: "
                           f"{point['plain_tokens_per_s']:.1f} -> {point['spec_tokens_per_s']:.1f} tok/s "
-                          f"({point['speedup']:.2f}x), {point['accepted_per_verify']:.2f} accepted/verify", flush=True)
+                          f"({point['speedup']:.2f}x best, {point['speedup_paired']:.2f}x paired), "
+                          f"{point['accepted_per_verify']:.2f} accepted/verify", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json(args.out + ".json", result)
     print(f"{'method':<12} {'set':<15} {'T':>4} {'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
-          f"{'acc/verify':>11} {'spec share':>11} {'same':>5}")
+          f"{'paired':>7} {'acc/verify':>11} {'spec share':>11} {'same':>5}")
     for pt in result["points"]:
         print(f"{pt['method']:<12} {pt['set']:<15} {pt['temperature']:>4g} {pt['batch']:>5} "
               f"{pt['plain_tokens_per_s']:>12.1f} {pt['spec_tokens_per_s']:>11.1f} "
-              f"{pt['speedup']:>7.2f}x {pt['accepted_per_verify']:>11.2f} {pt['spec_window_share']:>11.2f} "
+              f"{pt['speedup']:>7.2f}x {pt['speedup_paired']:>6.2f}x {pt['accepted_per_verify']:>11.2f} "
+              f"{pt['spec_window_share']:>11.2f} "
               f"{str(pt['same_tokens']):>5}")
     print(f"(wrote {args.out}.json)")
     return result

@@ -236,10 +236,11 @@ def test_serve_bench_clients_in_worker_processes(micro_dir, tmp_path):
 def test_speculative_bench_smoke(text_model, tmp_path):
     out = tmp_path / "spec"
     result = _script("bench_spec").main(["--model", text_model, "--batches", "2", "--max-tokens", "8", "-k", "2",
-                                         "-d", "3", "--repeats", "1", "--out", str(out)])
+                                         "-d", "3", "--repeats", "2", "--out", str(out)])
     assert [(p["set"], p["batch"]) for p in _load(out)["points"]] == [("input-grounded", 2), ("open-ended", 2)]
     assert all(p["same_tokens"] and p["plain_tokens_per_s"] > 0 and p["spec_tokens_per_s"] > 0
                for p in result["points"])
+    assert all(p["speedup_paired"] > 0 for p in result["points"])
 
 
 def test_speculative_bench_methods_and_temperatures(text_model, tmp_path):
