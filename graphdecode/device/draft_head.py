@@ -28,10 +28,12 @@ How each part keeps it:
   p .. p + d over the verify's hidden states and the tokens the verify sampled rewrites the head's K/V there
   (exact up to the accepted p + n; later positions are rewritten before any query reads them: attention
   never reads past a query's own position) and takes `prenorm` from the query at p + n.
-* a plain decode step (`follow`): only the head's K/V at p from the step's hidden states and the token it
-  sampled (the fused hidden state, the norms and q/k/v: no attention, no MLP), and `pending`. Windows that
-  run plain (the policy's choice, penalty rows) keep the head current for about a sixth of its step; the
-  next speculative window's first step (one query at p - 1 for the stale rows) makes `prenorm` again.
+* a plain window (`follow` each step, `followed` at its end): each step keeps its hidden states, sampled
+  tokens, positions and slots; after the last, one pass over all of them writes the head's K/V at each
+  position (the fused hidden state, the norms and k/v: no attention, no MLP) and sets `pending` from each
+  row's last live step. Windows that run plain (the policy's choice, penalty rows) keep the head current for
+  one read of its fc and k/v weights a window, not one a step; the next speculative window's first step (one
+  query at p - 1 for the stale rows) makes `prenorm` again.
 
 The K/V at a shared page's last position was computed with its first owner's next token (prefix-cache hits,
 n > 1 forks of a prompt that fills its last page): that can lower acceptance; it never changes output,
@@ -84,6 +86,14 @@ class DraftHead:
         self.pending = torch.zeros(rows, cfg.hidden_size, dtype=dtype, device=device)
         self.stale = torch.zeros(rows, dtype=torch.bool, device=device)
         self.page_size = config.page_size
+        # a plain window's steps, kept for its one upkeep pass at the end (`HeadDrafter.follow` / `followed`): the
+        # hidden states the head reads, the sampled tokens, and each row's position and KV slot, step by step
+        steps, width = config.num_decode_steps, target.config.hidden_size * (len(self.reads) if self.reads else 1)
+        self.trail_hidden = torch.zeros(steps, rows, width, dtype=dtype, device=device)
+        self.trail_tokens = torch.zeros(steps, rows, dtype=torch.int64, device=device)
+        self.trail_positions = torch.zeros(steps, rows, dtype=torch.int64, device=device)
+        self.trail_slots = torch.zeros(steps, rows, dtype=torch.int64, device=device)
+        self.trail_live = torch.zeros(steps, rows, dtype=torch.bool, device=device)
 
     @property
     def model(self):
@@ -129,7 +139,10 @@ class DraftHead:
         copy_page(self.kv_caches, src, dst)
 
     def window_tensors(self) -> dict[str, torch.Tensor | None]:
-        return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale, **self.head.window_tensors()}
+        return {"prenorm": self.prenorm, "pending": self.pending, "stale": self.stale,
+                "trail_hidden": self.trail_hidden, "trail_tokens": self.trail_tokens,
+                "trail_positions": self.trail_positions, "trail_slots": self.trail_slots,
+                "trail_live": self.trail_live, **self.head.window_tensors()}
 
 
 class HeadDrafter(Drafter):
@@ -189,11 +202,29 @@ class HeadDrafter(Drafter):
         prenorm = eagle.prenorm[:bucket]
         prenorm.copy_(torch.where((emit > 0)[:, None], last, prenorm))
 
-    def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
-               live: torch.Tensor) -> None:
+    def follow(self, state, bucket: int, step: int, meta: DecodeMetadata, hidden: torch.Tensor,
+               tokens: torch.Tensor, live: torch.Tensor) -> None:
         eagle = self.eagle
-        fused = eagle.head.fuse(hidden)
-        eagle.head.write_kv(eagle.embed(tokens), fused, state.positions[:bucket], eagle.backend, meta.slot_mapping)
+        eagle.trail_hidden[step, :bucket] = hidden
+        eagle.trail_tokens[step, :bucket] = tokens
+        eagle.trail_positions[step, :bucket] = state.positions[:bucket]
+        eagle.trail_slots[step, :bucket] = meta.slot_mapping[:bucket]
+        eagle.trail_live[step, :bucket] = live
+
+    def followed(self, state, bucket: int, steps: int) -> None:
+        """The window's steps in one pass: the head's K/V at each live step's position (a done row's slot is the
+        scratch one, so only scratch is written twice), and `pending` from each row's last live step."""
+        eagle = self.eagle
+        hidden = eagle.trail_hidden[:steps, :bucket]
+        fused = eagle.head.fuse(hidden.reshape(steps * bucket, hidden.shape[-1]))
+        eagle.head.write_kv(eagle.embed(eagle.trail_tokens[:steps, :bucket].reshape(-1)), fused,
+                            eagle.trail_positions[:steps, :bucket].reshape(-1), eagle.backend,
+                            eagle.trail_slots[:steps, :bucket].reshape(-1))
+        live = eagle.trail_live[:steps, :bucket]
+        last = (live.sum(dim=0) - 1).clamp(min=0)  # done only ever follows live within a window
+        fused = fused.view(steps, bucket, -1)
+        latest = fused.gather(0, last[None, :, None].expand(1, bucket, fused.shape[2]))[0]
+        ran = live.any(dim=0)
         pending = eagle.pending[:bucket]
-        pending.copy_(torch.where(live[:, None], fused, pending))
-        eagle.stale[:bucket] |= live
+        pending.copy_(torch.where(ran[:, None], latest, pending))
+        eagle.stale[:bucket] |= ran

@@ -8,8 +8,8 @@ on the device with static shapes and no host sync, so it is captured with the wi
 
 Drafters that read the target's hidden states (EAGLE-3 heads and MTP layers, draft_head.py) set
 `reads_hidden`: the window's forward then returns them beside the logits, and the window hands them to
-`accepted` after each verify and to `follow` after each plain decode step, so the drafter's own state stays
-current.
+`accepted` after each verify and to `follow` after each plain decode step (`followed` after the window's
+last), so the drafter's own state stays current.
 
 * NgramDrafter: the row's own history (prompt lookup, `ngram_drafts`).
 * ModelDrafter: a draft model (draft_model.py) running d small forwards per round. The first
@@ -87,10 +87,13 @@ class Drafter:
         """After a verify (before the rows advance): its metadata, the target's hidden states [B * Q, ...],
         the tokens sampled at each position [B, Q] and the tokens each row emits [B]."""
 
-    def follow(self, state, bucket: int, meta: DecodeMetadata, hidden: torch.Tensor, tokens: torch.Tensor,
-               live: torch.Tensor) -> None:
-        """After a plain decode step (before the rows advance): its metadata, the target's hidden states
-        [B, ...], the sampled tokens [B], the rows that were live."""
+    def follow(self, state, bucket: int, step: int, meta: DecodeMetadata, hidden: torch.Tensor,
+               tokens: torch.Tensor, live: torch.Tensor) -> None:
+        """After a plain decode step (before the rows advance): the step's index in the window, its metadata,
+        the target's hidden states [B, ...], the sampled tokens [B], the rows that were live."""
+
+    def followed(self, state, bucket: int, steps: int) -> None:
+        """After a plain window's `steps` steps (each one `follow`ed)."""
 
 
 class NgramDrafter(Drafter):

@@ -81,5 +81,7 @@ def decode_window(
             live = ~state.done[rows]
         tokens = sample_into(state, sampler, logits, rows, step + 1, next_pos, variant, state.done[rows])
         if follow:
-            drafter.follow(state, bucket, ctx.decode, hidden, tokens, live)
+            drafter.follow(state, bucket, step, ctx.decode, hidden, tokens, live)
         state.advance(bucket, tokens, page_size, advance=True, csr=csr)
+    if follow:
+        drafter.followed(state, bucket, num_decode_steps)
