@@ -40,7 +40,11 @@ k B d b (its verifies run B (d + 1) rows where plain steps run B). b comes from 
 (t = m + P b over P prompt tokens) and m from the smallest bucket's measured plain window; a bucket
 without a plain measure takes k (m + B b) as its plain window. On two AVX2 cores it puts a batch-16
 window with d = 4 at 2.9-3.0 plain ones, where 3.3-3.4 were measured; on a GPU b is small and the
-estimate near 1. Without an estimate either (no prefill timed yet; a first window of each kind
+estimate near 1. On a CPU a window leaves its inert rows out, so its time follows its rows, not its bucket
+(a bucket-4 window whose batch has one row left costs about what a bucket-1 window does; against plain windows
+of four rows, such a tail's probe measures a ratio below 1): there (`by_rows`) windows are measured and weighed
+by the number of rows they hold, the "bucket" of what follows. Without an estimate either (no prefill timed
+yet; a first window of each kind
 is not timed where it may capture a graph or compile: on a GPU, with compile=True or the CPU graph
 twin), the next probe comes after `probe_every` plain windows, twice that after each probe that
 did not pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
@@ -68,8 +72,11 @@ class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
                  first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1,
-                 headroom: float = 0.1):
+                 headroom: float = 0.1, by_rows: bool = False):
         self.enabled = enabled
+        # a window's cost follows its rows, not its bucket (a CPU window leaves inert rows out): windows are
+        # measured and weighed by the number of rows they hold, the `bucket` arguments below that number
+        self.by_rows = by_rows
         self.headroom = headroom  # speculate where 1 + a >= c (1 + headroom): a near-even bet is not worth its noise
         self.draft_tokens = draft_tokens  # d: a verify runs d + 1 rows per row (0: no estimate of the cost)
         self.steps_per_window = steps_per_window  # k: steps (rounds) a window runs
@@ -208,6 +215,7 @@ class SpecPolicy:
         if not self.enabled:
             return False
         rows = list(rows)
+        bucket = len(rows) if self.by_rows and rows else bucket
         sampled = any_sampled(rows)
         accepted = self.expected_acceptance(rows)
         if self.pays(bucket, accepted, sampled):
@@ -246,9 +254,11 @@ class SpecPolicy:
         """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
         self._probing = False
 
-    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False) -> None:
+    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False,
+                       rows: int = 0) -> None:
         """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile);
-        `sampled`: some of its rows at temperature > 0."""
+        `sampled`: some of its rows at temperature > 0; `rows`: the sequences it held (by_rows: its key)."""
+        bucket = rows if self.by_rows and rows else bucket
         key = (bucket, speculative, sampled)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)

@@ -342,10 +342,12 @@ def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
 
 
 def test_the_engine_times_its_prefills_for_the_policy(tiny_models):
-    """Each step that prefills and samples reports its prefill's tokens and time to the policy."""
+    """Each step that prefills and samples reports its prefill's tokens and time to the policy (a CPU engine's
+    policy keys windows by their rows)."""
     path = tiny_models["llama_head_dim"]
     spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
     engine = spec.engine
+    assert engine.spec_policy.by_rows
     seen = []
     observe = engine.spec_policy.observe_prefill
 
@@ -389,6 +391,30 @@ def test_sampled_windows_have_their_own_cost_ratio():
     assert policy.cost_ratio(1, sampled=True) == pytest.approx(1.6) and policy.cost_ratio(1) == pytest.approx(1.2)
     assert policy.speculate(1, greedy) and not policy.speculate(1, sampled)
     assert not policy.speculate(1, greedy + sampled)  # one sampled row makes the window a sampled one
+
+
+def test_spec_policy_on_a_cpu_keys_windows_by_their_rows():
+    """by_rows (a CPU engine, whose windows leave inert rows out): a window is measured and weighed by the rows it
+    holds, not its bucket, so a bucket-4 window with one row left is compared with one-row windows, and four
+    rows' plain windows with four rows' speculative ones. The engine sets it on a CPU."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    def rows(n):
+        return [_policy_row(None, max_len=100, num_tokens=10) for _ in range(n)]
+
+    policy = SpecPolicy(enabled=True, min_accepted=0.5, first_window_untimed=False, by_rows=True)
+    policy.observe_window(4, False, 1.0, rows=4)
+    policy.observe_window(4, True, 0.4, rows=1)  # a tail: one row left in bucket 4
+    assert policy.cost_ratio(4) is None  # four rows' speculative windows not measured: no ratio of 0.4 at 4
+    policy.observe_window(1, False, 0.3, rows=1)
+    assert policy.cost_ratio(1) == pytest.approx(0.4 / 0.3)
+    policy.observe_window(4, True, 1.5, rows=4)
+    assert policy.cost_ratio(4) == pytest.approx(1.5)
+    policy.observe(verifies=4, accepted=2)  # 0.5 accepted: pays where c (1 + 10%) <= 1.5
+    assert policy.speculate(4, rows(1)) and not policy.speculate(4, rows(4))
+    bucketed = SpecPolicy(enabled=True, first_window_untimed=False)  # a GPU's: the bucket is the key
+    bucketed.observe_window(4, True, 0.4, rows=1)
+    assert (4, True, False) in bucketed.window_seconds
 
 
 def test_spec_policy_weighs_the_rows_a_window_holds():
