@@ -93,8 +93,7 @@ class Engine:
         # speculative or plain, per window; eager CPU windows do no first-time work, so their first is timed too
         self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0, first_window_untimed=(
             config.torch_device.type != "cpu" or bool(config.compile) or bool(config.cuda_graphs)),
-            draft_tokens=config.num_speculative_tokens, steps_per_window=config.num_decode_steps,
-            by_rows=config.torch_device.type == "cpu")  # a CPU window's cost follows its rows (inert ones left out)
+            draft_tokens=config.num_speculative_tokens, steps_per_window=config.num_decode_steps)
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -238,7 +237,7 @@ class Engine:
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if result.window_seconds is not None:
             self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds,
-                                            any_sampled(r.seq for r in plan.readout), rows=len(plan.readout))
+                                            any_sampled(r.seq for r in plan.readout))
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:

@@ -17,10 +17,9 @@ ones until that report arrives; afterwards it speculates while
 a >= max(min_accepted, c (1 + headroom) - 1) (headroom 10%: a near-even bet is not worth the noise
 of its measures), and
 otherwise runs plain windows with a probe now and then, to notice when drafting starts to
-pay. A probe at a bucket whose cost ratio is measured loses the accepted tokens it lacks to pay
-(the threshold above less a, at least c - 1 - a) in plain windows of that bucket's time (a ratio
-measured at or below 1 + a makes no probe free); it runs once the bucket's plain time since its
-last probe, times `probe_budget` (2%), covers that loss: losing probes take about 2% of each bucket's time,
+pay. A probe at a bucket whose cost ratio is measured loses (c - 1 - a) plain windows of
+that bucket's time; it runs once the bucket's plain time since its last probe, times
+`probe_budget` (2%), covers that loss: losing probes take about 2% of each bucket's time,
 a probe that nearly paid comes back within a few windows and one that would lose a whole
 window after 50. Acceptance is the requests' property, not the engine's: a stretch of text
 a head cannot predict must not keep speculation off for whatever comes next, and one
@@ -40,11 +39,7 @@ k B d b (its verifies run B (d + 1) rows where plain steps run B). b comes from 
 (t = m + P b over P prompt tokens) and m from the smallest bucket's measured plain window; a bucket
 without a plain measure takes k (m + B b) as its plain window. On two AVX2 cores it puts a batch-16
 window with d = 4 at 2.9-3.0 plain ones, where 3.3-3.4 were measured; on a GPU b is small and the
-estimate near 1. On a CPU a window leaves its inert rows out, so its time follows its rows, not its bucket
-(a bucket-4 window whose batch has one row left costs about what a bucket-1 window does; against plain windows
-of four rows, such a tail's probe measures a ratio below 1): there (`by_rows`) windows are measured and weighed
-by the number of rows they hold, the "bucket" of what follows. Without an estimate either (no prefill timed
-yet; a first window of each kind
+estimate near 1. Without an estimate either (no prefill timed yet; a first window of each kind
 is not timed where it may capture a graph or compile: on a GPU, with compile=True or the CPU graph
 twin), the next probe comes after `probe_every` plain windows, twice that after each probe that
 did not pay (the cost unknown, up to 8% of the windows could be losing probes otherwise); after
@@ -72,11 +67,8 @@ class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.02,
                  first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1,
-                 headroom: float = 0.1, by_rows: bool = False):
+                 headroom: float = 0.1):
         self.enabled = enabled
-        # a window's cost follows its rows, not its bucket (a CPU window leaves inert rows out): windows are
-        # measured and weighed by the number of rows they hold, the `bucket` arguments below that number
-        self.by_rows = by_rows
         self.headroom = headroom  # speculate where 1 + a >= c (1 + headroom): a near-even bet is not worth its noise
         self.draft_tokens = draft_tokens  # d: a verify runs d + 1 rows per row (0: no estimate of the cost)
         self.steps_per_window = steps_per_window  # k: steps (rounds) a window runs
@@ -190,15 +182,11 @@ class SpecPolicy:
         return accepted >= need
 
     def probe_loss(self, bucket: int, accepted: float | None, sampled: bool = False) -> float | None:
-        """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured): its
-        shortfall in tokens, (c - 1 - a) plain windows, and never less than the acceptance it lacks to pay
-        (`pays`' threshold less a): a ratio measured at or below 1 + a must not make probes free while the
-        policy does not speculate."""
+        """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured)."""
         ratio = self.cost_ratio(bucket, sampled)
         if ratio is None or accepted is None:
             return None
-        need = max(self.min_accepted, ratio * (1.0 + self.headroom) - 1.0)
-        return max(ratio - 1.0 - accepted, need - accepted, 0.0) * self.plain_seconds(bucket, sampled)
+        return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket, sampled)
 
     def probe_due(self, bucket: int, accepted: float | None, sampled: bool = False) -> bool:
         """Where the probe's loss is measured or estimated, once the budget covers it, however long that
@@ -215,7 +203,6 @@ class SpecPolicy:
         if not self.enabled:
             return False
         rows = list(rows)
-        bucket = len(rows) if self.by_rows and rows else bucket
         sampled = any_sampled(rows)
         accepted = self.expected_acceptance(rows)
         if self.pays(bucket, accepted, sampled):
@@ -254,11 +241,9 @@ class SpecPolicy:
         """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
         self._probing = False
 
-    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False,
-                       rows: int = 0) -> None:
+    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False) -> None:
         """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile);
-        `sampled`: some of its rows at temperature > 0; `rows`: the sequences it held (by_rows: its key)."""
-        bucket = rows if self.by_rows and rows else bucket
+        `sampled`: some of its rows at temperature > 0."""
         key = (bucket, speculative, sampled)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)

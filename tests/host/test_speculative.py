@@ -242,8 +242,7 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
 
 def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     """A probe runs once probe_budget of its bucket's plain time since its last probe there covers what it is
-    expected to lose, the accepted tokens it lacks to pay (max(min_accepted, c (1 + headroom) - 1) - a, at least
-    c - 1 - a) of the bucket's plain windows: one that nearly pays comes back soon, an expensive
+    expected to lose, (c - 1 - a) of the bucket's plain windows: one that nearly pays comes back soon, an expensive
     one rarely, however long that takes (max_probe_every counts only where the loss is unknown). A probe withdrawn (it ran plain) frees the next
     window."""
     from graphdecode.host.spec_policy import SpecPolicy
@@ -266,15 +265,14 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
             count += 1
         return count
 
-    # bucket 1's plain time so far: 1 s (its timed window above). A probe there is 0.25 tokens short of its cost
-    # (1.25 - 1 - 0), but 0.5 short of paying (min_accepted): it counts as losing 0.5 s, due at 25 s
-    assert plain_windows_before_a_probe(1, 1.0) == 24
-    policy.observe(verifies=4, accepted=1)  # 0.125 accepted on average: 0.375 short of paying, 0.375 s
-    assert plain_windows_before_a_probe(1, 1.0) == 19  # 18.75 s
-    # 0.1875: bucket 16 pays from 2 x 1.1 - 1 = 1.2 accepted (the headroom), so loses (1.2 - 0.1875) x 4 s =
-    # 4.05 s, due at 202.5 s of its own plain time (4 s so far: bucket 1's probes leave its account alone)
+    # bucket 1's plain time so far: 1 s (its timed window above); a probe there loses 0.25 s: due at 12.5 s
+    assert plain_windows_before_a_probe(1, 1.0) == 12
+    policy.observe(verifies=4, accepted=1)  # 0.125 accepted on average: a probe loses 0.125 s at bucket 1
+    assert plain_windows_before_a_probe(1, 1.0) == 7  # 6.25 s
+    # 0.1875: bucket 16 loses (2 - 1 - 0.1875) x 4 s = 3.25 s, due at 162.5 s of its own plain time (4 s so far:
+    # bucket 1's probes leave its account alone)
     policy.observe(verifies=4, accepted=1)
-    assert plain_windows_before_a_probe(16, 4.0) == 50
+    assert plain_windows_before_a_probe(16, 4.0) == 40
     policy.observe(verifies=4, accepted=0)
     policy.observe_window(16, True, 1000.0)  # an expensive bucket: a probe there loses ~125 plain windows
     loss = policy.probe_loss(16, policy.accepted_per_verify)
@@ -282,21 +280,6 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     assert plain_windows_before_a_probe(16, 4.0) == math.ceil(loss / (0.02 * 4.0)) > 300
     policy.observe(verifies=4, accepted=40)  # a report that pays: speculating again
     assert policy.speculate(1)
-    # a ratio measured below 1 + a (windows of a few live rows against full ones) makes no probe free: below
-    # min_accepted, one still waits for the budget to cover the acceptance it lacks
-    low = SpecPolicy(enabled=True, min_accepted=0.5, probe_budget=0.02, first_window_untimed=False)
-    low.observe_window(4, False, 1.0)
-    low.observe_window(4, True, 0.97)
-    low.observe(verifies=8, accepted=1)
-    assert low.probe_loss(4, 0.125) == pytest.approx(0.375)
-    probes = 0
-    for _ in range(100):
-        if low.speculate(4):
-            probes += 1
-            low.observe(verifies=8, accepted=1)
-        else:
-            low.observe_window(4, False, 1.0)
-    assert probes == 5  # one in about 19 windows (the loss taken as 0: every window)
 
 
 def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
@@ -321,14 +304,13 @@ def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
     assert policy.cost_ratio(1) == pytest.approx(1 + k * d * b / (k * (m + b)))  # 1.30
     policy.observe(verifies=10, accepted=15)  # 1.5 accepted per verify: pays where c <= 2.5
     assert policy.speculate(1) and not policy.speculate(16)
-    # the probe at bucket 16 is (3.25 x 1.1 - 1 - 1.5) accepted tokens short of paying (the headroom's 10% on the
-    # cost): due once 2% of its plain time covers that many plain windows
-    due = (policy.cost_ratio(16) * 1.1 - 2.5) * plain_16 / policy.probe_budget
+    # the probe at bucket 16 loses (3.25 - 1 - 1.5) plain windows: due once 2% of its plain time covers that
+    due = (policy.cost_ratio(16) - 2.5) * plain_16 / policy.probe_budget
     windows = 0
     while not policy.speculate(16):
         policy.observe_window(16, False, plain_16)
         windows += 1
-    assert windows == math.ceil(due / plain_16)  # 54 plain windows, then the probe
+    assert windows == math.ceil(due / plain_16)  # 38 plain windows, then the probe
     policy.observe(verifies=10, accepted=15)
     policy.observe_window(16, False, 0.5)  # measured plain: the estimate's denominator
     assert policy.cost_ratio(16) == pytest.approx(1 + k * 16 * d * b / (0.5 * 0.5 + 0.5 * plain_16))
@@ -342,12 +324,10 @@ def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
 
 
 def test_the_engine_times_its_prefills_for_the_policy(tiny_models):
-    """Each step that prefills and samples reports its prefill's tokens and time to the policy (a CPU engine's
-    policy keys windows by their rows)."""
+    """Each step that prefills and samples reports its prefill's tokens and time to the policy."""
     path = tiny_models["llama_head_dim"]
     spec = LLM(path, speculative_config=SPEC, **SMALL_ENGINE)
     engine = spec.engine
-    assert engine.spec_policy.by_rows
     seen = []
     observe = engine.spec_policy.observe_prefill
 
@@ -391,30 +371,6 @@ def test_sampled_windows_have_their_own_cost_ratio():
     assert policy.cost_ratio(1, sampled=True) == pytest.approx(1.6) and policy.cost_ratio(1) == pytest.approx(1.2)
     assert policy.speculate(1, greedy) and not policy.speculate(1, sampled)
     assert not policy.speculate(1, greedy + sampled)  # one sampled row makes the window a sampled one
-
-
-def test_spec_policy_on_a_cpu_keys_windows_by_their_rows():
-    """by_rows (a CPU engine, whose windows leave inert rows out): a window is measured and weighed by the rows it
-    holds, not its bucket, so a bucket-4 window with one row left is compared with one-row windows, and four
-    rows' plain windows with four rows' speculative ones. The engine sets it on a CPU."""
-    from graphdecode.host.spec_policy import SpecPolicy
-
-    def rows(n):
-        return [_policy_row(None, max_len=100, num_tokens=10) for _ in range(n)]
-
-    policy = SpecPolicy(enabled=True, min_accepted=0.5, first_window_untimed=False, by_rows=True)
-    policy.observe_window(4, False, 1.0, rows=4)
-    policy.observe_window(4, True, 0.4, rows=1)  # a tail: one row left in bucket 4
-    assert policy.cost_ratio(4) is None  # four rows' speculative windows not measured: no ratio of 0.4 at 4
-    policy.observe_window(1, False, 0.3, rows=1)
-    assert policy.cost_ratio(1) == pytest.approx(0.4 / 0.3)
-    policy.observe_window(4, True, 1.5, rows=4)
-    assert policy.cost_ratio(4) == pytest.approx(1.5)
-    policy.observe(verifies=4, accepted=2)  # 0.5 accepted: pays where c (1 + 10%) <= 1.5
-    assert policy.speculate(4, rows(1)) and not policy.speculate(4, rows(4))
-    bucketed = SpecPolicy(enabled=True, first_window_untimed=False)  # a GPU's: the bucket is the key
-    bucketed.observe_window(4, True, 0.4, rows=1)
-    assert (4, True, False) in bucketed.window_seconds
 
 
 def test_spec_policy_weighs_the_rows_a_window_holds():
