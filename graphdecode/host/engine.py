@@ -237,7 +237,8 @@ class Engine:
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if result.window_seconds is not None:
             self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds,
-                                            any_sampled(r.seq for r in plan.readout))
+                                            any_sampled(r.seq for r in plan.readout),
+                                            full=2 * len(plan.readout) > pending.bucket)
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:

@@ -241,13 +241,19 @@ class SpecPolicy:
         """The window chosen to speculate ran plain (a row needed penalties): no report will come."""
         self._probing = False
 
-    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False) -> None:
+    def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False,
+                       full: bool = True) -> None:
         """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile);
-        `sampled`: some of its rows at temperature > 0."""
+        `sampled`: some of its rows at temperature > 0; `full`: it held more rows than half its bucket. A tail's
+        window (a batch's last rows in a bucket their slots keep) counts toward the probe budget's plain time but
+        not toward the bucket's average: a CPU window leaves inert rows out, so a bucket-4 window with one row left
+        costs about a one-row window, and one such speculative window against plain windows of four rows would
+        measure a ratio below 1."""
         key = (bucket, speculative, sampled)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)
             return
         if not speculative:
             self._plain_seconds[bucket] = self._plain_seconds.get(bucket, 0.0) + seconds
-        self.window_seconds[key] = self._average(self.window_seconds.get(key), seconds)
+        if full:
+            self.window_seconds[key] = self._average(self.window_seconds.get(key), seconds)

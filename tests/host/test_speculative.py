@@ -240,6 +240,23 @@ def test_spec_policy_weighs_acceptance_against_measured_cost():
     assert policy.speculate(8)
 
 
+def test_spec_policy_does_not_average_a_tails_windows_into_its_bucket():
+    """A window holding no more than half its bucket's rows (a batch's last rows, in the bucket their slots keep)
+    is not averaged into the bucket's time (on a CPU it costs about a window of its own rows: a one-row
+    speculative window against four-row plain ones would put the ratio below 1), but its plain time still counts
+    toward the probe budget."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    policy = SpecPolicy(enabled=True, first_window_untimed=False)
+    policy.observe_window(4, False, 1.0)
+    policy.observe_window(4, True, 0.4, full=False)
+    assert policy.cost_ratio(4) is None and (4, True, False) not in policy.window_seconds
+    policy.observe_window(4, False, 0.3, full=False)
+    assert policy.window_seconds[(4, False, False)] == 1.0 and policy._plain_seconds[4] == pytest.approx(1.3)
+    policy.observe_window(4, True, 1.5)
+    assert policy.cost_ratio(4) == pytest.approx(1.5)
+
+
 def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     """A probe runs once probe_budget of its bucket's plain time since its last probe there covers what it is
     expected to lose, (c - 1 - a) of the bucket's plain windows: one that nearly pays comes back soon, an expensive
