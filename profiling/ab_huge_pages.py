@@ -51,13 +51,8 @@ def main(argv=None) -> dict:
               "machine": machine_info(engines[0].config.torch_device, args.threads), "points": []}
     for batch in batches:
         prompts = bench_spec._prompts(engines[0], bench_spec.OPEN_ENDED, batch)
-        for e in engines:
-            e.generate(prompts[:1], params)
-        rates: list[list[float]] = [[] for _ in engines]
-        for r in range(args.repeats):
-            for i in [(r + j) % 4 for j in range(4)]:
-                run = bench_spec._run(engines[i], prompts, params)
-                rates[i].append(run["tokens"] / run["seconds"])
+        runs = bench_spec.measure(dict(enumerate(engines)), prompts, params, args.repeats)  # warmed, rotating
+        rates = [runs[i]["rates"] for i in range(len(engines))]
         huge = [sum(rates[i][r] for i in on) for r in range(args.repeats)]
         small = [sum(rates[i][r] for i in range(4) if i not in on) for r in range(args.repeats)]
         ratios = [h / s for h, s in zip(huge, small)]
