@@ -38,7 +38,7 @@
 
 #include "cpu_common.h"
 
-#define GRAPHDECODE_CPU_ABI_VERSION 24  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers; 14: FP8 E4M3 KV caches; 15: the quantized panels' integer dot products; 16: the delta rule's decode step; 17: bf16 pair panels; 18: their AMX form; 19: swiglu; 20: the gated projection's one pass; 21: a projection plus its residual; 22: rows of packed panels; 23: the decoder layers' IN words; 24: Gumbel-max sampling
+#define GRAPHDECODE_CPU_ABI_VERSION 25  // 2: cpu_fused.cpp's kernels in the same library; 3: cpu_linear.cpp's; 4: its threads; 5: attention's; 6: the fused passes'; 7: write_kv; 8: bf16 panels; 9: prefill attention; 10: decoder layers; 11: their SAVE word; 12: quantized panels; 13: quantized projections in the decoder layers; 14: FP8 E4M3 KV caches; 15: the quantized panels' integer dot products; 16: the delta rule's decode step; 17: bf16 pair panels; 18: their AMX form; 19: swiglu; 20: the gated projection's one pass; 21: a projection plus its residual; 22: rows of packed panels; 23: the decoder layers' IN words; 24: Gumbel-max sampling; 25: the SAVE_LD word
 
 namespace {
 

@@ -48,13 +48,14 @@ namespace {
 using namespace graphdecode_cpu;
 
 // One layer's entries in the caller's int64 table (pointers as integers), and in its float table.
-// SAVE: where x is copied before the layer runs (0: nowhere), [M, hidden]: the hidden states an EAGLE-3 head reads
+// SAVE, SAVE_LD: where x is copied before the layer runs (0: nowhere), its M rows SAVE_LD elements apart (0: hidden):
+// the hidden states an EAGLE-3 head reads, each stop layer's columns of one [M, stops x hidden] array
 // KV_DTYPE: the layer's cache's dtype code (x's, or FP8 E4M3 written as k * K_MUL, v * V_MUL, its attention's
 // output times OUT_SCALE and SCALE the query's scale times the K scale)
 // IN, IN_WIDTH: where the qkv projection reads its rows instead of the normed x ([M, IN_WIDTH], 0: the normed x; x
 // stays the residual): an EAGLE-3 head's layer, whose q/k/v read [normed embedding | normed hidden state]
 enum Word : int64_t {
-  IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, KV_DTYPE, IN, IN_WIDTH, WORDS
+  IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, KV, SINKS, WINDOW_LEFT, SAVE, KV_DTYPE, IN, IN_WIDTH, SAVE_LD, WORDS
 };
 enum Real : int64_t { SCALE, SOFT_CAP, K_MUL, V_MUL, OUT_SCALE, REALS };
 // Each projection's (qkv, o, gate_up, down) entries in the caller's quantization table: KIND -1 for float panels
@@ -107,7 +108,12 @@ int layers(const Dims& s, const int64_t* words, const int64_t* quant, const floa
     const int64_t* w = words + l * WORDS;
     const int64_t* qt = quant + l * PROJECTIONS * QUANT_WORDS;
     const float* r = reals + l * REALS;
-    if (w[SAVE]) std::memcpy(reinterpret_cast<T*>(static_cast<intptr_t>(w[SAVE])), x, M * H * sizeof(T));
+    if (w[SAVE]) {
+      T* saved = reinterpret_cast<T*>(static_cast<intptr_t>(w[SAVE]));
+      const int64_t ld = w[SAVE_LD] ? w[SAVE_LD] : H;
+      if (ld == H) std::memcpy(saved, x, M * H * sizeof(T));
+      else for (int64_t i = 0; i < M; ++i) std::memcpy(saved + i * ld, x + i * H, H * sizeof(T));
+    }
     if (!w[IN])
       err |= graphdecode_cpu_add_rms_norm(x, nullptr, ptr<T>(w[IN_NORM]), normed, nullptr, M, H, H, s.eps, s.dtype,
                                           s.threads);

@@ -538,6 +538,12 @@ class EngineConfig:
         return partition
 
     @property
+    def spec_history(self) -> bool:
+        """Whether speculation keeps each row's token history on the device: n-gram drafts are looked up in it, a
+        draft model catches up from it; a draft head reads the target's hidden states instead."""
+        return self.speculative_method in ("ngram", "draft_model")
+
+    @property
     def window_tokens(self) -> int:
         """Most tokens a row can gain in one window: k, or k (d + 1) when speculating."""
         return self.num_decode_steps * (self.num_speculative_tokens + 1)

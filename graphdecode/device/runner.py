@@ -96,7 +96,7 @@ class ModelRunner:
             vocab_size=cfg.vocab_size, max_logit_bias=config.max_logit_bias,
             bad_word_slots=2 * config.max_bad_words, max_bad_word_tokens=config.max_bad_word_tokens,
             spec_tokens=config.num_speculative_tokens,
-            history_len=config.max_model_len + config.num_speculative_tokens + 1,
+            history_len=config.max_model_len + config.num_speculative_tokens + 1 if config.spec_history else 0,
             structured_max_states=config.structured_max_states,
             structured_max_exceptions=config.structured_max_exceptions,
         )

@@ -110,7 +110,7 @@ def speculative_window(
     accepted_pos = torch.zeros(bucket, d, dtype=torch.int32, device=device)
     rounds = torch.zeros(bucket, dtype=torch.int32, device=device)
     speculation = state.speculation
-    history = speculation.history[rows]
+    history = speculation.history[rows] if speculation.history is not None else None  # a head's: none
     max_len = state.max_len[rows].to(torch.int64)  # [B]
     rejecting = (state.temperature[rows] > 0) & ~state.seeded[rows]  # [B]: rows whose drafts are rejection-sampled
     drafter.begin_window(state, bucket, ~state.done[rows], kv_width, page_size)
@@ -167,7 +167,8 @@ def speculative_window(
         out.scatter_(1, columns, torch.where(written, sampled, out.gather(1, columns)))
         if logprobs is not None:
             state.logprobs.record_columns(bucket, queries, columns, written, logprobs)
-        history.scatter_(1, index, torch.where(written, sampled, history.gather(1, index)))
+        if history is not None:
+            history.scatter_(1, index, torch.where(written, sampled, history.gather(1, index)))
         # advance each row by its own count
         last = sampled.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0]
         state.input_ids[rows] = torch.where(emit > 0, last, state.input_ids[rows])

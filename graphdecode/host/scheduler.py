@@ -96,7 +96,7 @@ class Scheduler:
         self.tables = tables  # the structured-outputs table store: its uploads travel in the plan (or None)
         self.window_tokens = config.window_tokens  # most tokens a row gains per window (k, or k (d + 1))
         self.num_decode_steps = config.num_decode_steps  # ... and the fewest (one per round)
-        self.speculative = config.num_speculative_tokens > 0  # rows need their token history on the device
+        self.spec_history = config.spec_history  # rows need their token history on the device
         self.page_size = config.page_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.pool = pool
@@ -345,7 +345,7 @@ class Scheduler:
             stop_ids=seq.stop_ids,
             max_len=seq.max_len,
             min_len=seq.num_prompt_tokens + params.min_tokens,
-            token_ids=tuple(seq.token_ids) if params.needs_penalties or self.speculative
+            token_ids=tuple(seq.token_ids) if params.needs_penalties or self.spec_history
             or seq.request.placement is not None else (),
             num_prompt_tokens=seq.num_prompt_tokens,
             structured=seq.request.placement,

@@ -39,8 +39,9 @@ from .quant.linear import QuantizedWeight
 # panels from 8 rows in the layer-by-layer forward, but by less than the one call saves there (SmolLM2 bf16, two
 # threads, one call with panels against the eager forward with oneDNN: 1.18x at batch 8, 0.89x at batch 16).
 MIN_ROWS = {torch.bfloat16: 8}
-WORDS = 14  # csrc/cpu_layers.cpp's Word entries per layer
+WORDS = 15  # csrc/cpu_layers.cpp's Word entries per layer
 SAVE = 10  # ... the one naming where a layer's input is copied (0: nowhere)
+SAVE_LD = 14  # ... and its rows' stride in elements (0: hidden)
 KV_DTYPE = 11  # ... its cache's dtype code
 IN, IN_WIDTH = 12, 13  # ... and where its qkv projection reads its rows instead of the normed input (0: there)
 REALS = 5  # and its Real entries: scale, soft-cap, and an FP8 cache's K / V multipliers and output factor
@@ -194,20 +195,21 @@ class CpuDecodeLayers:
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=self.dtype)
         kv = caches[0]
-        saved = x.new_empty((len(stops), rows, x.shape[1])) if stops else None
+        width = x.shape[1]
+        aux = x.new_empty((rows, len(stops) * width)) if stops else None  # each stop layer's input: its columns
         words = self.words.numpy()
         fp8 = kv.dtype == FP8
         words[:, KV_DTYPE] = FP8_CODE if fp8 else DTYPE_CODES[self.dtype]
         words[:, SAVE] = 0
+        words[:, SAVE_LD] = aux.shape[1] if stops else 0
         for j, layer in enumerate(stops):
-            words[layer, SAVE] = saved[j].data_ptr()
+            words[layer, SAVE] = aux[:, j * width :].data_ptr()
         words[0, IN] = pre.data_ptr() if pre is not None else 0
         if rows:
             self.kernels.decoder_layers(
                 self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions,
                 seq_lens, slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
                 kv.shape[2], kv.shape[0], self.eps)
-        aux = saved.transpose(0, 1).reshape(rows, len(stops) * x.shape[1]) if stops else None
         if live is None:
             return x, aux
         out = x.new_zeros((bucket, x.shape[1]))

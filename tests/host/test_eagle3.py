@@ -23,6 +23,7 @@ from graphdecode.structured.params import StructuredOutputsParams
 from tests.helpers import (
     assert_same_outputs,
     completions,
+    device_tokens,
     hot_mid_generation,
     random_prompts,
     token_prompts,
@@ -161,6 +162,7 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     alternate(spec)
     runner = spec.engine.runner
     state, eagle = runner.state, runner.head
+    assert state.speculation.history is None  # a head drafts from hidden states: no token history on the device
     driver = eagle.head.cpu_decode  # the head's layer in one C++ call (models/cpu_decode.py), where it runs
     calls = []
     if driver is not None:
@@ -177,7 +179,7 @@ def test_the_heads_kv_and_output_follow_every_path(text_model, heads):
     page_size = cache.shape[2]
     for row in live:
         p = int(state.positions[row])
-        tokens = state.speculation.history[row, : p + 1].tolist()
+        tokens = device_tokens(spec.engine, row)
         assert p > 40
         keys, values, out, fused = _reference(text_model, head, tokens)
         pages = state.block_table[row, torch.arange(p) // page_size].long()
