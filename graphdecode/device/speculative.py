@@ -47,10 +47,12 @@ from .sampler import Sampler, SamplerVariant
 
 def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: int, kv_width: int,
                     live: torch.Tensor, start: torch.Tensor | None = None,
-                    limit: torch.Tensor | None = None) -> VerifyMetadata:
+                    limit: torch.Tensor | None = None, drafted: torch.Tensor | None = None) -> VerifyMetadata:
     """The verify forward's metadata for the bucket's rows: Q queries from each row's position p
     (or from `start` [B], a draft model's queries: drafters.py); `limit` [B] in place of max_len
-    (a draft's catch-up, whose queries at or past p are inert: draft_model.py).
+    (a draft's catch-up, whose queries at or past p are inert: draft_model.py); `drafted` [B], the
+    drafts each row proposed (n-gram rows may propose fewer than d): its queries past them are
+    inert, since nothing reads what they sample (a CPU forward leaves inert queries out).
 
     Near its end a live row's last queries sit at or past its max_len: nothing they sample is
     kept (the window cuts the row at max_len), so they write the scratch slot and run at the
@@ -61,6 +63,8 @@ def verify_metadata(state: DecodeState, bucket: int, queries: int, page_size: in
     max_len = (state.max_len[rows] if limit is None else limit).to(torch.int64)  # [B]
     query_pos = position[:, None] + torch.arange(queries, device=position.device)  # [B, Q]
     in_context = live[:, None] & (query_pos < max_len[:, None])  # [B, Q]
+    if drafted is not None:
+        in_context &= query_pos <= position[:, None] + drafted[:, None]
     # live rows run at most at max_len - 1 (a draft's queries may start past it), inert rows at most where they are
     cap = torch.where(live, max_len - 1, torch.maximum(max_len - 1, state.positions[rows]))
     run_pos = torch.minimum(query_pos, cap[:, None])  # [B, Q]
@@ -121,7 +125,7 @@ def speculative_window(
         num_drafts = torch.where(live, num_drafts, 0)
         tokens = torch.cat([state.input_ids[rows][:, None], drafts], dim=1)  # [B, Q]
         query_pos = position[:, None] + offsets  # [B, Q]
-        meta = verify_metadata(state, bucket, queries, page_size, kv_width, live)
+        meta = verify_metadata(state, bucket, queries, page_size, kv_width, live, drafted=num_drafts)
         if state.bounds is not None:
             state.bounds.verify(state, bucket, meta)
         backend.prepare_verify(bucket, meta, state, page_size)

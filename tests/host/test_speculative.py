@@ -86,6 +86,24 @@ def test_acceptance_is_counted_exactly():
     assert state.speculation.history[0, 15:23].tolist() == [5, 6, 7, 8, 9, 0, 1, 2]
 
 
+def test_queries_past_a_rows_drafts_are_inert():
+    """A row that drafts fewer than d tokens (n-gram: no earlier occurrence) runs its queries past them inert,
+    writing the scratch slot: nothing reads what they sample, and a CPU forward leaves inert queries out. The
+    counting row drafts 3 of 3 (4 live queries), the other none (1)."""
+    vocab, d = 10, 3
+    state = staged_spec_state([list(range(10)) + list(range(5)), [7, 3]], vocab, d, steps=2)
+    backend = TorchAttentionBackend([torch.zeros(20, 2, 16, 1, 4)], 1, 1, 4)
+    live = []
+
+    def logits_fn(tokens, positions, ctx):
+        live.append(ctx.live_tokens().view(2, d + 1).sum(dim=1).tolist())
+        return counting_model(vocab)(tokens, positions, ctx)
+
+    speculative_window(logits_fn, Sampler(vocab, "cpu"), backend, state, 2, 2, 16, GREEDY, 4, NgramDrafter(3, 1))
+    assert live == [[4, 1], [4, 1]]
+    assert state.out_tokens[0, 1:9].tolist() == [5, 6, 7, 8, 9, 0, 1, 2] and state.out_tokens[1, 1:3].tolist() == [4, 5]
+
+
 def test_a_stop_inside_an_accepted_run_ends_it():
     vocab, d = 10, 3
     state = staged_spec_state([list(range(10)) + list(range(5))], vocab, d, steps=2)
