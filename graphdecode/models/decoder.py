@@ -392,7 +392,20 @@ class DecoderForCausalLM(nn.Module):
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """One token per row: [B] -> logits [B, vocab] float32 (what a decode window compiles)."""
-        return self.compute_logits(self.forward(input_ids, positions, ctx))
+        return self.window_logits(self.forward(input_ids, positions, ctx), ctx)
+
+    def window_logits(self, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        """A window forward's logits: on a CPU, the live rows' only (inert rows, done or padding, and a verify's
+        queries past a row's drafts: what they sample is never read), the inert rows' zeros; elsewhere every
+        row's (a graph's static shape; pipeline stages share whole logits)."""
+        if hidden.device.type != "cpu" or self.stage.size > 1 or torch.compiler.is_compiling():
+            return self.compute_logits(hidden)
+        live = ctx.live_tokens()
+        if bool(live.all()):
+            return self.compute_logits(hidden)
+        logits = hidden.new_zeros((hidden.shape[0], self.config.vocab_size), dtype=torch.float32)
+        logits[live] = self.compute_logits(hidden[live])
+        return logits
 
     def forward_for_head(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
                          aux_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,7 +423,7 @@ class DecoderForCausalLM(nn.Module):
         (input_ids, positions, ctx) -> (logits [T, vocab] float32, those hidden states)."""
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
             hidden, aux = self.forward_for_head(input_ids, positions, ctx, aux_layers)
-            return self.compute_logits(hidden), aux
+            return self.window_logits(hidden, ctx), aux
         return forward
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
