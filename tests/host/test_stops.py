@@ -173,3 +173,19 @@ def test_grouped_stop_token_ids_are_checked(ids, message):
 def test_grouped_stop_token_ids_outside_the_vocabulary_are_refused(llm, tokenizer):
     with pytest.raises(ValueError, match="stop_token_ids: .* outside the vocabulary"):
         llm.generate(PROMPT, SamplingParams(stop_token_ids=[[1, len(tokenizer) + 5]]))
+
+
+def test_a_row_that_finished_gets_no_logits(llm, greedy):
+    """Once a row finishes inside a window, the window's LM head runs for the live rows only (CPU); the rows that
+    go on still decode what they decode alone."""
+    model = llm.engine.runner.model
+    rows = []
+    real = model.compute_logits
+    model.compute_logits = lambda hidden: (rows.append(hidden.shape[0]), real(hidden))[1]
+    try:
+        outs = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)])
+    finally:
+        del model.compute_logits
+    assert [o.outputs[0].token_ids for o in outs] == [greedy[:3], greedy[:40]]
+    assert 2 in rows and 1 in rows  # both rows' logits, then the one left's
