@@ -65,9 +65,10 @@ def test_state_slot_check_for_hybrid_rows():
     BoundsCheck(ROPE_ROWS, P, NUM_PAGES).decode(state, 4, csr=False)  # not a hybrid: no slots to check
 
 
-def _old_verify_metadata(state, bucket, queries, page_size, kv_width, live):
+def _old_verify_metadata(state, bucket, queries, page_size, kv_width, live, drafted=None):
     """The verify metadata before the end-of-context fix: page columns clamped into the row's
-    table, positions unclamped (the drafts near max_len wrote over the row's last page)."""
+    table, positions unclamped (the drafts near max_len wrote over the row's last page); every query
+    live (`drafted` unread)."""
     from graphdecode.attention import VerifyMetadata
 
     position = state.positions[:bucket]

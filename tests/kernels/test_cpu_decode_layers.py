@@ -227,7 +227,10 @@ def test_speculative_windows_verify_through_one_call(tiny_models, panels, method
     prompts = [(b * 8)[:30] for b in random_prompts(2, [3, 5], seed=12)]  # repetitive: n-gram drafts exist
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     got = generate_tokens(llm, prompts, sp)
-    assert 2 * 4 in panels  # a verify of 2 rows x 4 queries ran as one call of 8 rows
+    if method == "draft_model":
+        assert 2 * 4 in panels  # a verify of 2 rows x 4 queries ran as one call of 8 rows
+    else:  # n-gram rows with fewer than 3 drafts leave their later queries out: one call of their live queries
+        assert max(panels) > 2
     assert llm.stats()["spec_windows"] > 0
     assert got == generate_tokens(LLM(path, **engine), prompts, sp)
 
