@@ -212,15 +212,24 @@ class HeadDrafter(Drafter):
         eagle.trail_live[step, :bucket] = live
 
     def followed(self, state, bucket: int, steps: int) -> None:
-        """The window's steps in one pass: the head's K/V at each live step's position (a done row's slot is the
-        scratch one, so only scratch is written twice), and `pending` from each row's last live step."""
+        """The window's steps in one pass: the head's K/V at each live step's position (on a CPU the live steps
+        alone; in a graph every step, a done row's slot the scratch one), and `pending` from each row's last live
+        step."""
         eagle = self.eagle
-        hidden = eagle.trail_hidden[:steps, :bucket]
-        fused = eagle.head.fuse(hidden.reshape(steps * bucket, hidden.shape[-1]))
-        eagle.head.write_kv(eagle.embed(eagle.trail_tokens[:steps, :bucket].reshape(-1)), fused,
-                            eagle.trail_positions[:steps, :bucket].reshape(-1), eagle.backend,
-                            eagle.trail_slots[:steps, :bucket].reshape(-1))
+        hidden = eagle.trail_hidden[:steps, :bucket].reshape(steps * bucket, -1)
+        tokens, positions, slots = (t[:steps, :bucket].reshape(-1) for t in
+                                    (eagle.trail_tokens, eagle.trail_positions, eagle.trail_slots))
         live = eagle.trail_live[:steps, :bucket]
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():  # the live steps alone (a host read)
+            kept = live.reshape(-1).nonzero().squeeze(1)
+            fused = hidden.new_zeros((steps * bucket, eagle.pending.shape[1]))
+            if kept.numel():
+                fused[kept] = eagle.head.fuse(hidden[kept])
+                eagle.head.write_kv(eagle.embed(tokens[kept]), fused[kept], positions[kept], eagle.backend,
+                                    slots[kept])
+        else:  # a graph's static shape: every step, the inert ones writing the scratch slot
+            fused = eagle.head.fuse(hidden)
+            eagle.head.write_kv(eagle.embed(tokens), fused, positions, eagle.backend, slots)
         last = (live.sum(dim=0) - 1).clamp(min=0)  # done only ever follows live within a window
         fused = fused.view(steps, bucket, -1)
         latest = fused.gather(0, last[None, :, None].expand(1, bucket, fused.shape[2]))[0]
