@@ -220,16 +220,16 @@ class HeadDrafter(Drafter):
         tokens, positions, slots = (t[:steps, :bucket].reshape(-1) for t in
                                     (eagle.trail_tokens, eagle.trail_positions, eagle.trail_slots))
         live = eagle.trail_live[:steps, :bucket]
-        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():  # the live steps alone (a host read)
-            kept = live.reshape(-1).nonzero().squeeze(1)
+        kept = None  # a graph's static shape: every step, the inert ones writing the scratch slot
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            kept = live.reshape(-1).nonzero().squeeze(1)  # the live steps alone (a host read)
+        if kept is not None and not kept.numel():  # no live step: nothing to write
             fused = hidden.new_zeros((steps * bucket, eagle.pending.shape[1]))
-            if kept.numel():
-                fused[kept] = eagle.head.fuse(hidden[kept])
-                eagle.head.write_kv(eagle.embed(tokens[kept]), fused[kept], positions[kept], eagle.backend,
-                                    slots[kept])
-        else:  # a graph's static shape: every step, the inert ones writing the scratch slot
-            fused = eagle.head.fuse(hidden)
-            eagle.head.write_kv(eagle.embed(tokens), fused, positions, eagle.backend, slots)
+        else:
+            take = (lambda t: t) if kept is None else (lambda t: t[kept])
+            part = eagle.head.fuse(take(hidden))
+            eagle.head.write_kv(eagle.embed(take(tokens)), part, take(positions), eagle.backend, take(slots))
+            fused = part if kept is None else part.new_zeros((steps * bucket, part.shape[1])).index_copy_(0, kept, part)
         last = (live.sum(dim=0) - 1).clamp(min=0)  # done only ever follows live within a window
         fused = fused.view(steps, bucket, -1)
         latest = fused.gather(0, last[None, :, None].expand(1, bucket, fused.shape[2]))[0]

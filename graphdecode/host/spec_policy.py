@@ -22,9 +22,9 @@ that bucket's time; it runs once the bucket's plain time since its last probe, t
 `probe_budget` (1%), covers that loss: losing probes take about 1% of each bucket's time,
 a probe that nearly paid comes back within a few windows and one that would lose a whole
 window after 100 (a draft head's upkeep in plain windows takes about 1% more, so a workload
-whose drafts never pay stays within 2-3% of plain decoding). Acceptance is the requests' property, not the engine's: a stretch of text
-a head cannot predict must not keep speculation off for whatever comes next, and one
-request's copying must not make its batch company speculate. So each sequence keeps its own
+whose drafts never pay stays within 2-3% of plain decoding). Acceptance is the requests'
+property, not the engine's: a stretch of text a head cannot predict must not keep speculation
+off for whatever comes next, and one request's copying must not make its batch company speculate. So each sequence keeps its own
 average (`Sequence.spec_acceptance`, from its rows of the speculative windows' reports), and a
 window weighs the rows it holds; a row with no report yet counts as the engine-wide average (the
 prior). With requests waiting for a row, the mean (a row finishing early makes room for one: the
