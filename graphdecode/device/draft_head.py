@@ -211,6 +211,15 @@ class HeadDrafter(Drafter):
         eagle.trail_slots[step, :bucket] = meta.slot_mapping[:bucket]
         eagle.trail_live[step, :bucket] = live
 
+    @staticmethod
+    def kept_steps(live: torch.Tensor) -> torch.Tensor | None:
+        """The (step, row) entries of a plain window [steps, B] the upkeep pass runs, flat: on a CPU the live ones
+        alone (a host read); None in a graph (its static shape: every step, the inert ones writing the scratch
+        slot)."""
+        if live.device.type == "cpu" and not torch.compiler.is_compiling():
+            return live.reshape(-1).nonzero().squeeze(1)
+        return None
+
     def followed(self, state, bucket: int, steps: int) -> None:
         """The window's steps in one pass: the head's K/V at each live step's position (on a CPU the live steps
         alone; in a graph every step, a done row's slot the scratch one), and `pending` from each row's last live
@@ -220,9 +229,7 @@ class HeadDrafter(Drafter):
         tokens, positions, slots = (t[:steps, :bucket].reshape(-1) for t in
                                     (eagle.trail_tokens, eagle.trail_positions, eagle.trail_slots))
         live = eagle.trail_live[:steps, :bucket]
-        kept = None  # a graph's static shape: every step, the inert ones writing the scratch slot
-        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-            kept = live.reshape(-1).nonzero().squeeze(1)  # the live steps alone (a host read)
+        kept = self.kept_steps(live)
         if kept is not None and not kept.numel():  # no live step: nothing to write
             fused = hidden.new_zeros((steps * bucket, eagle.pending.shape[1]))
         else:

@@ -243,6 +243,13 @@ def test_speculative_bench_smoke(text_model, tmp_path):
     assert all(p["speedup_paired"] > 0 for p in result["points"])
 
 
+def test_inert_rows_ab_smoke(text_model, tmp_path):
+    result = _script("ab_inert_rows").main(["--model", text_model, "--rounds", "1", "--max-tokens", "6",
+                                            "--threads", "1", "--out", str(tmp_path / "inert")])
+    assert {p["saving"] for p in result["points"]} == {"verify", "logits"}
+    assert all(p["same_tokens"] and p["on_tokens_per_s"] > 0 and p["off_tokens_per_s"] > 0 for p in result["points"])
+
+
 def test_speculative_bench_methods_and_temperatures(text_model, tmp_path):
     """--methods ngram,draft_model (the model as its own draft), greedy and seeded T=0.7: a point per
     (method, set, temperature, batch), the plain tokens at each, the identical draft accepting drafts."""
