@@ -90,9 +90,11 @@ class Engine:
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.structured = StructuredStore(config.structured_max_states, config.structured_max_exceptions)
         self.scheduler = Scheduler(config, self.pool, self.structured)
-        # speculative or plain, per window; eager CPU windows do no first-time work, so their first is timed too
+        # speculative or plain, per window; eager CPU windows do no first-time work, so their first is timed too, and
+        # run their live rows' queries alone (a compiled window keeps its bucket's shape)
+        eager_cpu = config.torch_device.type == "cpu" and not config.compile
         self.spec_policy = SpecPolicy(enabled=config.num_speculative_tokens > 0, first_window_untimed=(
-            config.torch_device.type != "cpu" or bool(config.compile) or bool(config.cuda_graphs)),
+            not eager_cpu or bool(config.cuda_graphs)), live_queries=eager_cpu,
             draft_tokens=config.num_speculative_tokens, steps_per_window=config.num_decode_steps)
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
@@ -236,9 +238,11 @@ class Engine:
         decode = plan.window is not None and plan.window.decode
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if result.window_seconds is not None:
+            report = {} if result.spec is None else {"drafted": int(result.spec[0].sum()),
+                                                      "row_steps": int(result.spec[2].sum())}
             self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds,
                                             any_sampled(r.seq for r in plan.readout),
-                                            full=2 * len(plan.readout) > pending.bucket)
+                                            full=2 * len(plan.readout) > pending.bucket, **report)
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:
@@ -260,7 +264,7 @@ class Engine:
         s.spec_accepted_tokens += accepted
         s.spec_verifies += rounds
         rows = ((r.seq, int(spec[2, r.row]), int(spec[1, r.row])) for r in readout if r.row < spec.shape[1])
-        self.spec_policy.observe(rounds, accepted, rows)
+        self.spec_policy.observe(rounds, accepted, rows, drafted)
 
     def _on_finish(self, seq: Sequence) -> None:
         if seq.detokenizer is not None:

@@ -6,7 +6,14 @@ time) / (plain window time) at the same bucket. It pays when 1 + a >= c. Both ar
 measured, not assumed: the speculative windows report their acceptance one window late,
 and every decode window reports its own time (device time from CUDA events on a GPU,
 where a verify of d + 1 tokens costs about what one decode step does, so c is near 1;
-wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.1 to 5).
+wall time on a CPU, where the verify's matmuls grow with d + 1 and c is 1.1 to 5). A graph's window
+(a GPU's, or a compiled one) costs its bucket's shape whatever its rows hold, so c is the bucket's
+measured ratio. An eager CPU window runs its live rows alone, and of a verify only the queries a
+row drafted: what speculating adds is its drafted queries times a query's cost, measured as the
+speculative windows' time over the plain windows' (brought to as many live rows) per drafted
+query, and expected for a window from the rows it holds and the drafts a row makes a verify (an
+n-gram row that finds no match drafts none): a one-row tail's verify costs little where a full
+bucket's costs twice a plain window.
 
 The policy keeps exponential averages of a and of each (bucket, kind) window time, the kinds
 plain or speculative and greedy or sampled (a window with a row at temperature > 0 pays for its
@@ -68,8 +75,11 @@ class SpecPolicy:
     def __init__(self, enabled: bool, min_accepted: float = 0.5, probe_every: int = 16,
                  max_probe_every: int = 256, smoothing: float = 0.5, probe_budget: float = 0.01,
                  first_window_untimed: bool = True, draft_tokens: int = 0, steps_per_window: int = 1,
-                 headroom: float = 0.1):
+                 headroom: float = 0.1, live_queries: bool = False):
         self.enabled = enabled
+        # an eager CPU window runs its live rows' drafted queries alone, so its cost follows them; a graph's (or a
+        # compiled window's) is its bucket's shape, whatever its rows hold
+        self.live_queries = live_queries
         self.headroom = headroom  # speculate where 1 + a >= c (1 + headroom): a near-even bet is not worth its noise
         self.draft_tokens = draft_tokens  # d: a verify runs d + 1 rows per row (0: no estimate of the cost)
         self.steps_per_window = steps_per_window  # k: steps (rounds) a window runs
@@ -85,6 +95,9 @@ class SpecPolicy:
         # (bucket, speculative, sampled) -> average: a sampled window (some row at temperature > 0) pays for its
         # noise and, speculating, for rejection sampling's distributions: its own cost ratio
         self.window_seconds: dict[tuple[int, bool, bool], float] = {}
+        # (bucket, sampled) -> averages of the measured speculative windows' (drafted queries, live rows)
+        self._spec_shape: dict[tuple[int, bool], tuple[float, float]] = {}
+        self.drafts_per_verify: float | None = None  # a row's drafts per verify (n-gram rows may draft fewer than d)
         self._seen: set[tuple[int, bool, bool]] = set()  # keys whose first (warm-up, maybe compiling) window passed
         self._probing = False  # a probe window is in flight: wait for its report
         self._plain_since = 0  # plain windows since the last probe
@@ -95,29 +108,60 @@ class SpecPolicy:
         self._row_samples: deque[float] = deque(maxlen=256)  # recent rows' acceptance in a window, one per report
         self.min_samples = 8  # ... before their quantiles stand in for rows without a report
 
-    def cost_ratio(self, bucket: int, sampled: bool = False) -> float | None:
+    def cost_ratio(self, bucket: int, sampled: bool = False, rows: int | None = None) -> float | None:
         """A speculative window's time over a plain one's at this bucket, for windows with sampled rows or
-        without: measured once both are (else the other kind's measure), else estimated (None: neither)."""
-        for kind in (sampled, not sampled):
-            spec, plain = self.window_seconds.get((bucket, True, kind)), self.window_seconds.get((bucket, False, kind))
-            if spec is not None and plain is not None:
-                return spec / plain if plain > 0 else None
-        plain = self.window_seconds.get((bucket, False, sampled))
-        line = self.row_costs()
-        if line is None or not self.draft_tokens:
-            return None
-        plain = self._plain_estimate(bucket, line) if plain is None else plain
-        return 1.0 + self.steps_per_window * bucket * self.draft_tokens * line[1] / plain if plain > 0 else None
+        without, holding `rows` live rows (default: the bucket's): measured once both kinds are (else the
+        other sampling kind's measure), else estimated (None: neither)."""
+        cost = self._cost(bucket, sampled, rows)
+        return None if cost is None or cost[0] <= 0 else 1.0 + cost[1] / cost[0]
 
-    def plain_seconds(self, bucket: int, sampled: bool = False) -> float | None:
-        """A plain window's time at this bucket: measured (this kind's, else the other's), else estimated
-        from the row costs."""
+    def plain_seconds(self, bucket: int, sampled: bool = False, rows: int | None = None) -> float | None:
+        """A plain window's time at this bucket (of `rows` live rows): measured (this kind's, else the other's),
+        else estimated from the row costs."""
         for kind in (sampled, not sampled):
             measured = self.window_seconds.get((bucket, False, kind))
             if measured is not None:
-                return measured
+                return self._scaled(measured, bucket, rows)
         line = self.row_costs()
-        return None if line is None else self._plain_estimate(bucket, line)
+        return None if line is None else self._scaled(self._plain_estimate(bucket, line), bucket, rows)
+
+    def _cost(self, bucket: int, sampled: bool, rows: int | None) -> tuple[float, float] | None:
+        """(plain seconds, what speculating adds) for a window of `rows` live rows at this bucket. What it adds
+        is its drafted queries times a query's cost: measured as a speculative window's time over a plain one's
+        of as many live rows, per drafted query; estimated as the prefills' per-row cost."""
+        queries = self._queries(bucket, rows)
+        for kind in (sampled, not sampled):
+            spec, plain = self.window_seconds.get((bucket, True, kind)), self.window_seconds.get((bucket, False, kind))
+            if spec is not None and plain is not None:
+                measured_queries, measured_rows = self._spec_shape[(bucket, kind)]
+                per_query = max(spec - self._scaled(plain, bucket, measured_rows), 0.0) / measured_queries
+                return self._scaled(plain, bucket, rows), queries * per_query
+        line = self.row_costs()
+        if line is None or not self.draft_tokens:
+            return None
+        plain = self.window_seconds.get((bucket, False, sampled))
+        plain = self._plain_estimate(bucket, line) if plain is None else plain
+        return self._scaled(plain, bucket, rows), queries * line[1]
+
+    def _queries(self, bucket: int, rows: int | None) -> float:
+        """The drafted (verify) queries a speculative window runs beyond a plain one: its live rows' expected
+        drafts on an eager CPU, its bucket's every draft position in a graph."""
+        per_row = max(self.draft_tokens, 1)
+        if not self.live_queries:
+            return float(self.steps_per_window * bucket * per_row)
+        if self.drafts_per_verify is not None:
+            per_row = self.drafts_per_verify
+        return self.steps_per_window * (bucket if rows is None else rows) * per_row
+
+    def _scaled(self, plain: float, bucket: int, rows: float | None) -> float:
+        """A bucket's plain window time brought to `rows` live rows where a window runs its live rows alone (an
+        eager CPU's: m + R b a step, from the row costs); a graph's costs its bucket's shape."""
+        if not self.live_queries or rows is None or rows >= bucket:
+            return plain
+        line = self.row_costs()
+        if line is None or line[0] + bucket * line[1] <= 0:
+            return plain
+        return plain * (line[0] + rows * line[1]) / (line[0] + bucket * line[1])
 
     def _plain_estimate(self, bucket: int, line: tuple[float, float]) -> float:
         return self.steps_per_window * (line[0] + bucket * line[1])
@@ -175,25 +219,27 @@ class SpecPolicy:
         return max(left) / max(n / (1.0 + (unknown if seq.spec_acceptance is None else seq.spec_acceptance))
                                for n, seq in zip(left, rows)) - 1.0
 
-    def pays(self, bucket: int, accepted: float | None, sampled: bool = False) -> bool:
+    def pays(self, bucket: int, accepted: float | None, sampled: bool = False, rows: int | None = None) -> bool:
         if accepted is None:
             return False
-        ratio = self.cost_ratio(bucket, sampled)
+        ratio = self.cost_ratio(bucket, sampled, rows)
         need = self.min_accepted if ratio is None else max(self.min_accepted, ratio * (1.0 + self.headroom) - 1.0)
         return accepted >= need
 
-    def probe_loss(self, bucket: int, accepted: float | None, sampled: bool = False) -> float | None:
-        """Seconds a probe at this bucket is expected to lose against a plain window (None: not measured)."""
-        ratio = self.cost_ratio(bucket, sampled)
-        if ratio is None or accepted is None:
+    def probe_loss(self, bucket: int, accepted: float | None, sampled: bool = False,
+                   rows: int | None = None) -> float | None:
+        """Seconds a probe at this bucket (of `rows` live rows) is expected to lose against a plain window
+        (None: not measured)."""
+        cost = self._cost(bucket, sampled, rows)
+        if cost is None or accepted is None:
             return None
-        return max(ratio - 1.0 - accepted, 0.0) * self.plain_seconds(bucket, sampled)
+        return max(cost[1] - accepted * cost[0], 0.0)
 
-    def probe_due(self, bucket: int, accepted: float | None, sampled: bool = False) -> bool:
+    def probe_due(self, bucket: int, accepted: float | None, sampled: bool = False, rows: int | None = None) -> bool:
         """Where the probe's loss is measured or estimated, once the budget covers it, however long that
         takes (a forced probe at a bucket whose verify costs several plain windows would lose them in
         one go); else after `interval` plain windows (at most max_probe_every)."""
-        loss = self.probe_loss(bucket, accepted, sampled)
+        loss = self.probe_loss(bucket, accepted, sampled, rows)
         if loss is None:
             return self._plain_since >= self.interval
         return self._plain_seconds.get(bucket, 0.0) * self.probe_budget >= loss
@@ -204,25 +250,28 @@ class SpecPolicy:
         if not self.enabled:
             return False
         rows = list(rows)
-        sampled = any_sampled(rows)
+        sampled, live = any_sampled(rows), len(rows) or None
         accepted = self.expected_acceptance(rows)
-        if self.pays(bucket, accepted, sampled):
+        if self.pays(bucket, accepted, sampled, live):
             return True
         if self._probing:
             return False
         if accepted is not None:
             self._plain_since += 1
-            if not self.probe_due(bucket, accepted, sampled):
+            if not self.probe_due(bucket, accepted, sampled, live):
                 return False
         self._plain_since = 0
         self._plain_seconds[bucket] = 0.0
         self._probing = True
         return True
 
-    def observe(self, verifies: int, accepted: int, rows: Iterable[tuple[Sequence, int, int]] = ()) -> None:
-        """A speculative window's report: row-rounds verified and drafts accepted, in all and per sequence
-        (rows: each sequence with its own verifies and accepted drafts)."""
+    def observe(self, verifies: int, accepted: int, rows: Iterable[tuple[Sequence, int, int]] = (),
+                drafted: int | None = None) -> None:
+        """A speculative window's report: row-rounds verified and drafts accepted (and drafted), in all and per
+        sequence (rows: each sequence with its own verifies and accepted drafts)."""
         probe, self._probing = self._probing, False
+        if drafted is not None and verifies > 0:
+            self.drafts_per_verify = self._average(self.drafts_per_verify, drafted / verifies)
         for seq, row_verifies, row_accepted in rows:
             if row_verifies > 0:
                 seq.spec_acceptance = self._average(seq.spec_acceptance, row_accepted / row_verifies)
@@ -243,14 +292,21 @@ class SpecPolicy:
         self._probing = False
 
     def observe_window(self, bucket: int, speculative: bool, seconds: float, sampled: bool = False,
-                       full: bool = True) -> None:
+                       full: bool = True, drafted: int | None = None, row_steps: int | None = None) -> None:
         """A decode window's measured time (the first of each kind and bucket may be skipped: it may compile);
         `sampled`: some of its rows at temperature > 0; `full`: it held more rows than half its bucket. A tail's
         window (a batch's last rows in a bucket their slots keep) counts toward the probe budget's plain time but
         not toward the bucket's average: a CPU window leaves inert rows out, so a bucket-4 window with one row left
         costs about a one-row window, and one such speculative window against plain windows of four rows would
-        measure a ratio below 1."""
+        measure a ratio below 1. A speculative window's `drafted` queries and live `row_steps` (its report) give
+        its shape where the cost follows the live queries (`live_queries`); one that drafted nothing measures no
+        query's cost."""
         key = (bucket, speculative, sampled)
+        shape = (float(self._queries(bucket, None)), float(bucket))
+        if speculative and self.live_queries and drafted is not None and row_steps is not None:
+            if drafted <= 0:
+                return
+            shape = (float(drafted), row_steps / self.steps_per_window)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)
             return
@@ -258,3 +314,7 @@ class SpecPolicy:
             self._plain_seconds[bucket] = self._plain_seconds.get(bucket, 0.0) + seconds
         if full:
             self.window_seconds[key] = self._average(self.window_seconds.get(key), seconds)
+            if speculative:
+                old = self._spec_shape.get((bucket, sampled))
+                self._spec_shape[(bucket, sampled)] = shape if old is None else (
+                    self._average(old[0], shape[0]), self._average(old[1], shape[1]))

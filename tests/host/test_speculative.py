@@ -317,6 +317,38 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     assert policy.speculate(1)
 
 
+def test_an_eager_cpu_window_costs_what_its_live_rows_draft():
+    """An eager CPU window runs its live rows' drafted queries alone: a speculative window's cost over a plain one's
+    is measured per drafted query (from its report) and expected from the rows a window holds and the drafts a
+    row makes a verify, so a one-row tail whose verify costs little speculates where a full bucket would not, and a
+    window that drafted nothing measures nothing. A graph's window costs its bucket's shape whatever its rows."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    k, d = 8, 4
+    eager = SpecPolicy(enabled=True, first_window_untimed=False, draft_tokens=d, steps_per_window=k,
+                       live_queries=True, max_probe_every=10**6, probe_budget=0.0)
+    eager.observe_window(4, False, 1.0)
+    eager.observe_window(4, True, 0.5, drafted=0, row_steps=32)  # nothing drafted: no query's cost in it
+    assert eager.cost_ratio(4) is None and (4, True, False) not in eager.window_seconds
+    eager.observe_window(4, True, 2.0, drafted=64, row_steps=32)  # 4 rows, 2 drafts a round: 1 s over 64 queries
+    assert eager.cost_ratio(4) == pytest.approx(1 + k * 4 * d / 64)  # no report yet: d drafts a row
+    eager.observe(verifies=32, accepted=16, drafted=64)
+    assert eager.drafts_per_verify == 2.0
+    assert eager.cost_ratio(4) == pytest.approx(2.0) and eager.cost_ratio(4, rows=1) == pytest.approx(1.25)
+    rows = [_policy_row(0.6, max_len=100, num_tokens=10) for _ in range(4)]
+    assert not eager.speculate(4, rows) and eager.speculate(4, rows[:1])  # 0.6 pays at c = 1.25, not at 2
+    # with the row costs known (m + R b a step), a tail's plain window is its rows' share of the bucket's
+    m, b = 0.1, 0.0075  # a step: 0.1 + 4 x 0.0075 = 0.13 s, a window of 8 steps 1.04 s (about the measured 1.0)
+    eager.observe_prefill(100, m + 100 * b)
+    tail = 1.0 * (m + b) / (m + 4 * b)  # the line is fitted on the measured bucket-4 window
+    assert eager.plain_seconds(4, rows=1) == pytest.approx(tail, rel=0.05)
+    assert eager.cost_ratio(4, rows=1) == pytest.approx(1 + k * 2 / 64 / eager.plain_seconds(4, rows=1))
+    graph = SpecPolicy(enabled=True, first_window_untimed=False, draft_tokens=d, steps_per_window=k)
+    graph.observe_window(4, False, 1.0)
+    graph.observe_window(4, True, 2.0, drafted=8, row_steps=8)  # its report does not change its shape's cost
+    assert graph.cost_ratio(4) == graph.cost_ratio(4, rows=1) == pytest.approx(2.0)
+
+
 def test_spec_policy_estimates_the_cost_of_an_unmeasured_bucket():
     """Before a bucket's speculative window is measured, its cost ratio is estimated from the prefills' per-row
     time and the smallest bucket's plain window (a forward over R rows costs m + R b; a verify runs B (d + 1) rows
@@ -507,17 +539,32 @@ def test_the_engine_keeps_acceptance_per_sequence(tiny_models):
     seen = []
     observe = engine.spec_policy.observe
 
-    def record(verifies, accepted, rows=()):
+    def record(verifies, accepted, rows=(), drafted=None):
         rows = list(rows)
         seen.append((verifies, accepted, [(seq.seq_id, v, a) for seq, v, a in rows]))
-        observe(verifies, accepted, rows)
+        observe(verifies, accepted, rows, drafted)
+
+    windows = []
+    observe_window = engine.spec_policy.observe_window
+
+    def record_window(bucket, speculative, seconds, sampled=False, full=True, **report):
+        windows.append((speculative, report))
+        observe_window(bucket, speculative, seconds, sampled, full, **report)
 
     engine.spec_policy.observe = record
+    engine.spec_policy.observe_window = record_window
     spec.generate(repetitive_prompts(3), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert seen and all(len(rows) == 3 for _, _, rows in seen[:1])
     for verifies, accepted, rows in seen:
         assert sum(v for _, v, _ in rows) == verifies and sum(a for _, _, a in rows) == accepted
     assert len({seq_id for _, _, rows in seen for seq_id, _, _ in rows}) == 3
+    # each speculative window's time comes with its drafted queries and live row-steps (the same report's)
+    reports = [report for speculative, report in windows if speculative]
+    assert reports and all(not report for speculative, report in windows if not speculative)
+    stats = engine.stats()
+    assert sum(r["drafted"] for r in reports) == stats["spec_draft_tokens"]
+    assert sum(r["row_steps"] for r in reports) == stats["spec_verifies"]
+    assert engine.spec_policy.live_queries and engine.spec_policy.drafts_per_verify is not None
 
 
 def always_speculate(llm: LLM) -> LLM:
