@@ -12,11 +12,12 @@ reference the tests compare with).
 
 A variant is chosen by the host per window from what the rows need (like vLLM's
 all_greedy), by one function (`RowCounts.variant`): GREEDY skips the noise, SAMPLE
-adds temperature + noise, FILTERED also applies min_p / top_k / top_p (a sort over
-the vocabulary); logprobs only when a row asks; stop ids masked (min_tokens) only
-when a row has min_tokens; the constraint masks only when a row has a constraint
-(structured outputs or allowed_token_ids, one automaton each); the penalty path (logit_bias, bad_words, repetition, presence and
-frequency penalties) only when a row has one of them.
+adds temperature + noise, FILTERED also applies min_p / top_k / top_p (top_filter.py: on an
+eager CPU among each row's most likely tokens, in a graph a sort over the vocabulary); logprobs
+only when a row asks; stop ids masked (min_tokens) only when a row has min_tokens; the
+constraint masks only when a row has a constraint (structured outputs or allowed_token_ids, one
+automaton each); the penalty path (logit_bias, bad_words, repetition, presence and frequency
+penalties) only when a row has one of them.
 
 Order of logit processing (vLLM's), after the raw logprobs:
 0. constraints: a constrained row's automaton state masks every token its state does not
@@ -49,6 +50,7 @@ from ..kernels.cpu import cpu_kernels_for
 from .features.constraints import ConstraintRows
 from .features.penalties import PenaltyRows
 from .token_mask import TokenMaskUnpacker
+from .top_filter import filter_logits
 
 _M32 = 0xFFFFFFFF
 
@@ -236,7 +238,7 @@ class Sampler:
         temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
         processed = logits / temperature[:, None]
         if variant.mode == SamplerMode.FILTERED:
-            processed = _filter(processed, rows)
+            processed = filter_logits(processed, rows.top_k, rows.top_p, rows.min_p)
         return Prepared(raw, processed, greedy)
 
     def draw(self, prepared: Prepared, rows: SamplingRows, next_pos, variant: SamplerVariant) -> torch.Tensor:
@@ -296,19 +298,3 @@ def stop_check(tokens, rows: SamplingRows, next_pos, done):
     """New done flags after sampling `tokens` at index next_pos (all [R])."""
     hit_stop = (tokens[:, None] == rows.stop_ids).any(dim=-1)
     return done | hit_stop | (next_pos + 1 >= rows.max_len)
-
-
-def _filter(scaled, rows: SamplingRows):
-    """min_p, then top_k, then top_p renormalised over what is left; others -> -inf."""
-    vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    ranks = torch.arange(vocab, device=scaled.device)[None, :]
-    top_k = torch.where(rows.top_k > 0, rows.top_k, vocab)
-    keep = ranks < top_k[:, None]
-    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
-    kept = torch.where(keep, probs, 0.0)
-    before = kept.cumsum(dim=-1) - kept
-    keep &= before < rows.top_p[:, None] * kept.sum(dim=-1, keepdim=True)
-    mask = torch.zeros_like(keep).scatter(1, order, keep)
-    return scaled.masked_fill(~mask, float("-inf"))

@@ -250,6 +250,16 @@ def test_inert_rows_ab_smoke(text_model, tmp_path):
     assert all(p["same_tokens"] and p["on_tokens_per_s"] > 0 and p["off_tokens_per_s"] > 0 for p in result["points"])
 
 
+def test_top_filter_ab_runs_both_paths_with_the_same_tokens(text_model, tmp_path):
+    """profiling/ab_top_filter.py: a point per (engine, filter, batch), the candidates against the sort, the same
+    tokens at each."""
+    result = _script("ab_top_filter").main(["--model", text_model, "--rounds", "1", "--max-tokens", "6",
+                                            "--threads", "1", "--out", str(tmp_path / "top_filter")])
+    assert {p["filter"] for p in result["points"]} == {"top_p 0.95", "top_k 50", "min_p 0.05"}
+    assert all(p["same_tokens"] and p["candidates_tokens_per_s"] > 0 and p["sorted_tokens_per_s"] > 0
+               for p in result["points"])
+
+
 def test_speculative_bench_methods_and_temperatures(text_model, tmp_path):
     """--methods ngram,draft_model (the model as its own draft), greedy and seeded T=0.7: a point per
     (method, set, temperature, batch), the plain tokens at each, the identical draft accepting drafts."""

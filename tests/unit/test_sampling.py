@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.device.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows, _filter
+from graphdecode.device.sampler import GREEDY, Sampler, SamplerMode, SamplerVariant, SamplingRows
+from graphdecode.device.top_filter import filter_logits, filter_sorted
 from tests.helpers import first_tokens, random_prompts, token_prompts
 
 
@@ -93,13 +94,48 @@ def test_sampler_temperature_sharpens():
 
 def test_filters_top_k_top_p_min_p():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    keep = lambda **kw: torch.isfinite(_filter(logits.clone(), _rows(1, **kw)))[0].tolist()  # noqa: E731
+    def keep(**kw):
+        rows = _rows(1, **kw)
+        return torch.isfinite(filter_logits(logits.clone(), rows.top_k, rows.top_p, rows.min_p))[0].tolist()
+
     assert keep(top_k=2) == [True, True, False, False, False]
     assert keep(top_p=0.6) == [True, True, False, False, False]  # 0.5 < 0.6, then 0.7 >= 0.6 stops
     assert keep(top_p=0.5) == [True, False, False, False, False]
     assert keep(min_p=0.25) == [True, True, True, False, False]  # >= 0.125
     # top_p renormalised after top_k: within the top 3 (0.5, 0.2, 0.15 -> .59, .24, .18), p=0.8 keeps 2
     assert keep(top_k=3, top_p=0.8) == [True, True, False, False, False]
+
+
+def test_the_filters_among_each_rows_likeliest_tokens_keep_what_a_sort_keeps():
+    """An eager CPU window looks for each row's kept prefix among its `width` most likely tokens and sorts only
+    the rows whose prefix reaches past them (top_k or top_p cutting beyond the candidates); it keeps what sorting
+    every row keeps, row for row, whatever the batch company. top_p = 1 cuts nothing, also the sort's."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, rows = 300, 96
+    logits = torch.randn(rows, vocab, generator=generator) * torch.rand(rows, 1, generator=generator) * 6
+    logits[::7, 0] += 12  # some rows all but certain
+    top_k = torch.randint(0, 4, (rows,), generator=generator) * torch.randint(0, 90, (rows,), generator=generator)
+    top_p = torch.where(torch.rand(rows, generator=generator) < 0.3, 1.0,
+                        torch.rand(rows, generator=generator)).to(torch.float32)
+    min_p = torch.where(torch.rand(rows, generator=generator) < 0.5, 0.0,
+                        torch.rand(rows, generator=generator) * 0.2).to(torch.float32)
+    top_k = top_k.to(torch.int32)
+    want = torch.isfinite(filter_sorted(logits, top_k, top_p, min_p))
+    for width in (1, 8, 64, 299):
+        got = torch.isfinite(filter_logits(logits, top_k, top_p, min_p, width=width))
+        assert torch.equal(got, want), width
+        one = torch.isfinite(torch.cat([filter_logits(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1],
+                                                      min_p[i:i + 1], width=width) for i in range(rows)]))
+        assert torch.equal(one, want), width  # a row alone keeps what it keeps in the batch
+    kept = want.sum(dim=-1)
+    assert (kept < 8).any() and (kept > 64).any() and (kept == vocab).any()  # short prefixes, long ones, none cut
+    from graphdecode.device.top_filter import _filter_candidates
+
+    _, unresolved = _filter_candidates(logits, top_k, top_p, min_p, 8)
+    assert unresolved.any() and not unresolved.all()  # both paths ran
+    flat = torch.zeros(1, vocab)  # top_p = 1 keeps every token (no rounding of a cumulative sum cuts the tail)
+    one = torch.ones(1)
+    assert torch.isfinite(filter_sorted(flat, torch.zeros(1, dtype=torch.int32), one, 0 * one)).all()
 
 
 def test_min_tokens_masks_stop_ids():
