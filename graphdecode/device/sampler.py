@@ -130,6 +130,9 @@ class SamplingRows:
     # the features' inputs, only for variants that read them (None otherwise)
     penalties: PenaltyRows | None = None
     constraint: ConstraintRows | None = None
+    # [R] bool: the rows whose token is read (None: every row); the others' (done rows, a verify's queries past
+    # a row's drafts) may come out of cheaper work
+    live: torch.Tensor | None = None
 
 
 @dataclass
@@ -238,7 +241,7 @@ class Sampler:
         temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0)
         processed = logits / temperature[:, None]
         if variant.mode == SamplerMode.FILTERED:
-            processed = filter_logits(processed, rows.top_k, rows.top_p, rows.min_p)
+            processed = filter_logits(processed, rows.top_k, rows.top_p, rows.min_p, live=rows.live)
         return Prepared(raw, processed, greedy)
 
     def draw(self, prepared: Prepared, rows: SamplingRows, next_pos, variant: SamplerVariant) -> torch.Tensor:

@@ -142,6 +142,8 @@ def speculative_window(
             position_states = torch.stack(walk, dim=1)  # [B, Q]
             flat = position_states.reshape(-1)
             params.constraint = ConstraintRows(flat_constrained, **tables.row_inputs(flat))
+        if device.type == "cpu":  # what a query past its row's drafts samples is not read (top_filter.py)
+            params.live = (live[:, None] & (offsets[None, :] <= num_drafts[:, None])).reshape(-1)
         prepared = sampler.prepare(logits, params, next_pos, variant)
         sampled = sampler.draw(prepared, params, next_pos, variant).view(bucket, queries)
         if proposal is not None:  # unseeded sampled rows: rejection sampling (rejection.py)

@@ -18,13 +18,17 @@ WIDTH = 256  # the candidates an eager CPU window looks for a row's kept prefix 
 
 
 def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                  width: int | None = None) -> torch.Tensor:
+                  width: int | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
     """scaled [R, V] tempered logits; top_k [R] (0: off), top_p [R], min_p [R]: the logits with the tokens the
-    three filters cut at -inf (`width`: the candidates, default WIDTH; the vocabulary's size sorts every row)."""
+    three filters cut at -inf (`width`: the candidates, default WIDTH; the vocabulary's size sorts every row).
+    `live` [R] bool: the rows whose token is read; the others are never sorted (a done row's or an inert
+    query's logits are zeros, a flat row whose top_p prefix is most of the vocabulary)."""
     width = WIDTH if width is None else width
     if scaled.device.type != "cpu" or torch.compiler.is_compiling() or width >= scaled.shape[-1]:
         return filter_sorted(scaled, top_k, top_p, min_p)
     out, unresolved = _filter_candidates(scaled, top_k, top_p, min_p, width)
+    if live is not None:
+        unresolved &= live
     if unresolved.any():  # rows whose kept prefix reaches past the candidates: sorted, alone
         rows = unresolved.nonzero()[:, 0]
         out[rows] = filter_sorted(scaled[rows], top_k[rows], top_p[rows], min_p[rows])

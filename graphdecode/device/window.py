@@ -32,6 +32,8 @@ def sample_into(
     Each feature the variant uses records the sampled token (device/features/). With `share`, only the ranks
     given logits sample; every rank records what `share` hands it."""
     params = state.sampling_rows(rows, variant.penalties, variant.structured)
+    if done_before is not None and done_before.device.type == "cpu":
+        params.live = ~done_before  # what a done row samples is not read (top_filter.py skips its sort)
     sampled = sampler(logits, params, next_pos, variant) if logits is not None else None
     tokens, logprobs = sampled if share is None else share(sampled)
     if done_before is None:

@@ -133,6 +133,24 @@ def test_the_filters_among_each_rows_likeliest_tokens_keep_what_a_sort_keeps():
 
     _, unresolved = _filter_candidates(logits, top_k, top_p, min_p, 8)
     assert unresolved.any() and not unresolved.all()  # both paths ran
+    # rows whose token is not read (a done row, an inert query: flat logits) are never sorted
+    import graphdecode.device.top_filter as top_filter
+
+    sorted_rows = []
+    real_sorted = top_filter.filter_sorted
+
+    def counting(scaled, *a):
+        sorted_rows.append(scaled.shape[0])
+        return real_sorted(scaled, *a)
+
+    top_filter.filter_sorted = counting
+    try:
+        live = ~unresolved
+        live[unresolved.nonzero()[0, 0]] = True  # one unresolved row is read
+        got = torch.isfinite(filter_logits(logits, top_k, top_p, min_p, width=8, live=live))
+        assert sorted_rows == [1] and torch.equal(got[live], want[live])
+    finally:
+        top_filter.filter_sorted = real_sorted
     flat = torch.zeros(1, vocab)  # top_p = 1 keeps every token (no rounding of a cumulative sum cuts the tail)
     one = torch.ones(1)
     assert torch.isfinite(filter_sorted(flat, torch.zeros(1, dtype=torch.int32), one, 0 * one)).all()
