@@ -129,7 +129,8 @@ def speculative_window(
         if state.bounds is not None:
             state.bounds.verify(state, bucket, meta)
         backend.prepare_verify(bucket, meta, state, page_size)
-        logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ForwardContext(backend, verify=meta))
+        ctx = ForwardContext(backend, verify=meta)
+        logits = logits_fn(tokens.reshape(-1), meta.query_positions.reshape(-1), ctx)
         if drafter.reads_hidden:
             logits, hidden = logits
         next_pos = (query_pos + 1).reshape(-1)  # index of the token each position samples
@@ -142,8 +143,8 @@ def speculative_window(
             position_states = torch.stack(walk, dim=1)  # [B, Q]
             flat = position_states.reshape(-1)
             params.constraint = ConstraintRows(flat_constrained, **tables.row_inputs(flat))
-        if device.type == "cpu":  # what a query past its row's drafts samples is not read (top_filter.py)
-            params.live = (live[:, None] & (offsets[None, :] <= num_drafts[:, None])).reshape(-1)
+        if device.type == "cpu":  # what an inert query samples is not read (top_filter.py skips its sort)
+            params.live = ctx.live_tokens()
         prepared = sampler.prepare(logits, params, next_pos, variant)
         sampled = sampler.draw(prepared, params, next_pos, variant).view(bucket, queries)
         if proposal is not None:  # unseeded sampled rows: rejection sampling (rejection.py)
