@@ -301,12 +301,10 @@ class SpecPolicy:
         measure a ratio below 1. A speculative window's `drafted` queries and live `row_steps` (its report) give
         its shape where the cost follows the live queries (`live_queries`); one that drafted nothing measures no
         query's cost."""
+        reported = speculative and self.live_queries and drafted is not None and row_steps is not None
+        if reported and drafted <= 0:
+            return
         key = (bucket, speculative, sampled)
-        shape = (float(self._queries(bucket, None)), float(bucket))
-        if speculative and self.live_queries and drafted is not None and row_steps is not None:
-            if drafted <= 0:
-                return
-            shape = (float(drafted), row_steps / self.steps_per_window)
         if self.first_window_untimed and key not in self._seen:
             self._seen.add(key)
             return
@@ -315,6 +313,8 @@ class SpecPolicy:
         if full:
             self.window_seconds[key] = self._average(self.window_seconds.get(key), seconds)
             if speculative:
+                shape = (float(drafted), row_steps / self.steps_per_window) if reported else \
+                    (float(self._queries(bucket, None)), float(bucket))
                 old = self._spec_shape.get((bucket, sampled))
                 self._spec_shape[(bucket, sampled)] = shape if old is None else (
                     self._average(old[0], shape[0]), self._average(old[1], shape[1]))
