@@ -23,13 +23,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     from .sampling_params import SamplingParams
 
     def default(name: str) -> str:
-        return f"default: SamplingParams', {field_default(SamplingParams, name)}"
+        recommended = "the model's recommendation (generation_config.json), else " if name != "n" else ""
+        return f"default: {recommended}SamplingParams', {field_default(SamplingParams, name)}"
 
     p.add_argument("--max-tokens", type=int, default=None, help=f"tokens per completion ({default('max_tokens')})")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: 0, greedy, so that a first run is reproducible; with -n > 1, "
-                        f"SamplingParams' {field_default(SamplingParams, 'temperature')}, so that the n "
-                        "completions differ)")
+                        "the model's recommendation (generation_config.json), else SamplingParams' "
+                        f"{field_default(SamplingParams, 'temperature')}, so that the n completions differ)")
     p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling ({default('top_p')})")
     p.add_argument("--top-k", type=int, default=None, help=f"0 disables it ({default('top_k')})")
     p.add_argument("--seed", type=int, default=None,
@@ -39,19 +40,21 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
-def _sampling_params(args):
-    """SamplingParams from the flags; only the flags given are passed, so its defaults apply."""
+def _sampling_params(args, defaults: dict | None = None):
+    """SamplingParams from the flags; a field without a flag takes `defaults` (the model's recommendations,
+    EngineConfig.sampling_defaults) where they have it, else SamplingParams' own."""
     from .sampling_params import SamplingParams
 
-    given = {name: getattr(args, name) for name in ("n", "top_p", "top_k", "seed", "max_tokens")
-             if getattr(args, name) is not None}
+    given = dict(defaults or {})
+    given.update({name: getattr(args, name) for name in ("n", "top_p", "top_k", "seed", "max_tokens")
+                  if getattr(args, name) is not None})
     if args.stop:
         given["stop"] = args.stop
     n = args.n if args.n is not None else field_default(SamplingParams, "n")
     if args.temperature is not None:
         given["temperature"] = args.temperature
     elif n == 1:
-        given["temperature"] = 0.0  # greedy: the CLI's one departure from SamplingParams' defaults
+        given["temperature"] = 0.0  # greedy: the CLI's one departure from the defaults
     return SamplingParams(**given)
 
 
@@ -69,6 +72,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:  # a broken model directory
         fail(e)
     with llm:  # tensor-parallel workers stop when the command is done, also when main() is called in-process
+        params = _sampling_params(args, llm.config.sampling_defaults)  # checked above; now with the model's
         try:
             if args.stream:
                 _print_stream(llm, prompts, params)
@@ -173,7 +177,8 @@ def main(argv=None) -> int:
     gen = sub.add_parser(
         "generate", help="generate text for prompts", formatter_class=HelpFormatter,
         description="Generate text for prompts. Greedy by default (reproducible); with -n > 1 and no "
-                    "--temperature, sampled at SamplingParams' temperature so the completions differ.",
+                    "--temperature, sampled at the model's recommended temperature (generation_config.json), "
+                    "else SamplingParams', so the completions differ.",
     )
     gen.add_argument("prompts", nargs="*", help=f"prompts (default: {FIRST_PROMPT!r})")
     add_engine_args(gen)

@@ -17,6 +17,7 @@ import torch
 
 from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
+from .generation_defaults import sampling_defaults
 from .launcher import DEFAULT_MASTER_PORT, launcher_env
 from .models.config_fields import INT_MAX
 from .models.eagle3 import Eagle3Config, read_eagle3_config
@@ -262,6 +263,12 @@ class EngineConfig:
     # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
     # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
     speculative_config: dict | None = None
+    # the sampling defaults a request that leaves a field out gets (generation_defaults.py, vLLM's names): "auto",
+    # the model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens); "vllm", SamplingParams' neutral ones; or a directory holding a generation_config.json.
+    # override_generation_config ({"temperature": 0.5, ...}, the file's names) is laid over it
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     # torch's intra-op threads for a CPU engine (its process, and each CPU tensor-parallel rank). None: the
     # environment's GRAPHDECODE_CPU_THREADS, else the cores this process may use (os.sched_getaffinity),
     # divided among the tensor-parallel ranks; resolved to that number. On a busy machine give fewer: threads
@@ -291,6 +298,8 @@ class EngineConfig:
     mtp_config: MTPConfig | None = field(init=False, repr=False)  # the target's MTP layer (method "mtp")
     prompt_lookup_max: int = field(init=False)
     prompt_lookup_min: int = field(init=False)
+    # SamplingParams keyword arguments from generation_config / override_generation_config ({} when none)
+    sampling_defaults: dict = field(init=False)
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
@@ -370,6 +379,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
         cfg = load_model_config(str(self.model))
+        defaults = sampling_defaults(str(self.model), self.generation_config, self.override_generation_config)
         device = self._resolve_device()
         dtype = self._resolve_dtype(cfg, device)
         kv_dtype = self._resolve_kv_dtype(dtype)
@@ -448,6 +458,7 @@ class EngineConfig:
             "pp_layer_partition": partition,
             "pp_micro_batches": self.pipeline_parallel_size if self.pp_micro_batches is None else self.pp_micro_batches,
             "kv_events_config": kv_events,
+            "sampling_defaults": defaults,
             "max_pages_per_seq": max_pages,
             "num_state_snapshots": snapshots,
             # at least one entry: logprobs=0 still reports the sampled token's own

@@ -177,6 +177,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 8}\' (default: off)')
+    p.add_argument("--generation-config", default=None, metavar="{auto,vllm,DIR}",
+                   help="the sampling defaults of a request that leaves a field out: auto, the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                        "max_new_tokens); vllm, SamplingParams' own; or a directory holding a "
+                        f"generation_config.json ({config('generation_config')})")
+    p.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help='sampling defaults laid over --generation-config\'s, its JSON names, e.g. '
+                        '\'{"temperature": 0.5, "max_new_tokens": 512}\' (default: none)')
     p.add_argument("--kv-events-config", type=json_object, default=None,
                    help='KV-cache events for prefix-aware routers, vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": '
                         'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '

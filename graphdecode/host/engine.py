@@ -15,6 +15,7 @@ is the staging fence, device/row_staging.py, which returns at once in steady sta
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy, any_sampled
 from .structured_store import StructuredStore
+
+logger = logging.getLogger("graphdecode")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -97,6 +100,10 @@ class Engine:
             not eager_cpu or bool(config.cuda_graphs)), live_queries=eager_cpu,
             draft_tokens=config.num_speculative_tokens, steps_per_window=config.num_decode_steps)
         self.inputs = InputProcessor(config, self.tokenizer, self.scheduler.group_pages)
+        if config.sampling_defaults:
+            logger.warning("graphdecode: a request that leaves a field out gets the model's recommended sampling "
+                           "default %s (generation_config=%r; 'vllm' for SamplingParams' own)",
+                           config.sampling_defaults, config.generation_config)
         self.outputs = OutputProcessor(self.tokenizer, self._on_finish)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._inflight: tuple[StepPlan, object] | None = None  # the plan and its pending copy

@@ -73,10 +73,18 @@ class LLM:
         """The model's (transformers) tokenizer, or None for a model directory without one."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams holding the model's recommended defaults (generation_config.json's temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens; EngineConfig's generation_config and
+        override_generation_config): what a prompt with no SamplingParams runs with."""
+        return SamplingParams(**self.config.sampling_defaults)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None,
                  priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
+        sampling_params: one SamplingParams for every prompt, a list of them (one per prompt), or None (for all,
+        or in the list for one): `get_default_sampling_params()`, the model's recommended defaults.
         use_tqdm: a progress bar of finished requests (default: on for more than 8 prompts
         when stderr is a terminal). priority: one integer per prompt, or one for all of
         them (lower runs first), for an engine with scheduling_policy="priority".
@@ -214,9 +222,11 @@ class LLM:
             for i, params in enumerate(sampling_params):
                 if params is not None and not isinstance(params, SamplingParams):
                     raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
-            params_list = [params if params is not None else SamplingParams() for params in sampling_params]
+            default = self.get_default_sampling_params()
+            params_list = [params if params is not None else default for params in sampling_params]
         elif sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params if sampling_params is not None else SamplingParams()] * len(prompt_list)
+            params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+            params_list = [params] * len(prompt_list)
         else:
             hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, dict) else ""
             raise TypeError(

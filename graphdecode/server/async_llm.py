@@ -275,8 +275,8 @@ class AsyncLLM:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's recommended defaults (generation_defaults.py)
+            sampling_params = SamplingParams(**self.config.sampling_defaults)
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         (text, ids), = self.inputs.tokenize_all([prompt])

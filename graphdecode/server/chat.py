@@ -18,6 +18,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..generation_defaults import capped_max_tokens
 from .choices import Choice, Choices
 from .errors import APIError
 from .logprobs import prompt_logprobs_json
@@ -49,9 +50,9 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     rendered = text
     if truncate is not None and len(ids) > truncate:
         text, ids = None, req.truncate(ids, truncate)
-    max_tokens = req.requested_max_tokens()
+    max_tokens = capped_max_tokens(server.sampling_defaults, req.requested_max_tokens())
     server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
-    params = req.sampling_params(max_tokens, server.vocab_size)
+    params = req.sampling_params(max_tokens, server.vocab_size, server.sampling_defaults)
     opened = server.reasoning_parser is not None and opened_in_prompt(rendered)
     thinking_off = (req.chat_template_kwargs or {}).get("enable_thinking") is False
     thinks = server.reasoning_parser is not None and not thinking_off

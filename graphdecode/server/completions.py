@@ -31,7 +31,7 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
     req: CompletionRequest = await server.parse(request, CompletionRequest)
     server.check_model(req.model)
     truncate = req.truncation(server.max_model_len)
-    params = req.sampling_params(server.vocab_size)
+    params = req.sampling_params(server.vocab_size, server.sampling_defaults)
     prompts = req.prompts()
     try:  # long texts are tokenized in a worker thread: the event loop keeps serving meanwhile
         size = sum(len(p) if isinstance(p, str) else len(p["prompt_token_ids"]) for p in prompts)

@@ -14,7 +14,8 @@ What maps to what:
 * `tool_choice`: `auto` -> "auto", `any` -> "required" (one or more calls, constrained), `tool` -> that
   function (constrained), `none` -> "none";
 * `max_tokens` (required), `stop_sequences`; `temperature`, `top_p`, `top_k` where a client still sends them
-  (Anthropic's current SDK has none: sampling is then the model's default, temperature 1);
+  (Anthropic's current SDK has none: sampling is then the model's recommendation, generation_defaults.py,
+  else temperature 1);
   `output_config.format` (`{"type": "json_schema", "schema": ...}`) -> a JSON-schema constraint;
   `thinking` (`enabled` with its `budget_tokens`, `adaptive`, `between_tools`, or `disabled`) -> the template's
   `enable_thinking` (the budget is not enforced: the model thinks until it closes its block or max_tokens

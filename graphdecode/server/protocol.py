@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from ..generation_defaults import capped_max_tokens
 from ..sampling_params import SamplingParams
 from . import tools as tool_calls
 from .constraints import ConstraintSource, response_format_source, structured_outputs_source
@@ -154,9 +155,10 @@ class _SamplingRequest(_Base):
         if self.stream and self.prompt_logprobs not in (None, 0):  # vLLM's rule: a stream has no place for them
             raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
-    def _common_params(self, vocab_size: int | None = None) -> dict:
-        """SamplingParams keyword arguments for the fields given (None: SamplingParams' default)."""
-        given = {}
+    def _common_params(self, vocab_size: int | None = None, defaults: dict | None = None) -> dict:
+        """SamplingParams keyword arguments for the fields given; a sampling field left out takes the model's
+        recommended default (`defaults`, generation_defaults.py) where it has one, else SamplingParams'."""
+        given = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
         for name in ("n", "temperature", "top_p", "seed", "top_k", "min_p", "min_tokens", "ignore_eos",
                      "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids"):
             value = getattr(self, name)
@@ -255,12 +257,13 @@ class CompletionRequest(_SamplingRequest):
         return {"logprobs": "logprobs", "max_tokens": "max_tokens",
                 "prompt_logprobs": "logprobs" if derived else "prompt_logprobs"}
 
-    def sampling_params(self, vocab_size: int | None = None) -> SamplingParams:
+    def sampling_params(self, vocab_size: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the model's recommended sampling defaults; their max_tokens caps the request's."""
         self._check_unsupported()
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        given = self._common_params(vocab_size)
-        given["max_tokens"] = 1 if self.echo_only else self.max_tokens
+        given = self._common_params(vocab_size, defaults)
+        given["max_tokens"] = 1 if self.echo_only else capped_max_tokens(defaults or {}, self.max_tokens)
         if self.logprobs is not None:
             given["logprobs"] = self.logprobs
         if self.wants_prompt_logprobs is not None:
@@ -422,12 +425,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return {"max_tokens": self.max_tokens_param, "logprobs": "top_logprobs", "prompt": "messages",
                 "prompt_logprobs": "top_logprobs" if derived else "prompt_logprobs"}
 
-    def sampling_params(self, max_tokens: int | None, vocab_size: int | None = None) -> SamplingParams:
-        """`max_tokens`: the resolved limit (None: up to max_model_len, vLLM's default for chat)."""
+    def sampling_params(self, max_tokens: int | None, vocab_size: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """`max_tokens`: the resolved limit (None: up to max_model_len, vLLM's default for chat); `defaults`: the
+        model's recommended sampling defaults for the fields the request leaves out."""
         self._check_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
-        given = self._common_params(vocab_size)
+        given = self._common_params(vocab_size, defaults)
         given["max_tokens"] = max_tokens
         if self.logprobs:
             given["logprobs"] = self.top_logprobs or 0

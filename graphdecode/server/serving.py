@@ -142,6 +142,8 @@ class OpenAIServer:
         self.tool_calls_constrained = format_for(getattr(calls, "constrained", None), self.tokenizer)
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.model_config.vocab_size
+        # what a request's missing sampling fields become (generation_defaults.py): the model's recommendations
+        self.sampling_defaults = engine.config.sampling_defaults
         self.prefix_caching = bool(engine.config.enable_prefix_caching)  # usage reports prompt_tokens_details
 
     # ------------------------------------------------------------- checks

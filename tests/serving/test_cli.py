@@ -148,8 +148,10 @@ def test_help_shows_defaults(capsys, tmp_path, monkeypatch):
     assert "(default: EngineConfig's: $GRAPHDECODE_CPU_THREADS, else the cores this process may use" in text
     assert f"default: on CUDA {GPU_MEMORY_FRACTION}; on CPU unused" in text
     assert f"on CPU $VLLM_CPU_KVCACHE_SPACE GiB when set, else {CPU_KV_BUDGET_BYTES >> 30} GiB at most" in text
-    for name in ("max_tokens", "top_p", "top_k", "n"):
-        assert f"default: SamplingParams', {_field_default(SamplingParams, name)}" in text
+    for name in ("max_tokens", "top_p", "top_k"):
+        assert f"default: the model's recommendation (generation_config.json), else SamplingParams', " \
+               f"{_field_default(SamplingParams, name)}" in text
+    assert f"default: SamplingParams', {_field_default(SamplingParams, 'n')}" in text
     assert "default: 0, greedy" in text and "with -n > 1" in text  # the one departure, and why
     assert "(default: None)" not in text
 
@@ -175,6 +177,26 @@ def test_cli_sampling_defaults(capsys, text_model):
     assert main([*base, "-n", "3", "--temperature", "0"]) == 0  # asked for greedy: identical, as asked
     texts = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
     assert len({tuple(t) for t in texts}) == 1
+
+
+def test_cli_takes_the_models_recommended_defaults(capsys, text_model, tmp_path):
+    """A flag not given takes generation_config.json's recommendation: -n 3 with a recommended temperature of 0
+    gives three equal completions of the recommended max_new_tokens; --generation-config vllm ignores the file."""
+    model = tmp_path / "model"
+    shutil.copytree(text_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    base = ["generate", "--model", str(model), "--json", "-n", "3", "Hello"]
+    assert main(base) == 0
+    texts = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert len(texts) == 3 and len(texts[0]) == 3 and len({tuple(t) for t in texts}) == 1
+    assert main([*base, "--generation-config", "vllm"]) == 0  # SamplingParams' own: 16 tokens, sampled at 1.0
+    texts = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert len(texts[0]) == 16 and len({tuple(t) for t in texts}) > 1
+    assert main([*base, "--override-generation-config", '{"max_new_tokens": 2}', "--max-tokens", "5"]) == 0
+    texts = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert [len(t) for t in texts] == [5] * 3  # a flag given wins over every default
+    assert "override_generation_config: 'temp' is not a sampling default" in one_line_cli_error(
+        capsys, [*base, "--override-generation-config", '{"temp": 0}'], clean=True)
 
 
 def test_stream_prints_text_without_empty_chunks(capsys, text_model):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import threading
 import time
 
@@ -508,3 +509,35 @@ def test_chat_completions_batch_aborts_what_it_started_when_a_later_conversation
     assert _metric(http, "engine_requests_finished") == finished + 1  # conversation 0, aborted
     assert _metric(http, "num_requests_running") == 0
     assert _metric(http, "engine_generated_tokens") - generated < 400
+
+
+def test_the_models_recommended_sampling_defaults(text_model, tmp_path_factory, llm):
+    """generation_config.json's sampling fields (vLLM's --generation-config auto) fill what a request leaves out,
+    on every endpoint; its max_new_tokens caps what a request asks for; a field the request gives wins."""
+    model = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(text_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0,
+                                                               "max_new_tokens": 4}))
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+    with live_server(str(model), tmp_path_factory.mktemp("server_recommended"), MODEL, "--max-model-len", "1024",
+                     "--override-generation-config", '{"top_p": 0.9}') as url, \
+            httpx.Client(base_url=f"{url}/v1", timeout=60) as http:
+        body = {"model": MODEL, "prompt": PROMPT, "return_token_ids": True}
+        for asked, tokens in ((None, 4), (2, 2), (50, 4)):  # the recommendation's 4 where it is the smaller
+            r = http.post("/completions", json=body if asked is None else {**body, "max_tokens": asked})
+            choice = r.json()["choices"][0]
+            assert r.status_code == 200 and choice["token_ids"] == greedy[:tokens], r.text
+            assert choice["finish_reason"] == "length"
+        # n = 3 with no temperature: the recommended greedy makes three equal choices; a request's own
+        # temperature 1 samples (three greedy choices of 4 tokens from 512 near-uniform ones: never)
+        r = http.post("/completions", json={**body, "n": 3}).json()
+        assert [c["token_ids"] for c in r["choices"]] == [greedy] * 3
+        r = http.post("/completions", json={**body, "n": 3, "temperature": 1.0, "seed": 5}).json()
+        assert [c["token_ids"] for c in r["choices"]] != [greedy] * 3
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2}
+        r = http.post("/chat/completions", json={**chat, "max_completion_tokens": 50}).json()
+        assert [c["finish_reason"] for c in r["choices"]] == ["length"] * 2 and r["usage"]["completion_tokens"] == 8
+        assert r["choices"][0]["message"] == r["choices"][1]["message"]
+        r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 50, "messages": chat["messages"]})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4 and \
+            r.json()["stop_reason"] == "max_tokens", r.text
