@@ -6,10 +6,12 @@ option table; nothing of the server itself), so `graphdecode --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
 from ..engine_args import add_engine_args
+from .auth import API_KEY_ENV, api_keys
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 
@@ -42,6 +44,16 @@ def _metrics_prefix(text: str) -> str:
         return check_metrics_prefix(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--metrics-prefix: ")) from None
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (e.g. '[\"https://example.com\"]')") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -97,6 +109,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API server processes in front of the one engine core (vLLM's): they share the port, "
                         "each parses, tokenizes and streams its own connections, /metrics adds them up")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help=f"one or more keys; every route but /health, /ping, /load, /version and /metrics then "
+                        f"needs one, as 'Authorization: Bearer KEY' or 'x-api-key: KEY', else 401 (default: "
+                        f"${API_KEY_ENV} when set, else none)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the origins browsers' scripts may call from, a JSON list (default: %(default)s)")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the methods allowed, a JSON list (default: %(default)s)")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the request headers allowed, a JSON list (default: %(default)s)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow cookies and credentials (default: off)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                    help="a request body over this many bytes gets HTTP 413 before it is read; 0: no limit "
                         "(default: 32 MiB, far above any prompt a context window holds)")
@@ -120,5 +144,6 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    api_keys(args.api_key)  # an empty key, from the flag or the environment
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")

@@ -44,7 +44,8 @@ async def create_message(server: OpenAIServer, request: Request) -> Response:
 
 def anthropic_error(err: APIError) -> dict:
     """Anthropic's error body for one of this server's errors."""
-    kind = {404: "not_found_error", 413: "request_too_large", 503: "overloaded_error"}.get(
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+            503: "overloaded_error"}.get(
         err.status, "api_error" if err.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 

@@ -16,7 +16,8 @@ steps (AsyncLLM). A request flows through these modules, top down:
 * this one: the app (`build_app`: routes, error handlers, the body limit) and running it
   (`serve`, `run_server`, `DrainingServer`). A body over --max-request-body-bytes is refused with
   413 before it is read (by its Content-Length, or as soon as a chunked body passes the limit).
-  With --api-server-count N > 1, api_servers.py runs N such processes over one core.
+  With --api-server-count N > 1, api_servers.py runs N such processes over one core. With --api-key,
+  auth.py's middleware guards every route but the probes; CORSMiddleware is outermost.
 * serving.py: `OpenAIServer`, the steps both endpoints share. A request is parsed (a large
   body in a worker thread), validated, tokenized (long prompts and chat templates in a
   worker thread, so /health and other streams never wait) and handed to
@@ -58,6 +59,7 @@ import sys
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -73,6 +75,7 @@ from .args import (
     check_serve_args,
 )
 from .async_llm import AsyncLLM
+from .auth import ApiKeyAuth, api_keys
 from .chat import create_chat_completion
 from .chat_batch import create_batch_chat_completion
 from .completions import create_completion
@@ -141,17 +144,25 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
-              force_include_usage: bool = False, load_tracking: bool = False) -> FastAPI:
+              force_include_usage: bool = False, load_tracking: bool = False,
+              api_keys: list[str] | None = None, cors: dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
-    and `tool_call_parser` (tool_parsers.py)."""
+    and `tool_call_parser` (tool_parsers.py). With `api_keys`, every route but the probes needs one
+    (auth.py); `cors`: CORSMiddleware's options (allow_origins, ...), outermost, so that a 401 or 413
+    reaches a browser's script too."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
                           tool_call_parser, return_tokens_as_token_ids, force_include_usage)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
     if max_request_body_bytes:
         app.add_middleware(_BodyLimit, limit=max_request_body_bytes, server=server)
+    if api_keys:  # added after the body limit: it runs first, so a client without a key learns nothing more
+        app.add_middleware(ApiKeyAuth, keys=api_keys,
+                           error_response=lambda err, path: _error_response(err, server, path))
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -327,19 +338,23 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "") -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
                                       else DEFAULT_MODEL_NAME)
     try:
+        keys = api_keys(args.api_key)
         app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
                         tool_call_parser=args.tool_call_parser,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         force_include_usage=args.enable_force_include_usage,
-                        load_tracking=args.enable_server_load_tracking)
+                        load_tracking=args.enable_server_load_tracking, api_keys=keys,
+                        cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                                  allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)
         server = DrainingServer(config, app.state.server, args.shutdown_timeout)
         freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
+        guarded = f"; an API key is needed ({len(keys)} accepted)" if keys else ""
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
-              f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+              f"http://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
         server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:
