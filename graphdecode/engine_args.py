@@ -116,7 +116,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: EngineConfig's: float32 on CPU; on CUDA the "
                         "checkpoint's own bfloat16 or float16, else bfloat16)")
-    p.add_argument("--max-batch-size", type=positive_int, default=None,
+    p.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=positive_int, default=None,
                    help=f"most sequences decoding at once (default: EngineConfig's, {DEFAULT_MAX_BATCH_SIZE}, "
                         f"or the largest of --buckets)")
     p.add_argument("--buckets", type=int_list, default=None,
@@ -145,6 +145,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "max_position_embeddings)")
     p.add_argument("--compile", type=on_off, default=None, metavar="{on,off}",
                    help="torch.compile the decode forward (default: EngineConfig's: on on CUDA, off on CPU)")
+    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="no CUDA graphs: every decode step launched from Python (vLLM's flag; default: "
+                        "EngineConfig's, graphs on CUDA)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "flashinfer"],
                    help="(default: EngineConfig's: flashinfer on CUDA when it can run, else torch)")
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
@@ -231,6 +234,8 @@ def engine_options(args) -> tuple[str, dict]:
     from .config import EngineConfig
 
     given = {name: getattr(args, name) for name in engine_option_names() if getattr(args, name) is not None}
+    if getattr(args, "engine_seed", None) is not None:  # serve's --seed (generate's is each request's)
+        given["seed"] = args.engine_seed
     model = args.model
     if model is None:
         from .default_model import default_model_dir

@@ -12,6 +12,7 @@ import re
 
 from ..engine_args import add_engine_args
 from .auth import API_KEY_ENV, api_keys
+from .chat_template import load_chat_template
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 
@@ -103,12 +104,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="GET /load reports the requests running now (vLLM's; without it, 0)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
+    p.add_argument("--seed", dest="engine_seed", type=int, default=None,
+                   help="the engine's seed (EngineConfig.seed): a request without a seed of its own draws from "
+                        "it, so a restarted server samples the same (default: EngineConfig's, 0)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: graphdecode runs no code from a model directory (its "
+                        "model families are built in)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="accepted for vLLM's command lines: long prompts are always chunked "
+                        "(--max-num-batched-tokens)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines: graphdecode never logs requests' contents")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
                         "reported while prefix caching is on")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API server processes in front of the one engine core (vLLM's): they share the port, "
                         "each parses, tokenizes and streams its own connections, /metrics adds them up")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the chat template of every chat-shaped endpoint: a file, or the Jinja template itself "
+                        "(default: the tokenizer's)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help=f"one or more keys; every route but /health, /ping, /load, /version and /metrics then "
                         f"needs one, as 'Authorization: Bearer KEY' or 'x-api-key: KEY', else 401 (default: "
@@ -145,5 +160,6 @@ def check_serve_args(args) -> None:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     api_keys(args.api_key)  # an empty key, from the flag or the environment
+    load_chat_template(args.chat_template)
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")

@@ -46,7 +46,8 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     conversation = req.conversation()
     truncate = req.truncation(server.max_model_len)
     size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
-    text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, req, conversation)
+    text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, server.chat_template, req,
+                               conversation)
     rendered = text
     if truncate is not None and len(ids) > truncate:
         text, ids = None, req.truncate(ids, truncate)
@@ -75,10 +76,15 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     return job
 
 
-def _render(tokenizer, req: ChatCompletionRequest, conversation: list[dict]) -> tuple[str, list[int]]:
-    """The conversation through the chat template, tokenized as LLM.chat does."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template; use /v1/completions", param="messages")
+def _render(tokenizer, template: str | None, req: ChatCompletionRequest,
+            conversation: list[dict]) -> tuple[str, list[int]]:
+    """The conversation through the chat template (`template`, --chat-template's, else the tokenizer's),
+    tokenized as LLM.chat does."""
+    if tokenizer is None:
+        raise APIError("this model has no tokenizer; send token ids to /v1/completions", param="messages")
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template: start the server with --chat-template, or use "
+                       "/v1/completions", param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
     tools = req.template_tools()
     if tools is not None:
@@ -86,8 +92,8 @@ def _render(tokenizer, req: ChatCompletionRequest, conversation: list[dict]) -> 
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=bool(req.add_generation_prompt),
-                                             tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             add_generation_prompt=bool(req.add_generation_prompt), **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template's own complaint (roles, order) is the message
         raise APIError(f"messages: the chat template failed: {exc}", param="messages") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials

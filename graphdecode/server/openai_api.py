@@ -78,6 +78,7 @@ from .async_llm import AsyncLLM
 from .auth import ApiKeyAuth, api_keys
 from .chat import create_chat_completion
 from .chat_batch import create_batch_chat_completion
+from .chat_template import load_chat_template
 from .completions import create_completion
 from .errors import APIError
 from .messages import anthropic_error, create_message
@@ -145,15 +146,16 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
               force_include_usage: bool = False, load_tracking: bool = False,
-              api_keys: list[str] | None = None, cors: dict | None = None) -> FastAPI:
+              api_keys: list[str] | None = None, cors: dict | None = None,
+              chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
-    and `tool_call_parser` (tool_parsers.py). With `api_keys`, every route but the probes needs one
+    and `tool_call_parser` (tool_parsers.py); chats through `chat_template` (None: the tokenizer's). With `api_keys`, every route but the probes needs one
     (auth.py); `cors`: CORSMiddleware's options (allow_origins, ...), outermost, so that a 401 or 413
     reaches a browser's script too."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
-                          tool_call_parser, return_tokens_as_token_ids, force_include_usage)
+                          tool_call_parser, return_tokens_as_token_ids, force_include_usage, chat_template)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
     app.state.server = server
     if max_request_body_bytes:
@@ -345,6 +347,7 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "") -> int:
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         force_include_usage=args.enable_force_include_usage,
                         load_tracking=args.enable_server_load_tracking, api_keys=keys,
+                        chat_template=load_chat_template(args.chat_template),
                         cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

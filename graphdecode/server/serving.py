@@ -122,7 +122,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
                  tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
-                 force_include_usage: bool = False):
+                 force_include_usage: bool = False, chat_template: str | None = None):
         self.engine = engine
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # every logprob token as "token_id:N"
         self.force_include_usage = force_include_usage  # every stream ends with its usage
@@ -138,6 +138,7 @@ class OpenAIServer:
         self.draining = False
         self.created = int(time.time())
         self.tokenizer = engine.get_tokenizer()
+        self.chat_template = chat_template  # --chat-template's text (chat_template.py); None: the tokenizer's
         # the format "auto" calls are constrained in (call_formats.py)
         self.tool_calls_constrained = format_for(getattr(calls, "constrained", None), self.tokenizer)
         self.max_model_len = engine.config.max_model_len

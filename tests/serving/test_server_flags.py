@@ -1,14 +1,21 @@
-"""--api-key (vLLM's): every route but the probes needs a key, sent as the OpenAI clients send it (Bearer) or
-as the Anthropic clients do (x-api-key); CORS (--allowed-origins ...) answers browsers' preflights and reaches
-their scripts with the errors too. One live server for the module, the real openai and anthropic clients."""
+"""Server-wide flags of vLLM's command lines. --api-key: every route but the probes needs a key, sent as the
+OpenAI clients send it (Bearer) or as the Anthropic clients do (x-api-key); CORS (--allowed-origins ...)
+answers browsers' preflights and reaches their scripts with the errors too; --chat-template replaces the
+tokenizer's on every chat-shaped endpoint; --seed, --max-num-seqs, --enforce-eager reach the engine. One live
+server for the module, the real openai and anthropic clients."""
 
 from __future__ import annotations
+
+import argparse
 
 import anthropic
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from graphdecode.engine_args import engine_options
+from graphdecode.server.args import add_serve_args, check_serve_args
 from graphdecode.server.auth import api_keys
 from tests.helpers import live_server, one_line_cli_error
 
@@ -17,10 +24,16 @@ KEYS = ("first-key", "second-key")
 ORIGIN = "https://app.example"
 
 
+TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    with live_server(text_model, tmp_path_factory.mktemp("server_auth"), MODEL, "--max-model-len", "256",
-                     "--api-key", *KEYS, "--allowed-origins", f'["{ORIGIN}"]') as url:
+    where = tmp_path_factory.mktemp("server_flags")
+    (where / "template.jinja").write_text(TEMPLATE)
+    with live_server(text_model, where, MODEL, "--max-model-len", "256", "--api-key", *KEYS,
+                     "--allowed-origins", f'["{ORIGIN}"]', "--chat-template", str(where / "template.jinja")) as url:
         yield url
 
 
@@ -74,3 +87,37 @@ def test_cors_preflights_and_errors_reach_the_allowed_origin(server):
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = httpx.post(f"{server}/v1/completions", headers={"Origin": ORIGIN}, json={"model": MODEL, "prompt": "Hi"})
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_the_servers_chat_template(server, text_model):
+    tokenizer = AutoTokenizer.from_pretrained(text_model)
+    expected = tokenizer("[system] Be brief.\n[user] Hi\n[assistant] ", add_special_tokens=False)["input_ids"]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True) != "[user] Hi\n[assistant] "
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60, json={
+        "model": MODEL, "messages": conversation, "max_tokens": 1, "return_token_ids": True})
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == expected, r.text
+    with anthropic.Anthropic(base_url=server, api_key=KEYS[0], max_retries=0) as claude:  # Messages too
+        message = claude.messages.create(model=MODEL, max_tokens=1, system="Be brief.",
+                                         messages=[{"role": "user", "content": "Hi"}])
+    assert message.usage.input_tokens == len(expected)
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("no-such-file.jinja", "is not a file, nor a Jinja template"),
+    ("{% for m in messages %}{{ m.content }}", "the template does not compile"),
+])
+def test_a_bad_chat_template_stops_start_up(capsys, value, fragment):
+    assert fragment in one_line_cli_error(capsys, ["serve", "--chat-template", value], clean=True)
+
+
+def test_vllm_engine_flags_reach_the_engine(text_model):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args([text_model, "--seed", "7", "--max-num-seqs", "4", "--enforce-eager",
+                              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests"])
+    check_serve_args(args)
+    _, given = engine_options(args)
+    assert given == {"seed": 7, "max_batch_size": 4, "cuda_graphs": False}
