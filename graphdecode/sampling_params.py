@@ -28,6 +28,10 @@ ends with it, matched on the host after `min_tokens`; stop_reason is then `"[a, 
 and, when one token completes both, a group wins over a single id. The stop tokens stay
 in `token_ids`; their text is left out unless `include_stop_str_in_output`.
 
+Prompts: `truncate_prompt_tokens` (vLLM's): only the last N prompt tokens are run (-1: the last
+max_model_len), so a prompt longer than the context is cut rather than refused; the output's
+`prompt_token_ids` are those run, its `prompt` the text as given.
+
 Outputs: `prompt_logprobs` (N: each prompt token's logprob given the ones before it,
 plus the top N; None for the first token; computed in prefill, so such a request
 does not read the prefix cache), `detokenize=False` (no text, token ids only; stop
@@ -165,6 +169,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: object = None  # StructuredOutputsParams: json / regex / choice / json_object
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind | str = RequestOutputKind.DELTA
     # internal: bad_words as token id sequences, filled by the engine's InputProcessor (a copy of
@@ -225,6 +230,11 @@ class SamplingParams:
                     raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, "
                                      f"or None, got {value!r}")
                 _at_most_int32(name, value)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, "an integer or None")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, "
+                                 f"or None, got {self.truncate_prompt_tokens!r}")
         if isinstance(self.output_kind, str):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)

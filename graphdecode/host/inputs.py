@@ -376,6 +376,15 @@ class InputProcessor:
         if self.automata is not None:
             self.automata.close()
 
+    def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt tokens a request runs: the last `params.truncate_prompt_tokens` (-1: max_model_len) of a
+        longer prompt, else all of them (vLLM's left truncation). `params` must be checked already."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        keep = self.config.max_model_len if keep == -1 else keep
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """The context-length rule: the prompt leaves room to generate (the engine's, offline and async, as
         vLLM's engine), and with max_tokens given (the server's, as vLLM's server) the prompt plus

@@ -253,6 +253,7 @@ class LLM:
                 if copy is None:
                     copy = copies[id(params)] = params.submitted()
                 salt = self.engine.inputs.cache_salt(prompt_list[i], i)
+                ids = self.engine.inputs.truncated(ids, copy)
                 requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True, cache_salt=salt))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None

@@ -286,7 +286,9 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         # the engine's own checks, on its own copy of the params: that copy is what the core gets, so a
         # change the caller makes to theirs afterwards never reaches the request
-        params, _ = self.inputs.check(ids, sampling_params, priority)
+        params = sampling_params.submitted()
+        ids = self.inputs.truncated(ids, params)  # truncate_prompt_tokens, before the length is checked
+        params, _ = self.inputs.check(ids, params, priority, verified=True)
         stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority, salt))
         try:
             asyncio.get_running_loop()

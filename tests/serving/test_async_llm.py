@@ -161,3 +161,28 @@ def test_a_request_starts_when_generate_is_called_and_a_dropped_one_is_aborted(e
     assert engine.num_unfinished == 0
     assert engine.load["running"] == 0
     assert generated < 200  # the dropped request was aborted, not left to run its 200 tokens
+
+
+def test_truncate_prompt_tokens_runs_the_last_tokens(engine, text_model):
+    """SamplingParams.truncate_prompt_tokens (vLLM's): LLM and AsyncLLM run only the prompt's last N tokens
+    (-1: max_model_len), so a prompt longer than the context is cut, not refused; the text stays as given."""
+    ids = [(7 * i) % 400 + 50 for i in range(300)]  # longer than max_model_len (256)
+    llm = LLM(text_model, **ENGINE)
+    with pytest.raises(ValueError, match="leave no room"):
+        llm.generate({"prompt_token_ids": ids}, PARAMS)
+    tail = llm.generate({"prompt_token_ids": ids[-20:]}, PARAMS)[0]
+    cut = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                 truncate_prompt_tokens=20))[0]
+    assert cut.prompt_token_ids == ids[-20:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    text = "one two three four five six seven eight nine ten"
+    short = llm.generate(text, SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=3))[0]
+    assert short.prompt == text and short.prompt_token_ids == llm.get_tokenizer()(text)["input_ids"][-3:]
+    async_tokens, _ = asyncio.run(collect(engine, {"prompt_token_ids": ids}, SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, truncate_prompt_tokens=20)))
+    assert async_tokens == [tail.outputs[0].token_ids]
+    with pytest.raises(ValueError, match="leave no room"):  # -1 keeps max_model_len tokens: none left to generate
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=-1))
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    llm.close()
