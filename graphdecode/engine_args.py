@@ -245,6 +245,40 @@ def engine_options(args) -> tuple[str, dict]:
     return model, given
 
 
+# vLLM's EngineArgs names for EngineConfig fields, so that `LLM(model, max_num_seqs=16)` written for vLLM runs
+VLLM_ALIASES = {"max_num_seqs": "max_batch_size", "block_size": "page_size", "num_gpu_blocks_override": "num_pages"}
+# vLLM's arguments for what graphdecode always does: accepted with the value that asks for it
+VLLM_ALWAYS = {"trust_remote_code": (True, False), "enable_chunked_prefill": (True,), "disable_log_stats": (True, False)}
+
+
+def engine_kwargs(caller: str, engine_args: dict) -> dict:
+    """EngineConfig's keyword arguments from `caller`'s (LLM, AsyncLLM): vLLM's names translated
+    (VLLM_ALIASES; enforce_eager=True is cuda_graphs=False), vLLM's always-on ones dropped, then every
+    name checked (check_engine_kwargs)."""
+    out = {}
+    for name, value in engine_args.items():
+        if name in VLLM_ALIASES:
+            target = VLLM_ALIASES[name]
+            if target in engine_args:
+                raise TypeError(f"{caller}() got both {name!r} (vLLM's name) and {target!r}: give one")
+            out[target] = value
+        elif name == "enforce_eager":
+            if not isinstance(value, bool):
+                raise ValueError(f"enforce_eager must be True or False, got {value!r}")
+            if "cuda_graphs" in engine_args:
+                raise TypeError(f"{caller}() got both 'enforce_eager' (vLLM's name) and 'cuda_graphs': give one")
+            if value:
+                out["cuda_graphs"] = False
+        elif name in VLLM_ALWAYS:
+            if value not in VLLM_ALWAYS[name] or not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: graphdecode cannot do that ({name} is always "
+                                 f"{VLLM_ALWAYS[name][0]!r} here)")
+        else:
+            out[name] = value
+    check_engine_kwargs(caller, out)
+    return out
+
+
 def check_engine_kwargs(caller: str, engine_args: dict) -> None:
     """A TypeError naming the first keyword that is not an EngineConfig field (and the closest one)."""
     from .config import EngineConfig

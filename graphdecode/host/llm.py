@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from tqdm import tqdm
 
 from ..config import EngineConfig
-from ..engine_args import check_engine_kwargs
+from ..engine_args import engine_kwargs
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import Engine
@@ -48,10 +48,12 @@ class LLM:
 
         `engine_args` are EngineConfig's fields (device, dtype, max_batch_size, buckets,
         num_decode_steps, page_size, num_pages, max_model_len, attention_backend, compile,
-        cuda_graphs, seed, ...); their defaults and validation live there, once. An
+        cuda_graphs, seed, ...); their defaults and validation live there, once. vLLM's names
+        for them are taken too (max_num_seqs, block_size, num_gpu_blocks_override, enforce_eager;
+        trust_remote_code and enable_chunked_prefill, which graphdecode always honours). An
         unknown one is a TypeError naming it, before anything is built.
         """
-        check_engine_kwargs("LLM", engine_args)
+        engine_args = engine_kwargs("LLM", engine_args)
         if model is None:
             from ..default_model import default_model_dir
 

@@ -44,7 +44,7 @@ import uuid
 import weakref
 
 from ..config import EngineConfig
-from ..engine_args import check_engine_kwargs
+from ..engine_args import engine_kwargs
 from ..host.engine import load_tokenizer
 from ..host.inputs import InputProcessor
 from ..host.scheduler import group_pages
@@ -196,7 +196,7 @@ def start_engine_core(model: str, engine_args: dict, clients: int, env: dict | N
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, **engine_args):
-        check_engine_kwargs("AsyncLLM", engine_args)
+        engine_args = engine_kwargs("AsyncLLM", engine_args)
         if model is None:
             from ..default_model import default_model_dir
 

@@ -14,7 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from graphdecode.engine_args import engine_options
+from graphdecode import LLM, SamplingParams
+from graphdecode.engine_args import engine_kwargs, engine_options
 from graphdecode.server.args import add_serve_args, check_serve_args
 from graphdecode.server.auth import api_keys
 from tests.helpers import live_server, one_line_cli_error
@@ -121,3 +122,22 @@ def test_vllm_engine_flags_reach_the_engine(text_model):
     check_serve_args(args)
     _, given = engine_options(args)
     assert given == {"seed": 7, "max_batch_size": 4, "cuda_graphs": False}
+
+
+def test_vllm_engine_arguments_in_python(text_model):
+    """LLM(model, max_num_seqs=..., ...) as written for vLLM: its names translated, its always-on ones taken."""
+    assert engine_kwargs("LLM", {"max_num_seqs": 4, "block_size": 32, "num_gpu_blocks_override": 64,
+                                 "enforce_eager": True, "trust_remote_code": True, "enable_chunked_prefill": True,
+                                 "disable_log_stats": False}) == {
+        "max_batch_size": 4, "page_size": 32, "num_pages": 64, "cuda_graphs": False}
+    assert engine_kwargs("LLM", {"enforce_eager": False}) == {}
+    with pytest.raises(TypeError, match="both 'max_num_seqs'"):
+        engine_kwargs("LLM", {"max_num_seqs": 4, "max_batch_size": 8})
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False: graphdecode cannot do that"):
+        engine_kwargs("LLM", {"enable_chunked_prefill": False})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'swap_space'"):
+        LLM(text_model, swap_space=4)
+    with LLM(text_model, max_num_seqs=4, block_size=32, enforce_eager=True, trust_remote_code=True,
+             max_model_len=128) as llm:
+        assert (llm.config.max_batch_size, llm.config.page_size, llm.config.cuda_graphs) == (4, 32, False)
+        assert len(llm.generate("Hi", SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
