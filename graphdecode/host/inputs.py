@@ -382,7 +382,11 @@ class InputProcessor:
         keep = params.truncate_prompt_tokens
         if keep is None:
             return prompt_ids
-        keep = self.config.max_model_len if keep == -1 else keep
+        limit = self.config.max_model_len
+        if keep > limit:  # vLLM's rule, as the server's (protocol.truncation)
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit}); select a "
+                             f"smaller truncation size")
+        keep = limit if keep == -1 else keep
         return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:

@@ -45,9 +45,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     server.check_model(req.model)
     conversation = req.conversation()
     truncate = req.truncation(server.max_model_len)
-    size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
-    text, ids = await off_loop(size, INLINE_CHARS, _render, server.tokenizer, server.chat_template, req,
-                               conversation)
+    text, ids = await render_chat(server, req, conversation)
     rendered = text
     if truncate is not None and len(ids) > truncate:
         text, ids = None, req.truncate(ids, truncate)
@@ -76,10 +74,21 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     return job
 
 
-def _render(tokenizer, template: str | None, req: ChatCompletionRequest,
-            conversation: list[dict]) -> tuple[str, list[int]]:
+async def render_chat(server: OpenAIServer, req: ChatCompletionRequest, conversation: list[dict] | None = None,
+                      add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    """(text, ids) of the request's conversation through the server's chat template; a long one in a worker
+    thread. What a chat completion runs, and what /tokenize counts."""
+    if conversation is None:
+        conversation = req.conversation()
+    size = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
+    return await off_loop(size, INLINE_CHARS, _render, server.tokenizer, server.chat_template, req, conversation,
+                          add_special_tokens)
+
+
+def _render(tokenizer, template: str | None, req: ChatCompletionRequest, conversation: list[dict],
+            add_special_tokens: bool = False) -> tuple[str, list[int]]:
     """The conversation through the chat template (`template`, --chat-template's, else the tokenizer's),
-    tokenized as LLM.chat does."""
+    tokenized as LLM.chat does (the template writes its own special tokens: none added, unless asked)."""
     if tokenizer is None:
         raise APIError("this model has no tokenizer; send token ids to /v1/completions", param="messages")
     if template is None and not getattr(tokenizer, "chat_template", None):
@@ -96,7 +105,7 @@ def _render(tokenizer, template: str | None, req: ChatCompletionRequest,
                                              add_generation_prompt=bool(req.add_generation_prompt), **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template's own complaint (roles, order) is the message
         raise APIError(f"messages: the chat template failed: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     if not ids:
         raise APIError("messages: the conversation renders to an empty prompt", param="messages")
     return text, ids

@@ -7,8 +7,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 events or not), POST /v1/chat/completions/batch (vLLM's: N conversations, one choice each),
 POST /v1/responses and GET /v1/responses/{id} (the Responses API), POST /v1/messages
 (Anthropic's Messages API), POST /invocations (vLLM's SageMaker entry: a chat or a completion,
-by its body), GET /load (vLLM's running-request count), GET /v1/models, GET /health, GET
-/metrics (Prometheus), GET /version.
+by its body), POST /tokenize and /detokenize (vLLM's), GET /load (vLLM's running-request count), GET
+/v1/models, GET /health (and /ping, SageMaker's), GET /metrics (Prometheus), GET /version.
 
 All HTTP, JSON and SSE work happens in this process; the engine core process only
 steps (AsyncLLM). A request flows through these modules, top down:
@@ -85,6 +85,7 @@ from .messages import anthropic_error, create_message
 from .responses_api import create_response, get_response
 from .responses_protocol import ResponseStore
 from .serving import ClientGone, OpenAIServer
+from .tokenize import detokenize, tokenize
 
 __all__ = ["DEFAULT_MODEL_NAME", "DrainingServer", "OpenAIServer", "build_app", "main", "serve", "serve_checked"]
 
@@ -228,6 +229,14 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     async def messages(request: Request):
         return await create_message(server, request)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenize(server, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(server, request)
+
     @app.get("/v1/models")
     async def models():
         config = engine.config
@@ -249,6 +258,11 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     async def health():
         status, body = server.health()
         return JSONResponse(body, status_code=status)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health probe (vLLM's): /health's answer."""
+        return await health()
 
     @app.get("/metrics")
     async def metrics():

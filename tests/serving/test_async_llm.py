@@ -182,6 +182,8 @@ def test_truncate_prompt_tokens_runs_the_last_tokens(engine, text_model):
     assert async_tokens == [tail.outputs[0].token_ids]
     with pytest.raises(ValueError, match="leave no room"):  # -1 keeps max_model_len tokens: none left to generate
         llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=-1))
+    with pytest.raises(ValueError, match=r"prompts\[0\]: truncate_prompt_tokens \(300\) is greater than max_model_len"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(truncate_prompt_tokens=300))
     for bad in (0, -2):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
             SamplingParams(truncate_prompt_tokens=bad)

@@ -541,3 +541,28 @@ def test_the_models_recommended_sampling_defaults(text_model, tmp_path_factory, 
         r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 50, "messages": chat["messages"]})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4 and \
             r.json()["stop_reason"] == "max_tokens", r.text
+
+
+def test_tokenize_and_detokenize(http, server, tokenizer):
+    """vLLM's /tokenize (a prompt, or a chat rendered as /v1/chat/completions renders it) and /detokenize."""
+    r = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True})
+    ids = tokenizer(PROMPT)["input_ids"]
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                                 "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    r = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})
+    assert r.json()["tokens"] == tokenizer(PROMPT, add_special_tokens=False)["input_ids"] != ids
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = http.post("/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                "return_token_ids": True}).json()
+    r = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages})
+    assert r.status_code == 200 and r.json()["tokens"] == chat["prompt_token_ids"]
+    r = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tokenizer.decode(ids)}
+    for path, body, param in (("/tokenize", {"prompt": PROMPT, "messages": messages}, "prompt"),
+                              ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        r = httpx.post(f"{server}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert httpx.post(f"{server}/tokenize", json={"model": "other", "prompt": "Hi"}).status_code == 404
+    assert httpx.get(f"{server}/ping").json() == {"status": "ok"}
