@@ -113,11 +113,24 @@ class LLM:
             return [final_output(r) for r in requests]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
-             add_generation_prompt: bool = True, priority: int | list[int] | None = None) -> list[RequestOutput]:
-        """Generate replies to conversations through the tokenizer's chat template.
+             add_generation_prompt: bool = True, priority: int | list[int] | None = None,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations through the tokenizer's chat template (vLLM's arguments).
 
         messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        continue_final_message: the reply continues the last message (no generation prompt);
+        tools: tool definitions the template shows the model; chat_template_kwargs: the template's own
+        variables (e.g. {"enable_thinking": False} for Qwen3).
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True "
+                             "(the reply continues the last message; pass add_generation_prompt=False)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("messages: chat needs a tokenizer, and the model directory has none")
@@ -130,7 +143,7 @@ class LLM:
                 raise TypeError(f"messages[{i}] must be a list of {{'role': ..., 'content': ...}} dicts")
             text = tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                tokenize=False,
+                continue_final_message=continue_final_message, tokenize=False, **extra,
             )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
             prompts.append({"prompt": text, "prompt_token_ids": ids})

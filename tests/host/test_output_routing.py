@@ -145,6 +145,23 @@ def test_chat_and_tokenizer(llm):
         llm.chat([["not a dict"]])
 
 
+def test_chat_template_arguments(llm):
+    """vLLM's chat arguments reach the template: its own variables (chat_template_kwargs), tools, and a reply
+    that continues the last message."""
+    template = ("{% if shout %}LOUD {% endif %}{% for t in tools or [] %}[tool {{ t.name }}] {% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }} | {% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat(conversation, params, chat_template=template, chat_template_kwargs={"shout": True},
+                   tools=[{"name": "search"}], add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "LOUD [tool search] user: Hi | assistant: Hello, I am"  # the final " | " cut
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(conversation, params, continue_final_message=True)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conversation, params, chat_template_kwargs=["shout"])
+
+
 def test_generate_progress_bar(llm, capsys):
     prompts = [f"prompt {i}" for i in range(12)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=True)
