@@ -178,6 +178,21 @@ class Engine:
                 self._aborted.append(seq)
         return request
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's): the next prompts compute from scratch, as on a fresh engine; a
+        router subscribed to KV events gets one AllBlocksCleared. Only between requests: while any sequence
+        holds pages it does nothing and returns False. A window still in flight for requests already
+        finished or aborted is pythonized first (its rows' pages are freed then)."""
+        if self.requests:
+            return False
+        while self.has_unfinished():
+            self.step()
+        if not self.pool.reset_cache():
+            return False
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pool.take_events())
+        return True
+
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not yet finished (vLLM's LLMEngine method)."""
         return len(self.requests)

@@ -202,6 +202,11 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt page (vLLM's), e.g. between benchmark runs so each starts cold; False,
+        doing nothing, while a request (a stream still open) holds pages."""
+        return self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also at exit and on `with`."""
         self.engine.close()

@@ -140,6 +140,25 @@ class PagePool:
         return events
 
     # ------------------------------------------------------------ the cache
+    def reset_cache(self) -> bool:
+        """Forget every cached page (vLLM's reset_prefix_cache), so the next prompts compute from scratch:
+        only while no sequence holds a page (a held page's key is how its holder goes on); returns whether
+        it did. One ("cleared",) event instead of a removal per page."""
+        if self.num_free != self.num_pages - 1:  # every page but the scratch page free or evictable
+            return False
+        if self.on_forget is not None:
+            for key in self._page_of_key:
+                self.on_forget(key)
+        self._page_of_key.clear()
+        self._key_of_page = [None] * self.num_pages
+        self._children.clear()
+        self._parent_of_page = [None] * self.num_pages
+        self._evictable.clear()
+        self._free = [p for p in range(self.num_pages - 1, 0, -1)]
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
+
     def lookup(self, keys) -> list[int]:
         """Pages holding the longest run of `keys` from the start (not yet shared)."""
         if not self.enable_caching:

@@ -266,3 +266,25 @@ def test_cache_salt_separates_prefix_cache_entries(tiny_models):
     for bad in ("", 5):
         with pytest.raises(ValueError, match=r"prompts\[0\]: cache_salt must be a non-empty string"):
             llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], greedy)
+
+
+def test_reset_prefix_cache(tiny_models):
+    """LLM.reset_prefix_cache (vLLM's): the next prompt computes from scratch, with the same tokens; refused
+    (False, nothing forgotten) while a request holds pages; one 'cleared' KV event for routers."""
+    llm = LLM(tiny_models["llama_gqa_llama3"], num_decode_steps=4, page_size=16, max_model_len=256)
+    prompt = shared_prefix_prompts(1, 60, 4)
+    first = llm.generate(prompt, GREEDY)[0]
+    again = llm.generate(prompt, GREEDY)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    stream = llm.stream(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(stream)  # running: its pages are held
+    assert llm.reset_prefix_cache() is False and llm.stats()["cached_pages"] > 0
+    stream.close()
+    llm.engine.pool.events = []  # what a KV-event publisher would be handed
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.pool.take_events() == [("cleared",)] and llm.stats()["cached_pages"] == 0
+    cold = llm.generate(prompt, GREEDY)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first.outputs[0].token_ids
+    pool = PagePool(4)
+    pool.cache_page(pool.allocate(1)[0], page_key(b"", [1]))
+    assert pool.reset_cache() is False and pool.num_cached == 1  # held
