@@ -493,7 +493,9 @@ def test_ab_cpu_decode_layers_smoke(micro_dir, monkeypatch):
                                                     "--prompt-len", "6", "--rounds", "1"])
     assert [r["batch"] for r in results] == [1, 3]
     for r in results:
-        assert r["same_tokens"] and r["eager_tokens_per_s"] > 0 and r["layers_tokens_per_s"] > 0
+        # decode time is a difference of two timed runs: on a loaded machine it can come out negative, so only
+        # its presence is checked here (tests do not assert timings)
+        assert r["same_tokens"] and all(math.isfinite(r[k]) for k in ("eager_tokens_per_s", "layers_tokens_per_s"))
 
 
 def test_kv_fp8_bench_smoke(micro_dir, tmp_path):
