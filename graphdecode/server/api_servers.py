@@ -147,4 +147,5 @@ def run_api_server(args, run_server, index: int, count: int, requests, outputs, 
     except ValueError as exc:
         print(f"graphdecode: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    sys.exit(run_server(args, engine, sockets=[sock], label=f"API server {index + 1}/{count} "))
+    sys.exit(run_server(args, engine, sockets=[sock], label=f"API server {index + 1}/{count} ",
+                        log_stats=index == 0))  # one stats line for the one core

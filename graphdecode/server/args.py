@@ -14,6 +14,7 @@ from ..engine_args import add_engine_args
 from .auth import API_KEY_ENV, api_keys
 from .chat_template import load_chat_template
 from .reasoning import REASONING_PARSERS
+from .stat_logger import DEFAULT_LOG_STATS_INTERVAL_S
 from .tool_parsers import TOOL_PARSERS
 
 DEFAULT_TOOL_CALL_PARSER = "hermes"  # the format tool_choice "auto" reads calls in (tool_parsers.py)
@@ -72,9 +73,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "exits when node 0's engine ends")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model directory's name, or "
-                        "graphdecode-default for the built-in model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name clients send; with several, any of them (answers and metrics carry the "
+                        "first) (default: the model directory's name, or graphdecode-default for the built-in "
+                        "model)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
@@ -115,6 +117,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(--max-num-batched-tokens)")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM's command lines: graphdecode never logs requests' contents")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (vLLM's: prompt and generation throughput, requests running and "
+                        "waiting, KV cache usage, prefix cache hit rate)")
+    p.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S, metavar="SECONDS",
+                   help="seconds between stats lines; an idle engine logs one and is then quiet (default: "
+                        "%(default)s, vLLM's)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
                         "reported while prefix caching is on")
@@ -161,5 +169,7 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     api_keys(args.api_key)  # an empty key, from the flag or the environment
     load_chat_template(args.chat_template)
+    if not args.log_stats_interval > 0:
+        raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no limit), got {args.max_request_body_bytes}")

@@ -55,6 +55,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -85,6 +86,7 @@ from .messages import anthropic_error, create_message
 from .responses_api import create_response, get_response
 from .responses_protocol import ResponseStore
 from .serving import ClientGone, OpenAIServer
+from .stat_logger import StatLogger
 from .tokenize import detokenize, tokenize
 
 __all__ = ["DEFAULT_MODEL_NAME", "DrainingServer", "OpenAIServer", "build_app", "main", "serve", "serve_checked"]
@@ -142,14 +144,15 @@ def _error_response(err: APIError, server: OpenAIServer | None = None, path: str
     return JSONResponse(body, status_code=err.status)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None, *,
+def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_prefix: str | None = None, *,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
               force_include_usage: bool = False, load_tracking: bool = False,
               api_keys: list[str] | None = None, cors: dict | None = None,
               chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` as `served_model_name`; `app.state.server` is its OpenAIServer.
+    """The FastAPI app serving `engine` as `served_model_name` (or several names: requests may send any, answers
+    carry the first); `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
     and `tool_call_parser` (tool_parsers.py); chats through `chat_template` (None: the tokenizer's). With `api_keys`, every route but the probes needs one
@@ -241,9 +244,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, metrics_prefix: str | No
     async def models():
         config = engine.config
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": server.created, "owned_by": "graphdecode",
+            "id": name, "object": "model", "created": server.created, "owned_by": "graphdecode",
             "root": str(config.model), "max_model_len": config.max_model_len,
-        }]}
+        } for name in server.model_names]}
 
     @app.get("/load")
     async def load():
@@ -284,10 +287,12 @@ class DrainingServer(uvicorn.Server):
     a core that stops beating, and one that beats again, get a line each.
     """
 
-    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, api: OpenAIServer, shutdown_timeout: float,
+                 stats: StatLogger | None = None):
         super().__init__(config)
         self.api = api
         self.shutdown_timeout = shutdown_timeout
+        self.stats = stats  # the periodic log line (stat_logger.py); None: --disable-log-stats
         self.exit_status = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
@@ -307,6 +312,9 @@ class DrainingServer(uvicorn.Server):
         self.check_core()
         if not self.exit_status:
             self.api.unresponsive()  # logs a core that stops beating even while no request asks
+            if self.stats is not None:
+                for line in self.stats.lines(time.monotonic()):
+                    print(f"graphdecode: {line}", file=sys.stderr, flush=True)
         return await super().on_tick(counter)
 
     async def startup(self, sockets=None):
@@ -348,14 +356,16 @@ def serve(args) -> int:
     return run_server(args, AsyncLLM(model, **options))
 
 
-def run_server(args, engine: AsyncLLM, sockets=None, label: str = "") -> int:
+def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats: bool = True) -> int:
     """Serve `engine` (this process's client of the core) until SIGTERM or the core's death; shuts the
-    client down and returns the exit status. `sockets`: already bound (one of several API servers)."""
-    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model
-                                      else DEFAULT_MODEL_NAME)
+    client down and returns the exit status. `sockets`: already bound (one of several API servers);
+    `log_stats`: this server logs the periodic stats line (one of several API servers does)."""
+    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model)) if args.model
+                                       else DEFAULT_MODEL_NAME]
+    name = names[0]
     try:
         keys = api_keys(args.api_key)
-        app = build_app(engine, name, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
+        app = build_app(engine, names, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
                         tool_call_parser=args.tool_call_parser,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -367,7 +377,9 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "") -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
                                 timeout_keep_alive=30)
-        server = DrainingServer(config, app.state.server, args.shutdown_timeout)
+        stats = None if args.disable_log_stats or not log_stats else StatLogger(
+            engine, args.log_stats_interval, time.monotonic())
+        server = DrainingServer(config, app.state.server, args.shutdown_timeout, stats)
         freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
         guarded = f"; an API key is needed ({len(keys)} accepted)" if keys else ""
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "

@@ -119,7 +119,7 @@ class OpenAIServer:
     with the request steps both endpoints share. Independent of the web framework's routing
     (openai_api.build_app); the endpoints are completions.py and chat.py."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, metrics_prefix: str | None = None,
+    def __init__(self, engine: AsyncLLM, served_model_name: str | list[str], metrics_prefix: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
                  tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
                  force_include_usage: bool = False, chat_template: str | None = None):
@@ -132,9 +132,11 @@ class OpenAIServer:
         self.tool_markers_special = calls.special_markers
         self.heartbeat_timeout = heartbeat_timeout  # seconds without a beat from the core: unresponsive
         self._silent = False  # the core was last seen past its heartbeat timeout (logged at each change)
-        self.model_name = served_model_name
-        self.model_json = json.dumps(served_model_name)  # as it goes into each streamed chunk
-        self.metrics = ServerMetrics(engine, served_model_name, metrics_prefix)
+        # every name a request may send (vLLM's --served-model-name A B ...); the first is the one answers carry
+        self.model_names = (served_model_name,) if isinstance(served_model_name, str) else tuple(served_model_name)
+        self.model_name = self.model_names[0]
+        self.model_json = json.dumps(self.model_name)  # as it goes into each streamed chunk
+        self.metrics = ServerMetrics(engine, self.model_name, metrics_prefix)
         self.draining = False
         self.created = int(time.time())
         self.tokenizer = engine.get_tokenizer()
@@ -183,7 +185,7 @@ class OpenAIServer:
             raise unavailable(silent)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise model_not_found(name)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,

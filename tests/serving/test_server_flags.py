@@ -7,6 +7,8 @@ server for the module, the real openai and anthropic clients."""
 from __future__ import annotations
 
 import argparse
+import re
+import time
 
 import anthropic
 import httpx
@@ -18,23 +20,30 @@ from graphdecode import LLM, SamplingParams
 from graphdecode.engine_args import engine_kwargs, engine_options
 from graphdecode.server.args import add_serve_args, check_serve_args
 from graphdecode.server.auth import api_keys
+from graphdecode.server.stat_logger import StatLogger
 from tests.helpers import live_server, one_line_cli_error
 
 MODEL = "guarded-model"
 KEYS = ("first-key", "second-key")
 ORIGIN = "https://app.example"
+ALIAS = "guarded-alias"
 
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}" \
            "{% if add_generation_prompt %}[assistant] {% endif %}"
 
 
+LOG = {}  # the module server's log file
+
+
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
     where = tmp_path_factory.mktemp("server_flags")
     (where / "template.jinja").write_text(TEMPLATE)
+    LOG["path"] = where / "server.log"
     with live_server(text_model, where, MODEL, "--max-model-len", "256", "--api-key", *KEYS,
-                     "--allowed-origins", f'["{ORIGIN}"]', "--chat-template", str(where / "template.jinja")) as url:
+                     "--allowed-origins", f'["{ORIGIN}"]', "--chat-template", str(where / "template.jinja"),
+                     "--log-stats-interval", "0.3", "--served-model-name", MODEL, ALIAS) as url:
         yield url
 
 
@@ -141,3 +150,56 @@ def test_vllm_engine_arguments_in_python(text_model):
              max_model_len=128) as llm:
         assert (llm.config.max_batch_size, llm.config.page_size, llm.config.cuda_graphs) == (4, 32, False)
         assert len(llm.generate("Hi", SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_the_periodic_stats_line(server):
+    """vLLM's log line, every --log-stats-interval seconds while the engine works, then one idle line."""
+    def stats_lines():
+        return [line for line in LOG["path"].read_text().splitlines() if "Avg generation throughput" in line]
+
+    time.sleep(1)  # the earlier tests' requests logged, and their idle line too: the log is quiet now
+    before = len(stats_lines())
+    with openai.OpenAI(base_url=f"{server}/v1", api_key=KEYS[0], max_retries=0) as client:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=0, extra_body={
+            "ignore_eos": True})
+    idle = re.compile(r"graphdecode: engine 0: Avg prompt throughput: 0\.0 tokens/s, Avg generation throughput: "
+                      r"0\.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0\.0%, Prefix cache hit "
+                      r"rate: 0\.0%")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(idle.fullmatch(line) for line in stats_lines()[before:]):
+        time.sleep(0.2)
+    lines = stats_lines()[before:]
+    assert any(re.search(r"Avg generation throughput: [1-9][0-9.]* tokens/s", line) for line in lines), lines
+    assert idle.fullmatch(lines[-1]), lines
+    time.sleep(1)  # idle: no more lines
+    assert len(stats_lines()) == before + len(lines)
+
+
+def test_stat_logger_lines():
+    """Throughput over the interval, the latest gauges, hit rate over the interval's lookups; idle: one line."""
+    class Engine:
+        load = {}
+
+    engine = Engine()
+    logger = StatLogger(engine, 10.0, now=0.0)
+    assert logger.lines(5.0) == [] and logger.lines(10.0) == []  # not due; then due but idle from the start
+    engine.load = {"prefill_tokens": 100, "generated_tokens": 50, "num_running_seqs": 2, "num_waiting_seqs": 1,
+                   "kv_pages_in_use": 3, "kv_pages": 12, "prefix_cache_queries": 40, "prefix_cache_hits": 10}
+    assert logger.lines(20.0) == ["engine 0: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: "
+                                  "5.0 tokens/s, Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix "
+                                  "cache hit rate: 25.0%"]
+    engine.load = dict(engine.load, num_running_seqs=0, num_waiting_seqs=0, kv_pages_in_use=0)
+    assert logger.lines(30.0) == ["engine 0: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: "
+                                  "0.0 tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, Prefix "
+                                  "cache hit rate: 0.0%"]
+    assert logger.lines(40.0) == []  # idle again: quiet
+
+
+def test_several_served_model_names(server):
+    """--served-model-name A B (vLLM's): a request may name either; answers carry the first; both are listed."""
+    with openai.OpenAI(base_url=f"{server}/v1", api_key=KEYS[0], max_retries=0) as client:
+        assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+        out = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
+        assert out.model == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="Hi", max_tokens=1)
