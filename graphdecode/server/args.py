@@ -83,8 +83,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the engine core beats every second, idle or busy; after this many seconds without a "
                         "beat (a stopped or frozen core) /health answers 503 and new requests get 503, until it "
                         "beats again")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this private key (PEM), with --ssl-certfile")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (PEM) served for HTTPS")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="CA certificates that client certificates are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, metavar="N",
+                   help="whether clients must show a certificate: 0 no, 1 optional, 2 required (Python's "
+                        "ssl.CERT_*; default: %(default)s)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own when it sent one, else a new one")
     p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_METRICS_PREFIX,
                    help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
@@ -169,6 +179,14 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     api_keys(args.api_key)  # an empty key, from the flag or the environment
     load_chat_template(args.chat_template)
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile: give both (HTTPS) or neither")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')}: {path!r} is not a file")
+    if args.ssl_cert_reqs not in (0, 1, 2):
+        raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
     if not args.log_stats_interval > 0:
         raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
     if args.max_request_body_bytes < 0:

@@ -83,6 +83,7 @@ from .chat_template import load_chat_template
 from .completions import create_completion
 from .errors import APIError
 from .messages import anthropic_error, create_message
+from .request_id import RequestIdHeaders
 from .responses_api import create_response, get_response
 from .responses_protocol import ResponseStore
 from .serving import ClientGone, OpenAIServer
@@ -150,7 +151,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
               force_include_usage: bool = False, load_tracking: bool = False,
               api_keys: list[str] | None = None, cors: dict | None = None,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, request_id_headers: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name` (or several names: requests may send any, answers
     carry the first); `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
@@ -167,6 +168,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
     if api_keys:  # added after the body limit: it runs first, so a client without a key learns nothing more
         app.add_middleware(ApiKeyAuth, keys=api_keys,
                            error_response=lambda err, path: _error_response(err, server, path))
+    if request_id_headers:  # outside the key check: a 401 carries the id too
+        app.add_middleware(RequestIdHeaders)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
 
@@ -372,18 +375,21 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
                         force_include_usage=args.enable_force_include_usage,
                         load_tracking=args.enable_server_load_tracking, api_keys=keys,
                         chat_template=load_chat_template(args.chat_template),
+                        request_id_headers=args.enable_request_id_headers,
                         cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 access_log=not args.no_access_log, timeout_graceful_shutdown=10,
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
         stats = None if args.disable_log_stats or not log_stats else StatLogger(
             engine, args.log_stats_interval, time.monotonic())
         server = DrainingServer(config, app.state.server, args.shutdown_timeout, stats)
         freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
         guarded = f"; an API key is needed ({len(keys)} accepted)" if keys else ""
+        scheme = "https" if args.ssl_certfile else "http"
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
-              f"http://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
+              f"{scheme}://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
         server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import ssl
+import subprocess
 import time
 
 import anthropic
@@ -20,6 +23,7 @@ from graphdecode import LLM, SamplingParams
 from graphdecode.engine_args import engine_kwargs, engine_options
 from graphdecode.server.args import add_serve_args, check_serve_args
 from graphdecode.server.auth import api_keys
+from graphdecode.server.launch import start_server, stop_server
 from graphdecode.server.stat_logger import StatLogger
 from tests.helpers import live_server, one_line_cli_error
 
@@ -43,7 +47,8 @@ def server(text_model, tmp_path_factory):
     LOG["path"] = where / "server.log"
     with live_server(text_model, where, MODEL, "--max-model-len", "256", "--api-key", *KEYS,
                      "--allowed-origins", f'["{ORIGIN}"]', "--chat-template", str(where / "template.jinja"),
-                     "--log-stats-interval", "0.3", "--served-model-name", MODEL, ALIAS) as url:
+                     "--log-stats-interval", "0.3", "--served-model-name", MODEL, ALIAS,
+                     "--enable-request-id-headers") as url:
         yield url
 
 
@@ -203,3 +208,49 @@ def test_several_served_model_names(server):
         assert out.model == MODEL
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="Hi", max_tokens=1)
+
+
+def test_request_id_headers(server):
+    """--enable-request-id-headers: the request's X-Request-Id comes back (a 401's too), else a fresh one."""
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={**auth, "X-Request-Id": "trace-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True},
+                      headers={**auth, "X-Request-Id": "trace-43"}) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-43" and "[DONE]" in streamed.read().decode()
+    first, second = (httpx.get(f"{server}/health").headers["x-request-id"] for _ in range(2))
+    assert re.fullmatch("[0-9a-f]{32}", first) and first != second
+    r = httpx.get(f"{server}/v1/models", headers={"X-Request-Id": "trace-44"})
+    assert r.status_code == 401 and r.headers["x-request-id"] == "trace-44"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command makes the test certificate")
+def test_https(text_model, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: HTTPS that the openai client verifies against the certificate."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
+                              "--max-model-len", "256", "--log-level", "warning", "--ssl-keyfile", str(key),
+                              "--ssl-certfile", str(cert)], str(tmp_path / "server.log"), timeout_s=180,
+                             verify=ssl.create_default_context(cafile=str(cert)))
+    try:
+        assert url.startswith("https://")
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http, openai.OpenAI(base_url=f"{url}/v1", api_key="x",
+                                                                   http_client=http, max_retries=0) as client:
+            out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert out.choices[0].finish_reason == "length"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is refused
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+    finally:
+        assert stop_server(proc, 40) == 0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile: give both"),
+    (["--ssl-keyfile", "nope.pem", "--ssl-certfile", "nope.pem"], "--ssl-keyfile: 'nope.pem' is not a file"),
+])
+def test_bad_tls_flags_stop_start_up(capsys, args, fragment):
+    assert fragment in one_line_cli_error(capsys, ["serve", *args], clean=True)
