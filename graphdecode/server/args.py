@@ -29,6 +29,16 @@ DESCRIPTION = ("Serve the model over HTTP with the OpenAI API: POST /v1/completi
                "requests get 503, running ones finish (at most --shutdown-timeout), then the server exits 0.")
 
 
+# vLLM's flags for what graphdecode always does: accepted, changing nothing (why, for --help)
+ALWAYS_ON = {
+    "--enable-auto-tool-choice": "tool_choice 'auto' is always on",
+    "--enable-prompt-tokens-details": "usage.prompt_tokens_details.cached_tokens is always reported while prefix "
+                                      "caching is on",
+    "--trust-remote-code": "graphdecode runs no code from a model directory (its model families are built in)",
+    "--enable-chunked-prefill": "long prompts are always chunked (--max-num-batched-tokens)",
+    "--disable-log-requests": "graphdecode never logs requests' contents",
+}
+
 DEFAULT_METRICS_PREFIX = "graphdecode:"
 _PREFIX = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")  # a Prometheus metric name (':' allowed), or its start
 
@@ -114,28 +124,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="every stream ends with a usage chunk, as if stream_options.include_usage were set (vLLM's)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the requests running now (vLLM's; without it, 0)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM's command lines: tool_choice 'auto' is always on")
     p.add_argument("--seed", dest="engine_seed", type=int, default=None,
                    help="the engine's seed (EngineConfig.seed): a request without a seed of its own draws from "
                         "it, so a restarted server samples the same (default: EngineConfig's, 0)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted for vLLM's command lines: graphdecode runs no code from a model directory (its "
-                        "model families are built in)")
-    p.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="accepted for vLLM's command lines: long prompts are always chunked "
-                        "(--max-num-batched-tokens)")
-    p.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM's command lines: graphdecode never logs requests' contents")
+    for flag, why in ALWAYS_ON.items():
+        p.add_argument(flag, action="store_true", help=f"accepted for vLLM's command lines: {why}")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (vLLM's: prompt and generation throughput, requests running and "
                         "waiting, KV cache usage, prefix cache hit rate)")
     p.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S, metavar="SECONDS",
                    help="seconds between stats lines; an idle engine logs one and is then quiet (default: "
                         "%(default)s, vLLM's)")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="accepted for vLLM's command lines: usage.prompt_tokens_details.cached_tokens is always "
-                        "reported while prefix caching is on")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API server processes in front of the one engine core (vLLM's): they share the port, "
                         "each parses, tokenizes and streams its own connections, /metrics adds them up")
