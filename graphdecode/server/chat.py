@@ -49,8 +49,10 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     rendered = text
     if truncate is not None and len(ids) > truncate:
         text, ids = None, req.truncate(ids, truncate)
+    # the request's own max_tokens must fit the context (vLLM's rule); the recommended cap need not (past the
+    # context the engine stops with "length")
+    server.check_length(len(ids), req.requested_max_tokens(), "messages", req.max_tokens_param)
     max_tokens = capped_max_tokens(server.sampling_defaults, req.requested_max_tokens())
-    server.check_length(len(ids), max_tokens, "messages", req.max_tokens_param)
     params = req.sampling_params(max_tokens, server.vocab_size, server.sampling_defaults)
     opened = server.reasoning_parser is not None and opened_in_prompt(rendered)
     thinking_off = (req.chat_template_kwargs or {}).get("enable_thinking") is False

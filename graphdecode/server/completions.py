@@ -41,7 +41,9 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
     if truncate is not None:  # vLLM's: N tokens kept; a cut text no longer matches them, the ids stand alone
         parsed = [(text, ids) if len(ids) <= truncate else (None, req.truncate(ids, truncate)) for text, ids in parsed]
     for _, ids in parsed:
-        server.check_length(len(ids), params.max_tokens, "prompt", "max_tokens")
+        # the request's own max_tokens (not the recommended cap, which may pass the context: the engine then
+        # stops at max_model_len with "length")
+        server.check_length(len(ids), 1 if req.echo_only else req.max_tokens, "prompt", "max_tokens")
     renames = req.renames()
     await server.constrain(request, req, params, renames)
     echo = None

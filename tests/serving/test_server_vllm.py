@@ -541,6 +541,18 @@ def test_the_models_recommended_sampling_defaults(text_model, tmp_path_factory, 
         r = httpx.post(f"{url}/v1/messages", json={"model": MODEL, "max_tokens": 50, "messages": chat["messages"]})
         assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 4 and \
             r.json()["stop_reason"] == "max_tokens", r.text
+        # a chat 2 tokens short of the context, no max_tokens asked: the recommended 4 is no reason to refuse it
+        # (vLLM's rule: only the request's own max_tokens must fit); it ends at max_model_len
+        def rendered(words):
+            body = {"messages": [{"role": "user", "content": "a " * words}]}
+            return httpx.post(f"{url}/tokenize", json=body).json()["count"]
+
+        words = 900 + (MAX_MODEL_LEN - 2) - rendered(900)
+        assert rendered(words) == MAX_MODEL_LEN - 2
+        long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "a " * words}]}
+        r = http.post("/chat/completions", json=long_chat)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert http.post("/chat/completions", json={**long_chat, "max_tokens": 4}).status_code == 400
 
 
 def test_tokenize_and_detokenize(http, server, tokenizer):
