@@ -47,6 +47,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("mp", "external_launcher", "ray")
 
 logger = logging.getLogger("graphdecode")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")  # a directory holds a tokenizer
 
 
 KV_EVENTS_DEFAULTS = {"enable_kv_cache_events": False, "publisher": "null", "endpoint": "tcp://*:5557",
@@ -263,6 +264,9 @@ class EngineConfig:
     # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
     # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
     speculative_config: dict | None = None
+    # the tokenizer's directory (vLLM's `tokenizer`): a model directory without one, or a tokenizer other than its
+    # own (the same vocabulary); None: the model's
+    tokenizer: str | None = None
     # the sampling defaults a request that leaves a field out gets (generation_defaults.py, vLLM's names): "auto",
     # the model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty,
     # max_new_tokens); "vllm", SamplingParams' neutral ones; or a directory holding a generation_config.json.
@@ -378,6 +382,11 @@ class EngineConfig:
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
+        if self.tokenizer is not None and (
+                not isinstance(self.tokenizer, (str, os.PathLike)) or not os.path.isdir(self.tokenizer)
+                or not any(os.path.exists(os.path.join(self.tokenizer, f)) for f in TOKENIZER_FILES)):
+            raise ValueError(f"tokenizer must be a directory holding a HuggingFace tokenizer (one of "
+                             f"{', '.join(TOKENIZER_FILES)}), got {self.tokenizer!r}")
         cfg = load_model_config(str(self.model))
         defaults = sampling_defaults(str(self.model), self.generation_config, self.override_generation_config)
         device = self._resolve_device()

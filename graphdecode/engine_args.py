@@ -112,6 +112,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HuggingFace model directory (default: the built-in random Llama, made in the cache "
                         "directory on first use)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the tokenizer's directory, when the model's has none or another is wanted (the same "
+                        "vocabulary) (default: the model directory's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: EngineConfig's: cuda when available)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: EngineConfig's: float32 on CPU; on CUDA the "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import TOKENIZER_FILES
 from ..device.executor import make_executor
 from ..plan import Readout, StepPlan
 from ..ranges import annotate
@@ -35,11 +36,13 @@ from .structured_store import StructuredStore
 
 logger = logging.getLogger("graphdecode")
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(model_dir: str):
-    if not any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+def load_tokenizer(model_dir: str, tokenizer_dir: str | None = None):
+    """The engine's tokenizer (transformers'): `tokenizer_dir`'s (EngineConfig.tokenizer, checked there), else
+    the model directory's; None for a model directory without one (token ids in, token ids out)."""
+    model_dir = str(tokenizer_dir or model_dir)
+    if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
@@ -88,7 +91,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config):
         self.config = config
-        self.tokenizer = load_tokenizer(str(config.model))
+        self.tokenizer = load_tokenizer(str(config.model), config.tokenizer)
         self.executor = make_executor(config)  # the device side: one process, or every tensor-parallel rank
         self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
         self.structured = StructuredStore(config.structured_max_states, config.structured_max_exceptions)

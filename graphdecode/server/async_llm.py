@@ -235,7 +235,7 @@ class AsyncLLM:
             self._kill()
             raise ValueError(f"the engine could not be built: {payload}")
         self.config: EngineConfig = payload
-        self.tokenizer = load_tokenizer(str(self.config.model))
+        self.tokenizer = load_tokenizer(str(self.config.model), self.config.tokenizer)
         self.inputs = InputProcessor(
             self.config, self.tokenizer,
             functools.partial(group_pages, page_size=self.config.page_size,

@@ -7,6 +7,7 @@ server for the module, the real openai and anthropic clients."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import ssl
@@ -254,3 +255,23 @@ def test_https(text_model, tmp_path):
 ])
 def test_bad_tls_flags_stop_start_up(capsys, args, fragment):
     assert fragment in one_line_cli_error(capsys, ["serve", *args], clean=True)
+
+
+def test_a_tokenizer_from_another_directory(text_model, tmp_path, capsys):
+    """vLLM's tokenizer= / --tokenizer: weights without a tokenizer take one from elsewhere; a directory without
+    one is refused by name before anything loads."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in os.listdir(text_model):
+        if not name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(os.path.join(text_model, name), weights / name)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with LLM(text_model, max_model_len=128) as llm:
+        expected = llm.generate("The capital of France is", params)[0]
+    with LLM(str(weights), max_model_len=128, tokenizer=text_model) as llm:
+        got = llm.generate("The capital of France is", params)[0]
+    assert got.prompt_token_ids == expected.prompt_token_ids and got.outputs[0].text == expected.outputs[0].text
+    with pytest.raises(ValueError, match="tokenizer must be a directory holding a HuggingFace tokenizer"):
+        LLM(text_model, tokenizer=str(weights))
+    assert "tokenizer must be a directory" in one_line_cli_error(
+        capsys, ["serve", str(weights), "--tokenizer", str(tmp_path)], clean=True)
