@@ -32,6 +32,8 @@ _DTYPE_NAMES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
+    "half": torch.float16,  # vLLM's names
+    "float": torch.float32,
 }
 DEFAULT_MAX_BATCH_SIZE = 256
 MAX_ROWS = 1024  # advance_step scans all rows of a bucket in one CUDA block
@@ -494,7 +496,7 @@ class EngineConfig:
         return device
 
     def _resolve_dtype(self, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-        if self.dtype is None:
+        if self.dtype is None or self.dtype == "auto":  # "auto": vLLM's name for the default
             if device.type == "cpu":
                 return torch.float32
             return cfg.dtype if cfg.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -502,7 +504,7 @@ class EngineConfig:
             return self.dtype
         if isinstance(self.dtype, str) and self.dtype in _DTYPE_NAMES:
             return _DTYPE_NAMES[self.dtype]
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16 (or float, half), got {self.dtype!r}")
 
     def _resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self.kv_cache_dtype == "auto":

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import json
 import sys
+from decimal import Decimal, InvalidOperation
 from typing import NoReturn
 
 
@@ -41,6 +42,26 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def token_count(text: str) -> int | None:
+    """A count of tokens as vLLM's --max-model-len takes it: 4096, 32k (32,000), 25.6k, 32K (32,768); "auto" or
+    -1: None (the model's own)."""
+    text = text.strip()
+    if text in ("auto", "-1"):
+        return None
+    number, scale = (text[:-1], _SUFFIXES[text[-1]]) if text and text[-1] in _SUFFIXES else (text, 1)
+    try:
+        value = Decimal(number) * scale if scale > 1 and text[-1].islower() else int(number) * scale
+    except (ValueError, InvalidOperation):
+        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 4096, 32k or 32K, got {text!r}") \
+            from None
+    if isinstance(value, Decimal) and not value.is_finite() or value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 1, got {text!r}")
+    return int(value)
 
 
 def int_list(text: str) -> list[int]:
@@ -117,8 +138,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "vocabulary) (default: the model directory's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: EngineConfig's: cuda when available)")
     p.add_argument("--dtype", default=None,
-                   help="float32, bfloat16 or float16 (default: EngineConfig's: float32 on CPU; on CUDA the "
-                        "checkpoint's own bfloat16 or float16, else bfloat16)")
+                   help="auto, float32, bfloat16 or float16 (vLLM's float and half too) (default: EngineConfig's, "
+                        "auto: float32 on CPU; on CUDA the checkpoint's own bfloat16 or float16, else bfloat16)")
     p.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=positive_int, default=None,
                    help=f"most sequences decoding at once (default: EngineConfig's, {DEFAULT_MAX_BATCH_SIZE}, "
                         f"or the largest of --buckets)")
@@ -143,9 +164,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"share of the device's memory (on CPU: of the host's RAM) that weights, KV pool and "
                         f"activations may take, after what others use now (default: on CUDA {GPU_MEMORY_FRACTION}; "
                         f"on CPU unused)")
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="longest sequence, prompt + output (default: EngineConfig's: the model's "
-                        "max_position_embeddings)")
+    p.add_argument("--max-model-len", type=token_count, default=None,
+                   help="longest sequence, prompt + output, as vLLM writes it: 4096, 32k (32,000), 32K (32,768), "
+                        "auto or -1 for the model's (default: EngineConfig's: the model's max_position_embeddings)")
     p.add_argument("--compile", type=on_off, default=None, metavar="{on,off}",
                    help="torch.compile the decode forward (default: EngineConfig's: on on CUDA, off on CPU)")
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
@@ -195,8 +216,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='KV-cache events for prefix-aware routers, vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": '
                         'true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
                         '(default: off)')
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=None,
                    help="turn automatic prefix caching off (default: EngineConfig's: on)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=None,
+                   help="prefix caching on, as it is by default (vLLM's flag)")
     p.add_argument("--allow-batch-variance", dest="batch_invariant", action="store_false", default=None,
                    help="let a request's tokens depend on which requests share its batch, for oneDNN's faster "
                         "GEMMs at many rows (default: EngineConfig's: batch-invariant)")

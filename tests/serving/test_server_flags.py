@@ -18,10 +18,12 @@ import anthropic
 import httpx
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from graphdecode import LLM, SamplingParams
-from graphdecode.engine_args import engine_kwargs, engine_options
+from graphdecode.config import EngineConfig
+from graphdecode.engine_args import engine_kwargs, engine_options, token_count
 from graphdecode.server.args import add_serve_args, check_serve_args
 from graphdecode.server.auth import api_keys
 from graphdecode.server.launch import start_server, stop_server
@@ -133,10 +135,19 @@ def test_vllm_engine_flags_reach_the_engine(text_model):
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args([text_model, "--seed", "7", "--max-num-seqs", "4", "--enforce-eager",
-                              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests"])
+                              "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
+                              "--dtype", "auto", "--max-model-len", "0.2k", "--no-enable-prefix-caching"])
     check_serve_args(args)
     _, given = engine_options(args)
-    assert given == {"seed": 7, "max_batch_size": 4, "cuda_graphs": False}
+    assert given == {"seed": 7, "max_batch_size": 4, "cuda_graphs": False, "dtype": "auto", "max_model_len": 200,
+                     "enable_prefix_caching": False}
+    assert [token_count(t) for t in ("4096", "32k", "32K", "25.6k", "auto", "-1")] == [
+        4096, 32000, 32768, 25600, None, None]
+    for bad in ("0", "1.5", "2.5K", "1.0001k", "infk", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            token_count(bad)
+    for name, dtype in (("auto", torch.float32), ("float", torch.float32), ("half", torch.float16)):
+        assert EngineConfig(model=text_model, dtype=name).torch_dtype == dtype  # on this CPU
 
 
 def test_vllm_engine_arguments_in_python(text_model):
