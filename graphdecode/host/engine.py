@@ -261,13 +261,21 @@ class Engine:
         if pending.extras:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
         decode = plan.window is not None and plan.window.decode
+        timed = result.window_seconds is not None
+        before = [r.seq.num_tokens for r in plan.readout] if timed and result.spec is None else None
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
-        if result.window_seconds is not None:
-            report = {} if result.spec is None else {"drafted": int(result.spec[0].sum()),
-                                                      "row_steps": int(result.spec[2].sum())}
+        if timed:
+            if result.spec is None:  # a plain window: the steps its longest-lived row took tokens from
+                live = max((r.seq.num_tokens - n - (r.first_column == 0) for r, n in zip(plan.readout, before)),
+                           default=0)
+                report = {}
+            else:  # a speculative one: the rounds its longest-lived row verified
+                live = max((int(result.spec[2, r.row]) for r in plan.readout if r.row < result.spec.shape[1]),
+                           default=0)
+                report = {"drafted": int(result.spec[0].sum()), "row_steps": int(result.spec[2].sum())}
             self.spec_policy.observe_window(pending.bucket, pending.speculative, result.window_seconds,
                                             any_sampled(r.seq for r in plan.readout),
-                                            full=2 * len(plan.readout) > pending.bucket, **report)
+                                            full=2 * len(plan.readout) > pending.bucket, live_steps=live, **report)
         if result.prefill_seconds is not None:
             self.spec_policy.observe_prefill(result.prefill_tokens, result.prefill_seconds)
         if decode and plan.window.speculative and not pending.speculative:

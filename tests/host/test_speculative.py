@@ -317,6 +317,25 @@ def test_spec_policy_spends_a_fixed_share_of_time_on_losing_probes():
     assert policy.speculate(1)
 
 
+def test_a_window_cut_short_is_no_measure_of_a_whole_one():
+    """A window whose rows all ended before its k-th step (a request's last; or one with nothing live, 4 ms) skips
+    its idle steps: averaged in, it made a bucket's plain window look cheap (a ratio of 2.8 after one such window)
+    or a speculative one's queries dear. It counts toward the probe budget's plain time only."""
+    from graphdecode.host.spec_policy import SpecPolicy
+
+    k = 8
+    policy = SpecPolicy(enabled=True, first_window_untimed=False, draft_tokens=2, steps_per_window=k,
+                        live_queries=True)
+    policy.observe_window(1, False, 0.180, live_steps=k)
+    policy.observe_window(1, True, 0.200, drafted=16, row_steps=8, live_steps=k)
+    assert policy.cost_ratio(1) == pytest.approx(0.200 / 0.180)
+    policy.observe_window(1, False, 0.004, live_steps=0)  # nothing live
+    policy.observe_window(1, True, 0.050, drafted=4, row_steps=2, live_steps=2)  # two rounds of eight
+    assert policy.cost_ratio(1) == pytest.approx(0.200 / 0.180)
+    assert policy.window_seconds[(1, False, False)] == 0.180
+    assert policy._plain_seconds[1] == pytest.approx(0.184)  # the probe budget's time counts both plain ones
+
+
 def test_an_eager_cpu_window_costs_what_its_live_rows_draft():
     """An eager CPU window runs its live rows' drafted queries alone: a speculative window's cost over a plain one's
     is measured per drafted query (from its report) and expected from the rows a window holds and the drafts a
@@ -560,7 +579,11 @@ def test_the_engine_keeps_acceptance_per_sequence(tiny_models):
     assert len({seq_id for _, _, rows in seen for seq_id, _, _ in rows}) == 3
     # each speculative window's time comes with its drafted queries and live row-steps (the same report's)
     reports = [report for speculative, report in windows if speculative]
-    assert reports and all(not report for speculative, report in windows if not speculative)
+    assert reports and all(set(report) == {"live_steps"} for speculative, report in windows if not speculative)
+    # and with the rounds its longest-lived row ran: k in a whole window, fewer in the one where the rows end
+    k = SMALL_ENGINE["num_decode_steps"]
+    assert all(0 <= r["live_steps"] <= k for r in reports) and any(r["live_steps"] == k for r in reports)
+    assert all(r["live_steps"] * 3 >= r["row_steps"] for r in reports)  # three rows at most
     stats = engine.stats()
     assert sum(r["drafted"] for r in reports) == stats["spec_draft_tokens"]
     assert sum(r["row_steps"] for r in reports) == stats["spec_verifies"]
