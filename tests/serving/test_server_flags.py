@@ -174,8 +174,11 @@ def test_the_periodic_stats_line(server):
     def stats_lines():
         return [line for line in LOG["path"].read_text().splitlines() if "Avg generation throughput" in line]
 
-    time.sleep(1)  # the earlier tests' requests logged, and their idle line too: the log is quiet now
-    before = len(stats_lines())
+    before, quiet_since = len(stats_lines()), time.monotonic()  # until the earlier tests' lines (idle one too) end
+    while time.monotonic() - quiet_since < 1.0 and time.monotonic() < quiet_since + 10:
+        time.sleep(0.1)
+        if len(stats_lines()) != before:
+            before, quiet_since = len(stats_lines()), time.monotonic()
     with openai.OpenAI(base_url=f"{server}/v1", api_key=KEYS[0], max_retries=0) as client:
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=0, extra_body={
             "ignore_eos": True})
