@@ -114,6 +114,7 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     params = dict(model.named_parameters())
     files = {entry.key: path for path, entries in plan for entry in entries}
     pending: dict[str, dict[str | None, QuantizedTensor]] = {}  # quantized linear -> its shards
+    progress = _progress(model_dir, plan, tp)
     for path, entries in plan:
         with _open(path) as f:
             for entry in entries:
@@ -135,6 +136,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
                     param.data.copy_(tensor)
                 else:
                     modules[_owner(entry.name)].load_shard(param, entry.shard, tensor)
+        progress.update(os.path.getsize(path))
+    progress.close()
     for name, shards in pending.items():
         module = modules[_owner(name)]
         order = list(getattr(module, "shard_offsets", None) or [None])
@@ -167,6 +170,21 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     if huge_pages and device.type == "cpu":
         model.huge_pages = HugePages(model, os.path.basename(os.path.normpath(model_dir)))
     return model
+
+
+PROGRESS_BYTES = 1 << 30  # checkpoints from this size up show a loading bar (on a terminal)
+
+
+def _progress(model_dir: str, plan, tp: TPGroup):
+    """A tqdm bar over the checkpoint files' bytes (each file counted once read): for a checkpoint of
+    PROGRESS_BYTES or more, on the first rank, on a terminal (tqdm's disable=None), so a model that takes
+    minutes to read says how far it is."""
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(path) for path, _ in plan)
+    shown = total >= PROGRESS_BYTES and tp.rank == 0 and tp.stage.index == 0
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading "
+                f"{os.path.basename(os.path.normpath(model_dir))}", disable=None if shown else True)
 
 
 def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:

@@ -127,3 +127,4 @@ def test_the_engine_option_and_its_flag(text_model, llm_options):
         with pytest.raises(Built):
             main(["generate", "--model", text_model, *flag, "Hi"])
     assert [options.get("cpu_huge_pages", "default") for options in seen] == ["default", False]
+

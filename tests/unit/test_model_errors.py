@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -289,3 +290,26 @@ def test_values_that_overflow_the_load_dtype_are_refused(tiny_models, tmp_path):
     gate_up = model.model.layers[1].mlp.gate_up_proj
     weight = gate_up.weight if gate_up.packed is None else gate_up.packed.panels  # CPU panels: the weight's copy
     assert math.isclose(float(weight.detach().max()), 1e6)
+
+
+def test_a_large_checkpoint_shows_its_loading_progress(text_model, monkeypatch):
+    """A checkpoint of PROGRESS_BYTES or more shows a bar on a terminal (a small one, or no terminal: none)."""
+    import io
+
+    from graphdecode.models import loader
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    def load():
+        err = Terminal()
+        monkeypatch.setattr(sys, "stderr", err)
+        load_model(text_model, load_model_config(text_model), torch.float32, torch.device("cpu"), 64)
+        monkeypatch.undo()
+        return err.getvalue()
+
+    assert "loading" not in load()  # a tiny checkpoint
+    monkeypatch.setattr(loader, "PROGRESS_BYTES", 1)
+    bar = load()
+    assert "loading text_model" in bar and "100%" in bar
