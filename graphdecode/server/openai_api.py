@@ -390,11 +390,21 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
         scheme = "https" if args.ssl_certfile else "http"
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
               f"{scheme}://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
+        if not label or label.startswith("API server 1/"):
+            print(f"graphdecode: {kv_capacity(engine.config)}", file=sys.stderr, flush=True)
         server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:
         engine.shutdown()
     return server.exit_status
+
+
+def kv_capacity(config) -> str:
+    """What the KV pool holds, as vLLM says it at start-up: tokens, and sequences of max_model_len at once."""
+    tokens = (config.num_pages - 1) * config.page_size  # page 0 is the scratch page
+    return (f"KV cache: {tokens:,} tokens ({config.num_pages - 1:,} pages of {config.page_size}); maximum "
+            f"concurrency for {config.max_model_len:,} tokens per request: {tokens / config.max_model_len:.2f}x "
+            f"(rows: {config.max_batch_size})")
 
 
 def serve_checked(args) -> int:

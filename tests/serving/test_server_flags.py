@@ -174,6 +174,10 @@ def test_the_periodic_stats_line(server):
     def stats_lines():
         return [line for line in LOG["path"].read_text().splitlines() if "Avg generation throughput" in line]
 
+    # and at start-up, what the KV pool holds (vLLM's "maximum concurrency" line)
+    assert re.search(r"graphdecode: KV cache: [0-9,]+ tokens \([0-9,]+ pages of 16\); maximum concurrency for 256 "
+                     r"tokens per request: [0-9.]+x", LOG["path"].read_text())
+
     before, quiet_since = len(stats_lines()), time.monotonic()  # until the earlier tests' lines (idle one too) end
     while time.monotonic() - quiet_since < 1.0 and time.monotonic() < quiet_since + 10:
         time.sleep(0.1)
