@@ -37,6 +37,7 @@ ALWAYS_ON = {
     "--trust-remote-code": "graphdecode runs no code from a model directory (its model families are built in)",
     "--enable-chunked-prefill": "long prompts are always chunked (--max-num-batched-tokens)",
     "--disable-log-requests": "graphdecode never logs requests' contents",
+    "--disable-fastapi-docs": "graphdecode serves no /docs, /redoc or /openapi.json",
 }
 
 DEFAULT_METRICS_PREFIX = "graphdecode:"
@@ -105,7 +106,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "ssl.CERT_*; default: %(default)s)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own when it sent one, else a new one")
-    p.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
+                   help="no log line per HTTP request")
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_METRICS_PREFIX,
                    help="start of every /metrics family name: 'vllm:' gives vLLM's names, for dashboards and "
                         "gateways built for vLLM (docs/metrics.md)")

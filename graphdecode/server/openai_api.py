@@ -161,7 +161,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
     reaches a browser's script too."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
                           tool_call_parser, return_tokens_as_token_ids, force_include_usage, chat_template)
-    app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None)
+    app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None, openapi_url=None)  # (the routes take raw bodies)
     app.state.server = server
     if max_request_body_bytes:
         app.add_middleware(_BodyLimit, limit=max_request_body_bytes, server=server)

@@ -136,7 +136,9 @@ def test_vllm_engine_flags_reach_the_engine(text_model):
     add_serve_args(parser)
     args = parser.parse_args([text_model, "--seed", "7", "--max-num-seqs", "4", "--enforce-eager",
                               "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests",
-                              "--dtype", "auto", "--max-model-len", "0.2k", "--no-enable-prefix-caching"])
+                              "--dtype", "auto", "--max-model-len", "0.2k", "--no-enable-prefix-caching",
+                              "--disable-fastapi-docs", "--disable-uvicorn-access-log"])
+    assert args.no_access_log
     check_serve_args(args)
     _, given = engine_options(args)
     assert given == {"seed": 7, "max_batch_size": 4, "cuda_graphs": False, "dtype": "auto", "max_model_len": 200,
