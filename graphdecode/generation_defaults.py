@@ -28,7 +28,6 @@ import os
 from .models.config_fields import read_json_object
 from .sampling_params import SamplingParams
 
-GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a directory holding a generation_config.json
 # generation_config.json's names of the sampling defaults vLLM reads -> SamplingParams' names
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -52,7 +51,7 @@ def sampling_defaults(model_dir: str, generation_config: str = "auto",
         elif generation_config != "auto":
             raise ValueError(f"generation_config: {generation_config!r} is not a directory holding a "
                              f"generation_config.json (or 'auto' for the model's, 'vllm' for none)")
-    override = override_generation_config or {}
+    override = {} if override_generation_config is None else override_generation_config
     if not isinstance(override, dict):
         raise ValueError(f"override_generation_config must be a dict of generation_config.json fields, "
                          f"got {override!r}")
