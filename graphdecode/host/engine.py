@@ -37,7 +37,6 @@ from .structured_store import StructuredStore
 logger = logging.getLogger("graphdecode")
 
 
-
 def load_tokenizer(model_dir: str, tokenizer_dir: str | None = None):
     """The engine's tokenizer (transformers'): `tokenizer_dir`'s (EngineConfig.tokenizer, checked there), else
     the model directory's; None for a model directory without one (token ids in, token ids out)."""
@@ -261,7 +260,7 @@ class Engine:
         if pending.extras:
             self.outputs.prompt_logprobs(plan.prompt_readout, pending.extras)
         decode = plan.window is not None and plan.window.decode
-        timed = result.window_seconds is not None
+        timed = result.window_seconds is not None and self.spec_policy.enabled  # (the policy's only use of it)
         before = [r.seq.num_tokens for r in plan.readout] if timed and result.spec is None else None
         changed = self.outputs.process(plan.readout, decode, result, self._stats)
         if timed:

@@ -78,6 +78,21 @@ def _check_unicode(texts: list[str], slots: list[int]) -> None:
             ) from None
 
 
+def truncation_size(keep: int | None, max_model_len: int) -> int | None:
+    """truncate_prompt_tokens resolved, vLLM's rule for the API and the server alike: None, no truncation; -1,
+    max_model_len; else an integer in [1, max_model_len] (a ValueError naming the field otherwise)."""
+    if keep is None:
+        return None
+    if keep == -1:
+        return max_model_len
+    if keep < 1:
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {keep}")
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len}); select "
+                         f"a smaller truncation size")
+    return keep
+
+
 class InputProcessor:
     def __init__(self, config, tokenizer, group_pages):
         self.config = config
@@ -377,17 +392,10 @@ class InputProcessor:
             self.automata.close()
 
     def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt tokens a request runs: the last `params.truncate_prompt_tokens` (-1: max_model_len) of a
-        longer prompt, else all of them (vLLM's left truncation). `params` must be checked already."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return prompt_ids
-        limit = self.config.max_model_len
-        if keep > limit:  # vLLM's rule, as the server's (protocol.truncation)
-            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({limit}); select a "
-                             f"smaller truncation size")
-        keep = limit if keep == -1 else keep
-        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+        """The prompt tokens a request runs: the last `params.truncate_prompt_tokens` (truncation_size) of a
+        longer prompt, else all of them (vLLM's left truncation)."""
+        keep = truncation_size(params.truncate_prompt_tokens, self.config.max_model_len)
+        return prompt_ids[-keep:] if keep is not None and len(prompt_ids) > keep else prompt_ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """The context-length rule: the prompt leaves room to generate (the engine's, offline and async, as

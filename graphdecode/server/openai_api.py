@@ -156,9 +156,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
     carry the first); `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
-    and `tool_call_parser` (tool_parsers.py); chats through `chat_template` (None: the tokenizer's). With `api_keys`, every route but the probes needs one
-    (auth.py); `cors`: CORSMiddleware's options (allow_origins, ...), outermost, so that a 401 or 413
-    reaches a browser's script too."""
+    and `tool_call_parser` (tool_parsers.py); chats through `chat_template` (None: the tokenizer's). With
+    `api_keys`, every route but the probes needs one (auth.py); `cors`: CORSMiddleware's options
+    (allow_origins, ...), outermost, so that a 401 or 413 reaches a browser's script too."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
                           tool_call_parser, return_tokens_as_token_ids, force_include_usage, chat_template)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None, openapi_url=None)  # (the routes take raw bodies)
@@ -362,7 +362,8 @@ def serve(args) -> int:
 def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats: bool = True) -> int:
     """Serve `engine` (this process's client of the core) until SIGTERM or the core's death; shuts the
     client down and returns the exit status. `sockets`: already bound (one of several API servers);
-    `log_stats`: this server logs the periodic stats line (one of several API servers does)."""
+    `log_stats`: this server logs what concerns the one core (its KV capacity at start-up, the periodic
+    stats line): one of several API servers does."""
     names = args.served_model_name or [os.path.basename(os.path.normpath(args.model)) if args.model
                                        else DEFAULT_MODEL_NAME]
     name = names[0]
@@ -390,7 +391,7 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
         scheme = "https" if args.ssl_certfile else "http"
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
               f"{scheme}://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
-        if not label or label.startswith("API server 1/"):
+        if log_stats:
             print(f"graphdecode: {kv_capacity(engine.config)}", file=sys.stderr, flush=True)
         server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit

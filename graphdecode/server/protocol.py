@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ..generation_defaults import capped_max_tokens
+from ..host.inputs import truncation_size
 from ..sampling_params import SamplingParams
 from . import tools as tool_calls
 from .constraints import ConstraintSource, response_format_source, structured_outputs_source
@@ -123,19 +124,12 @@ class _SamplingRequest(_Base):
         return ids[:n] if self.truncation_side == "right" else ids[-n:]
 
     def truncation(self, max_model_len: int) -> int | None:
-        """truncate_prompt_tokens resolved: keep the last N prompt tokens (-1: max_model_len; None: no truncation)."""
-        n = self.truncate_prompt_tokens
-        if n is None:
-            return None
-        if n == -1:
-            return max_model_len
-        if n < 1:
-            raise APIError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {n}",
-                           param="truncate_prompt_tokens")
-        if n > max_model_len:
-            raise APIError(f"truncate_prompt_tokens ({n}) is greater than max_model_len ({max_model_len}); "
-                           f"select a smaller truncation size", param="truncate_prompt_tokens")
-        return n
+        """truncate_prompt_tokens resolved (host/inputs.truncation_size): keep the last N prompt tokens (-1:
+        max_model_len; None: no truncation); a 400 naming the field."""
+        try:
+            return truncation_size(self.truncate_prompt_tokens, max_model_len)
+        except ValueError as exc:
+            raise APIError(str(exc), param="truncate_prompt_tokens") from None
 
     def salted(self, prompt: dict) -> dict:
         """The engine prompt with the request's cache_salt (checked: a non-empty string)."""
