@@ -15,10 +15,11 @@ _PUBLIC = {
     "CompletionOutput": ".outputs",
     "Logprob": ".outputs",
     "RequestMetrics": ".outputs",
+    "LoRARequest": ".lora.request",
 }
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestMetrics", "RequestOutputKind"]
+           "RequestMetrics", "RequestOutputKind", "LoRARequest"]
 __version__ = "0.1.0"
 
 

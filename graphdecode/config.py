@@ -19,11 +19,13 @@ from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
 from .generation_defaults import sampling_defaults
 from .launcher import DEFAULT_MASTER_PORT, launcher_env
+from .lora.config import check_lora_config
 from .models.config_fields import INT_MAX
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
 from .models.mtp import MTPConfig, read_mtp_config
 from .models.pipeline import partition_layers
+from .models.registry import model_class
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -266,6 +268,15 @@ class EngineConfig:
     # or {"method": "draft_model" | "eagle3", "model": DIR, "num_speculative_tokens": d}, or {"method": "mtp",
     # "num_speculative_tokens": d} (the target's own MTP layer; "model" optional, the target's directory); None: off
     speculative_config: dict | None = None
+    # LoRA adapters (vLLM's names; lora/, docs/lora.md): enable_lora lets a request name a PEFT adapter
+    # (LoRARequest); max_loras: adapters resident on the device at once (a window's rows use at most this many; a
+    # request whose adapter finds no free slot waits); max_lora_rank: the largest rank an adapter may have (the
+    # device buffers' width, max_loras x max_lora_rank columns per projection shard, paid by every token);
+    # max_cpu_loras: adapters kept read in host memory (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # the tokenizer's directory (vLLM's `tokenizer`): a model directory without one, or a tokenizer other than its
     # own (the same vocabulary); None: the model's
     tokenizer: str | None = None
@@ -398,6 +409,7 @@ class EngineConfig:
         partition = self._check_pipeline(cfg, device)
         if cfg.linear is not None:
             _check_hybrid(cfg, speculative, self.tensor_parallel_size)
+        check_lora_config(self, cfg, model_class(cfg), device)
         backend = choose_attention_backend(self.attention_backend, device, dtype, cfg.head_dim)
         max_len = self.max_model_len or cfg.max_position_embeddings
         if self.max_model_len is None and backend == "torch" and device.type == "cuda":
@@ -413,8 +425,6 @@ class EngineConfig:
             eagle3 = read_eagle3_config(speculative["draft_model"], cfg)
             draft_cfg = eagle3.model
         elif speculative["speculative_method"] == "mtp":
-            from .models.registry import model_class
-
             speculative["draft_model"] = speculative["draft_model"] or str(self.model)
             mtp = read_mtp_config(speculative["draft_model"], cfg, model_class(cfg))
             draft_cfg = mtp.model
@@ -423,7 +433,7 @@ class EngineConfig:
         # sliding windows (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 3) are per-layer
         # AttentionSpecs that every backend path runs; pages wholly outside every layer's window are kept
         max_pages = -(-max_len // self.page_size)
-        compile_ = self.compile if self.compile is not None else device.type == "cuda"
+        compile_ = self.compile if self.compile is not None else device.type == "cuda" and not self.enable_lora
         # on a CPU device, cuda_graphs=True runs the graph owner through its CPU twin (device/graph_runtime.py)
         graphs = self.cuda_graphs if self.cuda_graphs is not None else device.type == "cuda"
         snapshots = 0

@@ -41,6 +41,17 @@ class RowStart:
     num_prompt_tokens: int = 0
     structured: object = None  # a constrained row's TablePlacement (host/structured_store.py), else None
     state_slot: int = 0  # a hybrid's recurrent-state slot (attention/state_cache.py); 0: the scratch slot
+    lora_slot: int = 0  # its LoRA adapter's device slot (lora/); 0: none
+
+
+@dataclass(frozen=True, slots=True)
+class LoRALoad:
+    """Before this step's prefill: the adapter `adapter` (a lora.adapter.LoadedAdapter, `key` naming it) goes into
+    device slot `slot`, replacing what the slot held (no launched or planned row reads that any more)."""
+
+    slot: int
+    adapter: object
+    key: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +102,7 @@ class PrefillChunk:
     state_from: int | None = None
     state_snapshot: int = 0
     state_forks: tuple[int, ...] = ()
+    lora_slot: int = 0  # the sequence's LoRA adapter's device slot (0: none)
 
     @property
     def end(self) -> int:
@@ -140,6 +152,7 @@ class StepPlan:
     prompt_readout: list[PromptReadout] = field(default_factory=list)  # chunks with prompt logprobs, in order
     # constraint tables placed since the last plan (host/structured_store.py), uploaded before any row starts
     table_uploads: list = field(default_factory=list)
+    lora_loads: list[LoRALoad] = field(default_factory=list)  # adapters into device slots, before anything else
 
     @property
     def launches(self) -> bool:

@@ -78,6 +78,13 @@ class ForwardContext:
         meta = self.decode if self.decode is not None else self.verify if self.verify is not None else self.prefill
         return meta.slot_mapping != 0  # advance_step.SCRATCH_SLOT
 
+    def lora_slots(self) -> torch.Tensor:
+        """[T] int64: each token's LoRA adapter slot (a LoRA engine's forwards: prefill and plain decode)."""
+        meta = self.decode if self.decode is not None else self.prefill
+        if meta is None or meta.lora_slots is None:
+            raise RuntimeError("a LoRA model's forward needs its tokens' adapter slots (lora_slots) in its metadata")
+        return meta.lora_slots
+
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         if self.decode is not None:
             return self.backend.decode(layer, q, k, v, self.decode)

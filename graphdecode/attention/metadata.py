@@ -23,6 +23,7 @@ class PrefillMetadata:
     copy_src: torch.Tensor | None = None
     copy_dst: torch.Tensor | None = None
     state_slots_host: list[int] | None = None  # [G]: each sequence's recurrent-state slot (a hybrid's)
+    lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA adapter slot (a LoRA engine's; 0: none)
     _host_lens: tuple | None = field(default=None, repr=False)
 
     def host_lens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,6 +47,7 @@ class DecodeMetadata:
     kv_last_page_len: torch.Tensor  # [B] int32
     ragged: bool = False  # eager CPU only: the torch reference attends over the CSR pages, not a padded width
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (a hybrid's; 0: scratch)
+    lora_slots: torch.Tensor | None = None  # [B] int64: each row's LoRA adapter slot (a LoRA engine's; 0: none)
 
 
 @dataclass

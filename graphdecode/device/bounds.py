@@ -43,11 +43,13 @@ def _require(ok: torch.Tensor, what: str) -> None:
 
 
 class BoundsCheck:
-    def __init__(self, rope_rows: int, page_size: int, num_pages: int, num_state_slots: int = 0):
+    def __init__(self, rope_rows: int, page_size: int, num_pages: int, num_state_slots: int = 0,
+                 num_lora_slots: int = 0):
         self.rope_rows = rope_rows  # positions index the rope tables: [0, rope_rows)
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_state_slots = num_state_slots  # a hybrid's recurrent-state slots (0: none)
+        self.num_lora_slots = num_lora_slots  # a LoRA engine's adapter slots, slot 0 (none) included (0: no LoRA)
 
     def _pages(self, state, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's block tables (int64) and each row's page count."""
@@ -76,6 +78,9 @@ class BoundsCheck:
             slots = state.state_slot[rows]
             _require((slots >= torch.where(live, 1, 0)) & (slots < self.num_state_slots),
                      "state_slot: a recurrent-state slot outside the state cache (a live row's: not the scratch slot)")
+        if self.num_lora_slots:
+            slots = state.lora_slot[rows]
+            _require((slots >= 0) & (slots < self.num_lora_slots), "lora_slot: an adapter slot outside the device's")
         if csr:
             count = (state.kv_indptr[1 : bucket + 1] - state.kv_indptr[:bucket]).to(torch.int64)
             need = torch.div(seq_len + P - 1, P, rounding_mode="floor")

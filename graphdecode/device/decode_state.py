@@ -30,7 +30,8 @@ from .features.speculation import SpeculationRows
 from .sampler import SamplingRows
 
 # Layout of the integer staging rows: these columns, then max_stop_ids stop ids.
-INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "seeded", "done", "state_slot")
+INT_COLUMNS = ("positions", "seq_lens", "max_len", "min_len", "top_k", "seed", "seeded", "done", "state_slot",
+               "lora_slot")
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p")
 
 
@@ -38,7 +39,7 @@ class DecodeState:
     def __init__(self, max_rows: int, max_pages: int, max_stop_ids: int, num_decode_steps: int, max_logprobs: int,
                  device, *, vocab_size: int = 1, max_logit_bias: int = 1, bad_word_slots: int = 1,
                  max_bad_word_tokens: int = 1, spec_tokens: int = 0, history_len: int = 0,
-                 structured_max_states: int = 1, structured_max_exceptions: int = 1):
+                 structured_max_states: int = 1, structured_max_exceptions: int = 1, lora: bool = False):
         rows = max_rows
         width = 1 + num_decode_steps * (spec_tokens + 1)  # output columns: the prefill's token, then the window's
 
@@ -58,6 +59,8 @@ class DecodeState:
         self.kv_indices = buf(rows * max_pages, dtype=torch.int32)  # [B_max * max_pages]
         self.kv_last_page_len = buf(rows, dtype=torch.int32, fill=1)  # [B_max]
         self.state_slot = buf(rows, dtype=torch.int64)  # [B_max]: a hybrid's recurrent-state slot (0: scratch)
+        self.lora_slot = buf(rows, dtype=torch.int64)  # [B_max]: its LoRA adapter's slot (0: none)
+        self.lora = lora  # a LoRA engine: decode metadata carries the rows' adapter slots
         # per-row stop state and sampling parameters
         self.done = buf(rows, dtype=torch.bool, fill=True)  # [B_max]: inert rows
         self.max_len = buf(rows, dtype=torch.int32)
@@ -122,6 +125,7 @@ class DecodeState:
             kv_last_page_len=self.kv_last_page_len[r0:r1],
             ragged=ragged,
             state_slots=self.state_slot[r0:r1],
+            lora_slots=self.lora_slot[r0:r1] if self.lora else None,
         )
 
     def advance_rows(self, r0: int, r1: int, sampled: torch.Tensor, page_size: int, advance: bool = True) -> None:

@@ -85,6 +85,7 @@ class RowStaging:
         ints[_COL["seeded"]] = start.params.seed is not None
         ints[_COL["done"]] = 0
         ints[_COL["state_slot"]] = start.state_slot
+        ints[_COL["lora_slot"]] = start.lora_slot
         ints[len(INT_COLUMNS) :] = -1
         ints[len(INT_COLUMNS) : len(INT_COLUMNS) + len(start.stop_ids)] = start.stop_ids
         self.floats[row] = (params.temperature, params.top_p, params.min_p)

@@ -21,6 +21,7 @@ import torch
 from ..attention import ForwardContext, PrefillMetadata, TorchAttentionBackend
 from ..attention.kv_cache import allocate_kv_caches, copy_page
 from ..attention.state_cache import StateCache
+from ..lora.model import LoRAModel
 from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.moe import moe_stats
@@ -73,6 +74,9 @@ class ModelRunner:
             use_cuda_kernel()  # advance_step's CUDA kernel (the torch reference if it cannot be built)
         self.model = load_model(config.model, cfg, config.torch_dtype, self.device, config.max_model_len, tp,
                                 batch_invariant=config.batch_invariant, huge_pages=config.cpu_huge_pages)
+        # a LoRA engine's projections take each row's adapter (lora/model.py): before any forward is captured
+        self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank, config.batch_invariant) \
+            if config.enable_lora else None
         num_heads, num_kv_heads = cfg.num_heads // tp.size, local_kv_heads(cfg.num_kv_heads, tp)
         self.kv_caches = allocate_kv_caches(
             cfg.num_layers, config.num_pages, config.page_size, num_kv_heads, cfg.head_dim,
@@ -99,10 +103,12 @@ class ModelRunner:
             history_len=config.max_model_len + config.num_speculative_tokens + 1 if config.spec_history else 0,
             structured_max_states=config.structured_max_states,
             structured_max_exceptions=config.structured_max_exceptions,
+            lora=config.enable_lora,
         )
         if config.check_bounds:
             self.state.bounds = BoundsCheck(config.max_model_len, config.page_size, config.num_pages,
-                                            config.max_batch_size + 1 if self.states is not None else 0)
+                                            config.max_batch_size + 1 if self.states is not None else 0,
+                                            config.max_loras + 1 if config.enable_lora else 0)
         self.staging = RowStaging(self.state, self.device)
         self.row_counts = RowCounts(config.logprobs_width)  # what the live rows need of the sampler
         self._row_params: list = [None] * config.max_batch_size  # each live row's SamplingParams
@@ -202,6 +208,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------ device rows
     def _apply_rows(self, plan: StepPlan) -> None:
+        for load in plan.lora_loads:  # after every launched window that read the slot, in stream order
+            with torch.inference_mode():
+                self.lora.load(load.slot, load.adapter, load.key)
         for upload in plan.table_uploads:  # before the rows that read them, in stream order
             self.state.constraints.upload(upload)
         for row in plan.cleared_rows:
@@ -287,6 +296,8 @@ class ModelRunner:
             copy_src=copy_src,
             copy_dst=copy_dst,
             state_slots_host=[c.state_slot for c in chunks],
+            lora_slots=self._send(np.repeat(np.asarray([c.lora_slot for c in chunks], dtype=np.int64), query_lens))
+            if self.lora is not None else None,
         )
         if self.states is not None:  # a sequence's first chunk starts from zeros, or from a prefix hit's snapshot
             fresh = [c.state_slot for c in chunks if c.state_from == 0]

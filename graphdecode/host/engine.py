@@ -122,7 +122,8 @@ class Engine:
 
     # ------------------------------------------------------------- requests
     def prepare(self, prompt_text, prompt_ids, params, request_id=None, priority: int = 0,
-                verified: bool = False, checked: bool = False, cache_salt: str | None = None) -> Request:
+                verified: bool = False, checked: bool = False, cache_salt: str | None = None,
+                lora_request=None) -> Request:
         """Validate and build a request without adding it (raises ValueError or TypeError).
         verified: params is already a private copy (SamplingParams.submitted()); checked: the
         engine's checks already ran on it (host/inputs.py: Inputs.check), so they do not again."""
@@ -131,12 +132,13 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         return self.inputs.prepare(request_id, prompt_text, prompt_ids, params, arrival, priority, verified, checked,
-                                   cache_salt)
+                                   cache_salt, lora_request)
 
-    def add_request(self, prompt, params=None, request_id=None, priority: int = 0) -> Request:
+    def add_request(self, prompt, params=None, request_id=None, priority: int = 0, lora_request=None) -> Request:
         (text, ids), = self.inputs.tokenize_all([prompt])
         salt = self.inputs.cache_salt(prompt)
-        (request,) = self.add_requests([self.prepare(text, ids, params, request_id, priority, cache_salt=salt)])
+        (request,) = self.add_requests([self.prepare(text, ids, params, request_id, priority, cache_salt=salt,
+                                                     lora_request=lora_request)])
         return request
 
     def add_requests(self, requests: list[Request]) -> list[Request]:

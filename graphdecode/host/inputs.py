@@ -12,6 +12,7 @@ import numbers
 import threading
 import time
 
+from ..lora.cache import AdapterCache
 from ..outputs import RequestMetrics
 from ..sampling_params import SamplingParams
 from ..structured.automaton import allowed_ids_automaton, restrict
@@ -103,6 +104,7 @@ class InputProcessor:
         self._next_seq_id = 0
         self._fast_encode: bool | None = None  # decided by a probe at first use
         self.automata = None  # structured.AutomatonCache, made at the first constrained request
+        self.loras = AdapterCache(config)  # LoRA adapters checked and read (lora/cache.py)
         self._automata_lock = threading.Lock()
 
     def tokenize_all(self, prompts: list) -> list[tuple[str | None, list[int]]]:
@@ -203,15 +205,18 @@ class InputProcessor:
 
     def prepare(self, request_id: str, prompt_text, prompt_ids: list[int], params, arrival: int,
                 priority: int = 0, verified: bool = False, checked: bool = False,
-                cache_salt: str | None = None) -> Request:
+                cache_salt: str | None = None, lora_request=None) -> Request:
         """Check a submission (`check`) and build its request. verified: `params` is already this
         submission's private copy (SamplingParams.submitted()); checked: `check` already ran on it
-        (the engine core's requests: AsyncLLM checked them before sending), so it is not run again."""
+        (the engine core's requests: AsyncLLM checked them before sending), so it is not run again.
+        lora_request: the LoRARequest it runs with (its adapter read here, lora/cache.py)."""
         automaton = None
+        adapter = self.loras.load(lora_request) if lora_request is not None else None
         if not checked:
             params, automaton = self.check(prompt_ids, params, priority, verified)
         request = self._build(request_id, prompt_text, prompt_ids, params, arrival, priority, automaton)
-        request.cache_root = cache_root(cache_salt)
+        request.cache_root = cache_root(cache_salt, lora_request)
+        request.lora, request.lora_adapter = lora_request, adapter
         return request
 
     def check(self, prompt_ids: list[int], params, priority: int = 0, verified: bool = False):

@@ -82,7 +82,7 @@ class LLM:
         return SamplingParams(**self.config.sampling_defaults)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool | None = None,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+                 lora_request=None, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
         sampling_params: one SamplingParams for every prompt, a list of them (one per prompt), or None (for all,
@@ -90,9 +90,11 @@ class LLM:
         use_tqdm: a progress bar of finished requests (default: on for more than 8 prompts
         when stderr is a terminal). priority: one integer per prompt, or one for all of
         them (lower runs first), for an engine with scheduling_policy="priority".
+        lora_request: a LoRARequest for every prompt, a list of them (None in it: the base model), or None;
+        for an engine with enable_lora=True.
         """
         with _cyclic_gc_paused():
-            requests = self._add(prompts, sampling_params, priority)
+            requests = self._add(prompts, sampling_params, priority, lora_request)
             if use_tqdm is None:
                 use_tqdm = len(requests) > 8 and sys.stderr.isatty()
             try:
@@ -115,7 +117,7 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool | None = None, chat_template: str | None = None,
              add_generation_prompt: bool = True, priority: int | list[int] | None = None,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to conversations through the tokenizer's chat template (vLLM's arguments).
 
         messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
@@ -147,9 +149,10 @@ class LLM:
             )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own specials
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
-    def stream(self, prompts, sampling_params=None, priority: int | list[int] | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, priority: int | list[int] | None = None,
+               lora_request=None) -> Iterator[RequestOutput]:
         """Yield RequestOutput deltas of these prompts' requests as windows are pythonized.
 
         OpenAI semantics: a delta carries one request's new tokens per sequence (with its
@@ -161,7 +164,7 @@ class LLM:
         default, as above), "cumulative" (everything so far, each time it changes) or
         "final_only" (one output, when it finishes).
         """
-        requests = self._add(prompts, sampling_params, priority)
+        requests = self._add(prompts, sampling_params, priority, lora_request)
         queue = DeltaQueue()
         by_id = {r.request_id: r for r in requests}
         for r in requests:
@@ -217,7 +220,7 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
-    def _add(self, prompts, sampling_params, priority=None) -> list[Request]:
+    def _add(self, prompts, sampling_params, priority=None, lora_request=None) -> list[Request]:
         """Validate every prompt first; only then add them all (a bad one adds nothing).
 
         Errors name the argument and the prompt's index: `prompts[2]: ...`,
@@ -264,17 +267,24 @@ class LLM:
                      else f"got {type(priority).__name__}")
             raise TypeError(f"priority must be an integer or a list of integers, one per prompt "
                             f"({len(prompt_list)}); {given}")
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompt_list):
+                raise ValueError(f"lora_request: {len(lora_request)} given for {len(prompt_list)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompt_list)
         parsed = self.engine.inputs.tokenize_all(prompt_list)
         copies: dict[int, SamplingParams] = {}  # id(params) -> this call's checked copy
         requests = []
-        for i, ((text, ids), params, prio) in enumerate(zip(parsed, params_list, priorities)):
+        for i, ((text, ids), params, prio, lora) in enumerate(zip(parsed, params_list, priorities, loras)):
             try:
                 copy = copies.get(id(params))
                 if copy is None:
                     copy = copies[id(params)] = params.submitted()
                 salt = self.engine.inputs.cache_salt(prompt_list[i], i)
                 ids = self.engine.inputs.truncated(ids, copy)
-                requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True, cache_salt=salt))
+                requests.append(self.engine.prepare(text, ids, copy, priority=prio, verified=True, cache_salt=salt,
+                                                    lora_request=lora))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
         try:

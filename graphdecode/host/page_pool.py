@@ -46,12 +46,19 @@ def page_key(parent: bytes, token_ids) -> bytes:
     return digest.digest()
 
 
-def cache_root(salt: str | None) -> bytes:
+def cache_root(salt: str | None, lora=None) -> bytes:
     """The key the first page of a prompt is hashed under: ROOT_KEY, or one of its own for a request with a
-    `cache_salt` (vLLM's), so only requests with the same salt share its prefix-cache pages."""
-    if salt is None:
+    `cache_salt` (vLLM's) or a LoRA adapter (`lora`, a LoRARequest: its K/V is the adapter's), so only requests
+    with the same salt and adapter share its prefix-cache pages."""
+    if salt is None and lora is None:
         return ROOT_KEY
-    return hashlib.blake2b(ROOT_KEY + b"salt:" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    digest = hashlib.blake2b(ROOT_KEY, digest_size=16)
+    if salt is not None:
+        digest.update(b"salt:" + salt.encode("utf-8", "surrogatepass"))
+    if lora is not None:
+        lora_id, path = lora.key
+        digest.update(f"lora:{lora_id}:".encode() + path.encode("utf-8", "surrogatepass"))
+    return digest.digest()
 
 
 class PagePool:

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..plan import PrefillChunk, PrefixCopy, PromptReadout, Readout, RowStart, StepPlan, TableGrowth, WindowSpec
+from .lora_slots import LoRASlots
 from .page_pool import PagePool, page_key
 from .sequence import Sequence
 from .state_slots import StateSlots
@@ -113,6 +114,8 @@ class Scheduler:
         if config.model_config.linear is not None:
             self.states = StateSlots(config.max_batch_size, config.num_state_snapshots, config.page_size)
             pool.on_forget = self.states.forget
+        # a LoRA engine's adapters in the device's slots (host/lora_slots.py)
+        self.loras = LoRASlots(config.max_loras) if config.enable_lora else None
         self._reserved_rows = 0  # rows promised to prefilling groups
         self._epoch = 0
         self._cleared: list[int] = []  # rows released since the last plan
@@ -160,6 +163,8 @@ class Scheduler:
                     seq.num_assured_tokens = min(seq.num_assured_tokens + self.num_decode_steps, seq.max_len)
                 plan.readout += [Readout(s.row, s, s.epoch, 1) for s in self.running.values() if s.row not in started]
         plan.cleared_rows, self._cleared = self._cleared, []
+        if self.loras is not None:  # adapters this step's admissions load, before anything of the step runs
+            plan.lora_loads = self.loras.take_loads()
         # what later steps allocate is written after this step's copies, in stream order
         self.pool.free(self._copy_sources)
         self._copy_sources.clear()
@@ -244,6 +249,9 @@ class Scheduler:
         held = hits + [source] if partial else hits
         if self.pool.free_after_sharing(held) < new:
             return None
+        request = leader.request
+        if request.lora is not None and not self.loras.acquire(group, request.lora, request.lora_adapter):
+            return None  # every adapter slot is held by other adapters' rows: it waits for one
         self.pool.share(held)
         if partial:  # held until this step is planned: no allocation of this step may take it
             self._copy_sources.append(source)
@@ -320,6 +328,7 @@ class Scheduler:
             state_forks=tuple(child.state_slot for child in group.seqs[1:]) if rows and leader.state_slot else (),
             state_from=group.state_from if leader.state_slot else None,
             state_snapshot=snapshot,
+            lora_slot=leader.lora_slot,
         ))
         group.prefix_copy = None
         group.state_from = None
@@ -350,6 +359,7 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             structured=seq.request.placement,
             state_slot=seq.state_slot,
+            lora_slot=seq.lora_slot,
         ))
         plan.readout.append(Readout(row, seq, seq.epoch, 0))
         return row
@@ -471,9 +481,12 @@ class Scheduler:
         del self.running[seq.seq_id]
 
     def _free_state(self, seq: Sequence) -> None:
-        """A hybrid sequence's state slot goes back (a later admission zeroes it before its first chunk)."""
+        """A hybrid sequence's state slot goes back (a later admission zeroes it before its first chunk), and its
+        hold on its LoRA adapter's slot."""
         if self.states is not None:
             self.states.give_back(seq)
+        if self.loras is not None:
+            self.loras.release(seq)
 
     @property
     def num_free_state_slots(self) -> int | None:

@@ -49,6 +49,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     automaton: object = None  # its structured-outputs constraint, compiled (structured.TokenAutomaton)
     placement: object = None  # where the constraint's tables sit on the device while it is in flight
+    lora: object = None  # the LoRARequest it runs with (None: the base model)
+    lora_adapter: object = None  # that adapter's files, read (lora.adapter.LoadedAdapter)
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -80,6 +82,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     row: int | None = None
     state_slot: int = 0  # a hybrid's recurrent-state slot while admitted (0: none)
+    lora_slot: int = 0  # its LoRA adapter's device slot while admitted (0: none)
     epoch: int = -1  # which admission the row belongs to; stale window rows are skipped
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -239,6 +239,7 @@ class DecoderForCausalLM(nn.Module):
         self._embed_scale = None
         self.expert_tokens: torch.Tensor | None = None  # [MoE layers, E] int64: live tokens routed per expert
         self.cpu_decode = None  # a cpu_decode.CpuDecodeLayers: plain layers' decode steps in one C++ call (CPU)
+        self.lora = None  # a LoRA engine's lora.layers.LoRAState: each forward's tokens' adapter slots (lora/model.py)
 
     @property
     def checkpoint_skipped(self) -> tuple[str, ...]:
@@ -349,6 +350,8 @@ class DecoderForCausalLM(nn.Module):
         `sends`, where it is given; else waiting for the send.
         A family with its own layer loop overrides this, not forward()."""
         hidden, saved = self._stage_input(input_ids, aux_layers)
+        if self.lora is not None:
+            self.lora.begin(ctx.lora_slots())
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
             return self.model.norm(hidden), aux

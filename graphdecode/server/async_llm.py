@@ -266,7 +266,7 @@ class AsyncLLM:
         return self.tokenizer
 
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0) -> RequestStream:
+                 request_id: str | None = None, priority: int = 0, lora_request=None) -> RequestStream:
         """Validate now (ValueError / TypeError naming the field) and send the request to the core.
 
         Returns an async iterator of deltas; the last has finished=True. Stopping the
@@ -289,7 +289,9 @@ class AsyncLLM:
         params = sampling_params.submitted()
         ids = self.inputs.truncated(ids, params)  # truncate_prompt_tokens, before the length is checked
         params, _ = self.inputs.check(ids, params, priority, verified=True)
-        stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority, salt))
+        if lora_request is not None:  # the adapter's files against the model, before the request goes anywhere
+            self.inputs.loras.check(lora_request)
+        stream = RequestStream(self, request_id, ("add", request_id, text, ids, params, priority, salt, lora_request))
         try:
             asyncio.get_running_loop()
         except RuntimeError:

@@ -8,7 +8,7 @@ send each step's deltas (vLLM V1's EngineCore pattern, over multiprocessing pipe
 
 Messages in: first ("init", model, engine_args); then lists of tuples (what
 the sender had queued, in order): ("add", request_id, prompt_text, prompt_token_ids,
-params, priority, cache_salt), ("abort", request_id), ("stats",), ("shutdown",).
+params, priority, cache_salt, lora_request), ("abort", request_id), ("stats",), ("shutdown",).
 Messages out: ("ready", EngineConfig) or ("failed", message) once at start;
 ("outputs", [RequestOutput deltas], load) after every step that produced some, where
 load is a small dict (running, waiting, preemptions, windows, tokens in / out, KV pages
@@ -160,10 +160,11 @@ def _add(engine, message: tuple, outputs) -> None:
     """Admit one request: the boundary where a failure is that request's alone. A ValueError or
     TypeError (the engine's checks) rejects it; any other exception fails it, logged with its
     traceback, and whatever of it reached the engine is aborted, so the core keeps serving."""
-    _, request_id, text, ids, params, priority, salt = message
+    _, request_id, text, ids, params, priority, salt, lora = message
     try:
         # AsyncLLM ran the engine's checks on these params before sending them: not again here
-        engine.add_requests([engine.prepare(text, ids, params, request_id, priority, checked=True, cache_salt=salt)])
+        engine.add_requests([engine.prepare(text, ids, params, request_id, priority, checked=True, cache_salt=salt,
+                                            lora_request=lora)])
     except (ValueError, TypeError) as exc:
         outputs.send(("rejected", request_id, str(exc)))
     except Exception as exc:  # noqa: BLE001 - the request-failure boundary: this request fails, the core goes on

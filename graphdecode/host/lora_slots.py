@@ -1,0 +1,72 @@
+"""Which adapter sits in which of the device's LoRA slots: the scheduler's only view of them.
+
+Slots 1..max_loras hold one adapter each (slot 0 is "no adapter"). A sequence holds its adapter's slot from
+admission until it leaves the batch (finished, retired, aborted, preempted), counted per slot. An adapter stays
+in its slot after its last holder leaves, so the next request for it needs no load; a request for an adapter
+that is not resident takes a free slot, else the least recently used slot that no sequence holds (its new
+adapter is loaded by the plan, plan.LoRALoad, before anything of that step runs: in stream order after every
+launched window that read the old one). When every slot is held by other adapters, the request waits at the
+head of the queue until one is given back.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..plan import LoRALoad
+
+
+class LoRASlots:
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self._resident: OrderedDict[object, int] = OrderedDict()  # adapter key -> slot, least recent use first
+        self._holders = [0] * (max_loras + 1)  # sequences holding each slot
+        self._loads: list[LoRALoad] = []
+        self.num_loads = 0
+
+    def acquire(self, seqs, lora, adapter) -> bool:
+        """Give `seqs` (one admission group, one request) the slot of adapter `lora` (a LoRARequest read as
+        `adapter`, a LoadedAdapter), loading it if it is not resident; False (nothing changed) when no slot can
+        take it."""
+        slot = self._resident.get(lora.key)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return False
+            self._loads.append(LoRALoad(slot, adapter, lora.key))
+            self._resident[lora.key] = slot
+            self.num_loads += 1
+        self._resident.move_to_end(lora.key)
+        self._holders[slot] += len(seqs)
+        for seq in seqs:
+            seq.lora_slot = slot
+        return True
+
+    def _free_slot(self) -> int | None:
+        used = set(self._resident.values())
+        for slot in range(1, self.max_loras + 1):
+            if slot not in used:
+                return slot
+        for key, slot in self._resident.items():  # least recently used first
+            if not self._holders[slot]:
+                del self._resident[key]
+                return slot
+        return None
+
+    def release(self, seq) -> None:
+        if seq.lora_slot:
+            self._holders[seq.lora_slot] -= 1
+            seq.lora_slot = 0
+
+    def take_loads(self) -> list[LoRALoad]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._resident)
+
+    @property
+    def num_held(self) -> int:
+        """Slots some sequence in the batch holds."""
+        return sum(1 for count in self._holders[1:] if count)

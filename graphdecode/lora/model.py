@@ -1,0 +1,62 @@
+"""A loaded model's projections made LoRA-capable, and adapters loaded into its device slots.
+
+`LoRAModel.attach(model, ...)` wraps each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj in a
+LoRALinear (layers.py) and sets `model.lora` (the LoRAState its forward begins with). The CPU's fused fast paths
+that bypass those modules (the one-call decode layers, gate_up's one-pass SwiGLU) are turned off: a LoRA engine
+runs the eager layer-by-layer forward (captured in graphs where graphs run). `load(slot, adapter)` writes an
+adapter's weights into slot 1..max_loras of every wrapped projection (zeros where the adapter leaves one out).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .adapter import GROUPS, LoadedAdapter
+from .layers import LoRALinear, LoRAState
+
+
+def lora_kernels(device: torch.device, dtype: torch.dtype, batch_invariant: bool):
+    """The CPU kernels the LoRA matmuls run on (panels: a row's bits independent of the batch), or None."""
+    if device.type != "cpu" or not batch_invariant:
+        return None
+    from ..kernels.cpu import cpu_kernels_for
+
+    kernels = cpu_kernels_for(device)
+    return kernels if kernels is not None and dtype in kernels.supported_dtypes else None
+
+
+class LoRAModel:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, batch_invariant: bool = True):
+        weight = model.anchor()
+        self.state = LoRAState(max_loras, max_rank, weight.dtype, weight.device)
+        kernels = lora_kernels(weight.device, weight.dtype, batch_invariant)
+        self.linears: dict[tuple[int, str], LoRALinear] = {}
+        for i, layer in enumerate(model.model.layers):
+            for parent_name, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj"))):
+                parent = getattr(layer, parent_name)
+                for name in names:
+                    base = getattr(parent, name)
+                    if isinstance(base, nn.Linear):
+                        in_features, out_features = base.in_features, base.out_features
+                    elif base.weight.numel():
+                        out_features, in_features = base.weight.shape
+                    else:  # released to its CPU (or quantized) weight, which keeps the sizes
+                        in_features, out_features = base.packed.in_features, base.packed.out_features
+                    wrapped = LoRALinear(base, self.state, GROUPS[name], in_features, out_features, kernels)
+                    setattr(parent, name, wrapped)
+                    self.linears[(i, name)] = wrapped
+            layer.mlp.one_pass = None  # gate_up's one-pass SwiGLU would skip its update
+        model.cpu_decode = None  # the one-call decode layers would skip every update
+        model.lora = self.state
+        self.loaded: dict[int, object] = {}  # slot -> the adapter's key
+
+    def load(self, slot: int, adapter: LoadedAdapter, key) -> None:
+        """Write the adapter into `slot` of every wrapped projection."""
+        updates: dict[tuple[int, str], list] = {k: [] for k in self.linears}
+        for layer, target, a, b in adapter.weights:
+            updates[(layer, target.module)].append((target.group, target.row_offset, target.rows, a, b))
+        with torch.inference_mode():
+            for k, linear in self.linears.items():
+                linear.load(slot, updates[k])
+        self.loaded[slot] = key
