@@ -204,6 +204,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help='n-gram speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 8}\' (default: off)')
+    p.add_argument("--enable-lora", dest="enable_lora", action="store_true", default=None,
+                   help="requests may run with a LoRA adapter (PEFT's format; serve: --lora-modules) "
+                        "(default: off)")
+    p.add_argument("--max-loras", type=positive_int, default=None,
+                   help=f"LoRA adapters resident on the device at once; a request whose adapter finds no free "
+                        f"slot waits ({config('max_loras')})")
+    p.add_argument("--max-lora-rank", type=positive_int, default=None,
+                   help=f"the largest rank an adapter may have; every token pays for max-loras x this "
+                        f"({config('max_lora_rank')})")
+    p.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                   help="LoRA adapters kept read in host memory (default: EngineConfig's: --max-loras)")
     p.add_argument("--generation-config", default=None, metavar="{auto,vllm,DIR}",
                    help="the sampling defaults of a request that leaves a field out: auto, the model's "
                         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "

@@ -96,6 +96,48 @@ def hf_prompt_logprobs(model_dir: str, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(hf_logits(model_dir, tokens), dim=-1)
 
 
+def peft_adapter(model_dir: str, out: str, seed: int, r: int = 8, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                 "gate_proj", "up_proj", "down_proj"), scale: float = 0.3, **lora_config) -> str:
+    """A PEFT LoRA adapter of the model at `out` (peft's save_pretrained), its A and B random (PEFT starts B at
+    zero, which would change nothing); made once per directory."""
+    if os.path.isfile(os.path.join(out, "adapter_config.json")):
+        return out
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora_config = {"lora_alpha": 2 * r, "lora_dropout": 0.0, **lora_config}
+    model = get_peft_model(base, LoraConfig(r=r, target_modules=list(targets), **lora_config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * scale)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers + PEFT generate, greedy, fp32, CPU, one prompt at a time (None: the base model's, hf_greedy)."""
+    if adapter is None:
+        return hf_greedy(model_dir, prompts, max_new_tokens)
+    key = (model_dir, adapter, tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _HF_CACHE:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                          adapter)
+        outs = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+            outs.append(gen[0, len(p) :].tolist())
+        _HF_CACHE[key] = outs
+    return _HF_CACHE[key]
+
+
 # ------------------------------------------------------------------------- model directories
 def rewrite_config(model_dir: str, edit) -> None:
     path = os.path.join(model_dir, "config.json")

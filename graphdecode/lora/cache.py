@@ -45,9 +45,9 @@ class AdapterCache:
 
     def load(self, lora) -> LoadedAdapter:
         """The adapter checked and read (from memory when it is among the most recently used)."""
+        spec = self.check(lora)
         loaded = self._loaded.get(lora.key)
         if loaded is None:
-            spec = self.check(lora)
             try:
                 loaded = LoadedAdapter(spec, tuple(read_adapter(spec)))
             except ValueError as e:

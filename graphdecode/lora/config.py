@@ -33,7 +33,7 @@ def check_lora_config(config, cfg, family, device) -> None:
         (cfg.mla is not None, f"latent attention ({cfg.model_type})"),
         (cfg.linear is not None, f"a hybrid model ({cfg.model_type})"),
         (cfg.attn_output_gate, f"gated attention ({cfg.model_type})"),
-        (getattr(family, "forward_aux", None) is not DecoderForCausalLM.forward_aux,
+        (not (issubclass(family, DecoderForCausalLM) and family.plain_layer_loop(cfg)),
          f"{family.__name__}, which runs a layer loop of its own"),
     )
     for refused, what in refusals:

@@ -253,6 +253,12 @@ class DecoderForCausalLM(nn.Module):
             skipped += () if self.model.embed_tokens is not None else ("model.embed_tokens.",)  # none reads it
         return skipped
 
+    @classmethod
+    def plain_layer_loop(cls, cfg: ModelConfig) -> bool:
+        """Whether the family's forward is DecoderForCausalLM's own loop over its decoder layers for this config
+        (what pipeline stages split and LoRA runs with)."""
+        return cls.forward_aux is DecoderForCausalLM.forward_aux
+
     def make_layer(self, layer: int, tp: TPGroup) -> nn.Module:
         """Decoder layer `layer` (a family with other layers, models/hybrid.py, builds its own)."""
         return DecoderLayer(self.config, layer, tp, spec=self.layer_spec(layer), norm_offset=self.norm_offset,

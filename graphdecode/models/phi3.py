@@ -97,6 +97,11 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         tables = super().rotary_tables()
         return tables + [self._streams_rotary] if self._streams_rotary is not None else tables
 
+    @classmethod
+    def plain_layer_loop(cls, cfg) -> bool:
+        """One stream of K/V (no longrope past original_max_position_embeddings): the plain loop runs."""
+        return cfg.num_layers == cfg.decoder_layers
+
     def forward_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx,
                     aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.two_streams:

@@ -13,6 +13,7 @@ import re
 from ..engine_args import add_engine_args
 from .auth import API_KEY_ENV, api_keys
 from .chat_template import load_chat_template
+from .lora_modules import lora_module
 from .reasoning import REASONING_PARSERS
 from .stat_logger import DEFAULT_LOG_STATS_INTERVAL_S
 from .tool_parsers import TOOL_PARSERS
@@ -88,6 +89,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send; with several, any of them (answers and metrics carry the "
                         "first) (default: the model directory's name, or graphdecode-default for the built-in "
                         "model)")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) a request selects by sending NAME as its model, with "
+                        "--enable-lora; vLLM's JSON form too: '{\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}' (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
@@ -178,6 +183,8 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules: serving LoRA adapters needs --enable-lora")
     api_keys(args.api_key)  # an empty key, from the flag or the environment
     load_chat_template(args.chat_template)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):

@@ -42,7 +42,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
                      rid: str) -> Job:
     """A chat request's conversation rendered, checked, constrained and sent to the engine: its Job (every
     endpoint that runs as a chat: Chat Completions, Messages, Responses)."""
-    server.check_model(req.model)
+    lora = server.check_model(req.model)
     conversation = req.conversation()
     truncate = req.truncation(server.max_model_len)
     text, ids = await render_chat(server, req, conversation)
@@ -63,7 +63,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     renames = req.renames()
     await server.constrain(request, req, params, renames)
     prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-    streams = [(rid, server.start(req.salted(prompt), params, rid, renames, req.priority))]
+    streams = [(rid, server.start(req.salted(prompt), params, rid, renames, req.priority, lora))]
     role = req.response_role
     last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
     echo = last["content"] if req.echo and last["role"] == role else ""

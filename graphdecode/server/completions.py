@@ -29,7 +29,7 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
     arrival = time.perf_counter()
     server.check_ready()
     req: CompletionRequest = await server.parse(request, CompletionRequest)
-    server.check_model(req.model)
+    lora = server.check_model(req.model)
     truncate = req.truncation(server.max_model_len)
     params = req.sampling_params(server.vocab_size, server.sampling_defaults)
     prompts = req.prompts()
@@ -56,7 +56,7 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
         for i, (text, ids) in enumerate(parsed):
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
             streams.append((f"{rid}-{i}", server.start(req.salted(prompt), params, f"{rid}-{i}", renames,
-                                                         req.priority)))
+                                                         req.priority, lora)))
     except BaseException:
         for _, stream in streams:  # the prompts before the bad one were sent to the core already
             stream.cancel()

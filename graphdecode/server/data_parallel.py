@@ -61,7 +61,8 @@ class DataParallelLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def generate(self, prompt, sampling_params=None, request_id: str | None = None, priority: int = 0):
+    def generate(self, prompt, sampling_params=None, request_id: str | None = None, priority: int = 0,
+                 lora_request=None):
         """The request on the replica with the fewest unfinished requests (AsyncLLM.generate's checks and stream)."""
         request_id = str(request_id) if request_id is not None else uuid.uuid4().hex
         if any(request_id in replica._queues for replica in self.replicas):
@@ -71,7 +72,7 @@ class DataParallelLLM:
             raise EngineDeadError(self.death_cause(0))
         turn, count = next(self._turn), len(self.replicas)
         chosen = min(range(count), key=lambda i: (self.replicas[i].num_unfinished, (i - turn) % count))
-        return self.replicas[chosen].generate(prompt, sampling_params, request_id, priority)
+        return self.replicas[chosen].generate(prompt, sampling_params, request_id, priority, lora_request)
 
     async def abort(self, request_id: str) -> None:
         for replica in self.replicas:

@@ -61,7 +61,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -82,6 +82,7 @@ from .chat_batch import create_batch_chat_completion
 from .chat_template import load_chat_template
 from .completions import create_completion
 from .errors import APIError
+from .lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_updates_allowed
 from .messages import anthropic_error, create_message
 from .request_id import RequestIdHeaders
 from .responses_api import create_response, get_response
@@ -151,16 +152,18 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
               tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
               force_include_usage: bool = False, load_tracking: bool = False,
               api_keys: list[str] | None = None, cors: dict | None = None,
-              chat_template: str | None = None, request_id_headers: bool = False) -> FastAPI:
+              chat_template: str | None = None, request_id_headers: bool = False, lora_modules=()) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name` (or several names: requests may send any, answers
     carry the first); `app.state.server` is its OpenAIServer.
     Bodies over `max_request_body_bytes` get 413 (0: no limit); /health is 503 once the core has not
     been heard for `heartbeat_timeout` seconds; replies are read with `reasoning_parser` (reasoning.py)
     and `tool_call_parser` (tool_parsers.py); chats through `chat_template` (None: the tokenizer's). With
     `api_keys`, every route but the probes needs one (auth.py); `cors`: CORSMiddleware's options
-    (allow_origins, ...), outermost, so that a 401 or 413 reaches a browser's script too."""
+    (allow_origins, ...), outermost, so that a 401 or 413 reaches a browser's script too. `lora_modules`: the
+    LoRARequests of the adapters served by name (lora_modules.py)."""
     server = OpenAIServer(engine, served_model_name, metrics_prefix, heartbeat_timeout, reasoning_parser,
-                          tool_call_parser, return_tokens_as_token_ids, force_include_usage, chat_template)
+                          tool_call_parser, return_tokens_as_token_ids, force_include_usage, chat_template,
+                          lora_modules)
     app = FastAPI(title="graphdecode", docs_url=None, redoc_url=None, openapi_url=None)  # (the routes take raw bodies)
     app.state.server = server
     if max_request_body_bytes:
@@ -249,7 +252,20 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": server.created, "owned_by": "graphdecode",
             "root": str(config.model), "max_model_len": config.max_model_len,
-        } for name in server.model_names]}
+        } for name in server.model_names] + server.loras.cards(server.created, config.max_model_len)}
+
+    if runtime_updates_allowed():  # vLLM's: only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await server.parse(request, LoadLoRAAdapterRequest)
+            server.loras.add(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            body = await server.parse(request, UnloadLoRAAdapterRequest)
+            server.loras.remove(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/load")
     async def load():
@@ -376,7 +392,7 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
                         force_include_usage=args.enable_force_include_usage,
                         load_tracking=args.enable_server_load_tracking, api_keys=keys,
                         chat_template=load_chat_template(args.chat_template),
-                        request_id_headers=args.enable_request_id_headers,
+                        request_id_headers=args.enable_request_id_headers, lora_modules=args.lora_modules or (),
                         cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                                   allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

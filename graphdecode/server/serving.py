@@ -44,6 +44,7 @@ from .errors import (
     validation_error,
 )
 from .logprobs import LogprobFormat
+from .lora_modules import LoRAModules
 from .metrics import ServerMetrics
 from .reasoning import check_reasoning_parser
 from .tool_parsers import tool_parser
@@ -122,7 +123,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLM, served_model_name: str | list[str], metrics_prefix: str | None = None,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT_S, reasoning_parser: str | None = None,
                  tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER, return_tokens_as_token_ids: bool = False,
-                 force_include_usage: bool = False, chat_template: str | None = None):
+                 force_include_usage: bool = False, chat_template: str | None = None, lora_modules=()):
         self.engine = engine
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # every logprob token as "token_id:N"
         self.force_include_usage = force_include_usage  # every stream ends with its usage
@@ -148,6 +149,8 @@ class OpenAIServer:
         # what a request's missing sampling fields become (generation_defaults.py): the model's recommendations
         self.sampling_defaults = engine.config.sampling_defaults
         self.prefix_caching = bool(engine.config.enable_prefix_caching)  # usage reports prompt_tokens_details
+        # LoRA adapters served by name (--lora-modules; lora_modules.py), each checked against the model now
+        self.loras = LoRAModules(engine, list(lora_modules), self.model_names)
 
     # ------------------------------------------------------------- checks
     def health(self) -> tuple[int, dict]:
@@ -184,9 +187,14 @@ class OpenAIServer:
         if silent is not None:
             raise unavailable(silent)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+    def check_model(self, name: str | None):
+        """The LoRARequest of an adapter's name, None for the base model's (or no name); 404 for another."""
+        if name is None or name in self.model_names:
+            return None
+        lora = self.loras.by_name.get(name)
+        if lora is None:
             raise model_not_found(name)
+        return lora
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
                      max_tokens_param: str) -> None:
@@ -253,10 +261,12 @@ class OpenAIServer:
             raise constraint_error(source, exc) from None
         return constraint
 
-    def start(self, prompt: dict, params: SamplingParams, request_id: str, renames: dict, priority: int = 0):
+    def start(self, prompt: dict, params: SamplingParams, request_id: str, renames: dict, priority: int = 0,
+              lora_request=None):
         """AsyncLLM.generate: validates (a 400 by name) and sends the request to the core now."""
         try:
-            return self.engine.generate(prompt, params, request_id=request_id, priority=priority)
+            return self.engine.generate(prompt, params, request_id=request_id, priority=priority,
+                                        lora_request=lora_request)
         except EngineDeadError:
             raise unavailable("the engine is not running") from None
         except (ValueError, TypeError) as exc:
