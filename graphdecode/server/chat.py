@@ -67,7 +67,7 @@ async def start_chat(server: OpenAIServer, request: Request, req: ChatCompletion
     role = req.response_role
     last = conversation[-1]  # vLLM's echo: the last message, when the reply continues its role
     echo = last["content"] if req.echo and last["role"] == role else ""
-    job = server.job(rid, streams, arrival, [ids], params, req, echo)
+    job = server.job(rid, streams, arrival, [ids], params, req, echo, lora)
     job.role = role
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     job.tool_mode, job.tool_name = req.tool_mode, req.named_function
@@ -125,7 +125,7 @@ def _chunk(head: bytes, body: dict, job: Job, choices: Choices, choice: Choice, 
 async def _stream(server: OpenAIServer, job: Job):
     """Per choice a role chunk (and the echo), then a chunk per delta, then the usage (include_usage)."""
     head = (f'data: {{"id":"{job.rid}","object":"chat.completion.chunk","created":{job.created},'
-            f'"model":{server.model_json},"choices":[').encode()
+            f'"model":{job.model_json},"choices":[').encode()
     fmt = job.logprobs
     choices = Choices(job, server.prefix_caching)
     first_content = None if job.tool_mode in ("required", "named") else ""  # a reply of calls has no content
@@ -176,7 +176,7 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
     """One body once every choice is done; with tools, each choice's whole text parsed once."""
     choices = await server.collect(job, {"prompt": "messages"})
     body = {
-        "id": job.rid, "object": "chat.completion", "created": job.created, "model": server.model_name,
+        "id": job.rid, "object": "chat.completion", "created": job.created, "model": job.model,
         "choices": whole_choices(job, choices), "usage": choices.usage(), "prompt_logprobs": None,
         "prompt_token_ids": None,
     }

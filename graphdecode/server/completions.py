@@ -61,7 +61,7 @@ async def create_completion(server: OpenAIServer, request: Request) -> Response:
         for _, stream in streams:  # the prompts before the bad one were sent to the core already
             stream.cancel()
         raise
-    job = server.job(rid, streams, arrival, [ids for _, ids in parsed], params, req, echo)
+    job = server.job(rid, streams, arrival, [ids for _, ids in parsed], params, req, echo, lora)
     job.echo_only = req.echo_only
     job.prompt_logprobs = req.wants_prompt_logprobs is not None
     if req.stream:
@@ -96,7 +96,7 @@ def _echo_logprobs(job: Job, p: int, prompt_logprobs) -> tuple[dict, int]:
 async def _stream(server: OpenAIServer, job: Job):
     """A chunk per delta of each choice (the echo with its first), then the usage (include_usage)."""
     head = (f'data: {{"id":"{job.rid}","object":"text_completion","created":{job.created},'
-            f'"model":{server.model_json},"choices":[').encode()
+            f'"model":{job.model_json},"choices":[').encode()
     echo, fmt = job.echo, job.logprobs
     choices = Choices(job, server.prefix_caching)
     try:
@@ -161,6 +161,6 @@ async def _whole(server: OpenAIServer, job: Job) -> Response:
             body["token_ids"] = choice.token_ids
         out_choices.append(body)
     return json_response({
-        "id": job.rid, "object": "text_completion", "created": job.created, "model": server.model_name,
+        "id": job.rid, "object": "text_completion", "created": job.created, "model": job.model,
         "choices": out_choices, "usage": choices.usage(),
     })

@@ -87,7 +87,8 @@ class Job:
 
     __slots__ = ("rid", "created", "streams", "arrival", "prompt_ids", "prompt_lens", "n", "max_tokens", "logprobs",
                  "token_ids", "include_usage", "continuous", "echo", "echo_only", "prompt_logprobs", "role",
-                 "tool_mode", "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened")
+                 "tool_mode", "tool_name", "tool_parser", "functions", "reasoning", "reasoning_opened", "model",
+                 "model_json")
 
     def __init__(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
                  req, echo, tokenizer, as_ids: bool = False, force_usage: bool = False):
@@ -273,10 +274,16 @@ class OpenAIServer:
             raise APIError(str(exc), param=param_of(str(exc), renames)) from None
 
     def job(self, rid: str, streams: list, arrival: float, prompt_ids: list[list[int]], params: SamplingParams,
-            req, echo) -> Job:
-        """The Job of a request this server started (its own defaults applied)."""
-        return Job(rid, streams, arrival, prompt_ids, params, req, echo, self.tokenizer,
-                   self.return_tokens_as_token_ids, self.force_include_usage)
+            req, echo, lora=None) -> Job:
+        """The Job of a request this server started (its own defaults applied); its answers name `lora`'s adapter
+        (vLLM's) or the served model."""
+        job = Job(rid, streams, arrival, prompt_ids, params, req, echo, self.tokenizer,
+                  self.return_tokens_as_token_ids, self.force_include_usage)
+        if lora is not None:
+            job.model, job.model_json = lora.lora_name, json.dumps(lora.lora_name)
+        else:
+            job.model, job.model_json = self.model_name, self.model_json
+        return job
 
     # ------------------------------------------------------------- its outputs
     async def outputs(self, job: Job) -> AsyncIterator:
