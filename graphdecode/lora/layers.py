@@ -11,9 +11,9 @@ an adapter (slot 0) nothing. The shapes depend on neither the batch nor which ad
 graph is captured once, and loading an adapter into a slot rewrites the buffers in place. The cost is the two
 thin matmuls over all S slots' columns (S G R of them) for every token.
 
-On a CPU with the panel kernels and a batch-invariant engine, both matmuls run on panels (cpu_linear.PanelWeight,
-rebuilt in place after each load), so a row's bits stay those of any batch; elsewhere F.linear on the dense
-buffers.
+On a batch-invariant engine both matmuls keep a row's bits those of any batch, as the projections do: on a CPU
+with the panel kernels they run on panels (cpu_linear.PanelWeight, rebuilt in place after each load), on CUDA in
+fixed blocks of rows (blocked_linear.py); elsewhere F.linear on the dense buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..models.blocked_linear import blocked_linear
 
 
 class LoRAState:
@@ -42,11 +44,13 @@ class LoRAState:
 
 
 class _Matmul:
-    """x W^T over a dense [out, in] buffer, through CPU panels refreshed from it where they are used."""
+    """x W^T over a dense [out, in] buffer: through CPU panels refreshed from it (`kernels`), in fixed row blocks
+    (`blocked`), or plainly."""
 
-    def __init__(self, dense: torch.Tensor, kernels):
+    def __init__(self, dense: torch.Tensor, kernels, blocked: bool = False):
         self.dense = dense
         self.kernels = kernels
+        self.blocked = blocked
         self.panels = None
         self.refresh()
 
@@ -64,6 +68,8 @@ class _Matmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return self.panels.run(x)
+        if self.blocked:
+            return blocked_linear(x, self.dense)
         return F.linear(x, self.dense)
 
 
@@ -71,15 +77,15 @@ class LoRALinear(nn.Module):
     """A projection (layers.FusedLinear or parallel.RowParallelLinear) with every slot's LoRA update added."""
 
     def __init__(self, base: nn.Module, state: LoRAState, groups: int, in_features: int, out_features: int,
-                 kernels=None):
+                 kernels=None, blocked: bool = False):
         super().__init__()
         self.base = base
         self.state = state
         self.groups = groups
         width = state.max_loras * groups * state.max_rank
         device = state.column_slots[1].device
-        self.a = _Matmul(torch.zeros(width, in_features, dtype=state.dtype, device=device), kernels)
-        self.b = _Matmul(torch.zeros(out_features, width, dtype=state.dtype, device=device), kernels)
+        self.a = _Matmul(torch.zeros(width, in_features, dtype=state.dtype, device=device), kernels, blocked)
+        self.b = _Matmul(torch.zeros(out_features, width, dtype=state.dtype, device=device), kernels, blocked)
 
     def columns(self, slot: int, group: int) -> slice:
         """The columns of slot (1..S) and shard group."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.loader import BLOCKED_DEVICES
 from .adapter import GROUPS, LoadedAdapter
 from .layers import LoRALinear, LoRAState
 
@@ -19,6 +20,10 @@ from .layers import LoRALinear, LoRAState
 def lora_kernels(device: torch.device, dtype: torch.dtype, batch_invariant: bool):
     """The CPU kernels the LoRA matmuls run on (panels: a row's bits independent of the batch), or None."""
     if device.type != "cpu" or not batch_invariant:
+        return None
+    from ..models.cpu_linear import can_prepack
+
+    if not can_prepack(device, dtype):  # the projections' own rule: panels only where they take them
         return None
     from ..kernels.cpu import cpu_kernels_for
 
@@ -31,6 +36,7 @@ class LoRAModel:
         weight = model.anchor()
         self.state = LoRAState(max_loras, max_rank, weight.dtype, weight.device)
         kernels = lora_kernels(weight.device, weight.dtype, batch_invariant)
+        blocked = batch_invariant and weight.device.type in BLOCKED_DEVICES  # cuBLAS: one GEMM shape, as theirs
         self.linears: dict[tuple[int, str], LoRALinear] = {}
         for i, layer in enumerate(model.model.layers):
             for parent_name, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj"))):
@@ -43,7 +49,7 @@ class LoRAModel:
                         out_features, in_features = base.weight.shape
                     else:  # released to its CPU (or quantized) weight, which keeps the sizes
                         in_features, out_features = base.packed.in_features, base.packed.out_features
-                    wrapped = LoRALinear(base, self.state, GROUPS[name], in_features, out_features, kernels)
+                    wrapped = LoRALinear(base, self.state, GROUPS[name], in_features, out_features, kernels, blocked)
                     setattr(parent, name, wrapped)
                     self.linears[(i, name)] = wrapped
             layer.mlp.one_pass = None  # gate_up's one-pass SwiGLU would skip its update
