@@ -349,7 +349,8 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert compiled and not graphs & compiled  # the compile cases run in their own stage only
     assert all(name.endswith("-True]") for name in compiled)
     # the extended cases of the three files run after the core, and in no core stage
-    assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs", "test_gpu_quantized"}
+    assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs", "test_gpu_quantized",
+                                                              "test_gpu_lora"}
     assert not extended & (graphs | selected["pytest_hf_parity"] | compiled)
     assert any("speculative" in name for name in extended) and any("moe" in name for name in extended)
     assert any("teacher_forced" in name for name in selected["pytest_hf_parity"])
