@@ -91,7 +91,7 @@ class CpuKernels:
         self._layers = self._lib.graphdecode_cpu_decoder_layers
         self._layers.restype = ctypes.c_int
         self._layers.argtypes = [_P, _P, _P, _I64, _P, _I64] + [_P] * 4 + [_I64, _I64] + [_P] * 3 + [_I64] * 8 + [
-            _F32, _I32, _I32]
+            _F32, _I32, _I32, _P, _I64, _P, _I64]
         self._layers_scratch = self._lib.graphdecode_cpu_layers_scratch
         self._layers_scratch.restype = ctypes.c_int64
         self._layers_scratch.argtypes = [_I64] * 6
@@ -165,25 +165,36 @@ class CpuKernels:
 
     def decoder_layers(self, words, quant, reals, num_layers: int, x, positions, seq_lens, slots, block_table, cos,
                        sin, scratch, dims, page_size: int, num_pages: int, eps: float,
-                       threads: int | None = None) -> None:
+                       threads: int | None = None, lora=None) -> None:
         """A decode step's Llama layers in one call (csrc/cpu_layers.cpp; models/cpu_decode.py builds the
-        tables): x [M, hidden] contiguous, in place. A position past the rotary table or a slot outside the
-        cache is a ValueError before any work."""
+        tables): x [M, hidden] contiguous, in place. lora: (each row's adapter slot [M] int64, max_loras, scratch
+        [M, cols] of x's dtype) where the quant table names LoRA panels, else None. A position past the rotary
+        table, a slot outside the cache or an adapter slot past max_loras is a ValueError before any work."""
         hidden, heads, kv_heads, head_dim, inter = dims
         rows = x.shape[0]
         positions, slots = _dense(positions, torch.int64), _dense(slots, torch.int64)
         seq_lens = _dense(seq_lens, torch.int32)
+        lora_slots, loras, lora_scratch = lora if lora is not None else (None, 0, None)
+        if lora_slots is not None:
+            lora_slots = _dense(lora_slots, torch.int64)
         if (x.shape != (rows, hidden) or not x.is_contiguous() or positions.shape != (rows,) or slots.shape != (rows,)
                 or seq_lens.shape != (rows,) or block_table.stride(1) != 1 or block_table.dtype != torch.int32
                 or scratch.numel() < self.layers_scratch(rows, *dims) or words.shape[0] < num_layers
-                or quant.shape[0] < num_layers or quant.dtype != torch.int64) or self._layers(
+                or quant.shape[0] < num_layers or quant.dtype != torch.int64
+                or (lora_slots is not None and (lora_slots.shape != (rows,) or lora_scratch.dtype != x.dtype
+                                                or lora_scratch.shape[0] < rows or not lora_scratch.is_contiguous()))
+                ) or self._layers(
                 words.data_ptr(), quant.data_ptr(), reals.data_ptr(), num_layers, x.data_ptr(), rows, positions.data_ptr(),
                 seq_lens.data_ptr(), slots.data_ptr(), block_table.data_ptr(), block_table.stride(0),
                 block_table.shape[1], cos.data_ptr(), sin.data_ptr(), scratch.data_ptr(), hidden, heads, kv_heads,
-                head_dim, inter, page_size, num_pages, cos.shape[0], eps, DTYPE_CODES.get(x.dtype, -1), _threads(threads)):
+                head_dim, inter, page_size, num_pages, cos.shape[0], eps, DTYPE_CODES.get(x.dtype, -1), _threads(threads),
+                lora_slots.data_ptr() if lora_slots is not None else None, loras,
+                lora_scratch.data_ptr() if lora_scratch is not None else None,
+                lora_scratch.shape[1] if lora_scratch is not None else 0):
             raise ValueError(f"graphdecode_cpu_decoder_layers rejected x {tuple(x.shape)} {x.dtype}, positions "
                              f"{positions.tolist()[:8]}, slots {slots.tolist()[:8]} (a position past the rotary "
-                             f"table's {cos.shape[0]} rows, or a slot outside the cache's {num_pages * page_size}?)")
+                             f"table's {cos.shape[0]} rows, a slot outside the cache's {num_pages * page_size}, or "
+                             f"an adapter slot past max_loras?)")
 
     def write_kv(self, kv, k, v, slots, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """k, v [T, H_kv, D] into kv [pages, 2, P, H_kv, D] at slots [T] int64 (page * P + offset), in place:

@@ -112,5 +112,6 @@ class LoRALinear(nn.Module):
         return self.b(h.contiguous()).view(*shape[:-1], -1)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.base(x) if residual is None else self.base(x, residual)
-        return y + self.delta(x)
+        """residual + (base(x) + update): the order the CPU's one-call decode layers add them in (cpu_decode.py)."""
+        y = self.base(x) + self.delta(x)
+        return y if residual is None else residual + y

@@ -53,7 +53,10 @@ class LoRAModel:
                     setattr(parent, name, wrapped)
                     self.linears[(i, name)] = wrapped
             layer.mlp.one_pass = None  # gate_up's one-pass SwiGLU would skip its update
-        model.cpu_decode = None  # the one-call decode layers would skip every update
+        if model.cpu_decode is not None and kernels is not None:  # the one-call decode layers add them too
+            model.cpu_decode.use_lora(self.linears, max_loras)
+        else:
+            model.cpu_decode = None  # ... which without LoRA panels would skip every update
         model.lora = self.state
         self.loaded: dict[int, object] = {}  # slot -> the adapter's key
 

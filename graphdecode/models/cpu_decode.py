@@ -45,7 +45,11 @@ SAVE_LD = 14  # ... and its rows' stride in elements (0: hidden)
 KV_DTYPE = 11  # ... its cache's dtype code
 IN, IN_WIDTH = 12, 13  # ... and where its qkv projection reads its rows instead of the normed input (0: there)
 REALS = 5  # and its Real entries: scale, soft-cap, and an FP8 cache's K / V multipliers and output factor
-QUANT_WORDS = 4  # csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group
+# csrc/cpu_layers.cpp's Quant entries per projection: kind (-1: float panels), scales, offsets, group, then its LoRA
+# panels A and B (0: none) and their columns
+QUANT_WORDS = 7
+LORA_WORDS = slice(4, 7)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _runs_here(weight) -> bool:
@@ -57,9 +61,9 @@ def _runs_here(weight) -> bool:
 
 def _quant_words(weight) -> list[int]:
     if not isinstance(weight, QuantizedWeight):
-        return [-1, 0, 0, 0]
+        return [-1, 0, 0, 0, 0, 0, 0]
     offsets = weight.panel_offsets.data_ptr() if weight.panel_offsets is not None else 0
-    return [weight.kernels.QUANT_KINDS[weight.kind], weight.panel_scales.data_ptr(), offsets, weight.group]
+    return [weight.kernels.QUANT_KINDS[weight.kind], weight.panel_scales.data_ptr(), offsets, weight.group, 0, 0, 0]
 
 
 class CpuDecodeLayers:
@@ -104,6 +108,23 @@ class CpuDecodeLayers:
             self.fp8_reals[i] = torch.tensor([scale * spec.k_scale, spec.soft_cap or 0.0, 1.0 / spec.k_scale,
                                                 1.0 / spec.v_scale, spec.v_scale])
         self._scratch = torch.empty(0, dtype=self.dtype)
+        self.max_loras = 0  # a LoRA engine's adapter slots (use_lora), 0: none
+        self._lora_cols = 0
+        self._lora_scratch = torch.empty(0, dtype=self.dtype)
+
+    def use_lora(self, linears: dict, max_loras: int) -> None:
+        """Each projection's LoRA panels (lora/model.py's LoRALinear by (layer, name), their A and B on panels),
+        added in the same call: the bits of the eager LoRA forward."""
+        widest = 0
+        for i in range(self.num_layers):
+            for p, name in enumerate(PROJECTIONS):
+                linear = linears[(i, name)]
+                a, b = linear.a.panels, linear.b.panels
+                self.quant[i, p, LORA_WORDS] = torch.tensor([a.panels.data_ptr(), b.panels.data_ptr(), a.out_features])
+                widest = max(widest, a.out_features)
+        hidden, heads, kv_heads, head_dim, inter = self.dims
+        self._lora_cols = widest + max((heads + 2 * kv_heads) * head_dim, 2 * inter, hidden)
+        self.max_loras = max_loras
 
     @classmethod
     def build(cls, model: nn.Module, kernels) -> CpuDecodeLayers | None:
@@ -205,11 +226,17 @@ class CpuDecodeLayers:
         for j, layer in enumerate(stops):
             words[layer, SAVE] = aux[:, j * width :].data_ptr()
         words[0, IN] = pre.data_ptr() if pre is not None else 0
+        lora = None
+        if self.max_loras:  # each live row's adapter slot, and room for the updates
+            adapters = ctx.lora_slots() if live is None else ctx.lora_slots()[live]
+            if self._lora_scratch.numel() < rows * self._lora_cols:
+                self._lora_scratch = torch.empty(rows * self._lora_cols, dtype=self.dtype)
+            lora = (adapters, self.max_loras, self._lora_scratch[: rows * self._lora_cols].view(rows, self._lora_cols))
         if rows:
             self.kernels.decoder_layers(
                 self.words, self.quant, self.fp8_reals if fp8 else self.reals, self.num_layers, x, positions,
                 seq_lens, slots, table, self.rotary.cos, self.rotary.sin, self._scratch, self.dims,
-                kv.shape[2], kv.shape[0], self.eps)
+                kv.shape[2], kv.shape[0], self.eps, lora=lora)
         if live is None:
             return x, aux
         out = x.new_zeros((bucket, x.shape[1]))

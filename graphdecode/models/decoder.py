@@ -356,11 +356,11 @@ class DecoderForCausalLM(nn.Module):
         `sends`, where it is given; else waiting for the send.
         A family with its own layer loop overrides this, not forward()."""
         hidden, saved = self._stage_input(input_ids, aux_layers)
-        if self.lora is not None:
-            self.lora.begin(ctx.lora_slots())
         if self.cpu_decode is not None and self.cpu_decode.applies(ctx, hidden.shape[0]):
             hidden, aux = self.cpu_decode.run(hidden, positions, ctx, aux_layers)
             return self.model.norm(hidden), aux
+        if self.lora is not None:
+            self.lora.begin(ctx.lora_slots())
         for i, (layer, rotary) in enumerate(zip(self.model.layers, self.rotaries)):
             if not self.stage.holds(i):
                 continue

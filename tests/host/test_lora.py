@@ -52,6 +52,27 @@ def test_adapters_and_the_base_model_in_one_batch_give_peft_tokens(llm, adapters
     assert got == want
     base = _oracle(tiny_models[MODEL], [None] * 4, PROMPTS)
     assert got[0] != base[0] and got[1] != base[1] and got[3] != base[3]  # each adapter changes its tokens
+    assert llm.engine.runner.model.cpu_decode.max_loras == 2  # decode steps added them in the one C++ call
+
+
+def test_the_one_call_and_the_eager_forward_give_the_same_bits(llm, adapters, tiny_models):
+    """The CPU's one-call decode layers add each row's update in the order and with the kernels of the eager
+    forward: the same logprobs to the bit."""
+    loras = [adapters["every"], None, adapters["qv"]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    model = llm.engine.runner.model
+
+    def run():
+        outs = llm.generate(token_prompts(PROMPTS[:3]), params, lora_request=loras)
+        return [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    one_call = run()
+    driver, model.cpu_decode = model.cpu_decode, None
+    try:
+        eager = run()
+    finally:
+        model.cpu_decode = driver
+    assert one_call == eager
 
 
 def test_n_children_share_their_adapter(llm, adapters, tiny_models):
