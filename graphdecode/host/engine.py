@@ -354,6 +354,7 @@ class Engine:
             "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_accepted_per_position": tuple(s.spec_accepted_per_position),
             **self._state_load(),
+            **self._lora_load(),
         }
 
     def _state_load(self) -> dict:
@@ -365,6 +366,13 @@ class Engine:
         slots = self.config.max_batch_size
         return {"state_slots_in_use": slots - states.num_free, "state_slots": slots,
                 "state_snapshots_cached": states.num_cached_snapshots}
+
+    def _lora_load(self) -> dict:
+        """A LoRA engine's adapters by name, for vLLM's lora_requests_info (O(max_loras + waiting adapters))."""
+        loras = self.scheduler.loras
+        if loras is None:
+            return {}
+        return {"lora_running": loras.running, "lora_waiting": loras.waiting, "max_lora": self.config.max_loras}
 
     def stats(self) -> dict:
         s = self._stats

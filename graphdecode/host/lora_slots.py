@@ -7,11 +7,14 @@ that is not resident takes a free slot, else the least recently used slot that n
 adapter is loaded by the plan, plan.LoRALoad, before anything of that step runs: in stream order after every
 launched window that read the old one). When every slot is held by other adapters, the request waits at the
 head of the queue until one is given back.
+
+For routers (vLLM's lora_requests_info metric): `running` names the adapters some sequence in the batch holds,
+`waiting` those of requests not admitted yet (counted from their arrival to their first admission or their end).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from ..plan import LoRALoad
 
@@ -23,6 +26,8 @@ class LoRASlots:
         self._holders = [0] * (max_loras + 1)  # sequences holding each slot
         self._loads: list[LoRALoad] = []
         self.num_loads = 0
+        self._names: dict[object, str] = {}  # adapter key -> its name (the newest request's)
+        self._waiting: Counter = Counter()  # adapter key -> requests not admitted yet
 
     def acquire(self, seqs, lora, adapter) -> bool:
         """Give `seqs` (one admission group, one request) the slot of adapter `lora` (a LoRARequest read as
@@ -41,6 +46,30 @@ class LoRASlots:
         for seq in seqs:
             seq.lora_slot = slot
         return True
+
+    def arrived(self, request) -> None:
+        """A new request with an adapter joins the queue."""
+        self._names[request.lora.key] = request.lora.lora_name
+        self._waiting[request.lora.key] += 1
+        request.lora_waiting = True
+
+    def left_queue(self, request) -> None:
+        """The request was admitted for the first time, or ended before it was."""
+        if request.lora_waiting:
+            request.lora_waiting = False
+            self._waiting[request.lora.key] -= 1
+            if not self._waiting[request.lora.key]:
+                del self._waiting[request.lora.key]
+
+    @property
+    def running(self) -> list[str]:
+        """Names of the adapters that sequences in the batch hold."""
+        return sorted(self._names[key] for key, slot in self._resident.items() if self._holders[slot])
+
+    @property
+    def waiting(self) -> list[str]:
+        """Names of the adapters of requests not admitted yet."""
+        return sorted(self._names[key] for key in self._waiting)
 
     def _free_slot(self) -> int | None:
         used = set(self._resident.values())

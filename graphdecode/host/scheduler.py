@@ -126,6 +126,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue
     def add(self, group: list[Sequence]) -> None:
+        if group[0].request.lora is not None:
+            self.loras.arrived(group[0].request)
         self.waiting.push(group)
 
     @property
@@ -250,8 +252,10 @@ class Scheduler:
         if self.pool.free_after_sharing(held) < new:
             return None
         request = leader.request
-        if request.lora is not None and not self.loras.acquire(group, request.lora, request.lora_adapter):
-            return None  # every adapter slot is held by other adapters' rows: it waits for one
+        if request.lora is not None:
+            if not self.loras.acquire(group, request.lora, request.lora_adapter):
+                return None  # every adapter slot is held by other adapters' rows: it waits for one
+            self.loras.left_queue(request)
         self.pool.share(held)
         if partial:  # held until this step is planned: no allocation of this step may take it
             self._copy_sources.append(source)
@@ -415,6 +419,8 @@ class Scheduler:
 
     # ------------------------------------------------------- leaving the batch
     def finish(self, seq: Sequence) -> None:
+        if seq.request.lora_waiting:  # it ends before its first admission (aborted while waiting)
+            self.loras.left_queue(seq.request)
         if seq.is_running:
             seq.num_computed_tokens = max(seq.num_computed_tokens, seq.num_tokens - 1)
             self._cache_pages(seq)

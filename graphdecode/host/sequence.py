@@ -51,6 +51,7 @@ class Request:
     placement: object = None  # where the constraint's tables sit on the device while it is in flight
     lora: object = None  # the LoRARequest it runs with (None: the base model)
     lora_adapter: object = None  # that adapter's files, read (lora.adapter.LoadedAdapter)
+    lora_waiting: bool = False  # counted among its adapter's waiting requests (host/lora_slots.py)
 
     @property
     def needs_prompt_logprobs(self) -> bool:

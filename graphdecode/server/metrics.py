@@ -163,6 +163,14 @@ class _EngineCollector:
                 buckets.append((floatToGoString(bound), cumulative))
             histogram.add_metric(values, buckets, sum_value=total)
         yield histogram
+        if config is not None and config.enable_lora:  # vLLM's: the adapters as labels, the time as value
+            info = GaugeMetricFamily(prefix + "lora_requests_info", "LoRA adapters that running sequences hold and "
+                                     "that waiting requests ask for (comma-separated names)",
+                                     labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            for values, _, load, _ in state:
+                info.add_metric([*values, str(config.max_loras), ",".join(load.get("lora_running", ())),
+                                 ",".join(load.get("lora_waiting", ()))], time.time())
+            yield info
         unfinished = GaugeMetricFamily(prefix + "num_requests_unfinished", "engine requests the server is streaming "
                                        "or collecting now", labels=["model_name"])
         unfinished.add_metric([name], len(self.server.active))

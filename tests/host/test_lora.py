@@ -109,6 +109,25 @@ def test_one_slot_serves_adapters_in_turn(adapters, tiny_models):
     assert llm.engine.scheduler.loras.num_loads >= 3  # the slot changed adapters more than once
 
 
+def test_the_load_names_running_and_waiting_adapters(adapters, tiny_models):
+    """What vLLM's lora_requests_info reports: adapters held in the batch, adapters of requests not admitted yet
+    (one slot: the second adapter's request waits), and an aborted waiting request leaves the count."""
+    llm = LLM(tiny_models[MODEL], **SMALL_ENGINE, enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": PROMPTS[0]}, params, request_id="a", lora_request=adapters["every"])
+    engine.add_request({"prompt_token_ids": PROMPTS[1]}, params, request_id="b", lora_request=adapters["qv"])
+    assert (engine.load()["lora_running"], engine.load()["lora_waiting"]) == ([], ["every", "qv"])
+    engine.step()
+    load = engine.load()
+    assert (load["lora_running"], load["lora_waiting"], load["max_lora"]) == (["every"], ["qv"], 1)
+    engine.abort_request("b")
+    engine.step()
+    assert engine.load()["lora_waiting"] == []
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load()["lora_running"] == []
+
+
 def test_phi3_fused_projections(tiny_models, tmp_path):
     """Phi-3 stores qkv_proj and gate_up_proj fused, and PEFT adapts them as whole projections."""
     model = tiny_models["phi3_partial_swa"]

@@ -55,6 +55,12 @@ def test_a_streamed_chat_names_its_adapter(client):
     assert chunks and {c.model for c in chunks} == {"sql"}
 
 
+def test_metrics_carry_vllms_lora_requests_info(http):
+    text = http.get(str(http.base_url).rstrip("/").removesuffix("/v1") + "/metrics").text
+    line = next(line for line in text.splitlines() if line.startswith("graphdecode:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
+
+
 def test_models_lists_each_adapter_with_its_parent(client, adapters):
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {MODEL, "sql"}
