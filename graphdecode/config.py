@@ -19,7 +19,7 @@ from .attention.kv_cache import FP8, kv_bytes_per_page
 from .attention.state_cache import slot_bytes
 from .generation_defaults import sampling_defaults
 from .launcher import DEFAULT_MASTER_PORT, launcher_env
-from .lora.config import check_lora_config
+from .lora.config import check_lora_config, lora_buffer_bytes
 from .models.config_fields import INT_MAX
 from .models.eagle3 import Eagle3Config, read_eagle3_config
 from .models.model_config import ModelConfig, load_model_config
@@ -661,6 +661,8 @@ class EngineConfig:
             return pages, f"{source}, {pages} pages of {per_page} bytes{held},"
         fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
         weights = model_weight_bytes(cfg, dtype) + (model_weight_bytes(draft, dtype) * tp if draft is not None else 0)
+        if self.enable_lora:  # every slot's A and B, beside the weights
+            weights += lora_buffer_bytes(cfg, dtype, self.max_loras, self.max_lora_rank)
         if device.type == "cpu":
             # the ranks are processes sharing the host's RAM; the weights counted twice (a bound: fp32 linears keep
             # panels and a packed copy in place of the parameter, a tied head a packed copy, docs/cpu.md)

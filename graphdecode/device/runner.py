@@ -201,7 +201,8 @@ class ModelRunner:
             models.append(self.draft.model)
             caches += self.draft.kv_caches
         return {
-            "weight_bytes": sum(_tensor_bytes(m.parameters()) + packed_bytes(m) for m in models),
+            "weight_bytes": sum(_tensor_bytes(m.parameters()) + packed_bytes(m) for m in models)
+            + (self.lora.nbytes if self.lora is not None else 0),  # a LoRA engine's adapter slots
             "kv_cache_bytes": _tensor_bytes(caches),
             "state_cache_bytes": self.states.nbytes if self.states is not None else 0,
         }

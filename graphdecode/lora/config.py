@@ -5,6 +5,19 @@ from __future__ import annotations
 MAX_LORA_RANK = 512  # vLLM's largest
 
 
+def lora_buffer_bytes(cfg, dtype, max_loras: int, max_rank: int) -> int:
+    """Bytes of a LoRA engine's A and B buffers (lora/layers.py): per layer and projection, max_loras x shards x rank
+    columns of its inputs and of its outputs (a CPU's panels hold a second copy: the pool sizing counts weights
+    twice there)."""
+    import torch
+
+    hidden, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    per_layer = sum(max_loras * groups * max_rank * (k + n) for groups, k, n in
+                    ((3, hidden, q + 2 * kv), (1, q, hidden), (2, hidden, 2 * inter), (1, inter, hidden)))
+    return per_layer * cfg.decoder_layers * torch.empty(0, dtype=dtype).element_size()
+
+
 def check_lora_config(config, cfg, family, device) -> None:
     """ValueError naming the field: enable_lora, max_loras, max_lora_rank, max_cpu_loras, and the features a LoRA
     engine does not combine with yet."""

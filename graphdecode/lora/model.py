@@ -60,6 +60,17 @@ class LoRAModel:
         model.lora = self.state
         self.loaded: dict[int, object] = {}  # slot -> the adapter's key
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every projection's A and B (dense, and their CPU panels where they run on them)."""
+        total = 0
+        for linear in self.linears.values():
+            for matmul in (linear.a, linear.b):
+                total += matmul.dense.numel() * matmul.dense.element_size()
+                if matmul.panels is not None:
+                    total += matmul.panels.panels.numel() * matmul.panels.panels.element_size()
+        return total
+
     def load(self, slot: int, adapter: LoadedAdapter, key) -> None:
         """Write the adapter into `slot` of every wrapped projection."""
         updates: dict[tuple[int, str], list] = {k: [] for k in self.linears}

@@ -228,3 +228,14 @@ def test_families_lora_does_not_run_are_refused(tiny_models):
     moe = next(name for name in tiny_models if "moe" in name or "mixtral" in name)
     with pytest.raises(ValueError, match="enable_lora: LoRA adapters do not run with"):
         EngineConfig(model=tiny_models[moe], enable_lora=True)
+
+
+def test_the_pool_sizing_counts_the_adapter_slots(llm):
+    """EngineConfig sizes the KV pool after the weights and the LoRA buffers: its count is the runner's."""
+    from graphdecode.lora.config import lora_buffer_bytes
+
+    config, lora = llm.config, llm.engine.runner.lora
+    dense = sum(m.dense.numel() * m.dense.element_size() for linear in lora.linears.values()
+                for m in (linear.a, linear.b))
+    assert dense == lora_buffer_bytes(config.model_config, config.torch_dtype, config.max_loras, config.max_lora_rank)
+    assert llm.engine.runner.memory_sizes()["weight_bytes"] >= dense
