@@ -19,7 +19,8 @@ import argparse
 from graphdecode.bench.common import (
     add_compile_arg,
     compile_option,
-    paired_ab,
+    paired_decode,
+    paired_prefill,
     random_prompt_ids,
     resolve_model,
     timed_greedy,
@@ -54,23 +55,20 @@ def main(argv=None) -> dict:
     llms = {"invariant": LLM(model, **engine), "variant": LLM(model, **engine, batch_invariant=False)}
     vocab = llms["invariant"].config.model_config.vocab_size
     results = {"model": model, "device": str(llms["invariant"].engine.runner.device), "dtype": args.dtype, "threads": args.threads, "decode": {}, "prefill": None}
+    names = ("invariant", "variant")
+
+    def run(name, prompts, tokens):
+        return timed_greedy(llms[name], prompts, tokens)
+
     for batch in args.batches:
         prompts = [{"prompt_token_ids": ids} for ids in random_prompt_ids(batch, args.prompt_len, vocab)]
-
-        def decode(name, prompts=prompts):
-            full, tokens = timed_greedy(llms[name], prompts, args.gen)
-            return full - timed_greedy(llms[name], prompts, 1)[0], tokens
-
-        ab = paired_ab(decode, ("invariant", "variant"), args.rounds)
-        tps = {name: batch * (args.gen - 1) / s for name, s in ab["best"].items()}
+        tps, ab = paired_decode(run, names, prompts, args.gen, args.rounds)
         results["decode"][batch] = {"tokens_per_s": tps, "ratio": tps["variant"] / tps["invariant"],
                                     "median_ratio": ab["median_ratio"], "same_tokens": ab["same_outputs"]}
         print(f"decode batch {batch:3d}: invariant {tps['invariant']:7.1f} tok/s  variant {tps['variant']:7.1f} "
               f"tok/s  cost {tps['variant'] / tps['invariant']:.2f}x (median {ab['median_ratio']:.2f})  "
               f"same tokens {ab['same_outputs']}", flush=True)
-    prompt = [{"prompt_token_ids": random_prompt_ids(1, args.prefill_len, vocab, seed=1)[0]}]
-    ab = paired_ab(lambda name: timed_greedy(llms[name], prompt, 1), ("invariant", "variant"), args.rounds)
-    tps = {name: args.prefill_len / s for name, s in ab["best"].items()}
+    tps, ab = paired_prefill(run, names, random_prompt_ids(1, args.prefill_len, vocab, seed=1)[0], args.rounds)
     results["prefill"] = {"tokens": args.prefill_len, "tokens_per_s": tps, "ratio": tps["variant"] / tps["invariant"],
                           "median_ratio": ab["median_ratio"]}
     print(f"prefill {args.prefill_len}: invariant {tps['invariant']:7.1f} tok/s  variant {tps['variant']:7.1f} tok/s  "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from graphdecode.bench.common import paired_ab, random_prompt_ids, timed_greedy, write_json
+from graphdecode.bench.common import paired_decode, paired_prefill, random_prompt_ids, timed_greedy, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -47,6 +47,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each engine")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapter", default=None, help="the PEFT adapter's directory, made there (random) if it holds "
+                                                    "none (default: in the cache directory, per model and rank)")
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--gen", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -60,8 +62,8 @@ def main(argv=None) -> dict:
     from graphdecode.gguf_import import smollm2_dir
 
     model = args.model or smollm2_dir()
-    adapter = make_adapter(model, os.path.join(cache_root(), "lora", f"{os.path.basename(model)}-r{args.rank}"),
-                           args.rank)
+    adapter = make_adapter(model, args.adapter or os.path.join(cache_root(), "lora",
+                                                               f"{os.path.basename(model)}-r{args.rank}"), args.rank)
     lora = LoRARequest("bench", 1, adapter)
     longest = max(args.prompt_len + args.gen, args.prefill_len + 1) + 8
     engine = dict(max_batch_size=max(args.batches), max_model_len=longest, cpu_threads=args.threads,
@@ -87,22 +89,15 @@ def main(argv=None) -> dict:
 
     results = {"model": model, "dtype": str(llms["plain"].config.torch_dtype), "threads": args.threads,
                "rank": args.rank, "max_loras": args.max_loras, "decode": {}, "prefill": None}
+    names = ("lora", "plain")
     for batch in args.batches:
         prompts = [{"prompt_token_ids": ids} for ids in random_prompt_ids(batch, args.prompt_len, vocab)]
-
-        def decode(name, prompts=prompts):
-            full, tokens = timed(name, prompts, args.gen)
-            return full - timed(name, prompts, 1)[0], tokens
-
-        ab = paired_ab(decode, ("lora", "plain"), args.rounds)
-        tps = {name: batch * (args.gen - 1) / s for name, s in ab["best"].items()}
+        tps, ab = paired_decode(timed, names, prompts, args.gen, args.rounds)
         results["decode"][batch] = {"tokens_per_s": tps, "cost": tps["plain"] / tps["lora"],
                                     "median_cost": ab["median_ratio"]}
         print(f"decode batch {batch:3d}: plain {tps['plain']:7.1f} tok/s  lora {tps['lora']:7.1f} tok/s  cost "
               f"{tps['plain'] / tps['lora']:.2f}x (median {ab['median_ratio']:.2f})", flush=True)
-    prompt = [{"prompt_token_ids": random_prompt_ids(1, args.prefill_len, vocab, seed=1)[0]}]
-    ab = paired_ab(lambda name: timed(name, prompt, 1), ("lora", "plain"), args.rounds)
-    tps = {name: args.prefill_len / s for name, s in ab["best"].items()}
+    tps, ab = paired_prefill(timed, names, random_prompt_ids(1, args.prefill_len, vocab, seed=1)[0], args.rounds)
     results["prefill"] = {"tokens": args.prefill_len, "tokens_per_s": tps, "cost": tps["plain"] / tps["lora"],
                           "median_cost": ab["median_ratio"]}
     print(f"prefill {args.prefill_len}: plain {tps['plain']:7.1f} tok/s  lora {tps['lora']:7.1f} tok/s  cost "

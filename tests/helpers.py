@@ -193,7 +193,7 @@ def engine_config_stub(max_model_len: int = 64):
 
     return SimpleNamespace(max_model_len=max_model_len, page_size=16, kv_cache_dtype="auto",
                            enable_prefix_caching=True, num_pages=8, kv_cache_memory_bytes=None,
-                           torch_device=torch.device("cpu"))
+                           torch_device=torch.device("cpu"), enable_lora=False, max_loras=1)
 
 
 @contextlib.contextmanager

@@ -198,6 +198,25 @@ def paired_ab(run, names: tuple[str, str], rounds: int) -> dict:
             "best_ratio": best[first] / best[second], "same_outputs": outputs[first] == outputs[second]}
 
 
+def paired_decode(run, names: tuple[str, str], prompts: list[dict], gen: int, rounds: int) -> tuple[dict, dict]:
+    """Two engines' decode side by side: run(name, prompts, max_tokens) -> (seconds, token ids) times a greedy
+    generate; a run of `gen` tokens less a prefill-only run, in paired_ab's alternating rounds. -> (decode
+    tokens/s by name, paired_ab's result)."""
+    def decode(name):
+        full, tokens = run(name, prompts, gen)
+        return full - run(name, prompts, 1)[0], tokens
+
+    ab = paired_ab(decode, names, rounds)
+    return {name: len(prompts) * (gen - 1) / s for name, s in ab["best"].items()}, ab
+
+
+def paired_prefill(run, names: tuple[str, str], prompt: list[int], rounds: int) -> tuple[dict, dict]:
+    """Two engines' prefill of one prompt side by side (a one-token generate): (prompt tokens/s by name,
+    paired_ab's result)."""
+    ab = paired_ab(lambda name: run(name, [{"prompt_token_ids": prompt}], 1), names, rounds)
+    return {name: len(prompt) / s for name, s in ab["best"].items()}, ab
+
+
 def script_module(path: str):
     """A script file (a profiling/ script beside the caller's) imported as a module."""
     import importlib.util

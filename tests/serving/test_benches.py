@@ -171,6 +171,17 @@ def test_batch_invariance_bench_smoke(micro_dir, tmp_path):
         assert all(tps > 0 for tps in point["tokens_per_s"].values()) and point["ratio"] > 0
 
 
+def test_lora_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "lora.json"
+    result = _script("bench_lora").main(["--model", micro_dir, "--threads", "1", "--batches", "1", "2", "--gen", "4",
+                                         "--prompt-len", "8", "--prefill-len", "16", "--rounds", "1", "--rank", "4",
+                                         "--adapter", str(tmp_path / "adapter"), "--out", str(out)])
+    assert set(result["decode"]) == {1, 2} and json.loads(out.read_text())["prefill"]["tokens"] == 16
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    for point in [*result["decode"].values(), result["prefill"]]:
+        assert all(tps > 0 for tps in point["tokens_per_s"].values()) and point["cost"] > 0
+
+
 def test_prefix_cache_bench_smoke(micro_dir, tmp_path):
     out = tmp_path / "prefix"
     result = _script("bench_prefix_cache").main(["--model", micro_dir, "--requests", "6", "--prefix-len", "40",
