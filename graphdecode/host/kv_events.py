@@ -109,15 +109,17 @@ class KVEventPublisher:
         self._thread.start()
 
     def publish(self, events: list[tuple]) -> None:
-        """One step's events: ("stored", key, parent key or None, token ids) / ("removed", key) / ("cleared",)."""
+        """One step's events: ("stored", key, parent key or None, token ids, LoRARequest or None) / ("removed", key) /
+        ("cleared",)."""
         if events:
             self._queue.put((time.time(), events))
 
     def _event(self, event: tuple):
         if event[0] == "stored":
-            _, key, parent, tokens = event
+            _, key, parent, tokens, lora = event  # vLLM's lora_id / lora_name: the adapter that computed the page
             return self._stored(block_hashes=[key], parent_block_hash=parent, token_ids=list(tokens),
-                                block_size=self.page_size, lora_id=None, medium=self.medium, lora_name=None)
+                                block_size=self.page_size, lora_id=lora.lora_int_id if lora else None,
+                                medium=self.medium, lora_name=lora.lora_name if lora else None)
         if event[0] == "removed":
             return self._removed(block_hashes=[event[1]], medium=self.medium)
         return self._cleared()

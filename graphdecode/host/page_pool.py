@@ -139,7 +139,8 @@ class PagePool:
         return self.num_free - sum(1 for p in pages if self._refcount[p] == 0)
 
     def take_events(self) -> list[tuple]:
-        """The cache's events since the last call, oldest first: ("stored", key, parent key or None, tokens),
+        """The cache's events since the last call, oldest first: ("stored", key, parent key or None, tokens, LoRARequest
+        or None),
         ("removed", key)."""
         if self.events is None:
             return []
@@ -195,16 +196,17 @@ class PagePool:
                 best_page, best = page, count
         return best_page, best
 
-    def cache_page(self, page: int, key: bytes, parent: bytes | None = None, token_ids=None) -> None:
+    def cache_page(self, page: int, key: bytes, parent: bytes | None = None, token_ids=None, lora=None) -> None:
         """Make a held, fully computed page findable by `key` (a no-op if the key is cached
-        already); with its parent's key and its tokens it is also a partial-hit candidate."""
+        already); with its parent's key and its tokens it is also a partial-hit candidate. lora: the
+        LoRARequest whose adapter computed it (its KV event names it)."""
         if not self.enable_caching or key in self._page_of_key or self._key_of_page[page] is not None:
             return
         self._page_of_key[key] = page
         self._key_of_page[page] = key
         if self.events is not None:  # a root (the prompt's first page) is no page's key: no parent
             self.events.append(("stored", key, parent if parent in self._page_of_key else None,
-                                tuple(token_ids or ())))
+                                tuple(token_ids or ()), lora))
         if parent is not None:
             self.list_child(page, parent, token_ids)
 

@@ -386,7 +386,8 @@ class Scheduler:
         keys, size = self._keys(seq, full), self.page_size
         for i in range(seq.num_cached_pages, full):
             parent = keys[i - 1] if i else seq.request.cache_root
-            self.pool.cache_page(seq.pages[i], keys[i], parent, seq.token_ids[i * size : (i + 1) * size])
+            self.pool.cache_page(seq.pages[i], keys[i], parent, seq.token_ids[i * size : (i + 1) * size],
+                                 seq.request.lora)
         seq.num_cached_pages = full
 
     def _list_partial_page(self, seq: Sequence) -> None:

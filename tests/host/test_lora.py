@@ -94,6 +94,18 @@ def test_prefix_cache_pages_are_the_adapters_own(llm, adapters, tiny_models):
     assert base.outputs[0].token_ids == _oracle(tiny_models[MODEL], [None], prompt)[0]
 
 
+def test_kv_events_name_the_adapter_that_computed_a_page(llm, adapters):
+    """vLLM's BlockStored carries lora_id / lora_name: a prefix-aware router keeps adapters' pages apart."""
+    pool = llm.engine.pool
+    pool.events = []  # what kv_events_config turns on: the pool records what it stores
+    try:
+        llm.generate(token_prompts(random_prompts(2, [36], seed=21)), GREEDY, lora_request=[adapters["qv"], None])
+        stored = [event for event in pool.take_events() if event[0] == "stored"]
+    finally:
+        pool.events = None
+    assert {event[4] for event in stored} == {adapters["qv"], None}
+
+
 def test_one_slot_serves_adapters_in_turn(adapters, tiny_models):
     """max_loras=1: requests for the other adapter wait for the slot; in graphs (the CPU twin), bounds-checked,
     prefill chunks of 8 tokens, a pool small enough to preempt."""
