@@ -1,10 +1,11 @@
 """A loaded model's projections made LoRA-capable, and adapters loaded into its device slots.
 
-`LoRAModel.attach(model, ...)` wraps each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj in a
-LoRALinear (layers.py) and sets `model.lora` (the LoRAState its forward begins with). The CPU's fused fast paths
-that bypass those modules (the one-call decode layers, gate_up's one-pass SwiGLU) are turned off: a LoRA engine
-runs the eager layer-by-layer forward (captured in graphs where graphs run). `load(slot, adapter)` writes an
-adapter's weights into slot 1..max_loras of every wrapped projection (zeros where the adapter leaves one out).
+`LoRAModel(model, ...)` wraps each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj in a LoRALinear
+(layers.py) and sets `model.lora` (the LoRAState its forward begins with). gate_up's one-pass SwiGLU, which would
+bypass the wrapper, is turned off. The CPU's one-call decode layers get each projection's LoRA panels
+(cpu_decode.CpuDecodeLayers.use_lora) and add the updates themselves; without panels for them they are turned
+off. `load(slot, adapter)` writes an adapter's weights into slot 1..max_loras of every wrapped projection (zeros
+where the adapter leaves one out).
 """
 
 from __future__ import annotations
