@@ -92,6 +92,6 @@ async def _whole(server: OpenAIServer, rid: str, jobs: list[Job]) -> Response:
         usage["prompt_tokens_details"] = {
             "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
     return json_response({
-        "id": rid, "object": "chat.completion", "created": jobs[0].created, "model": server.model_name,
+        "id": rid, "object": "chat.completion", "created": jobs[0].created, "model": jobs[0].model,
         "choices": choices, "usage": usage, "prompt_logprobs": None, "prompt_token_ids": None,
     })

@@ -66,7 +66,7 @@ def stop_reason(choice: Choice, finish_reason: str | None, calls: bool) -> tuple
 
 
 def _message(job, server: OpenAIServer, content: list, stop: tuple[str | None, str | None], output_tokens: int):
-    return {"id": job.rid, "type": "message", "role": "assistant", "model": server.model_name, "content": content,
+    return {"id": job.rid, "type": "message", "role": "assistant", "model": job.model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1],
             "usage": {"input_tokens": job.prompt_lens[0], "output_tokens": output_tokens}}
 

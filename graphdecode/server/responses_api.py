@@ -59,7 +59,7 @@ class _Response:
     def __init__(self, server: OpenAIServer, req: ResponsesRequest, job):
         self.req, self.job = req, job
         self.created = time.time()
-        self.model = server.model_name
+        self.model = job.model  # the adapter's name where the request chose one
         self.output: list[dict] = []
 
     def body(self, status: str, choice=None, cached: int = 0) -> dict:

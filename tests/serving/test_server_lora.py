@@ -55,6 +55,16 @@ def test_a_streamed_chat_names_its_adapter(client):
     assert chunks and {c.model for c in chunks} == {"sql"}
 
 
+def test_anthropic_messages_and_responses_run_the_adapter(server, client):
+    """Every chat-shaped endpoint takes the adapter from its model field and names it in its answer."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=60) as claude:
+        message = claude.messages.create(model="sql", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert message.model == "sql"
+    assert client.responses.create(model="sql", input="hi", max_output_tokens=4).model == "sql"
+
+
 def test_metrics_carry_vllms_lora_requests_info(http):
     text = http.get(str(http.base_url).rstrip("/").removesuffix("/v1") + "/metrics").text
     line = next(line for line in text.splitlines() if line.startswith("graphdecode:lora_requests_info{"))
