@@ -46,12 +46,11 @@ class RowStart:
 
 @dataclass(frozen=True, slots=True)
 class LoRALoad:
-    """Before this step's prefill: the adapter `adapter` (a lora.adapter.LoadedAdapter, `key` naming it) goes into
-    device slot `slot`, replacing what the slot held (no launched or planned row reads that any more)."""
+    """Before this step's prefill: the adapter `adapter` (a lora.adapter.LoadedAdapter) goes into device slot
+    `slot`, replacing what the slot held (no launched or planned row reads that any more)."""
 
     slot: int
     adapter: object
-    key: object
 
 
 @dataclass(frozen=True, slots=True)

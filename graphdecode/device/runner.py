@@ -210,8 +210,7 @@ class ModelRunner:
     # ------------------------------------------------------------ device rows
     def _apply_rows(self, plan: StepPlan) -> None:
         for load in plan.lora_loads:  # after every launched window that read the slot, in stream order
-            with torch.inference_mode():
-                self.lora.load(load.slot, load.adapter, load.key)
+            self.lora.load(load.slot, load.adapter)
         for upload in plan.table_uploads:  # before the rows that read them, in stream order
             self.state.constraints.upload(upload)
         for row in plan.cleared_rows:

@@ -38,7 +38,7 @@ class LoRASlots:
             slot = self._free_slot()
             if slot is None:
                 return False
-            self._loads.append(LoRALoad(slot, adapter, lora.key))
+            self._loads.append(LoRALoad(slot, adapter))
             self._resident[lora.key] = slot
             self.num_loads += 1
         self._resident.move_to_end(lora.key)
@@ -90,12 +90,3 @@ class LoRASlots:
     def take_loads(self) -> list[LoRALoad]:
         loads, self._loads = self._loads, []
         return loads
-
-    @property
-    def num_resident(self) -> int:
-        return len(self._resident)
-
-    @property
-    def num_held(self) -> int:
-        """Slots some sequence in the batch holds."""
-        return sum(1 for count in self._holders[1:] if count)

@@ -45,6 +45,7 @@ class Target:
 
 # groups of each adapted module: one set of LoRA columns per shard it fuses
 GROUPS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+_PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
 def targets(cfg: ModelConfig) -> dict[tuple[str, str], Target]:
@@ -64,13 +65,18 @@ def targets(cfg: ModelConfig) -> dict[tuple[str, str], Target]:
     }
 
 
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each adapted (fused) module's (in_features, out_features), from the model's sizes."""
+    known = targets(cfg)
+    return {module: (known[(parent, module)].in_features, known[(parent, module)].rows)
+            for module, parent in _PARENTS.items()}
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """An adapter checked against the model: its weight file and, per tensor pair, where it lands."""
 
-    path: str
     weight_file: str
-    rank: int  # the largest of its projections' ranks
     # (layer, Target, A's key, B's key, scaling)
     pairs: tuple[tuple[int, Target, str, str, float], ...]
 
@@ -162,7 +168,7 @@ def check_adapter(path: str, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpe
         found.setdefault((layer, parent, name), {})[which] = key
     if not found:
         raise ValueError(f"{weight_file}: no LoRA weights in it")
-    pairs, used, top = [], set(), 0
+    pairs, used = [], set()
     for (layer, parent, name), keys in sorted(found.items()):
         if set(keys) != {"A", "B"}:
             missing = "lora_B" if "A" in keys else "lora_A"
@@ -190,8 +196,7 @@ def check_adapter(path: str, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpe
         alpha_module = _pattern_value(alpha_pattern, module, alpha)
         scaling = alpha_module / (math.sqrt(rank) if rslora else rank)
         pairs.append((layer, target, keys["A"], keys["B"], float(scaling)))
-        top = max(top, rank)
-    return AdapterSpec(path=path, weight_file=weight_file, rank=top, pairs=tuple(pairs))
+    return AdapterSpec(weight_file=weight_file, pairs=tuple(pairs))
 
 
 @dataclass(frozen=True, eq=False)

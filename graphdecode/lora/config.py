@@ -11,10 +11,9 @@ def lora_buffer_bytes(cfg, dtype, max_loras: int, max_rank: int) -> int:
     twice there)."""
     import torch
 
-    hidden, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-        cfg.intermediate_size
-    per_layer = sum(max_loras * groups * max_rank * (k + n) for groups, k, n in
-                    ((3, hidden, q + 2 * kv), (1, q, hidden), (2, hidden, 2 * inter), (1, inter, hidden)))
+    from .adapter import GROUPS, module_shapes
+
+    per_layer = sum(max_loras * GROUPS[module] * max_rank * (k + n) for module, (k, n) in module_shapes(cfg).items())
     return per_layer * cfg.decoder_layers * torch.empty(0, dtype=dtype).element_size()
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..models.loader import BLOCKED_DEVICES
-from .adapter import GROUPS, LoadedAdapter
+from .adapter import GROUPS, LoadedAdapter, module_shapes
 from .layers import LoRALinear, LoRAState
 
 
@@ -38,19 +38,14 @@ class LoRAModel:
         self.state = LoRAState(max_loras, max_rank, weight.dtype, weight.device)
         kernels = lora_kernels(weight.device, weight.dtype, batch_invariant)
         blocked = batch_invariant and weight.device.type in BLOCKED_DEVICES  # cuBLAS: one GEMM shape, as theirs
+        shapes = module_shapes(model.config)  # one rank holds them whole (no tensor parallelism with LoRA)
         self.linears: dict[tuple[int, str], LoRALinear] = {}
         for i, layer in enumerate(model.model.layers):
             for parent_name, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj"))):
                 parent = getattr(layer, parent_name)
                 for name in names:
-                    base = getattr(parent, name)
-                    if isinstance(base, nn.Linear):
-                        in_features, out_features = base.in_features, base.out_features
-                    elif base.weight.numel():
-                        out_features, in_features = base.weight.shape
-                    else:  # released to its CPU (or quantized) weight, which keeps the sizes
-                        in_features, out_features = base.packed.in_features, base.packed.out_features
-                    wrapped = LoRALinear(base, self.state, GROUPS[name], in_features, out_features, kernels, blocked)
+                    wrapped = LoRALinear(getattr(parent, name), self.state, GROUPS[name], *shapes[name], kernels,
+                                         blocked)
                     setattr(parent, name, wrapped)
                     self.linears[(i, name)] = wrapped
             layer.mlp.one_pass = None  # gate_up's one-pass SwiGLU would skip its update
@@ -59,7 +54,6 @@ class LoRAModel:
         else:
             model.cpu_decode = None  # ... which without LoRA panels would skip every update
         model.lora = self.state
-        self.loaded: dict[int, object] = {}  # slot -> the adapter's key
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +66,7 @@ class LoRAModel:
                     total += matmul.panels.panels.numel() * matmul.panels.panels.element_size()
         return total
 
-    def load(self, slot: int, adapter: LoadedAdapter, key) -> None:
+    def load(self, slot: int, adapter: LoadedAdapter) -> None:
         """Write the adapter into `slot` of every wrapped projection."""
         updates: dict[tuple[int, str], list] = {k: [] for k in self.linears}
         for layer, target, a, b in adapter.weights:
@@ -80,4 +74,3 @@ class LoRAModel:
         with torch.inference_mode():
             for k, linear in self.linears.items():
                 linear.load(slot, updates[k])
-        self.loaded[slot] = key
