@@ -155,6 +155,11 @@ def _host_memory() -> tuple[int, int]:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
+def _device_memory(device: torch.device) -> int:
+    """The device's memory in bytes: the GPU's, or the host's RAM."""
+    return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else _host_memory()[1]
+
+
 def _default_buckets(max_batch_size: int) -> tuple[int, ...]:
     """Powers of two below max_batch_size, then max_batch_size itself."""
     sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i < max_batch_size]
@@ -440,11 +445,14 @@ class EngineConfig:
         if cfg.linear is not None and self.enable_prefix_caching:
             snapshots = self.num_state_snapshots if self.num_state_snapshots is not None else max_batch_size
         states = state_cache_bytes(cfg, dtype, max_batch_size + snapshots, self.tensor_parallel_size)
-        if states:
-            memory = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else _host_memory()[1]
-            if states > memory:
-                raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
-                                 f"{states} bytes of recurrent states per rank exceed the device's {memory} bytes")
+        if states and states > _device_memory(device):
+            raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
+                             f"{states} bytes of recurrent states per rank exceed the device's "
+                             f"{_device_memory(device)} bytes")
+        lora_bytes = lora_buffer_bytes(cfg, dtype, self.max_loras, self.max_lora_rank) if self.enable_lora else 0
+        if lora_bytes > _device_memory(device):  # an absurd max_loras: refused here, not by the allocator
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}): {lora_bytes} "
+                             f"bytes of adapter slots exceed the device's {_device_memory(device)} bytes")
         stage_layers = None  # a pipeline stage's KV layers: the most any stage holds
         if self.pipeline_parallel_size > 1:
             stage_layers = max(map(len, partition_layers(cfg.decoder_layers, self.pipeline_parallel_size, partition)))
@@ -661,8 +669,7 @@ class EngineConfig:
             return pages, f"{source}, {pages} pages of {per_page} bytes{held},"
         fraction = self.gpu_memory_utilization or GPU_MEMORY_FRACTION
         weights = model_weight_bytes(cfg, dtype) + (model_weight_bytes(draft, dtype) * tp if draft is not None else 0)
-        if self.enable_lora:  # every slot's A and B, beside the weights
-            weights += lora_buffer_bytes(cfg, dtype, self.max_loras, self.max_lora_rank)
+        weights += lora_buffer_bytes(cfg, dtype, self.max_loras, self.max_lora_rank) if self.enable_lora else 0
         if device.type == "cpu":
             # the ranks are processes sharing the host's RAM; the weights counted twice (a bound: fp32 linears keep
             # panels and a packed copy in place of the parameter, a tied head a packed copy, docs/cpu.md)

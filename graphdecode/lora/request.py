@@ -20,8 +20,9 @@ class LoRARequest:
     def __post_init__(self):
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"lora_request.lora_name must be a non-empty string, got {self.lora_name!r:.200}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_request.lora_int_id must be an integer >= 1, got {self.lora_int_id!r:.200}")
+        if (isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int)
+                or not 1 <= self.lora_int_id < 1 << 63):  # KV-cache events carry it as an int64 (vLLM's lora_id)
+            raise ValueError(f"lora_request.lora_int_id must be an integer in [1, 2**63), got {self.lora_int_id!r:.200}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_request.lora_path must be the adapter's directory, got {self.lora_path!r:.200}")
 

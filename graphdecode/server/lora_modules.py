@@ -77,8 +77,8 @@ class LoRAModules:
         try:
             lora = LoRARequest(name, self._next_id, path, base_model_name)
             self.engine.inputs.loras.check(lora)
-        except (ValueError, TypeError) as e:
-            raise APIError(str(e), param="lora_path") from None
+        except (ValueError, TypeError) as e:  # the name's own check, else the adapter's files
+            raise APIError(str(e), param="lora_name" if ".lora_name " in str(e) else "lora_path") from None
         self._next_id += 1
         self.by_name[name] = lora
         return lora

@@ -214,8 +214,9 @@ def test_bad_adapters_are_errors_naming_the_field(llm, adapters, tmp_path):
         llm.generate(token_prompts(PROMPTS[:1]), GREEDY, lora_request="every")
     with pytest.raises(ValueError, match="lora_request: 1 given for 2 prompts"):
         llm.generate(token_prompts(PROMPTS[:2]), GREEDY, lora_request=[every])
-    with pytest.raises(ValueError, match="lora_request.lora_int_id must be an integer >= 1"):
-        LoRARequest("x", 0, every.lora_path)
+    for bad in (0, -1, 2**63, 2**64 + 1, float("nan"), True):
+        with pytest.raises(ValueError, match=r"lora_request.lora_int_id must be an integer in \[1, 2\*\*63\)"):
+            LoRARequest("x", bad, every.lora_path)
 
 
 def test_an_engine_without_lora_refuses_an_adapter(tiny_models, adapters):
@@ -230,6 +231,9 @@ def test_an_engine_without_lora_refuses_an_adapter(tiny_models, adapters):
     ({"max_loras": 0}, "max_loras must be an integer >= 1"),
     ({"max_lora_rank": 1024}, "max_lora_rank must be <= 512"),
     ({"max_cpu_loras": 1, "max_loras": 2}, "max_cpu_loras must be an integer >= max_loras (2)"),
+    ({"max_loras": 2**32 + 1}, "max_loras (4294967297) and max_lora_rank (16): "),
+    ({"max_loras": -1}, "max_loras must be an integer >= 1"),
+    ({"max_lora_rank": float("nan")}, "max_lora_rank must be an integer >= 1"),
 ])
 def test_lora_configurations_refused_by_name(tiny_models, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -82,6 +82,11 @@ def test_adapters_load_and_unload_at_run_time(client, http, adapters, text_model
     root = str(http.base_url).rstrip("/")
     bad = http.post(f"{root}/load_lora_adapter", json={"lora_name": "broken", "lora_path": "/nonexistent"})
     assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "lora_path"
+    empty = http.post(f"{root}/load_lora_adapter", json={"lora_name": "", "lora_path": adapters["late"]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "lora_name"
+    typed = http.post(f"{root}/load_lora_adapter", json={"lora_name": 2**64 + 1, "lora_path": adapters["late"]})
+    assert typed.status_code == 400 and typed.json()["error"]["param"] == "lora_name"
     taken = http.post(f"{root}/load_lora_adapter", json={"lora_name": "sql", "lora_path": adapters["late"]})
     assert taken.status_code == 400 and "'sql' is already served" in taken.json()["error"]["message"]
     loaded = http.post(f"{root}/load_lora_adapter", json={"lora_name": "late", "lora_path": adapters["late"]})
