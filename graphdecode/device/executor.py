@@ -3,6 +3,7 @@
     pending = executor.execute(plan)   stage rows, prefill, launch the window, start the copy out
     result  = pending.result()         the window's outputs on the host (the one wait)
     executor.stats()                   the device side's counters
+    executor.update_weights(weights)   new weights, in place, between windows
     executor.close()                   stop whatever the executor started
 
 `LocalExecutor` runs one model runner in this process. `TensorParallelExecutor` owns every rank:
@@ -29,6 +30,10 @@ class LocalExecutor:
 
     def stats(self) -> dict:
         return self.runner.stats()
+
+    def update_weights(self, weights) -> tuple[int, list[str]]:
+        """New weights in place (ModelRunner.update_weights); a tensor-parallel model refuses them by name."""
+        return self.runner.update_weights(weights)
 
     def close(self) -> None:
         """Nothing to stop in one process."""

@@ -26,6 +26,7 @@ from ..models.cpu_linear import packed_bytes
 from ..models.loader import load_model
 from ..models.moe import moe_stats
 from ..models.parallel import TPGroup, local_kv_heads
+from ..models.weight_update import WeightWriter
 from ..plan import PrefillChunk, StepPlan
 from ..ranges import annotate
 from .advance_step import use_cuda_kernel
@@ -193,6 +194,17 @@ class ModelRunner:
         }
         out.update(moe_stats(self.model))
         return out
+
+    def update_weights(self, weights) -> tuple[int, list[str]]:
+        """New values for the model's weights, in place (models/weight_update.py): every tensor checked before any
+        is written; (tensors written, names skipped). Only between windows: the engine drains them first."""
+        writer = WeightWriter(self.model)
+        targets, skipped = writer.check(weights)
+        with torch.inference_mode():
+            writer.write(targets)
+        if self.device.type == "cuda":  # the next window, on whatever stream, reads only finished writes
+            torch.cuda.synchronize(self.device)
+        return len(targets), skipped
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""

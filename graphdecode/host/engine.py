@@ -33,6 +33,7 @@ from .scheduler import Scheduler
 from .sequence import Request, Sequence
 from .spec_policy import SpecPolicy, any_sampled
 from .structured_store import StructuredStore
+from .weight_updates import WeightUpdate, check_version
 
 logger = logging.getLogger("graphdecode")
 
@@ -112,6 +113,8 @@ class Engine:
         self._aborted: list[Sequence] = []  # ended by abort_request, reported by the next step
         self._arrivals = itertools.count()
         self._stats = EngineStats()
+        self.weights = WeightUpdate("0", 0)  # the latest weight update (a fresh engine's weights: version "0")
+        self._weight_updates = 0
         self.kv_events = None  # KV-cache events for routers (kv_events_config), published after each step
         if config.kv_events_config is not None:
             from .kv_events import KVEventPublisher
@@ -196,6 +199,30 @@ class Engine:
         if self.kv_events is not None:
             self.kv_events.publish(self.pool.take_events())
         return True
+
+    def update_weights(self, weights, weight_version: str | None = None) -> WeightUpdate:
+        """New values for the model's weights (reinforcement learning between rollouts; docs/weight_updates.md):
+        `weights` pairs of checkpoint name and tensor (a trainer's named_parameters(), state_dict().items()) or a
+        mapping, any subset of the weights. Every tensor is checked before any is written (ValueError naming it;
+        the weights then stay as they were). Written in place, so graphs stay captured; the prefix cache is
+        forgotten (its pages hold the old weights' K/V). Only between requests, as reset_prefix_cache: with a
+        request unfinished it raises RuntimeError (AsyncLLM and the server wait for them). `weight_version`
+        names the new weights (default: the count of updates, "1", "2", ...)."""
+        version = check_version(weight_version)
+        if self.requests:
+            raise RuntimeError(f"update_weights: {len(self.requests)} request(s) are unfinished; update the "
+                               f"weights between requests (AsyncLLM and the server wait for running ones)")
+        while self.has_unfinished():  # a window still in flight for finished or aborted requests
+            self.step()
+        updated, skipped = self.executor.update_weights(weights)
+        self.pool.reset_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.pool.take_events())
+        self._weight_updates += 1
+        self.weights = WeightUpdate(version or str(self._weight_updates), updated, tuple(skipped))
+        logger.info("graphdecode: weights updated to version %s (%d tensors, %d skipped)", self.weights.weight_version,
+                    updated, len(skipped))
+        return self.weights
 
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not yet finished (vLLM's LLMEngine method)."""
@@ -353,6 +380,7 @@ class Engine:
             "spec_draft_tokens": s.spec_draft_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_accepted_per_position": tuple(s.spec_accepted_per_position),
+            "weight_version": self.weights.weight_version,
             **self._state_load(),
             **self._lora_load(),
         }
@@ -397,6 +425,8 @@ class Engine:
         out["kv_pages_total"] = self.pool.num_pages - 1  # the scratch page aside
         out["kv_pages_free"] = self.pool.num_free  # an allocation could take them now (cached ones included)
         out["cpu_threads"] = torch.get_num_threads()  # in effect in the engine's process now
+        out["weight_version"] = self.weights.weight_version
+        out["weight_updates"] = self._weight_updates
         out.update(self._state_load())
         states = self.scheduler.states
         out["state_snapshots_taken"] = states.num_snapshots_taken if states is not None else 0

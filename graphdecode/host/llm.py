@@ -22,6 +22,7 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import Engine
 from .output_builder import DeltaQueue, final_output
 from .sequence import Request
+from .weight_updates import WeightUpdate, check_version, checkpoint_tensors
 
 
 @contextlib.contextmanager
@@ -209,6 +210,25 @@ class LLM:
         """Forget every cached prompt page (vLLM's), e.g. between benchmark runs so each starts cold; False,
         doing nothing, while a request (a stream still open) holds pages."""
         return self.engine.reset_prefix_cache()
+
+    def update_weights(self, weights, weight_version: str | None = None) -> WeightUpdate:
+        """New values for the model's weights, in place, between generate calls (reinforcement learning: the
+        policy after a training step; docs/weight_updates.md). `weights`: (name, tensor) pairs with the
+        checkpoint's names, e.g. a trainer model's `named_parameters()`, or a mapping (`state_dict()`); any
+        subset. Checked whole before anything is written (ValueError naming a tensor). The prefix cache is
+        forgotten. RuntimeError while a stream is still open."""
+        return self.engine.update_weights(weights, weight_version)
+
+    def update_weights_from_disk(self, model_path, weight_version: str | None = None) -> WeightUpdate:
+        """update_weights with every tensor of a checkpoint directory of the same architecture (a trainer's
+        save_pretrained), read into host memory first."""
+        version = check_version(weight_version)
+        return self.engine.update_weights(checkpoint_tensors(model_path), version)
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the engine runs: "0" as loaded, then each update's."""
+        return self.engine.weights.weight_version
 
     def close(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); also at exit and on `with`."""

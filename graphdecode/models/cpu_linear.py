@@ -137,6 +137,34 @@ class PanelWeight(PackedWeight):
         rows = panel_rows(self.panels, index.reshape(-1), self.in_features)
         return rows.view(*index.shape, self.in_features)
 
+    def write_rows(self, start: int, rows: torch.Tensor) -> None:
+        """W[start : start + n] = rows ([n, K]), into the panels in place (their pointers stay: the decode layers'
+        tables and compiled windows keep reading them); a new weight's rows (models/weight_update.py). The
+        oneDNN copy, if any, is behind them until `repack`."""
+        rows = rows.to(device=self.panels.device, dtype=self.panels.dtype)
+        n, k = rows.shape
+        if k != self.in_features or not 0 <= start <= start + n <= self.out_features:
+            raise ValueError(f"weights: rows [{start}, {start + n}) x {k} do not fit a [{self.out_features}, "
+                             f"{self.in_features}] weight")
+        if self.pairs:  # [P, K2, 64, 2]: K zero-padded to the pairs' rows, each pair of columns side by side
+            rows = torch.nn.functional.pad(rows, (0, 2 * self.panels.shape[1] - k))
+        r = start
+        while r < start + n:
+            panel, column = divmod(r, PANEL)
+            take = min(PANEL - column, start + n - r)
+            block = rows[r - start: r - start + take]  # [take, K]
+            if self.pairs:
+                self.panels[panel, :, column: column + take] = block.view(take, -1, 2).transpose(0, 1)
+            else:
+                self.panels[panel, :, column: column + take] = block.T
+            r += take
+
+    def repack(self) -> None:
+        """oneDNN's blocked copy made again from the panels (after write_rows)."""
+        if self.packed is not None:
+            dense = self.weight_rows(torch.arange(self.out_features, device=self.panels.device))
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(dense)
+
     @property
     def extra_bytes(self) -> int:
         return super().extra_bytes + self.panels.numel() * self.panels.element_size()

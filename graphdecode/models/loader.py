@@ -112,6 +112,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
             setattr(module, name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad))
     model = model.to_empty(device=device)  # in place: `modules` still names its modules
     params = dict(model.named_parameters())
+    # each parameter's shape as loaded, before the CPU layouts release some (weight_update.py checks against it)
+    model.checkpoint_shapes = {name: tuple(param.shape) for name, param in params.items()}
     files = {entry.key: path for path, entries in plan for entry in entries}
     pending: dict[str, dict[str | None, QuantizedTensor]] = {}  # quantized linear -> its shards
     progress = _progress(model_dir, plan, tp)
@@ -191,13 +193,6 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
     """Check every tensor header against `model` (on the meta device): [(file, entries)]."""
     cls = type(model)
     packed = cls.packed_modules
-    tied = model.config.tie_word_embeddings
-    extras = getattr(cls, "checkpoint_extras", ())  # tensors the class reads itself (an EAGLE-3 head's id maps)
-    # name prefixes of parts it does not run (a vision tower; the MTP layers after GLM-4.5's decoder; another
-    # pipeline stage's layers), as the checkpoint or this engine names them, asked of the model: they may follow
-    # its config
-    skipped = getattr(model, "checkpoint_skipped", ())
-    kept = getattr(model, "checkpoint_only", None)  # the one name prefix it reads, where it reads no other
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     files = checkpoint_files(model_dir)
@@ -211,9 +206,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
         entries = []
         with _open(path) as f:
             for key in f.keys():
-                if (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and tied) or key in extras
-                        or key.startswith(skipped) or _renamed(key, cls).startswith(skipped)
-                        or (kept is not None and not key.startswith(kept))):
+                if skipped_key(key, model):
                     continue
                 kv_scale = _kv_scale_entry(path, f, key, cls, modules)
                 if kv_scale is not None:
@@ -298,6 +291,19 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                         "\"tie_word_embeddings\": true)") if key == "lm_head.weight" else ""
                 raise ValueError(f"{where}: tensor {key!r} is missing from the checkpoint{hint}")
     return plan
+
+
+def skipped_key(key: str, model) -> bool:
+    """A checkpoint tensor the model does not read: rotary tables, a tied head's copy, tensors the class reads
+    itself (an EAGLE-3 head's id maps), and the parts it does not run (a vision tower; the MTP layers after
+    GLM-4.5's decoder; another pipeline stage's layers), as the checkpoint or this engine names them, asked of the
+    model (they may follow its config), or outside the one prefix it reads (`checkpoint_only`)."""
+    cls = type(model)
+    skipped = getattr(model, "checkpoint_skipped", ())
+    kept = getattr(model, "checkpoint_only", None)
+    return (key.endswith(_IGNORED_SUFFIXES) or (key == "lm_head.weight" and model.config.tie_word_embeddings)
+            or key in getattr(cls, "checkpoint_extras", ()) or key.startswith(skipped)
+            or _renamed(key, cls).startswith(skipped) or (kept is not None and not key.startswith(kept)))
 
 
 def _quant_part(path: str, f, key: str, quant: QuantConfig, found: dict, cls, modules: dict) -> bool:
@@ -498,7 +504,11 @@ def _read(f, key: str, spec: ShardSpec | None, offset: int = 0, fused: bool = Fa
         return f.get_tensor(key)
     stop = min(spec.stop, spec.full)
     index = (slice(None),) * spec.dim + (slice(offset + spec.start, offset + max(stop, spec.start)),)
-    part = f.get_slice(key)[index]
+    return pad_part(f.get_slice(key)[index], spec)
+
+
+def pad_part(part: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """A rank's part of a tensor, zero-padded along spec.dim to its rows (a vocabulary past its end)."""
     missing = spec.stop - spec.start - part.shape[spec.dim]
     if missing > 0:
         pad = list(part.shape)

@@ -1,0 +1,217 @@
+"""New weights for a loaded model, in place: the tensors an RL trainer sends between rollouts.
+
+    writer = WeightWriter(model)            # refuses a model whose weights it cannot rewrite, by name
+    targets = writer.check(named_tensors)   # every tensor checked before any is written (ValueError naming it)
+    writer.write(targets)                   # each into the memory the forward reads
+
+Names are the checkpoint's (HuggingFace's: `model.layers.0.self_attn.q_proj.weight`, what a trainer's
+`named_parameters()` or `state_dict()` gives), matched as the loader matches them (loader.py): q/k/v and
+gate/up into their fused projection's rows, a fused checkpoint's `qkv_proj` into all of its shards, renames
+(Mixtral's, the multimodal checkpoints' `language_model.`), and the tensors the engine never runs (a vision
+tower, MTP layers, a tied `lm_head.weight`) skipped as at load, counted in `skipped`. Any subset of the
+weights may come; the rest keep their values.
+
+Every write lands in the memory the model already reads, so nothing the engine built at load is rebuilt:
+CUDA graphs and compiled windows keep their pointers, the CPU's one-call decode layers their tables. A
+projection on the CPU panels (cpu_linear.PanelWeight) takes its rows straight into the panels (a tied
+embedding's lookups read the head's panels, so both change); where the variant engine also keeps oneDNN's
+blocked copy, that copy is made again from the panels once all tensors are in. A weight the variant engine
+holds only in oneDNN's layout (bf16 projections of a small model, batch_invariant=False) is laid out again
+from its new rows, so all of them must come (q, k and v together). A dense parameter (GPU, the fp32
+column-major CPU weights, an embedding) is copied into, in its own layout.
+
+Refused by name (`WeightWriter` raises ValueError): quantized linears (their packed blocks), MoE experts
+(their expert layouts), layers that derive buffers from their weights at load (MLA's W_UK / W_UV, the
+recurrent layers' reordered projections), tensor and pipeline parallelism (a rank holds a part of each
+tensor), and LoRA engines (the base projections are wrapped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import loader
+from .cpu_linear import CpuWeight, PackedWeight, PanelWeight
+from .parallel import ShardSpec
+
+
+@dataclass(frozen=True)
+class Target:
+    """One checked tensor: where its rows go."""
+
+    key: str  # the name it came with
+    tensor: torch.Tensor  # its rows for this model (a fused checkpoint tensor: one shard's), on its own device
+    name: str  # the parameter it fills
+    offset: int  # its first row in that parameter
+
+
+class WeightWriter:
+    def __init__(self, model: nn.Module):
+        reason = refusal(model)
+        if reason is not None:
+            raise ValueError(f"weights: {reason}")
+        self.model = model
+        self.cls = type(model)
+        self.modules = dict(model.named_modules())
+        self.shapes: dict[str, tuple[int, ...]] = model.checkpoint_shapes
+        self.dtype = model.anchor().dtype
+
+    # ------------------------------------------------------------------ check
+    def check(self, weights) -> tuple[list[Target], list[str]]:
+        """(targets, skipped keys) for `weights` (pairs of name and tensor, or a mapping): every name placed,
+        every shape, dtype and value checked, before anything is written (ValueError naming the tensor)."""
+        pairs = weights.items() if isinstance(weights, dict) else weights
+        targets: list[Target] = []
+        skipped: list[str] = []
+        seen: dict[tuple[str, str | None], str] = {}
+        for item in pairs:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise TypeError(f"weights: each item must be a (name, tensor) pair, got {type(item).__name__}")
+            key, tensor = item
+            if not isinstance(key, str):
+                raise TypeError(f"weights: a tensor's name must be a str, got {type(key).__name__}")
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weights: {key!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if loader.skipped_key(key, self.model):
+                skipped.append(key)
+                continue
+            for target, shard in self._place(key, tensor):
+                if (target.name, shard) in seen:
+                    raise ValueError(f"weights: {key!r} fills the same rows as {seen[target.name, shard]!r}")
+                seen[target.name, shard] = key
+                targets.append(target)
+        self._check_whole(targets)
+        return targets, skipped
+
+    def _place(self, key: str, tensor: torch.Tensor) -> list[tuple[Target, str | None]]:
+        cls, modules = self.cls, self.modules
+        ours = loader._renamed(key, cls)
+        fused = loader._fused_shards(ours, cls, modules)
+        name, shard = (ours, None) if fused is not None else loader._target(ours, cls.packed_modules)
+        if name not in self.shapes:
+            raise ValueError(f"weights: {key!r} has no place in {cls.__name__} (its parameters are named as in "
+                             f"the checkpoint: model.layers.N.self_attn.q_proj.weight, ...)")
+        if not tensor.is_floating_point():
+            raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
+        shape = tuple(self.shapes[name])
+        if fused is not None:
+            shards, rows = fused
+            expected = (rows, *shape[1:])
+        else:
+            shards = [(shard, 0)]
+            expected = self._expected(name, shard, shape)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"weights: {key!r} holds NaN or infinite values")
+        owner = modules[loader._owner(name)]
+        out = []
+        for shard, first in shards:
+            spec = loader._spec(modules, name, shard)
+            part = _part(tensor, spec, first, fused is not None)
+            offset = owner.shard_offsets[shard][0] if shard is not None else 0
+            out.append((Target(key, part, name, offset), shard))
+        return out
+
+    def _expected(self, name: str, shard: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+        spec = loader._spec(self.modules, name, shard)
+        expected = list(shape)
+        if shard is not None:
+            expected[0] = self.modules[loader._owner(name)].shard_offsets[shard][1]
+        if spec is not None:
+            expected[spec.dim] = spec.full
+        return tuple(expected)
+
+    # ------------------------------------------------------------------ write
+    def write(self, targets: list[Target]) -> None:
+        """Each tensor into the memory the forward reads (see the module docstring); then the copies made from
+        what was written (oneDNN's blocked layouts)."""
+        rebuilt: dict[int, tuple[PackedWeight, torch.Tensor]] = {}  # oneDNN-only weights: their new dense rows
+        stale: dict[int, PackedWeight] = {}  # panels or a tied embedding whose oneDNN copy is behind them
+        for target in targets:
+            owner_name, leaf = target.name.rsplit(".", 1)
+            owner = self.modules[owner_name]
+            param, rows = getattr(owner, leaf), target.tensor
+            cpu = self._cpu_weight(owner, leaf)
+            if isinstance(cpu, PanelWeight):
+                cpu.write_rows(target.offset, rows)
+            elif isinstance(cpu, PackedWeight) and not param.numel():  # only oneDNN's copy: rebuilt whole
+                dense = rebuilt.setdefault(id(cpu), (cpu, torch.empty(cpu.out_features, cpu.in_features,
+                                                                      dtype=self.dtype)))[1]
+                dense[target.offset: target.offset + rows.shape[0]].copy_(rows)
+            if param.numel():  # a dense parameter the forward reads (a tied embedding's rows, a blocked GPU weight)
+                param.data[target.offset: target.offset + rows.shape[0]].copy_(rows)
+            if isinstance(cpu, PackedWeight) and cpu.packed is not None and id(cpu) not in rebuilt:
+                stale[id(cpu)] = cpu
+        for cpu, dense in rebuilt.values():
+            cpu.packed = torch.ops.mkldnn._reorder_linear_weight(dense)
+        for cpu in stale.values():
+            if isinstance(cpu, PanelWeight):
+                cpu.repack()
+            else:  # a tied head packed from the embedding, which keeps its rows for the lookups
+                cpu.packed = torch.ops.mkldnn._reorder_linear_weight(self.model.model.embed_tokens.weight.detach())
+
+    def _cpu_weight(self, owner: nn.Module, leaf: str) -> CpuWeight | None:
+        """The CPU layout that holds this weight instead of (or besides) its parameter, if any."""
+        if leaf != "weight":
+            return None
+        model = self.model
+        head = model.model.embed_tokens if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
+        return model.packed_head if owner is head else getattr(owner, "packed", None)
+
+    def _check_whole(self, targets: list[Target]) -> None:
+        """A weight held only in oneDNN's blocked layout is laid out again whole: every row must come (all of q, k
+        and v; gate and up)."""
+        rows: dict[str, int] = {}
+        first: dict[str, str] = {}
+        for target in targets:
+            owner_name, leaf = target.name.rsplit(".", 1)
+            owner = self.modules[owner_name]
+            cpu = self._cpu_weight(owner, leaf)
+            if isinstance(cpu, PackedWeight) and not isinstance(cpu, PanelWeight) and not getattr(owner, leaf).numel():
+                rows[target.name] = rows.get(target.name, 0) + target.tensor.shape[0]
+                first.setdefault(target.name, target.key)
+        for name, count in rows.items():
+            full = self.shapes[name][0]
+            if count != full:
+                raise ValueError(f"weights: {first[name]!r} gives {count} of {name}'s {full} rows, which this engine "
+                                 f"holds only in oneDNN's blocked layout (bf16, batch_invariant=False) and lays out "
+                                 f"again whole: send every tensor it fuses (q, k and v; gate and up)")
+
+
+def refusal(model: nn.Module) -> str | None:
+    """Why this model's weights cannot be rewritten in place, or None (see the module docstring)."""
+    if model.tp.size > 1 or model.tp.stage.size > 1:
+        return ("updating weights with tensor or pipeline parallelism is not supported (each rank holds a part of "
+                "every tensor); use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    if getattr(model, "lora", None) is not None:
+        return ("updating the base weights of a LoRA engine is not supported; merge the adapter into the weights "
+                "(PEFT's merge_and_unload) and update an engine without enable_lora")
+    if getattr(model, "moe_layers", None):
+        return f"updating an MoE model's experts ({type(model).__name__}) is not supported"
+    for name, module in model.named_modules():
+        if module is not model and hasattr(module, "post_load"):
+            return (f"{type(module).__name__} ({name}) derives buffers from its weights at load (MLA, recurrent "
+                    f"layers); updating them in place is not supported")
+        packed = getattr(module, "packed", None)
+        if packed is not None and not isinstance(packed, CpuWeight):
+            return f"{name} is quantized; updating quantized weights is not supported"
+    head = getattr(model, "packed_head", None)
+    if head is not None and not isinstance(head, CpuWeight):
+        return "the LM head is quantized; updating quantized weights is not supported"
+    if not hasattr(model, "checkpoint_shapes"):
+        return f"{type(model).__name__} was not built by the checkpoint loader"
+    return None
+
+
+def _part(tensor: torch.Tensor, spec: ShardSpec | None, first: int, fused: bool) -> torch.Tensor:
+    """A checkpoint tensor's part this model holds (loader._read's slice, of a tensor in memory): a fused
+    checkpoint tensor's shard from row `first`, the vocabulary zero-padded to the spec."""
+    if spec is None or (not fused and spec.start == 0 and spec.stop == spec.full):
+        return tensor
+    stop = min(spec.stop, spec.full)
+    index = (slice(None),) * spec.dim + (slice(first + spec.start, first + max(stop, spec.start)),)
+    return loader.pad_part(tensor[index], spec)
