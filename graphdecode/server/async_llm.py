@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import multiprocessing
+import os
 import queue
 import signal
 import subprocess
@@ -48,6 +49,7 @@ from ..engine_args import engine_kwargs
 from ..host.engine import load_tokenizer
 from ..host.inputs import InputProcessor
 from ..host.scheduler import group_pages
+from ..host.weight_updates import WeightUpdate, check_version
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -257,6 +259,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
+        self._update_waiters: dict[str, asyncio.Future] = {}  # weight updates by token, answered by the core
         self._reader = threading.Thread(target=_read_outputs, args=(self._outputs, weakref.ref(self)),
                                         name="graphdecode-outputs", daemon=True)
         self._reader.start()
@@ -309,6 +312,40 @@ class AsyncLLM:
         self._stats_waiters.append(future)
         self._send(("stats",))
         return await future
+
+    async def update_weights(self, weights, weight_version: str | None = None,
+                             abort_all_requests: bool = False) -> WeightUpdate:
+        """New weights for the core's model (reinforcement learning between rollouts; docs/weight_updates.md):
+        (name, tensor) pairs or a mapping, sent down the pipe. The core waits for the running requests to finish
+        (or aborts them: `abort_all_requests`), holding new ones until the weights are in, so every request's
+        tokens come from one version. ValueError / TypeError: refused before anything was written."""
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        return await self._update(("tensors", pairs), weight_version, abort_all_requests)
+
+    async def update_weights_from_disk(self, model_path, weight_version: str | None = None,
+                                       abort_all_requests: bool = False) -> WeightUpdate:
+        """update_weights with every tensor of a checkpoint directory, read by the core (its machine's path)."""
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise TypeError(f"model_path: must be a path, got {type(model_path).__name__}")
+        return await self._update(("disk", os.fspath(model_path)), weight_version, abort_all_requests)
+
+    async def get_weight_version(self) -> str:
+        """The version of the weights the core runs (asked of it)."""
+        return (await self.stats())["weight_version"]
+
+    async def _update(self, source: tuple, weight_version, abort_all_requests: bool) -> WeightUpdate:
+        version = check_version(weight_version)
+        if not isinstance(abort_all_requests, bool):
+            raise TypeError(f"abort_all_requests: must be a bool, got {type(abort_all_requests).__name__}")
+        self._start_reader()
+        token = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._update_waiters[token] = future
+        try:
+            self._send(("update_weights", token, source, version, abort_all_requests))
+            return await future
+        finally:
+            self._update_waiters.pop(token, None)
 
     @property
     def num_unfinished(self) -> int:
@@ -406,13 +443,22 @@ class AsyncLLM:
             for future in waiters:
                 if not future.done():
                     future.set_result(message[1])
+        elif kind == "weights_updated":
+            _, token, result, error = message
+            future = self._update_waiters.get(token)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(WeightUpdate(result["weight_version"], result["updated"],
+                                                   tuple(result["skipped"])))
+                else:
+                    future.set_exception(ValueError(error))
         elif kind == "failed":
             if self._closed:
                 return
             self.dead = message[1]
             for queue in self._queues.values():
                 queue.put_nowait(EngineDeadError(self.dead))
-            for future in self._stats_waiters:
+            for future in [*self._stats_waiters, *self._update_waiters.values()]:
                 if not future.done():
                     future.set_exception(EngineDeadError(self.dead))
 

@@ -10,11 +10,12 @@ replicas': a replica whose core dies is named (`replica 1: ...`) and, as with on
 so that its supervisor restarts it, and the requests it held end with an error.
 
 `DataParallelLLM` offers the part of AsyncLLM's interface the server uses (config, tokenizer, inputs, generate,
-abort, stats, is_dead, heartbeat_age, death_cause, reported, shutdown), so the app is the same either way.
+abort, stats, the weight updates, is_dead, heartbeat_age, death_cause, reported, shutdown), so the app is the same either way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import uuid
@@ -85,6 +86,21 @@ class DataParallelLLM:
         total = {key: sum(s[key] for s in each) for key, value in each[0].items()
                  if isinstance(value, (int, float)) and not isinstance(value, bool)}
         return {**total, "replicas": each}
+
+    async def update_weights(self, weights, weight_version: str | None = None, abort_all_requests: bool = False):
+        """Every replica's weights (AsyncLLM.update_weights), at once; the first replica's WeightUpdate."""
+        weights = list(weights.items() if isinstance(weights, dict) else weights)
+        return (await asyncio.gather(*[replica.update_weights(weights, weight_version, abort_all_requests)
+                                       for replica in self.replicas]))[0]
+
+    async def update_weights_from_disk(self, model_path, weight_version: str | None = None,
+                                       abort_all_requests: bool = False):
+        return (await asyncio.gather(*[replica.update_weights_from_disk(model_path, weight_version,
+                                                                        abort_all_requests)
+                                       for replica in self.replicas]))[0]
+
+    async def get_weight_version(self) -> str:
+        return await self.replicas[0].get_weight_version()
 
     @property
     def num_unfinished(self) -> int:

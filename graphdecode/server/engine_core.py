@@ -43,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from ..host.gc_heap import freeze_startup_heap
 from ..host.output_builder import DeltaQueue
 from .args import HEARTBEAT_INTERVAL_S
+from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class _Clients:
         self.outputs = [_Outputs(outputs) for _, outputs in pipes]
         self.live = set(range(len(pipes)))  # clients not shut down or gone
         self.owner: dict[str, int] = {}  # running request id -> its client
+        self.weights = WeightSync()  # weight updates waiting for the running requests to finish
 
     def waiting(self, timeout: float | None) -> list[int]:
         """The live clients with messages (or a closed pipe) waiting, after up to `timeout` s."""
@@ -179,7 +181,11 @@ def _handle(engine, message: tuple, clients: _Clients, client: int) -> bool:
     outputs = clients.outputs[client]
     if kind == "shutdown":
         return False
-    if kind == "add":
+    if clients.weights.holds(client, message):  # a weight update waits for the running requests: so do new ones
+        return True
+    if kind == "update_weights":
+        clients.weights.ask(engine, client, message)
+    elif kind == "add":
         request_id = message[1]
         if request_id in clients.owner:  # another API server's request of the same id is running
             outputs.send(("rejected", request_id, f"request_id: {request_id!r} is already in use"))
@@ -230,6 +236,9 @@ def run_engine_core(pipes: list[tuple[Connection, Connection]], model: str, engi
     step_tokens = StepTokens()
     try:
         while clients.live:
+            for client, message in clients.weights.apply_ready(engine, clients.outputs):
+                if client in clients.live and not _handle(engine, message, clients, client):
+                    clients.leave(engine, client)
             _read(engine, clients, None if not engine.has_unfinished() else 0)
             if engine.has_unfinished():
                 heartbeat.step_started = time.monotonic()

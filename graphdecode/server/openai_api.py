@@ -90,6 +90,7 @@ from .responses_protocol import ResponseStore
 from .serving import ClientGone, OpenAIServer
 from .stat_logger import StatLogger
 from .tokenize import detokenize, tokenize
+from .weight_api import add_weight_routes
 
 __all__ = ["DEFAULT_MODEL_NAME", "DrainingServer", "OpenAIServer", "build_app", "main", "serve", "serve_checked"]
 
@@ -266,6 +267,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | list[str], metrics_pref
             body = await server.parse(request, UnloadLoRAAdapterRequest)
             server.loras.remove(body.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    add_weight_routes(app, server, engine)  # with VLLM_SERVER_DEV_MODE=1
 
     @app.get("/load")
     async def load():
