@@ -35,6 +35,7 @@ import asyncio
 import functools
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -43,6 +44,8 @@ import threading
 import time
 import uuid
 import weakref
+
+import torch
 
 from ..config import EngineConfig
 from ..engine_args import engine_kwargs
@@ -319,8 +322,16 @@ class AsyncLLM:
         (name, tensor) pairs or a mapping, sent down the pipe. The core waits for the running requests to finish
         (or aborts them: `abort_all_requests`), holding new ones until the weights are in, so every request's
         tokens come from one version. ValueError / TypeError: refused before anything was written."""
-        pairs = list(weights.items() if isinstance(weights, dict) else weights)
-        return await self._update(("tensors", pairs), weight_version, abort_all_requests)
+        pairs = []
+        for item in weights.items() if isinstance(weights, dict) else weights:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                raise TypeError(f"weights: each item must be a (name, torch.Tensor) pair, got {item!r:.80}")
+            pairs.append((item[0], item[1].detach().cpu()))
+        # pickled here, by value: the pipe's pickler would hand tensors over as shared-memory handles, which only a
+        # multiprocessing child (not the core, a process of its own) may open
+        return await self._update(("pickled", pickle.dumps(pairs, protocol=pickle.HIGHEST_PROTOCOL)), weight_version,
+                                  abort_all_requests)
 
     async def update_weights_from_disk(self, model_path, weight_version: str | None = None,
                                        abort_all_requests: bool = False) -> WeightUpdate:

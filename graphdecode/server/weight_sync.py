@@ -12,6 +12,7 @@ weights it had).
 from __future__ import annotations
 
 import logging
+import pickle
 from collections import deque
 
 from ..host.weight_updates import checkpoint_tensors
@@ -53,8 +54,8 @@ class WeightSync:
         while self.pending:
             client, (_, token, source, version, _) = self.pending.popleft()
             try:
-                kind, value = source
-                weights = checkpoint_tensors(value) if kind == "disk" else value
+                kind, value = source  # ("disk", path) or ("pickled", the pairs pickled by value)
+                weights = checkpoint_tensors(value) if kind == "disk" else pickle.loads(value)
                 result, error = engine.update_weights(weights, version).as_dict(), None
             except (ValueError, TypeError, RuntimeError) as exc:  # refused before any write: the weights stand
                 result, error = None, str(exc)

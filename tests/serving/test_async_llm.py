@@ -188,3 +188,32 @@ def test_truncate_prompt_tokens_runs_the_last_tokens(engine, text_model):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
             SamplingParams(truncate_prompt_tokens=bad)
     llm.close()
+
+
+def test_weights_sent_as_tensors_change_the_answers(engine, text_model, tmp_path):
+    """AsyncLLM.update_weights pickles the tensors down the pipe; the core writes them between requests."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers import hf_greedy
+    from tests.host.test_weight_updates import _trained
+
+    trained = _trained(text_model, tmp_path / "trained", seed=4)
+    ids = [5, 71, 300, 12, 9]
+
+    async def main():
+        update = await engine.update_weights(load_file(f"{trained}/model.safetensors"), weight_version="rl-1")
+        after = await collect(engine, {"prompt_token_ids": ids})
+        version = await engine.get_weight_version()
+        with pytest.raises(ValueError, match="'model.norm.weight' has shape"):
+            await engine.update_weights({"model.norm.weight": torch.ones(3)})
+        with pytest.raises(TypeError, match="weight_version"):
+            await engine.update_weights({}, weight_version=7)
+        with pytest.raises(TypeError, match=r"\(name, torch.Tensor\) pair"):  # checked here, before pickling
+            await engine.update_weights([("model.norm.weight", [1.0, 2.0])])
+        await engine.update_weights_from_disk(text_model)
+        return update, after, version, await collect(engine, {"prompt_token_ids": ids})
+
+    update, after, version, restored = asyncio.run(asyncio.wait_for(main(), 120))
+    assert update.weight_version == "rl-1" == version and update.updated > 0
+    assert after[0][0] == hf_greedy(trained, [ids], 24)[0] != restored[0][0] == hf_greedy(text_model, [ids], 24)[0]
