@@ -182,6 +182,14 @@ def test_lora_bench_smoke(micro_dir, tmp_path):
         assert all(tps > 0 for tps in point["tokens_per_s"].values()) and point["cost"] > 0
 
 
+def test_weight_update_bench_smoke(micro_dir, tmp_path):
+    out = tmp_path / "weights.json"
+    result = _script("bench_weight_update").main(["--model", micro_dir, "--threads", "1", "--rounds", "1",
+                                                  "--trained", str(tmp_path / "trained"), "--out", str(out)])
+    assert json.loads(out.read_text())["rounds"] == 1 and result["checkpoint_bytes"] > 0
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in result["seconds"].values())
+
+
 def test_prefix_cache_bench_smoke(micro_dir, tmp_path):
     out = tmp_path / "prefix"
     result = _script("bench_prefix_cache").main(["--model", micro_dir, "--requests", "6", "--prefix-len", "40",
