@@ -16,9 +16,11 @@ the engine itself uses only the calls above.
 from __future__ import annotations
 
 from ..models.parallel import TPGroup
+from ..models.weight_update import WeightWriter
 from ..plan import StepPlan
 from .pythonizer import PendingCopy
 from .runner import ModelRunner
+from .tp_worker import NewWeights
 
 
 class LocalExecutor:
@@ -31,8 +33,8 @@ class LocalExecutor:
     def stats(self) -> dict:
         return self.runner.stats()
 
-    def update_weights(self, weights) -> tuple[int, list[str]]:
-        """New weights in place (ModelRunner.update_weights); a tensor-parallel model refuses them by name."""
+    def update_weights(self, weights) -> tuple[list[str], list[str]]:
+        """New weights in place (ModelRunner.update_weights): (names written, names skipped)."""
         return self.runner.update_weights(weights)
 
     def close(self) -> None:
@@ -60,6 +62,27 @@ class TensorParallelExecutor(LocalExecutor):
                 raise
             self.close()
             raise dead from exc
+
+    def update_weights(self, weights) -> tuple[list[str], list[str]]:
+        """Every rank writes its part of every tensor; rank 0 checks them all first, so a refusal reaches no rank.
+        (names any rank wrote, names every rank skipped: a pipeline stage skips the others' layers)."""
+        pairs = list(weights.items() if isinstance(weights, dict) else weights)
+        WeightWriter(self.runner.model).check(pairs)
+        try:
+            answers = self.ranks.gather_from_workers(NewWeights(pairs))[1:]
+        except Exception as exc:
+            dead = self.ranks.collective_failed(exc)
+            if dead is None:
+                raise
+            self.close()
+            raise dead from exc
+        failed = next((answer for answer in answers if isinstance(answer, str)), None)
+        if failed is not None:
+            raise ValueError(failed)
+        results = [self.runner.update_weights(pairs), *answers]
+        written = list(dict.fromkeys(key for keys, _ in results for key in keys))
+        skipped = [key for key in results[0][1] if all(key in set(other) for _, other in results[1:])]
+        return written, skipped
 
     @property
     def worker_pids(self) -> list[int]:

@@ -195,16 +195,16 @@ class ModelRunner:
         out.update(moe_stats(self.model))
         return out
 
-    def update_weights(self, weights) -> tuple[int, list[str]]:
-        """New values for the model's weights, in place (models/weight_update.py): every tensor checked before any
-        is written; (tensors written, names skipped). Only between windows: the engine drains them first."""
+    def update_weights(self, weights) -> tuple[list[str], list[str]]:
+        """New values for this rank's weights, in place (models/weight_update.py): every tensor checked before any
+        is written; (names written, names skipped). Only between windows: the engine drains them first."""
         writer = WeightWriter(self.model)
         targets, skipped = writer.check(weights)
         with torch.inference_mode():
             writer.write(targets)
         if self.device.type == "cuda":  # the next window, on whatever stream, reads only finished writes
             torch.cuda.synchronize(self.device)
-        return len(targets), skipped
+        return list(dict.fromkeys(target.key for target in targets)), skipped
 
     def memory_sizes(self) -> dict:
         """Bytes this rank holds: its weights and its KV cache."""

@@ -206,8 +206,9 @@ class TPExecutor:
             return TPWorkerError(f"the engine lost its connection to {self.place.describe(remote)}: {text[:300]}")
         return None
 
-    def gather_from_workers(self, request: str) -> list:
-        """Ask every rank something (e.g. "sizes"); rank order, the driver answers for itself as None."""
+    def gather_from_workers(self, request) -> list:
+        """Ask every rank something ("sizes"), or have each do something (tp_worker.NewWeights), and gather their
+        answers; rank order, the driver answers for itself as None."""
         self.check_workers()
         self._broadcast(request)
         answers = [None] * self.world_size

@@ -19,6 +19,7 @@ import copy
 import os
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -72,12 +73,30 @@ def serve_rank(rank: int, place: Placement, cpu_threads: int, device: torch.devi
                 if isinstance(message, str):  # a question from the driver
                     dist.gather_object(_answer(runner, message), None, dst=0, group=plans)
                     continue
+                if isinstance(message, NewWeights):  # the driver checked them: this rank writes its part
+                    dist.gather_object(_write_weights(runner, message), None, dst=0, group=plans)
+                    continue
                 runner.execute(message)
     except (RuntimeError, OSError) as exc:  # the driver (or another rank) went away mid-collective
         print(f"graphdecode: tensor-parallel rank {rank}: the engine's ranks lost each other, leaving: "
               f"{' '.join(str(exc).split())[:500]}", file=sys.stderr, flush=True)
         os._exit(1)
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class NewWeights:
+    """The driver's weight update (Engine.update_weights): (name, tensor) pairs, every rank writes its part."""
+
+    weights: list
+
+
+def _write_weights(runner, message: NewWeights):
+    """(names written, names skipped), or the refusal's text (the driver checked first: not expected)."""
+    try:
+        return runner.update_weights(message.weights)
+    except (ValueError, TypeError) as exc:
+        return f"tensor-parallel rank {dist.get_rank()}: {exc}"
 
 
 def _answer(runner, question: str):

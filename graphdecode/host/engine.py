@@ -214,14 +214,14 @@ class Engine:
                                f"weights between requests (AsyncLLM and the server wait for running ones)")
         while self.has_unfinished():  # a window still in flight for finished or aborted requests
             self.step()
-        updated, skipped = self.executor.update_weights(weights)
+        written, skipped = self.executor.update_weights(weights)
         self.pool.reset_cache()
         if self.kv_events is not None:
             self.kv_events.publish(self.pool.take_events())
         self._weight_updates += 1
-        self.weights = WeightUpdate(version or str(self._weight_updates), updated, tuple(skipped))
+        self.weights = WeightUpdate(version or str(self._weight_updates), len(written), tuple(skipped))
         logger.info("graphdecode: weights updated to version %s (%d tensors, %d skipped)", self.weights.weight_version,
-                    updated, len(skipped))
+                    len(written), len(skipped))
         return self.weights
 
     def get_num_unfinished_requests(self) -> int:

@@ -22,8 +22,10 @@ column-major CPU weights, an embedding) is copied into, in its own layout.
 
 Refused by name (`WeightWriter` raises ValueError): quantized linears (their packed blocks), MoE experts
 (their expert layouts), layers that derive buffers from their weights at load (MLA's W_UK / W_UV, the
-recurrent layers' reordered projections), tensor and pipeline parallelism (a rank holds a part of each
-tensor), and LoRA engines (the base projections are wrapped).
+recurrent layers' reordered projections), and LoRA engines (the base projections are wrapped).
+
+Tensor and pipeline parallelism: every rank gets every tensor and writes its own part (its rows or columns, as
+the loader reads them; a pipeline stage skips the other stages' layers).
 """
 
 from __future__ import annotations
@@ -184,9 +186,6 @@ class WeightWriter:
 
 def refusal(model: nn.Module) -> str | None:
     """Why this model's weights cannot be rewritten in place, or None (see the module docstring)."""
-    if model.tp.size > 1 or model.tp.stage.size > 1:
-        return ("updating weights with tensor or pipeline parallelism is not supported (each rank holds a part of "
-                "every tensor); use tensor_parallel_size=1 and pipeline_parallel_size=1")
     if getattr(model, "lora", None) is not None:
         return ("updating the base weights of a LoRA engine is not supported; merge the adapter into the weights "
                 "(PEFT's merge_and_unload) and update an engine without enable_lora")

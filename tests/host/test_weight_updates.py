@@ -176,3 +176,19 @@ def test_an_open_stream_stops_an_update_and_refused_engines_say_why(llama, tiny_
     with LLM(tiny_models["llama_gqa_llama3"], **SMALL_ENGINE, enable_lora=True, max_loras=1, max_lora_rank=8) as lora:
         with pytest.raises(ValueError, match="LoRA engine.*merge"):
             lora.update_weights(_weights(trained))
+
+
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_every_rank_writes_its_part(llama, split):
+    """Tensor parallelism (each rank its rows of q/k/v, gate/up and the vocabulary, its columns of o/down) and
+    pipeline stages (each its own layers; nothing is skipped by every stage); rank 0 refuses a bad tensor before
+    any rank writes."""
+    base, trained = llama
+    with LLM(base, **SMALL_ENGINE, **split) as llm:
+        q = "model.layers.1.self_attn.q_proj.weight"
+        with pytest.raises(ValueError, match="has shape"):
+            llm.update_weights([*_weights(trained).items(), (q, torch.zeros(3, 3))])
+        assert _tokens(llm) == hf_greedy(base, PROMPTS, 10)
+        update = llm.update_weights(_weights(trained))
+        assert update.updated == len(_weights(trained)) and update.skipped == ()
+        assert _tokens(llm) == hf_greedy(trained, PROMPTS, 10)
