@@ -20,8 +20,11 @@ holds only in oneDNN's layout (bf16 projections of a small model, batch_invarian
 from its new rows, so all of them must come (q, k and v together). A dense parameter (GPU, the fp32
 column-major CPU weights, an embedding) is copied into, in its own layout.
 
-Refused by name (`WeightWriter` raises ValueError): quantized linears (their packed blocks), MoE experts
-(their expert layouts), layers that derive buffers from their weights at load (MLA's W_UK / W_UV, the
+MoE experts (per expert, stacked, or gpt-oss's float layout) go through the loader's own expert reader
+(expert_weights.load), into this rank's rows of each expert.
+
+Refused by name (`WeightWriter` raises ValueError): quantized linears (their packed blocks) and MXFP4 experts,
+layers that derive buffers from their weights at load (MLA's W_UK / W_UV, the
 recurrent layers' reordered projections), and LoRA engines (the base projections are wrapped).
 
 Tensor and pipeline parallelism: every rank gets every tensor and writes its own part (its rows or columns, as
@@ -35,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import loader
+from . import expert_weights, loader
 from .cpu_linear import CpuWeight, PackedWeight, PanelWeight
+from .moe import Experts
 from .parallel import ShardSpec
 
 
@@ -48,6 +52,7 @@ class Target:
     tensor: torch.Tensor  # its rows for this model (a fused checkpoint tensor: one shard's), on its own device
     name: str  # the parameter it fills
     offset: int  # its first row in that parameter
+    slot: expert_weights.Slot | None = None  # an MoE layer's expert tensor: what of `name`'s Experts it fills
 
 
 class WeightWriter:
@@ -91,6 +96,9 @@ class WeightWriter:
     def _place(self, key: str, tensor: torch.Tensor) -> list[tuple[Target, str | None]]:
         cls, modules = self.cls, self.modules
         ours = loader._renamed(key, cls)
+        experts = self._experts(key, ours, tensor)
+        if experts is not None:
+            return [experts]
         fused = loader._fused_shards(ours, cls, modules)
         name, shard = (ours, None) if fused is not None else loader._target(ours, cls.packed_modules)
         if name not in self.shapes:
@@ -118,6 +126,30 @@ class WeightWriter:
             out.append((Target(key, part, name, offset), shard))
         return out
 
+    def _experts(self, key: str, ours: str, tensor: torch.Tensor) -> tuple[Target, str] | None:
+        """An expert tensor (expert_weights.py's layouts), checked, with the part of its Experts it fills; None for
+        a tensor outside the experts."""
+        fmt = self.cls.expert_format
+        if fmt is None or ".experts." not in ours:
+            return None
+        owner, suffix = ours.split(".experts.", 1)
+        owner += ".experts"
+        module = self.modules.get(owner)
+        if not isinstance(module, Experts):
+            return None
+        found = expert_weights.slot(module, suffix, fmt)
+        if found is None:
+            raise ValueError(f"weights: {key!r} has no place in {self.cls.__name__}'s experts")
+        if found.layout in ("mxfp4", "scales") or getattr(module, "mxfp4", False):
+            raise ValueError(f"weights: {key!r}: updating MXFP4 experts is not supported (float experts only)")
+        if not tensor.is_floating_point():
+            raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
+        if tuple(tensor.shape) != found.shape:
+            raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {found.shape}")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"weights: {key!r} holds NaN or infinite values")
+        return Target(key, tensor, f"{owner}.{found.param}", 0, found), found.part
+
     def _expected(self, name: str, shard: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
         spec = loader._spec(self.modules, name, shard)
         expected = list(shape)
@@ -136,6 +168,9 @@ class WeightWriter:
         for target in targets:
             owner_name, leaf = target.name.rsplit(".", 1)
             owner = self.modules[owner_name]
+            if target.slot is not None:  # this rank's part of the expert parameter, as the loader fills it
+                expert_weights.load(owner, target.slot, target.tensor.to(self.dtype), None)
+                continue
             param, rows = getattr(owner, leaf), target.tensor
             cpu = self._cpu_weight(owner, leaf)
             if isinstance(cpu, PanelWeight):
@@ -189,8 +224,6 @@ def refusal(model: nn.Module) -> str | None:
     if getattr(model, "lora", None) is not None:
         return ("updating the base weights of a LoRA engine is not supported; merge the adapter into the weights "
                 "(PEFT's merge_and_unload) and update an engine without enable_lora")
-    if getattr(model, "moe_layers", None):
-        return f"updating an MoE model's experts ({type(model).__name__}) is not supported"
     for name, module in model.named_modules():
         if module is not model and hasattr(module, "post_load"):
             return (f"{type(module).__name__} ({name}) derives buffers from its weights at load (MLA, recurrent "
