@@ -136,6 +136,12 @@ class GatedDeltaNet(RecurrentMixer):
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
 
+    @property
+    def rewritable(self) -> bool:
+        """Its weights are the checkpoint's rows as they are (no grouped reorder, no rank's slice): a weight update
+        may write them in place (weight_update.py)."""
+        return self.lin.layout != "grouped" and self.tp.size == 1
+
     def post_load(self) -> None:
         """Once, at load: a grouped checkpoint's in_proj rows put in the split order the forward reads; then, with
         tensor parallelism, this rank's rows of the projections, channels of the convolution and heads."""

@@ -126,6 +126,11 @@ class Mamba2Mixer(RecurrentMixer):
         self.norm = GroupedGatedRMSNorm(cfg.intermediate_size, cfg.n_groups, eps)
         self.out_proj = RowParallelLinear(cfg.intermediate_size, hidden_size, cfg.proj_bias, tp)
 
+    @property
+    def rewritable(self) -> bool:
+        """Its weights are the checkpoint's as they are (one rank): a weight update may write them in place."""
+        return self.tp.size == 1
+
     def post_load(self) -> None:
         """With tensor parallelism: this rank's rows of in_proj, channels of the convolution, heads and norm groups."""
         if self.tp.size == 1:

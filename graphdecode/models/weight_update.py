@@ -24,8 +24,9 @@ MoE experts (per expert, stacked, or gpt-oss's float layout) go through the load
 (expert_weights.load), into this rank's rows of each expert.
 
 Refused by name (`WeightWriter` raises ValueError): quantized linears (their packed blocks) and MXFP4 experts,
-layers that derive buffers from their weights at load (MLA's W_UK / W_UV, the
-recurrent layers' reordered projections), and LoRA engines (the base projections are wrapped).
+layers that derive their weights' layout at load (MLA's W_UK / W_UV; Qwen3-Next's grouped Gated DeltaNet
+projections, and the recurrent layers' rank slices with tensor parallelism: `rewritable` on the layer says),
+and LoRA engines (the base projections are wrapped).
 
 Tensor and pipeline parallelism: every rank gets every tensor and writes its own part (its rows or columns, as
 the loader reads them; a pipeline stage skips the other stages' layers).
@@ -225,9 +226,10 @@ def refusal(model: nn.Module) -> str | None:
         return ("updating the base weights of a LoRA engine is not supported; merge the adapter into the weights "
                 "(PEFT's merge_and_unload) and update an engine without enable_lora")
     for name, module in model.named_modules():
-        if module is not model and hasattr(module, "post_load"):
-            return (f"{type(module).__name__} ({name}) derives buffers from its weights at load (MLA, recurrent "
-                    f"layers); updating them in place is not supported")
+        if module is not model and hasattr(module, "post_load") and not getattr(module, "rewritable", False):
+            return (f"{type(module).__name__} ({name}) derives its weights' layout at load (MLA's W_UK / W_UV; a "
+                    f"recurrent layer's grouped rows or a rank's slice of them); updating them in place is not "
+                    f"supported")
         packed = getattr(module, "packed", None)
         if packed is not None and not isinstance(packed, CpuWeight):
             return f"{name} is quantized; updating quantized weights is not supported"

@@ -78,11 +78,13 @@ def test_a_partial_update_changes_only_the_tensors_it_names(llama, tmp_path):
         assert _tokens(llm) == hf_greedy(one, PROMPTS, 10) != hf_greedy(base, PROMPTS, 10)
 
 
-@pytest.mark.parametrize("model", ["qwen2_tied", "phi3_partial_swa", "mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model", ["qwen2_tied", "phi3_partial_swa", "mixtral", "qwen3_moe", "gpt_oss", "qwen3_5",
+                                   "nemotron_h"])
 def test_tied_embeddings_fused_checkpoints_and_experts_take_new_weights(model, tiny_models, tmp_path):
     """Qwen2's tied head (the embedding's lookups read the head's panels), Phi-3's fused qkv_proj / gate_up_proj,
-    and MoE experts per expert (Mixtral's w1/w3/w2, Qwen3-MoE's) or in gpt-oss's interleaved float layout, with
-    its sinks and biases; a tied checkpoint's lm_head.weight is skipped, as at load."""
+    MoE experts per expert (Mixtral's w1/w3/w2, Qwen3-MoE's) or in gpt-oss's interleaved float layout, with
+    its sinks and biases, and the hybrids' recurrent layers (Qwen3.5's Gated DeltaNet, Nemotron-H's Mamba2); a tied
+    checkpoint's lm_head.weight is skipped, as at load."""
     base = tiny_models[model]
     trained = _trained(base, tmp_path / model, seed=2)
     weights = _weights(trained)
@@ -177,6 +179,9 @@ def test_an_open_stream_stops_an_update_and_refused_engines_say_why(llama, tiny_
     with LLM(tiny_models["llama_gqa_llama3"], **SMALL_ENGINE, enable_lora=True, max_loras=1, max_lora_rank=8) as lora:
         with pytest.raises(ValueError, match="LoRA engine.*merge"):
             lora.update_weights(_weights(trained))
+    with LLM(tiny_models["qwen3_next"], **SMALL_ENGINE) as grouped:
+        with pytest.raises(ValueError, match=r"GatedDeltaNet \(model.layers.0.linear_attn\) derives"):
+            grouped.update_weights({})
 
 
 @pytest.mark.parametrize("model, split", [("llama_gqa_llama3", dict(tensor_parallel_size=2)),
