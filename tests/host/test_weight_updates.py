@@ -74,7 +74,7 @@ def test_a_partial_update_changes_only_the_tensors_it_names(llama, tmp_path):
     key = "model.layers.1.self_attn.k_proj.weight"  # one shard of a fused qkv projection
     one = _trained(base, tmp_path / "one", seed=1, only=key)
     with LLM(base, **SMALL_ENGINE) as llm:
-        llm.update_weights({key: _weights(one)[key]})
+        llm.update_weights({key: torch.nn.Parameter(_weights(one)[key])})  # a trainer's, requiring grad
         assert _tokens(llm) == hf_greedy(one, PROMPTS, 10) != hf_greedy(base, PROMPTS, 10)
 
 
