@@ -105,19 +105,13 @@ class WeightWriter:
         if name not in self.shapes:
             raise ValueError(f"weights: {key!r} has no place in {cls.__name__} (its parameters are named as in "
                              f"the checkpoint: model.layers.N.self_attn.q_proj.weight, ...)")
-        if not tensor.is_floating_point():
-            raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
         shape = tuple(self.shapes[name])
         if fused is not None:
             shards, rows = fused
-            expected = (rows, *shape[1:])
+            _check_tensor(key, tensor, (rows, *shape[1:]))
         else:
             shards = [(shard, 0)]
-            expected = self._expected(name, shard, shape)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"weights: {key!r} holds NaN or infinite values")
+            _check_tensor(key, tensor, self._expected(name, shard, shape))
         owner = modules[loader._owner(name)]
         out = []
         for shard, first in shards:
@@ -143,12 +137,7 @@ class WeightWriter:
             raise ValueError(f"weights: {key!r} has no place in {self.cls.__name__}'s experts")
         if found.layout in ("mxfp4", "scales") or getattr(module, "mxfp4", False):
             raise ValueError(f"weights: {key!r}: updating MXFP4 experts is not supported (float experts only)")
-        if not tensor.is_floating_point():
-            raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
-        if tuple(tensor.shape) != found.shape:
-            raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {found.shape}")
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"weights: {key!r} holds NaN or infinite values")
+        _check_tensor(key, tensor, found.shape)
         return Target(key, tensor, f"{owner}.{found.param}", 0, found), found.part
 
     def _expected(self, name: str, shard: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -239,6 +228,15 @@ def refusal(model: nn.Module) -> str | None:
     if not hasattr(model, "checkpoint_shapes"):
         return f"{type(model).__name__} was not built by the checkpoint loader"
     return None
+
+
+def _check_tensor(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if not tensor.is_floating_point():
+        raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"weights: {key!r} holds NaN or infinite values")
 
 
 def _part(tensor: torch.Tensor, spec: ShardSpec | None, first: int, fused: bool) -> torch.Tensor:
