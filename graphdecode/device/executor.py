@@ -3,7 +3,7 @@
     pending = executor.execute(plan)   stage rows, prefill, launch the window, start the copy out
     result  = pending.result()         the window's outputs on the host (the one wait)
     executor.stats()                   the device side's counters
-    executor.update_weights(weights)   new weights, in place, between windows
+    executor.update_weights(weights)   new weights, in place, between windows (or update_weights_from_disk)
     executor.close()                   stop whatever the executor started
 
 `LocalExecutor` runs one model runner in this process. `TensorParallelExecutor` owns every rank:
@@ -16,7 +16,7 @@ the engine itself uses only the calls above.
 from __future__ import annotations
 
 from ..models.parallel import TPGroup
-from ..models.weight_update import WeightWriter
+from ..models.weight_update import WeightWriter, checkpoint_tensors
 from ..plan import StepPlan
 from .pythonizer import PendingCopy
 from .runner import ModelRunner
@@ -36,6 +36,11 @@ class LocalExecutor:
     def update_weights(self, weights) -> tuple[list[str], list[str]]:
         """New weights in place (ModelRunner.update_weights): (names written, names skipped)."""
         return self.runner.update_weights(weights)
+
+    def update_weights_from_disk(self, model_path) -> tuple[list[str], list[str]]:
+        """update_weights with a checkpoint directory's tensors, read here (with tensor parallelism, by rank 0 only,
+        which sends them on: the other nodes need not see the path)."""
+        return self.update_weights(checkpoint_tensors(model_path))
 
     def close(self) -> None:
         """Nothing to stop in one process."""

@@ -202,8 +202,6 @@ class ModelRunner:
         targets, skipped = writer.check(weights)
         with torch.inference_mode():
             writer.write(targets)
-        if self.device.type == "cuda":  # the next window, on whatever stream, reads only finished writes
-            torch.cuda.synchronize(self.device)
         return list(dict.fromkeys(target.key for target in targets)), skipped
 
     def memory_sizes(self) -> dict:

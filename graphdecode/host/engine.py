@@ -208,13 +208,21 @@ class Engine:
         forgotten (its pages hold the old weights' K/V). Only between requests, as reset_prefix_cache: with a
         request unfinished it raises RuntimeError (AsyncLLM and the server wait for them). `weight_version`
         names the new weights (default: the count of updates, "1", "2", ...)."""
+        return self._update_weights(lambda: self.executor.update_weights(weights), weight_version)
+
+    def update_weights_from_disk(self, model_path, weight_version: str | None = None) -> WeightUpdate:
+        """update_weights with every tensor of a checkpoint directory of the same architecture (a trainer's
+        save_pretrained), read into host memory first (ValueError naming model_path if it is not one)."""
+        return self._update_weights(lambda: self.executor.update_weights_from_disk(model_path), weight_version)
+
+    def _update_weights(self, write, weight_version) -> WeightUpdate:
         version = check_version(weight_version)
         if self.requests:
             raise RuntimeError(f"update_weights: {len(self.requests)} request(s) are unfinished; update the "
                                f"weights between requests (AsyncLLM and the server wait for running ones)")
         while self.has_unfinished():  # a window still in flight for finished or aborted requests
             self.step()
-        written, skipped = self.executor.update_weights(weights)
+        written, skipped = write()
         self.pool.reset_cache()
         if self.kv_events is not None:
             self.kv_events.publish(self.pool.take_events())

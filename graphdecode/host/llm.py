@@ -22,7 +22,7 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 from .engine import Engine
 from .output_builder import DeltaQueue, final_output
 from .sequence import Request
-from .weight_updates import WeightUpdate, check_version, checkpoint_tensors
+from .weight_updates import WeightUpdate
 
 
 @contextlib.contextmanager
@@ -222,8 +222,7 @@ class LLM:
     def update_weights_from_disk(self, model_path, weight_version: str | None = None) -> WeightUpdate:
         """update_weights with every tensor of a checkpoint directory of the same architecture (a trainer's
         save_pretrained), read into host memory first."""
-        version = check_version(weight_version)
-        return self.engine.update_weights(checkpoint_tensors(model_path), version)
+        return self.engine.update_weights_from_disk(model_path, weight_version)
 
     @property
     def weight_version(self) -> str:

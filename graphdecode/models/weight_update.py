@@ -34,6 +34,7 @@ the loader reads them; a pipeline stage skips the other stages' layers).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,9 @@ class WeightWriter:
                 cpu.repack()
             else:  # a tied head packed from the embedding, which keeps its rows for the lookups
                 cpu.packed = torch.ops.mkldnn._reorder_linear_weight(self.model.model.embed_tokens.weight.detach())
+        device = self.model.anchor().device
+        if device.type == "cuda":  # the next window, on whatever stream, reads only finished writes
+            torch.cuda.synchronize(device)
 
     def _cpu_weight(self, owner: nn.Module, leaf: str) -> CpuWeight | None:
         """The CPU layout that holds this weight instead of (or besides) its parameter, if any."""
@@ -247,3 +251,31 @@ def _part(tensor: torch.Tensor, spec: ShardSpec | None, first: int, fused: bool)
     stop = min(spec.stop, spec.full)
     index = (slice(None),) * spec.dim + (slice(first + spec.start, first + max(stop, spec.start)),)
     return loader.pad_part(tensor[index], spec)
+
+
+def checkpoint_tensors(model_path) -> dict[str, torch.Tensor]:
+    """Every tensor of a HuggingFace checkpoint directory (model.safetensors, or the shards its index lists), read
+    into host memory: ValueError naming model_path if it is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise TypeError(f"model_path: must be a path, got {type(model_path).__name__}")
+    path = os.fspath(model_path)
+    if not os.path.isdir(path):
+        raise ValueError(f"model_path: {path!r} is not a directory")
+    try:
+        files = loader.checkpoint_files(path)
+    except ValueError as e:
+        raise ValueError(f"model_path: {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            part = load_file(file)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"model_path: {file} cannot be read ({e})") from None
+        clash = next((key for key in part if key in tensors), None)
+        if clash is not None:
+            raise ValueError(f"model_path: tensor {clash!r} is in more than one file of {path}")
+        tensors.update(part)
+    return tensors

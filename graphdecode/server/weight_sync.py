@@ -15,8 +15,6 @@ import logging
 import pickle
 from collections import deque
 
-from ..host.weight_updates import checkpoint_tensors
-
 log = logging.getLogger("graphdecode")
 
 
@@ -55,8 +53,9 @@ class WeightSync:
             client, (_, token, source, version, _) = self.pending.popleft()
             try:
                 kind, value = source  # ("disk", path) or ("pickled", the pairs pickled by value)
-                weights = checkpoint_tensors(value) if kind == "disk" else pickle.loads(value)
-                result, error = engine.update_weights(weights, version).as_dict(), None
+                update = (engine.update_weights_from_disk(value, version) if kind == "disk"
+                          else engine.update_weights(pickle.loads(value), version))
+                result, error = update.as_dict(), None
             except (ValueError, TypeError, RuntimeError) as exc:  # refused before any write: the weights stand
                 result, error = None, str(exc)
                 log.warning("graphdecode: weight update refused: %s", exc)
