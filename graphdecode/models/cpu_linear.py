@@ -148,15 +148,29 @@ class PanelWeight(PackedWeight):
                              f"{self.in_features}] weight")
         if self.pairs:  # [P, K2, 64, 2]: K zero-padded to the pairs' rows, each pair of columns side by side
             rows = torch.nn.functional.pad(rows, (0, 2 * self.panels.shape[1] - k))
-        r = start
-        while r < start + n:
-            panel, column = divmod(r, PANEL)
-            take = min(PANEL - column, start + n - r)
-            block = rows[r - start: r - start + take]  # [take, K]
+        width = rows.shape[1]
+
+        def laid_out(block: torch.Tensor) -> torch.Tensor:  # [panels, 64, K] -> the panels' layout
             if self.pairs:
-                self.panels[panel, :, column: column + take] = block.view(take, -1, 2).transpose(0, 1)
+                return block.view(block.shape[0], PANEL, width // 2, 2).transpose(1, 2)
+            return block.transpose(1, 2)
+
+        r, end = start, start + n
+        while r < end:
+            panel, column = divmod(r, PANEL)
+            whole = (end - r) // PANEL if column == 0 else 0
+            if whole:  # whole panels in one copy
+                block = rows[r - start: r - start + whole * PANEL].view(whole, PANEL, width)
+                self.panels[panel: panel + whole] = laid_out(block)
+                r += whole * PANEL
+                continue
+            take = min(PANEL - column, end - r)  # part of one panel (the first or the last)
+            block = rows[r - start: r - start + take].view(1, take, width)
+            if self.pairs:
+                self.panels[panel: panel + 1, :, column: column + take] = block.view(
+                    1, take, width // 2, 2).transpose(1, 2)
             else:
-                self.panels[panel, :, column: column + take] = block.T
+                self.panels[panel: panel + 1, :, column: column + take] = block.transpose(1, 2)
             r += take
 
     def repack(self) -> None:

@@ -239,7 +239,7 @@ def _check_tensor(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise ValueError(f"weights: {key!r} has dtype {tensor.dtype}; weights must be floating point")
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
-    if not bool(torch.isfinite(tensor).all()):
+    if not bool(loader._all_finite(tensor)):  # one pass, no temporary as large as the tensor
         raise ValueError(f"weights: {key!r} holds NaN or infinite values")
 
 
