@@ -25,9 +25,10 @@ ending with the exact command that reruns what failed, was cut or did not fit.
   pytest_hf_parity       failures' first lines in summary.json. hf_parity and graphs run their tests
   pytest_graphs          not marked `extended` (nor `compile`)
   after the core
-  pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py, test_gpu_graphs.py, test_gpu_quantized.py
-                       and test_gpu_lora.py
-                       (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE, LoRA adapters)
+  pytest_extended      the `extended` GPU tests of test_gpu_hf_parity.py, test_gpu_graphs.py, test_gpu_quantized.py,
+                       test_gpu_lora.py and test_gpu_weight_updates.py
+                       (head_dim 128 fp32 parity, speculative windows, sliding windows, MoE, LoRA adapters, weight
+                       updates)
   pytest_hybrid        hybrid models (Qwen3.5, Nemotron-H tiny presets) in CUDA graphs against the eager fp32
                        reference: chunked prefill, n-gram speculation, a prefix hit; bf16 beside them
   pytest_families      DeepSeek-routed families (GLM-4.5, DeepSeek-V3's latent attention, Nemotron 3's experts)
@@ -105,7 +106,8 @@ PYTEST_STAGES = {  # stage: (test files, marker expression)
     "pytest_hf_parity": (("tests/gpu/test_gpu_hf_parity.py",), "gpu and not extended"),
     "pytest_graphs": (("tests/gpu/test_gpu_graphs.py",), "gpu and not compile and not extended"),
     "pytest_extended": (("tests/gpu/test_gpu_hf_parity.py", "tests/gpu/test_gpu_graphs.py",
-                         "tests/gpu/test_gpu_quantized.py", "tests/gpu/test_gpu_lora.py"),
+                         "tests/gpu/test_gpu_quantized.py", "tests/gpu/test_gpu_lora.py",
+                         "tests/gpu/test_gpu_weight_updates.py"),
                         "gpu and extended and not compile"),
     "pytest_compile": (("tests/gpu/test_gpu_graphs.py",), "gpu and compile"),
     "pytest_hybrid": (("tests/gpu/test_gpu_hybrid.py",), "gpu"),

@@ -350,7 +350,7 @@ def test_dry_run_rehearses_every_stage(dry_run):
     assert all(name.endswith("-True]") for name in compiled)
     # the extended cases of the three files run after the core, and in no core stage
     assert {name.split("::")[0] for name in extended} == {"test_gpu_hf_parity", "test_gpu_graphs", "test_gpu_quantized",
-                                                              "test_gpu_lora"}
+                                                              "test_gpu_lora", "test_gpu_weight_updates"}
     assert not extended & (graphs | selected["pytest_hf_parity"] | compiled)
     assert any("speculative" in name for name in extended) and any("moe" in name for name in extended)
     assert any("teacher_forced" in name for name in selected["pytest_hf_parity"])
