@@ -55,6 +55,7 @@ from ..host.scheduler import group_pages
 from ..host.weight_updates import WeightUpdate, check_version
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .weight_sync import PAUSE_MODES
 
 START_TIMEOUT_S = 600.0  # model load + graph capture on a cold machine
 
@@ -262,7 +263,7 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
-        self._update_waiters: dict[str, asyncio.Future] = {}  # weight updates by token, answered by the core
+        self._replies: dict[str, asyncio.Future] = {}  # weight updates and pauses by token, answered by the core
         self._reader = threading.Thread(target=_read_outputs, args=(self._outputs, weakref.ref(self)),
                                         name="graphdecode-outputs", daemon=True)
         self._reader.start()
@@ -344,19 +345,42 @@ class AsyncLLM:
         """The version of the weights the core runs (asked of it)."""
         return (await self.stats())["weight_version"]
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: stop running requests, for weight updates in several parts. mode "abort" ends the running
+        requests (finish_reason "abort"), "wait" lets them finish; either way new requests wait until
+        resume_generation. Returns once nothing runs; clear_cache: the prefix cache is forgotten then. vLLM's
+        "keep" (running requests frozen across an update) is refused: their K/V would mix two weights."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        if not isinstance(clear_cache, bool):
+            raise TypeError(f"clear_cache: must be a bool, got {type(clear_cache).__name__}")
+        await self._ask(lambda token: ("pause", token, mode, clear_cache))
+
+    async def resume_generation(self) -> None:
+        """New requests run again (and those held by the pause start)."""
+        await self._ask(lambda token: ("resume", token))
+
+    async def is_paused(self) -> bool:
+        return (await self.stats())["paused"]
+
     async def _update(self, source: tuple, weight_version, abort_all_requests: bool) -> WeightUpdate:
         version = check_version(weight_version)
         if not isinstance(abort_all_requests, bool):
             raise TypeError(f"abort_all_requests: must be a bool, got {type(abort_all_requests).__name__}")
+        result = await self._ask(lambda token: ("update_weights", token, source, version, abort_all_requests))
+        return WeightUpdate(result["weight_version"], result["updated"], tuple(result["skipped"]))
+
+    async def _ask(self, message):
+        """Send message(token) to the core and wait for its ("reply", token, result, error)."""
         self._start_reader()
         token = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
-        self._update_waiters[token] = future
+        self._replies[token] = future
         try:
-            self._send(("update_weights", token, source, version, abort_all_requests))
+            self._send(message(token))
             return await future
         finally:
-            self._update_waiters.pop(token, None)
+            self._replies.pop(token, None)
 
     @property
     def num_unfinished(self) -> int:
@@ -454,13 +478,12 @@ class AsyncLLM:
             for future in waiters:
                 if not future.done():
                     future.set_result(message[1])
-        elif kind == "weights_updated":
+        elif kind == "reply":
             _, token, result, error = message
-            future = self._update_waiters.get(token)
+            future = self._replies.get(token)
             if future is not None and not future.done():
                 if error is None:
-                    future.set_result(WeightUpdate(result["weight_version"], result["updated"],
-                                                   tuple(result["skipped"])))
+                    future.set_result(result)
                 else:
                     future.set_exception(ValueError(error))
         elif kind == "failed":
@@ -469,7 +492,7 @@ class AsyncLLM:
             self.dead = message[1]
             for queue in self._queues.values():
                 queue.put_nowait(EngineDeadError(self.dead))
-            for future in [*self._stats_waiters, *self._update_waiters.values()]:
+            for future in [*self._stats_waiters, *self._replies.values()]:
                 if not future.done():
                     future.set_exception(EngineDeadError(self.dead))
 

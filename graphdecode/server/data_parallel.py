@@ -102,6 +102,15 @@ class DataParallelLLM:
     async def get_weight_version(self) -> str:
         return await self.replicas[0].get_weight_version()
 
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        await asyncio.gather(*[replica.pause_generation(mode, clear_cache) for replica in self.replicas])
+
+    async def resume_generation(self) -> None:
+        await asyncio.gather(*[replica.resume_generation() for replica in self.replicas])
+
+    async def is_paused(self) -> bool:
+        return any([await replica.is_paused() for replica in self.replicas])
+
     @property
     def num_unfinished(self) -> int:
         return sum(replica.num_unfinished for replica in self.replicas)

@@ -183,8 +183,12 @@ def _handle(engine, message: tuple, clients: _Clients, client: int) -> bool:
         return False
     if clients.weights.holds(client, message):  # a weight update waits for the running requests: so do new ones
         return True
-    if kind == "update_weights":
+    if kind in ("update_weights", "pause"):
         clients.weights.ask(engine, client, message)
+    elif kind == "resume":
+        for held_client, held in clients.weights.resume(engine, client, message, clients.outputs):
+            if held_client in clients.live and not _handle(engine, held, clients, held_client):
+                clients.leave(engine, held_client)
     elif kind == "add":
         request_id = message[1]
         if request_id in clients.owner:  # another API server's request of the same id is running
@@ -198,7 +202,7 @@ def _handle(engine, message: tuple, clients: _Clients, client: int) -> bool:
         if clients.owner.get(message[1]) == client:
             engine.abort_request(message[1])
     elif kind == "stats":
-        outputs.send(("stats", engine.stats()))
+        outputs.send(("stats", {**engine.stats(), "paused": clients.weights.paused}))
     return True
 
 

@@ -7,6 +7,13 @@ the port could otherwise swap the model):
         -> 400 {"success": false, "message"} naming what was refused (nothing was written)
     GET  /get_weight_version        -> {"weight_version"}
 
+and vLLM's pause routes, for an update in several parts:
+
+    POST /pause?mode=abort|wait&clear_cache=true   -> {"is_paused": true} once nothing runs
+         (vLLM's older ?wait_for_inflight_requests=true is mode=wait)
+    POST /resume                                   -> {"is_paused": false}
+    GET  /is_paused                                -> {"is_paused"}
+
 The update waits for the running requests to finish (or aborts them) and holds new ones until the weights are
 in (server/weight_sync.py); with --data-parallel-size every replica updates.
 """
@@ -18,6 +25,8 @@ import os
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+
+from .errors import APIError
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
@@ -51,3 +60,20 @@ def add_weight_routes(app, server, engine) -> None:
     @app.get("/get_weight_version")
     async def get_weight_version():
         return {"weight_version": await engine.get_weight_version()}
+
+    @app.post("/pause")
+    async def pause(mode: str | None = None, clear_cache: bool = True, wait_for_inflight_requests: bool = False):
+        try:
+            await engine.pause_generation(mode or ("wait" if wait_for_inflight_requests else "abort"), clear_cache)
+        except (ValueError, TypeError) as exc:
+            raise APIError(str(exc), param="mode") from None
+        return {"is_paused": True}
+
+    @app.post("/resume")
+    async def resume():
+        await engine.resume_generation()
+        return {"is_paused": False}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await engine.is_paused()}

@@ -217,3 +217,38 @@ def test_weights_sent_as_tensors_change_the_answers(engine, text_model, tmp_path
     update, after, version, restored = asyncio.run(asyncio.wait_for(main(), 120))
     assert update.weight_version == "rl-1" == version and update.updated > 0
     assert after[0][0] == hf_greedy(trained, [ids], 24)[0] != restored[0][0] == hf_greedy(text_model, [ids], 24)[0]
+
+
+def test_a_pause_holds_requests_across_an_update_in_two_parts(engine, text_model, tmp_path):
+    """pause_generation("wait") lets the running request finish on the old weights; a request arriving while paused
+    waits through both halves of the update and runs on the new weights once resumed."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import hf_greedy
+    from tests.host.test_weight_updates import _trained
+
+    trained = _trained(text_model, tmp_path / "trained", seed=5)
+    weights = list(load_file(f"{trained}/model.safetensors").items())
+    ids = [5, 71, 300, 12, 9]
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        running = asyncio.ensure_future(collect(engine, {"prompt_token_ids": ids}, long))
+        while engine.load.get("running", 0) < 1:
+            await asyncio.sleep(0.01)
+        await engine.pause_generation(mode="wait")
+        assert running.done() and await engine.is_paused()
+        held = asyncio.ensure_future(collect(engine, {"prompt_token_ids": ids}))
+        await engine.update_weights(weights[: len(weights) // 2])
+        await asyncio.sleep(0.3)
+        assert not held.done()  # half the weights are in: nothing runs
+        await engine.update_weights(weights[len(weights) // 2:])
+        await engine.resume_generation()
+        after = await held
+        with pytest.raises(ValueError, match="mode"):
+            await engine.pause_generation(mode="keep")
+        await engine.update_weights_from_disk(text_model)
+        return (await running)[0][0], after[0][0], await engine.is_paused()
+
+    old, new, paused = asyncio.run(asyncio.wait_for(main(), 120))
+    assert old == hf_greedy(text_model, [ids], 200)[0] and new == hf_greedy(trained, [ids], 24)[0] and not paused

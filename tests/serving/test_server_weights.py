@@ -116,3 +116,30 @@ def test_the_routes_need_dev_mode(monkeypatch):
     monkeypatch.setenv(DEV_MODE_ENV, "1")
     add_weight_routes(app, None, None)
     assert {"/update_weights_from_disk", "/get_weight_version"} <= {route.path for route in app.routes}
+
+
+def test_pause_resume_and_is_paused(server, text_model, trained):
+    """vLLM's routes: /pause (abort by default) ends the running request, a request sent while paused waits
+    through the update, /resume lets it run on the new weights; mode=keep is a 400 naming mode."""
+    result, late = {}, {}
+    body = {"model": "policy", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    runner = threading.Thread(target=stream_events, args=(server, body, result))
+    runner.start()
+    _when_running(server)
+    assert httpx.post(f"{server}/pause", timeout=60).json() == {"is_paused": True}
+    runner.join(60)
+    assert result["finish"][-1] == "abort"
+    assert httpx.get(f"{server}/is_paused").json() == {"is_paused": True}
+    arrival = threading.Thread(target=lambda: late.update(tokens=_tokens(server)))
+    arrival.start()
+    assert _update(server, trained).status_code == 200
+    time.sleep(0.3)
+    assert arrival.is_alive()  # still held after the update: the server is paused
+    assert httpx.post(f"{server}/resume").json() == {"is_paused": False}
+    arrival.join(60)
+    assert late["tokens"] == hf_greedy(trained, [PROMPT], 8)[0]
+    keep = httpx.post(f"{server}/pause", params={"mode": "keep"})
+    assert keep.status_code == 400 and keep.json()["error"]["param"] == "mode"
+    assert httpx.get(f"{server}/is_paused").json() == {"is_paused": False}
+    assert _update(server, text_model).status_code == 200
