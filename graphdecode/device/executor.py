@@ -15,6 +15,8 @@ the engine itself uses only the calls above.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..models.parallel import TPGroup
 from ..models.weight_update import WeightWriter, checkpoint_tensors
 from ..plan import StepPlan
@@ -58,9 +60,15 @@ class TensorParallelExecutor(LocalExecutor):
             raise
 
     def execute(self, plan: StepPlan) -> PendingCopy | None:
-        try:
+        with self._ranks_named():
             self.ranks.broadcast_plan(plan)
             return self.runner.execute(plan)
+
+    @contextlib.contextmanager
+    def _ranks_named(self):
+        """A collective that failed because a rank died raises TPWorkerError naming it (the rest closed)."""
+        try:
+            yield
         except Exception as exc:
             dead = self.ranks.collective_failed(exc)
             if dead is None:
@@ -73,14 +81,8 @@ class TensorParallelExecutor(LocalExecutor):
         (names any rank wrote, names every rank skipped: a pipeline stage skips the others' layers)."""
         pairs = list(weights.items() if isinstance(weights, dict) else weights)
         WeightWriter(self.runner.model).check(pairs)
-        try:
+        with self._ranks_named():
             answers = self.ranks.gather_from_workers(NewWeights(pairs))[1:]
-        except Exception as exc:
-            dead = self.ranks.collective_failed(exc)
-            if dead is None:
-                raise
-            self.close()
-            raise dead from exc
         failed = next((answer for answer in answers if isinstance(answer, str)), None)
         if failed is not None:
             raise ValueError(failed)
