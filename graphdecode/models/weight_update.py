@@ -44,6 +44,7 @@ from . import expert_weights, loader
 from .cpu_linear import CpuWeight, PackedWeight, PanelWeight
 from .moe import Experts
 from .parallel import ShardSpec
+from .quant.linear import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class WeightWriter:
                     raise ValueError(f"weights: {key!r} fills the same rows as {seen[target.name, shard]!r}")
                 seen[target.name, shard] = key
                 targets.append(target)
-        self._check_whole(targets)
+        self._check_layouts(targets)
         return targets, skipped
 
     def _place(self, key: str, tensor: torch.Tensor) -> list[tuple[Target, str | None]]:
@@ -193,15 +194,19 @@ class WeightWriter:
         head = model.model.embed_tokens if model.config.tie_word_embeddings else getattr(model, "lm_head", None)
         return model.packed_head if owner is head else getattr(owner, "packed", None)
 
-    def _check_whole(self, targets: list[Target]) -> None:
-        """A weight held only in oneDNN's blocked layout is laid out again whole: every row must come (all of q, k
-        and v; gate and up)."""
+    def _check_layouts(self, targets: list[Target]) -> None:
+        """Every tensor has memory to go to (nothing is dropped unwritten); a weight held only in oneDNN's blocked
+        layout is laid out again whole, so every row of it must come (all of q, k and v; gate and up)."""
         rows: dict[str, int] = {}
         first: dict[str, str] = {}
         for target in targets:
+            if target.slot is not None:
+                continue
             owner_name, leaf = target.name.rsplit(".", 1)
             owner = self.modules[owner_name]
             cpu = self._cpu_weight(owner, leaf)
+            if not getattr(owner, leaf).numel() and not isinstance(cpu, PackedWeight):
+                raise ValueError(f"weights: {target.key!r} is held in a layout this engine cannot rewrite")
             if isinstance(cpu, PackedWeight) and not isinstance(cpu, PanelWeight) and not getattr(owner, leaf).numel():
                 rows[target.name] = rows.get(target.name, 0) + target.tensor.shape[0]
                 first.setdefault(target.name, target.key)
@@ -223,15 +228,18 @@ def refusal(model: nn.Module) -> str | None:
             return (f"{type(module).__name__} ({name}) derives its weights' layout at load (MLA's W_UK / W_UV; a "
                     f"recurrent layer's grouped rows or a rank's slice of them); updating them in place is not "
                     f"supported")
-        packed = getattr(module, "packed", None)
-        if packed is not None and not isinstance(packed, CpuWeight):
+        if _quantized(getattr(module, "packed", None)):
             return f"{name} is quantized; updating quantized weights is not supported"
-    head = getattr(model, "packed_head", None)
-    if head is not None and not isinstance(head, CpuWeight):
+    if _quantized(getattr(model, "packed_head", None)):
         return "the LM head is quantized; updating quantized weights is not supported"
     if not hasattr(model, "checkpoint_shapes"):
         return f"{type(model).__name__} was not built by the checkpoint loader"
     return None
+
+
+def _quantized(weight) -> bool:
+    """A linear's weight held quantized (quant/linear.py), or in any layout this module cannot write."""
+    return weight is not None and (isinstance(weight, QuantizedWeight) or not isinstance(weight, CpuWeight))
 
 
 def _check_tensor(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

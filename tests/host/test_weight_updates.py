@@ -166,7 +166,7 @@ def test_bad_tensors_are_named_before_anything_is_written(llama):
         assert _tokens(llm) == want and llm.weight_version == "0"
 
 
-def test_an_open_stream_stops_an_update_and_refused_engines_say_why(llama, tiny_models):
+def test_an_open_stream_stops_an_update_and_refused_engines_say_why(llama, tiny_models, tmp_path):
     base, trained = llama
     with LLM(base, **SMALL_ENGINE) as llm:
         stream = llm.stream(token_prompts(PROMPTS[:1]), GREEDY)
@@ -179,6 +179,12 @@ def test_an_open_stream_stops_an_update_and_refused_engines_say_why(llama, tiny_
     with LLM(tiny_models["llama_gqa_llama3"], **SMALL_ENGINE, enable_lora=True, max_loras=1, max_lora_rank=8) as lora:
         with pytest.raises(ValueError, match="LoRA engine.*merge"):
             lora.update_weights(_weights(trained))
+    from graphdecode.models.quant.rtn import quantize_checkpoint
+
+    quantized = quantize_checkpoint(base, str(tmp_path / "int8"), "int-quantized", bits=8, group=None)
+    with LLM(quantized, **SMALL_ENGINE) as llm:
+        with pytest.raises(ValueError, match="is quantized; updating quantized weights is not supported"):
+            llm.update_weights({})
     with LLM(tiny_models["qwen3_next"], **SMALL_ENGINE) as grouped:
         with pytest.raises(ValueError, match=r"GatedDeltaNet \(model.layers.0.linear_attn\) derives"):
             grouped.update_weights({})
