@@ -445,14 +445,14 @@ class EngineConfig:
         if cfg.linear is not None and self.enable_prefix_caching:
             snapshots = self.num_state_snapshots if self.num_state_snapshots is not None else max_batch_size
         states = state_cache_bytes(cfg, dtype, max_batch_size + snapshots, self.tensor_parallel_size)
-        if states and states > _device_memory(device):
-            raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
-                             f"{states} bytes of recurrent states per rank exceed the device's "
-                             f"{_device_memory(device)} bytes")
         lora_bytes = lora_buffer_bytes(cfg, dtype, self.max_loras, self.max_lora_rank) if self.enable_lora else 0
-        if lora_bytes > _device_memory(device):  # an absurd max_loras: refused here, not by the allocator
+        memory = _device_memory(device) if states or lora_bytes else 0  # asked once, and only if needed
+        if states > memory:
+            raise ValueError(f"num_state_snapshots ({snapshots}) and max_batch_size ({max_batch_size}): "
+                             f"{states} bytes of recurrent states per rank exceed the device's {memory} bytes")
+        if lora_bytes > memory:  # an absurd max_loras: refused here, not by the allocator
             raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}): {lora_bytes} "
-                             f"bytes of adapter slots exceed the device's {_device_memory(device)} bytes")
+                             f"bytes of adapter slots exceed the device's {memory} bytes")
         stage_layers = None  # a pipeline stage's KV layers: the most any stage holds
         if self.pipeline_parallel_size > 1:
             stage_layers = max(map(len, partition_layers(cfg.decoder_layers, self.pipeline_parallel_size, partition)))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 from ..models.parallel import TPGroup
-from ..models.weight_update import WeightWriter, checkpoint_tensors
+from ..models.weight_update import checkpoint_tensors
 from ..plan import StepPlan
 from .pythonizer import PendingCopy
 from .runner import ModelRunner
@@ -80,13 +80,13 @@ class TensorParallelExecutor(LocalExecutor):
         """Every rank writes its part of every tensor; rank 0 checks them all first, so a refusal reaches no rank.
         (names any rank wrote, names every rank skipped: a pipeline stage skips the others' layers)."""
         pairs = list(weights.items() if isinstance(weights, dict) else weights)
-        WeightWriter(self.runner.model).check(pairs)
+        checked = self.runner.check_weights(pairs)
         with self._ranks_named():
             answers = self.ranks.gather_from_workers(NewWeights(pairs))[1:]
         failed = next((answer for answer in answers if isinstance(answer, str)), None)
         if failed is not None:
             raise ValueError(failed)
-        results = [self.runner.update_weights(pairs), *answers]
+        results = [self.runner.write_weights(*checked), *answers]
         written = list(dict.fromkeys(key for keys, _ in results for key in keys))
         skipped = [key for key in results[0][1] if all(key in set(other) for _, other in results[1:])]
         return written, skipped

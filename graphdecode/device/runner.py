@@ -198,8 +198,14 @@ class ModelRunner:
     def update_weights(self, weights) -> tuple[list[str], list[str]]:
         """New values for this rank's weights, in place (models/weight_update.py): every tensor checked before any
         is written; (names written, names skipped). Only between windows: the engine drains them first."""
+        return self.write_weights(*self.check_weights(weights))
+
+    def check_weights(self, weights) -> tuple[WeightWriter, list, list[str]]:
+        """(the writer, its targets, names skipped): every tensor checked (ValueError naming it), none written."""
         writer = WeightWriter(self.model)
-        targets, skipped = writer.check(weights)
+        return writer, *writer.check(weights)
+
+    def write_weights(self, writer: WeightWriter, targets: list, skipped: list[str]) -> tuple[list[str], list[str]]:
         with torch.inference_mode():
             writer.write(targets)
         return list(dict.fromkeys(target.key for target in targets)), skipped

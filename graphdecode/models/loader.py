@@ -249,7 +249,7 @@ def plan_checkpoint(model_dir: str, model) -> list[tuple[str, list[_Entry]]]:
                     shards, rows = fused
                     expected = (rows, *params[name].shape[1:])
                 else:
-                    shards, expected = [(shard, 0)], _expected_shape(params[name], modules, name, shard)
+                    shards, expected = [(shard, 0)], expected_shape(params[name].shape, modules, name, shard)
                 if shape != expected:
                     raise ValueError(f"{path}: tensor {key!r} has shape {shape}, expected {expected} from config.json")
                 for shard, offset in shards:
@@ -345,7 +345,7 @@ def _quant_entry(module: str, headers: dict, quant: QuantConfig, cls, params: di
         first = next(iter(headers.values()))[0]
         raise ValueError(f"{path}: tensor {first!r} has no place in {cls.__name__} as config.json describes it "
                          f"(quantized tensors belong to linear layers)")
-    n, k = _expected_shape(params[name], modules, name, shard)
+    n, k = expected_shape(params[name].shape, modules, name, shard)
     formats.check(scheme, {suffix: (kind, shape) for suffix, (_, kind, shape, _) in headers.items()}, module, n, k,
                   path)
     parts = tuple((suffix, key, where) for suffix, (key, _, _, where) in headers.items())
@@ -474,10 +474,11 @@ def _spec(modules: dict, name: str, shard: str | None) -> ShardSpec | None:
     return getattr(owner, "tp_specs", {}).get(name.rsplit(".", 1)[1])
 
 
-def _expected_shape(param, modules: dict, name: str, shard: str | None) -> tuple[int, ...]:
-    """The tensor's shape in the checkpoint (whole, whichever part this rank holds)."""
+def expected_shape(held, modules: dict, name: str, shard: str | None) -> tuple[int, ...]:
+    """The tensor's shape in the checkpoint (whole, whichever part this rank holds), from the shape the parameter
+    `name` is `held` in."""
     spec = _spec(modules, name, shard)
-    shape = list(param.shape)
+    shape = list(held)
     if spec is not None:
         shape[spec.dim] = spec.full
     return tuple(shape)
@@ -498,17 +499,18 @@ def _fused_shards(key: str, cls, modules: dict) -> tuple[list[tuple[str, int]], 
 
 
 def _read(f, key: str, spec: ShardSpec | None, offset: int = 0, fused: bool = False) -> torch.Tensor:
-    """The whole tensor, or only this rank's rows / columns (zero-padded past the end); a shard of a
-    fused checkpoint tensor starts `offset` rows in."""
+    """The whole tensor, or only this rank's part of it, read from the file (only that part is read)."""
+    return rank_part(spec, offset, fused, lambda: f.get_tensor(key), lambda index: f.get_slice(key)[index])
+
+
+def rank_part(spec: ShardSpec | None, offset: int, fused: bool, whole, sliced) -> torch.Tensor:
+    """A checkpoint tensor as this rank holds it: `whole()`, or only its rows / columns, `sliced(index)`,
+    zero-padded past the end (a vocabulary); a shard of a fused checkpoint tensor starts `offset` rows in. The
+    loader reads a file's slice, a weight update (weight_update.py) indexes a tensor in memory."""
     if spec is None or (not fused and spec.start == 0 and spec.stop == spec.full):
-        return f.get_tensor(key)
+        return whole()
     stop = min(spec.stop, spec.full)
-    index = (slice(None),) * spec.dim + (slice(offset + spec.start, offset + max(stop, spec.start)),)
-    return pad_part(f.get_slice(key)[index], spec)
-
-
-def pad_part(part: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-    """A rank's part of a tensor, zero-padded along spec.dim to its rows (a vocabulary past its end)."""
+    part = sliced((slice(None),) * spec.dim + (slice(offset + spec.start, offset + max(stop, spec.start)),))
     missing = spec.stop - spec.start - part.shape[spec.dim]
     if missing > 0:
         pad = list(part.shape)

@@ -43,7 +43,6 @@ from torch import nn
 from . import expert_weights, loader
 from .cpu_linear import CpuWeight, PackedWeight, PanelWeight
 from .moe import Experts
-from .parallel import ShardSpec
 from .quant.linear import QuantizedWeight
 
 
@@ -113,12 +112,12 @@ class WeightWriter:
             _check_tensor(key, tensor, (rows, *shape[1:]))
         else:
             shards = [(shard, 0)]
-            _check_tensor(key, tensor, self._expected(name, shard, shape))
+            _check_tensor(key, tensor, loader.expected_shape(shape, modules, name, shard))
         owner = modules[loader._owner(name)]
         out = []
         for shard, first in shards:
             spec = loader._spec(modules, name, shard)
-            part = _part(tensor, spec, first, fused is not None)
+            part = loader.rank_part(spec, first, fused is not None, lambda: tensor, tensor.__getitem__)
             offset = owner.shard_offsets[shard][0] if shard is not None else 0
             out.append((Target(key, part, name, offset), shard))
         return out
@@ -141,15 +140,6 @@ class WeightWriter:
             raise ValueError(f"weights: {key!r}: updating MXFP4 experts is not supported (float experts only)")
         _check_tensor(key, tensor, found.shape)
         return Target(key, tensor, f"{owner}.{found.param}", 0, found), found.part
-
-    def _expected(self, name: str, shard: str | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-        spec = loader._spec(self.modules, name, shard)
-        expected = list(shape)
-        if shard is not None:
-            expected[0] = self.modules[loader._owner(name)].shard_offsets[shard][1]
-        if spec is not None:
-            expected[spec.dim] = spec.full
-        return tuple(expected)
 
     # ------------------------------------------------------------------ write
     def write(self, targets: list[Target]) -> None:
@@ -249,16 +239,6 @@ def _check_tensor(key: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise ValueError(f"weights: {key!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
     if not bool(loader._all_finite(tensor)):  # one pass, no temporary as large as the tensor
         raise ValueError(f"weights: {key!r} holds NaN or infinite values")
-
-
-def _part(tensor: torch.Tensor, spec: ShardSpec | None, first: int, fused: bool) -> torch.Tensor:
-    """A checkpoint tensor's part this model holds (loader._read's slice, of a tensor in memory): a fused
-    checkpoint tensor's shard from row `first`, the vocabulary zero-padded to the spec."""
-    if spec is None or (not fused and spec.start == 0 and spec.stop == spec.full):
-        return tensor
-    stop = min(spec.stop, spec.full)
-    index = (slice(None),) * spec.dim + (slice(first + spec.start, first + max(stop, spec.start)),)
-    return loader.pad_part(tensor[index], spec)
 
 
 def checkpoint_tensors(model_path) -> dict[str, torch.Tensor]:

@@ -186,7 +186,7 @@ def _handle(engine, message: tuple, clients: _Clients, client: int) -> bool:
     if kind in ("update_weights", "pause"):
         clients.weights.ask(engine, client, message)
     elif kind == "resume":
-        for held_client, held in clients.weights.resume(engine, client, message, clients.outputs):
+        for held_client, held in clients.weights.resume(client, message, clients.outputs):
             if held_client in clients.live and not _handle(engine, held, clients, held_client):
                 clients.leave(engine, held_client)
     elif kind == "add":

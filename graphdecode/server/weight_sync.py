@@ -44,7 +44,7 @@ class WeightSync:
                 engine.abort_request(request_id)
         self.pending.append((client, message))
 
-    def resume(self, engine, client: int, message: tuple, outputs) -> list[tuple[int, tuple]]:
+    def resume(self, client: int, message: tuple, outputs) -> list[tuple[int, tuple]]:
         """("resume", token): new requests run again (once the updates still waiting are in); returns the held
         messages to handle now."""
         self.paused = False
