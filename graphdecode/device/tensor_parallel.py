@@ -2,7 +2,7 @@
 
 `TPExecutor` starts the ranks of its machine (1..L-1, L = N on one machine, or N / nnodes:
 the other nodes' ranks are started there by `graphdecode serve --headless`, tp_headless.py; under
-torchrun none, launched.py) as worker processes (torch.multiprocessing, spawn, `SpawnedRanks`),
+torchrun none, launched.py) as worker processes (`SpawnedRanks`: forkserver on CPU, spawn on GPUs),
 sets up torch.distributed (NCCL on GPUs, gloo on CPUs; a gloo group for plans; tp_rank.py), sends
 every rank its engine config, and then, once per engine step, broadcasts the step's plan (the runner's part of it: rows,
 chunks, window, never the host's sequences) to every worker, whose runner applies it
@@ -18,7 +18,7 @@ on another node by its rank and node), it never waits forever: no collective of 
 waits longer than tp_rank's collective timeout.
 
 Scripts must build a tensor-parallel LLM under `if __name__ == "__main__":`. Workers are
-started with multiprocessing's spawn method, so each one imports the script again as its
+started with spawn's preparation (forkserver on CPU, spawn on GPUs), so each one imports the script again as its
 main module before it runs; a script that builds `LLM(..., tensor_parallel_size=N)` at its
 top level would build it again inside every worker. That cannot work: the driver waits for
 each worker to report that it started (its bootstrap is over), and a worker that exits
@@ -32,11 +32,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import multiprocessing
+import os
 import sys
 import time
 import weakref
 from multiprocessing.connection import wait as wait_for_any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -45,7 +47,7 @@ from .tp_worker import run_worker, share_config
 
 EXIT_UNGUARDED_MAIN = 64  # a worker's exit status: it found the main module building an LLM (sysexits EX_USAGE)
 GUARD_ADVICE = ('put the code that builds the LLM under `if __name__ == "__main__":` (tensor-parallel workers '
-                "are spawned processes: each imports the script again as its main module before it starts)")
+                "are new processes: each imports the script again as its main module before it starts)")
 
 
 def _in_spawn_bootstrap() -> bool:
@@ -54,13 +56,27 @@ def _in_spawn_bootstrap() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
+def _rank_context(device: torch.device):
+    """How ranks start. On CPU, multiprocessing's forkserver, its server preloaded with the worker's modules
+    (torch, graphdecode): a rank forks from it in a fraction of a second instead of importing them again
+    (~4 s per rank, and its exit is quicker too), after spawn's preparation all the same (the main module
+    imported again as `__mp_main__`, so an unguarded script is still caught); run_worker takes the driver's
+    environment of the moment, not the server's. On GPUs, spawn: a process that forks after CUDA was
+    initialised (a preloaded import may query it) hands its children a CUDA they cannot use."""
+    if device.type == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["graphdecode.device.runner", "graphdecode.device.tp_worker"])  # once it starts
+    return ctx
+
+
 class SpawnedRanks:
     """Ranks started as processes of this one (spawn), each with a lifeline pipe: the driver's ranks 1..L-1 on its
     machine, or every rank of a headless node. `started` waits until each has reported in from run_worker (one
     that exits first is a TPWorkerError naming it: the unguarded script of the module docstring)."""
 
     def __init__(self, ranks, place: Placement, config):
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context(config.torch_device)
         self.ranks = list(ranks)
         self.procs: list = []
         self._lifelines = []  # our ends of one pipe per rank: EOF there tells it its parent is gone
@@ -69,7 +85,7 @@ class SpawnedRanks:
             for rank in self.ranks:
                 watched, kept = ctx.Pipe(duplex=False)
                 heard, says = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=run_worker, args=(rank, place, config, watched, says),
+                proc = ctx.Process(target=run_worker, args=(rank, place, config, watched, says, dict(os.environ)),
                                    name=f"graphdecode-tp{rank}", daemon=True)
                 proc.start()
                 watched.close()
@@ -138,7 +154,7 @@ class TPExecutor:
             print("graphdecode: this process (a tensor-parallel worker) is importing the main module, which "
                   f"builds an LLM with tensor_parallel_size > 1 at import: {GUARD_ADVICE}", file=sys.stderr,
                   flush=True)
-            raise SystemExit(EXIT_UNGUARDED_MAIN)
+            os._exit(EXIT_UNGUARDED_MAIN)  # not SystemExit: a forkserver's child would exit 1 whatever its code
         self.place = placement_for(config)
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process")

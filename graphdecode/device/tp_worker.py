@@ -35,8 +35,11 @@ def _exit_when_driver_is_gone(watched) -> None:
     os._exit(1)
 
 
-def run_worker(rank: int, place: Placement, config, watched, started) -> None:
-    """A rank spawned by a driver or a headless node (its parent holds the other end of `watched`)."""
+def run_worker(rank: int, place: Placement, config, watched, started, environ: dict) -> None:
+    """A rank spawned by a driver or a headless node (its parent holds the other end of `watched`), in the
+    parent's environment `environ` (a forkserver's child starts in the server's)."""
+    os.environ.clear()
+    os.environ.update(environ)
     started.send(os.getpid())
     started.close()
     threading.Thread(target=_exit_when_driver_is_gone, args=(watched,), daemon=True).start()

@@ -10,8 +10,9 @@
   holds the same full logits and samples the same tokens.
 
 With one rank (`TPGroup()`), every layer is its plain single-device self: no
-collective, no padding. Collectives are torch.distributed's functional ones, which
-torch.compile traces (fullgraph) and which run eagerly on gloo (CPU) or NCCL (GPU).
+collective, no padding. Collectives are torch.distributed's functional ones when torch.compile
+traces them (fullgraph), and c10d's in-place ones in eager forwards and graph captures (the
+functional ones would import dynamo in every rank, ~2 s); gloo on CPU, NCCL on GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if not torch.compiler.is_compiling():  # eager: c10d's own op (the functional one imports dynamo, ~2 s)
+            out = x.clone()
+            torch.distributed.all_reduce(out, group=self.group)
+            return out
         import torch.distributed._functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", self.group)
@@ -46,10 +51,16 @@ class TPGroup:
         """[..., n] on every rank -> [..., size * n], rank order."""
         if self.size == 1:
             return x
-        import torch.distributed._functional_collectives as funcol
+        if torch.compiler.is_compiling():
+            import torch.distributed._functional_collectives as funcol
 
-        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
-        gathered = gather(x.contiguous(), 0, self.group)  # [size * rows, n]
+            gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
+            gathered = gather(x.contiguous(), 0, self.group)  # [size * rows, n]
+        else:
+            gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            dist = torch.distributed
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            gather(gathered, x.contiguous(), group=self.group)
         rows = x.shape[0]
         return torch.cat([gathered[i * rows : (i + 1) * rows] for i in range(self.size)], dim=-1)
 
