@@ -249,7 +249,7 @@ def test_a_compiled_forward_in_the_graph_twin(text_model, heads, plain):
     """torch.compile'd windows (the forward that returns the hidden states too) captured in the CPU twin of
     CUDA graphs, whose first replay runs under the host-copy check: the plain tokens."""
     spec = LLM(text_model, speculative_config=spec_config(heads["reduced"]), compile=True, cuda_graphs=True,
-               **ENGINE)
+               **dict(ENGINE, buckets=[4]))  # one bucket: the 4 rows' windows, plain and speculative
     alternate(spec)
     batch = prompts(4, seed=7)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
