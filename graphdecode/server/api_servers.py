@@ -36,6 +36,7 @@ from multiprocessing.connection import wait
 
 from ..engine_args import engine_options
 from .async_llm import AsyncLLM, start_engine_core
+from .listen import bind_tcp, bind_unix, remove_socket_file
 from .metrics import MULTIPROC_DIR
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -46,8 +47,11 @@ def serve_many(args, run_server) -> int:
     label)` (openai_api.run_server) in its own process; returns the exit status."""
     count = args.api_server_count
     model, options = engine_options(args)
-    sock = _bind(args.host, args.port)
-    args.port = sock.getsockname()[1]  # --port 0: the port the kernel chose, for every server's banner
+    if args.uds:
+        sock = bind_unix(args.uds)
+    else:
+        sock = bind_tcp(args.host, args.port)
+        args.port = sock.getsockname()[1]  # --port 0: the port the kernel chose, for every server's banner
     metrics_dir = tempfile.mkdtemp(prefix="graphdecode-metrics-")
     core = None
     try:
@@ -73,19 +77,8 @@ def serve_many(args, run_server) -> int:
                 core.kill()
                 core.wait()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"--port: cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.set_inheritable(True)
-    return sock
+        if args.uds:
+            remove_socket_file(args.uds)
 
 
 def _supervise(servers: list, core: subprocess.Popen) -> int:

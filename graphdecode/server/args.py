@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+import stat
 
 from ..engine_args import add_engine_args
 from .auth import API_KEY_ENV, api_keys
@@ -85,6 +86,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "exits when node 0's engine ends")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix domain socket instead of --host/--port (clients connect through the "
+                        "file, e.g. curl --unix-socket PATH http://localhost/v1/models); removed at exit")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name clients send; with several, any of them (answers and metrics carry the "
                         "first) (default: the model directory's name, or graphdecode-default for the built-in "
@@ -165,6 +169,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: 32 MiB, far above any prompt a context window holds)")
 
 
+UDS_PATH_BYTES = 107  # sockaddr_un's sun_path holds 108 bytes with the terminating NUL
+
+
+def check_listen_args(args) -> None:
+    """--uds: a socket file that can be made there."""
+    if args.uds is not None:
+        path = os.path.abspath(args.uds)
+        if not os.path.isdir(os.path.dirname(path)):
+            raise ValueError(f"--uds: the folder {os.path.dirname(path)!r} does not exist")
+        if os.path.exists(path) and not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ValueError(f"--uds: {args.uds!r} exists and is not a socket (it would not be replaced)")
+        if len(os.fsencode(path)) > UDS_PATH_BYTES:
+            raise ValueError(f"--uds: {path!r} is longer than a Unix socket's address holds ({UDS_PATH_BYTES} bytes)")
+
+
 def check_serve_args(args) -> None:
     """ValueError naming the argument: `MODEL` against `--model`, the port, the timeouts, the body limit."""
     positional = args.model_positional
@@ -174,6 +193,7 @@ def check_serve_args(args) -> None:
         args.model = positional
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    check_listen_args(args)
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if not args.heartbeat_timeout > HEARTBEAT_INTERVAL_S:

@@ -25,22 +25,26 @@ def start_server(args: list[str], log_path: str, timeout_s: float = 600.0, env: 
                  poll_s: float = 0.2, cwd: str | None = None, verify=True) -> tuple[subprocess.Popen, str]:
     """Run `python -m graphdecode.server.openai_api --port <free port> *args` (in `cwd`, which `-m` puts first on
     the import path); return (process, base url) once /health answers (asked every poll_s seconds). With
-    --ssl-certfile the url is https, its certificate checked by `verify` (httpx's: True, an ssl.SSLContext, False)."""
+    --ssl-certfile the url is https, its certificate checked by `verify` (httpx's: True, an ssl.SSLContext, False);
+    with --uds PATH it is http://localhost, reached through the socket (httpx.HTTPTransport(uds=PATH))."""
     port = free_port()
     cmd = [sys.executable, "-m", "graphdecode.server.openai_api", "--port", str(port), *args]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{port}"
+    uds = args[args.index("--uds") + 1] if "--uds" in args else None
+    url = f"{'https' if '--ssl-certfile' in args else 'http'}://{'localhost' if uds else f'127.0.0.1:{port}'}"
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{_read(log_path)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1, verify=verify).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll_s)
+    with httpx.Client(timeout=1, verify=verify, transport=httpx.HTTPTransport(uds=uds, verify=verify)
+                      if uds else None) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{_read(log_path)}")
+            try:
+                if http.get(f"{url}/health").status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(poll_s)
     proc.kill()
     proc.wait()
     raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n{_read(log_path)}")

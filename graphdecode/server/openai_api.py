@@ -82,6 +82,7 @@ from .chat_batch import create_batch_chat_completion
 from .chat_template import load_chat_template
 from .completions import create_completion
 from .errors import APIError
+from .listen import bind_unix, remove_socket_file
 from .lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_updates_allowed
 from .messages import anthropic_error, create_message
 from .request_id import RequestIdHeaders
@@ -386,7 +387,10 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
     names = args.served_model_name or [os.path.basename(os.path.normpath(args.model)) if args.model
                                        else DEFAULT_MODEL_NAME]
     name = names[0]
+    own = None  # a --uds socket bound here (one of several API servers: the parent's)
     try:
+        if args.uds and sockets is None:
+            sockets = [own := bind_unix(args.uds)]
         keys = api_keys(args.api_key)
         app = build_app(engine, names, args.metrics_prefix, max_request_body_bytes=args.max_request_body_bytes,
                         heartbeat_timeout=args.heartbeat_timeout, reasoning_parser=args.reasoning_parser,
@@ -408,14 +412,19 @@ def run_server(args, engine: AsyncLLM, sockets=None, label: str = "", log_stats:
         freeze_startup_heap()  # full collections skip the start-up heap (a 190-220 ms stall of every stream each)
         guarded = f"; an API key is needed ({len(keys)} accepted)" if keys else ""
         scheme = "https" if args.ssl_certfile else "http"
+        where = f"unix:{args.uds} ({scheme}://localhost/v1 through it)" if args.uds else \
+            f"{scheme}://{args.host}:{args.port}/v1"
         print(f"graphdecode: {label}serving {name!r} (max_model_len {engine.config.max_model_len}) on "
-              f"{scheme}://{args.host}:{args.port}/v1{guarded}", file=sys.stderr, flush=True)
+              f"{where}{guarded}", file=sys.stderr, flush=True)
         if log_stats:
             print(f"graphdecode: {kv_capacity(engine.config)}", file=sys.stderr, flush=True)
         server.run(sockets=sockets)
         server.check_core()  # a core that died while a SIGTERM drained the server: still not a clean exit
     finally:
         engine.shutdown()
+        if own is not None:
+            own.close()
+            remove_socket_file(args.uds)
     return server.exit_status
 
 

@@ -1,5 +1,6 @@
 """`--api-server-count 2`: two API server processes share the port in front of one engine core; /metrics
-adds them up; SIGTERM drains both and exits 0; a killed API server takes the set down with status 1."""
+adds them up; SIGTERM drains both and exits 0; a killed API server takes the set down with status 1.
+`--uds`: a server on a Unix domain socket instead of a port, for the real openai client through it."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import concurrent.futures
 import json
 import os
 import signal
+import socket
+import stat
 import time
 
 import httpx
+import openai
 import pytest
 
-from graphdecode.server.launch import start_server
+from graphdecode.server.launch import start_server, stop_server
+from graphdecode.server.listen import bind_unix, remove_socket_file
 from tests.helpers import one_line_cli_error, signalled_mid_stream
 
 MODEL = "multi"
@@ -115,3 +120,66 @@ def test_api_server_count_is_checked(capsys):
     line = one_line_cli_error(capsys, ["serve", "--api-server-count", "0"])
     assert "--api-server-count must be >= 1, got 0" in line
 
+
+
+def test_a_server_on_a_unix_socket(text_model, tmp_path):
+    """--uds: the openai client through the socket file (streamed and whole), no TCP port listening, the file
+    removed once SIGTERM drained the server; a stale socket file left by a killed server is replaced."""
+    path = str(tmp_path / "gd.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # what a killed server leaves behind
+    stale.close()
+    log = tmp_path / "server.log"
+    proc, url = start_server(["--model", text_model, "--served-model-name", MODEL, "--threads", "1",
+                              "--log-level", "warning", "-k", "2", "--max-model-len", "256", "--uds", path], str(log),
+                             timeout_s=180)
+    port = int(proc.args[proc.args.index("--port") + 1])  # given, and ignored for the socket
+    try:
+        assert url == "http://localhost" and stat.S_ISSOCK(os.stat(path).st_mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o666
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http, \
+                openai.OpenAI(base_url=f"{url}/v1", api_key="x", http_client=http, max_retries=0) as client:
+            whole = client.completions.create(model=MODEL, prompt="Hi there", max_tokens=5, temperature=0)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt="Hi there", max_tokens=5, temperature=0, stream=True))
+            assert whole.choices[0].finish_reason == "length" and streamed == whole.choices[0].text
+            assert http.get(f"{url}/health").status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert f"serving {MODEL!r} (max_model_len 256) on unix:{path}" in log.read_text()
+    finally:
+        assert stop_server(proc, 40) == 0, log.read_text()
+    assert not os.path.exists(path)
+
+
+def test_several_api_servers_share_one_unix_socket(tmp_path):
+    """The socket --api-server-count binds for its servers: connections to the file reach a listener that any
+    process holding it accepts from; permissions as uvicorn's own; removed by the same helper."""
+    path = str(tmp_path / "shared.sock")
+    sock = bind_unix(path)
+    try:
+        sock.listen()
+        assert sock.get_inheritable() and stat.S_IMODE(os.stat(path).st_mode) == 0o666
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(path)
+        conn, _ = sock.accept()
+        client.sendall(b"ping")
+        assert conn.recv(4) == b"ping"
+        conn.close()
+        client.close()
+    finally:
+        sock.close()
+    remove_socket_file(path)
+    assert not os.path.exists(path)
+    (tmp_path / "plain").write_text("x")
+    remove_socket_file(str(tmp_path / "plain"))  # only ever a socket
+    assert (tmp_path / "plain").exists()
+
+
+@pytest.mark.parametrize("uds, fragment", [
+    ("/no/such/folder/gd.sock", "--uds: the folder '/no/such/folder' does not exist"),
+    (__file__, "exists and is not a socket (it would not be replaced)"),
+    ("/tmp/" + "x" * 120, "is longer than a Unix socket's address holds (107 bytes)"),
+])
+def test_a_bad_uds_is_refused_by_name(capsys, uds, fragment):
+    assert fragment in one_line_cli_error(capsys, ["serve", "--uds", uds], clean=True)
