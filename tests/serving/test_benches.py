@@ -222,6 +222,21 @@ def test_tensor_parallel_bench_smoke(micro_dir, tmp_path):
     assert TPGroup.all_reduce.__name__ == "all_reduce"  # the timing wrappers are gone again
 
 
+def test_tensor_parallel_start_bench_smoke(micro_dir, tmp_path):
+    """bench_tp_start: engines with forkserver ranks and spawned ranks in turn, the same tokens, every part timed;
+    the driver's start method is its own again afterwards."""
+    from graphdecode.device import tensor_parallel
+
+    before = tensor_parallel._rank_context
+    out = tmp_path / "tp_start"
+    result = _script("bench_tp_start").main(["--model", micro_dir, "--rounds", "1", "--first", "spawn",
+                                             "--out", str(out)])
+    assert _load(out)["median"] == result["median"] and result["same_tokens"]
+    assert set(result["median"]) == {"forkserver", "spawn"} and result["first_engine"]["kind"] == "spawn"
+    assert all(v > 0 for row in result["median"].values() for v in row.values())
+    assert tensor_parallel._rank_context is before
+
+
 def test_serve_bench_smoke(micro_dir, tmp_path):
     out = tmp_path / "serve"
     cpus = os.sched_getaffinity(0)
