@@ -71,7 +71,7 @@ def _rank_context(device: torch.device):
 
 
 class SpawnedRanks:
-    """Ranks started as processes of this one (spawn), each with a lifeline pipe: the driver's ranks 1..L-1 on its
+    """Ranks started as processes of this one (`_rank_context`), each with a lifeline pipe: the driver's ranks 1..L-1 on its
     machine, or every rank of a headless node. `started` waits until each has reported in from run_worker (one
     that exits first is a TPWorkerError naming it: the unguarded script of the module docstring)."""
 
