@@ -71,9 +71,9 @@ def _rank_context(device: torch.device):
 
 
 class SpawnedRanks:
-    """Ranks started as processes of this one (`_rank_context`), each with a lifeline pipe: the driver's ranks 1..L-1 on its
-    machine, or every rank of a headless node. `started` waits until each has reported in from run_worker (one
-    that exits first is a TPWorkerError naming it: the unguarded script of the module docstring)."""
+    """Ranks started as processes of this one (`_rank_context`), each with a lifeline pipe: the driver's ranks
+    1..L-1 on its machine, or every rank of a headless node. `started` waits until each has reported in from
+    run_worker (one that exits first is a TPWorkerError naming it: the unguarded script of the module docstring)."""
 
     def __init__(self, ranks, place: Placement, config):
         ctx = _rank_context(config.torch_device)
