@@ -77,7 +77,8 @@ def main(argv=None) -> dict:
     parts = ("construct_s", "first_generate_s", "close_s", "total_s")
     summary = {kind: {part: round(statistics.median(r[part] for r in rs), 3) for part in parts}
                for kind, rs in runs.items()}
-    result = {"model": model, "tp": args.tp, "rounds": args.rounds, "machine": machine_info(torch.device("cpu"), args.threads),
+    result = {"model": model, "tp": args.tp, "rounds": args.rounds,
+              "machine": machine_info(torch.device("cpu"), args.threads),
               "first_engine": dict(kind=args.first, **{part: round(first[part], 3) for part in parts}),
               "median": summary,
               "spawn_over_forkserver_total": round(summary["spawn"]["total_s"] / summary["forkserver"]["total_s"], 2),
