@@ -175,6 +175,8 @@ UDS_PATH_BYTES = 107  # sockaddr_un's sun_path holds 108 bytes with the terminat
 def check_listen_args(args) -> None:
     """--uds: a socket file that can be made there."""
     if args.uds is not None:
+        if "\0" in args.uds:
+            raise ValueError(f"--uds: {args.uds!r} holds a NUL character")
         path = os.path.abspath(args.uds)
         if not os.path.isdir(os.path.dirname(path)):
             raise ValueError(f"--uds: the folder {os.path.dirname(path)!r} does not exist")

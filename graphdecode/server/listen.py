@@ -1,5 +1,6 @@
-"""Where the server listens: a TCP port (--host/--port) or a Unix domain socket (--uds), bound here
-when several API servers share one listening socket (api_servers.py); uvicorn binds its own otherwise."""
+"""Where the server listens: a TCP port (--host/--port) or a Unix domain socket (--uds). The socket is bound
+here when several API servers share it (api_servers.py), and for a single server's --uds (openai_api.run_server,
+which removes the file at exit); uvicorn binds a single server's TCP port itself."""
 
 from __future__ import annotations
 

@@ -180,6 +180,7 @@ def test_several_api_servers_share_one_unix_socket(tmp_path):
     ("/no/such/folder/gd.sock", "--uds: the folder '/no/such/folder' does not exist"),
     (__file__, "exists and is not a socket (it would not be replaced)"),
     ("/tmp/" + "x" * 120, "is longer than a Unix socket's address holds (107 bytes)"),
+    ("gd\0.sock", "--uds: 'gd\\x00.sock' holds a NUL character"),
 ])
 def test_a_bad_uds_is_refused_by_name(capsys, uds, fragment):
     assert fragment in one_line_cli_error(capsys, ["serve", "--uds", uds], clean=True)
