@@ -51,16 +51,17 @@ class TPGroup:
         """[..., n] on every rank -> [..., size * n], rank order."""
         if self.size == 1:
             return x
-        if torch.compiler.is_compiling():
+        x = x.contiguous()
+        if not torch.compiler.is_compiling():  # eager: c10d's own op, as all_reduce
+            gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # [size * rows, n]
+            dist = torch.distributed
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+            gather(gathered, x, group=self.group)
+        else:
             import torch.distributed._functional_collectives as funcol
 
             gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in torch 2.12
-            gathered = gather(x.contiguous(), 0, self.group)  # [size * rows, n]
-        else:
-            gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
-            dist = torch.distributed
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-            gather(gathered, x.contiguous(), group=self.group)
+            gathered = gather(x, 0, self.group)
         rows = x.shape[0]
         return torch.cat([gathered[i * rows : (i + 1) * rows] for i in range(self.size)], dim=-1)
 
